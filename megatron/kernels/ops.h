@@ -1,0 +1,46 @@
+// The op library: every op family declared once, forward next to backward.
+//
+// The declarations are in op_list.inc, one list included into three namespaces. Model code calls
+// megatron::ops and never says "cuda": each op dispatches on the Context's device to kernels/cpu
+// (the reference: fp32 compute, bf16/fp16 storage converted on load and store) or kernels/cuda (the
+// fast path), which implement the same list as megatron::cpu and megatron::cuda.
+//
+// Conventions
+//  * Activations are sequence-first: [s, b, h]. 2-D ops take [N, h] with N = s*b (callers view).
+//  * Outputs are preallocated by the caller with the right shape and dtype (usually the input's).
+//  * Parameter gradients ("weight_grad", "bias_grad", ...) are fp32 and ACCUMULATED into (beta = 1):
+//    Megatron's gradient-accumulation fusion into the main_grad buffer. An undefined grad tensor
+//    means "not needed" and is skipped.
+//  * Input gradients ("grad_in") are overwritten, in the activation dtype.
+//  * Random ops take (seed, offset) explicitly: Note [Random stream layout] in runtime/philox.h.
+#pragma once
+
+#include <cstdint>
+
+#include "megatron/runtime/context.h"
+#include "megatron/runtime/tensor.h"
+
+namespace megatron {
+
+struct AdamHyperParams {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;  // decoupled (AdamW): p -= lr · wd · p
+  int64_t step = 1;           // 1-based, for bias correction
+  bool bias_correction = true;
+  float grad_scale = 1.0f;  // grads are multiplied by this first (1/loss_scale, clipping coefficient)
+};
+
+struct GradStats {
+  double sum_sq = 0.0;
+  bool found_inf_or_nan = false;
+  int64_t num_zeros = 0;
+};
+
+}  // namespace megatron
+
+namespace megatron::ops {
+#include "megatron/kernels/op_list.inc"
+}  // namespace megatron::ops

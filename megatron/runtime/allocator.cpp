@@ -1,0 +1,101 @@
+#include "megatron/runtime/allocator.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "megatron/runtime/check.h"
+#include "megatron/runtime/context.h"
+
+namespace megatron {
+
+namespace {
+struct CpuStats {
+  std::mutex mu;
+  MemoryStats stats;
+};
+CpuStats& cpu_stats() {
+  static CpuStats s;
+  return s;
+}
+constexpr size_t kCpuAlignment = 64;
+}  // namespace
+
+namespace detail {
+#ifdef MEGATRON_WITH_CUDA
+void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx);  // runtime/cuda/cuda_runtime.cu
+#endif
+
+CudaAllocatorHooks& cuda_hooks() {
+  static CudaAllocatorHooks hooks = [] {
+    CudaAllocatorHooks h;
+#ifdef MEGATRON_WITH_CUDA
+    install_cuda_runtime(h, cuda_context_hooks());
+#endif
+    return h;
+  }();
+  return hooks;
+}
+}  // namespace detail
+
+bool cuda_available() { return detail::cuda_hooks().allocate != nullptr; }
+
+std::shared_ptr<Storage> allocate(size_t nbytes, Device device) {
+  if (device.type == DeviceType::CPU) {
+    size_t rounded = (std::max<size_t>(nbytes, 1) + kCpuAlignment - 1) / kCpuAlignment * kCpuAlignment;
+    void* p = std::aligned_alloc(kCpuAlignment, rounded);
+    MG_CHECK(p != nullptr, "out of host memory allocating {} bytes", nbytes);
+    {
+      auto& s = cpu_stats();
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.stats.allocated += rounded;
+      s.stats.num_allocs += 1;
+      s.stats.peak_allocated = std::max(s.stats.peak_allocated, s.stats.allocated);
+    }
+    return std::make_shared<Storage>(p, nbytes, device, [rounded](void* ptr, size_t) {
+      std::free(ptr);
+      auto& s = cpu_stats();
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.stats.allocated -= rounded;
+    });
+  }
+  auto& hooks = detail::cuda_hooks();
+  MG_CHECK(hooks.allocate != nullptr,
+           "a {} tensor was requested but this build has no CUDA support: rebuild with -DMEGATRON_CUDA=ON",
+           device.str());
+  return hooks.allocate(nbytes, device);
+}
+
+MemoryStats memory_stats(Device device) {
+  if (device.type == DeviceType::CPU) {
+    auto& s = cpu_stats();
+    std::lock_guard<std::mutex> lock(s.mu);
+    return s.stats;
+  }
+  auto& hooks = detail::cuda_hooks();
+  return hooks.stats ? hooks.stats(device) : MemoryStats{};
+}
+
+void reset_peak_memory_stats(Device device) {
+  if (device.type == DeviceType::CPU) {
+    auto& s = cpu_stats();
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.stats.peak_allocated = s.stats.allocated;
+    return;
+  }
+  auto& hooks = detail::cuda_hooks();
+  if (hooks.reset_peak) hooks.reset_peak(device);
+}
+
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) {
+  if (n == 0) return;
+  if (dst_dev.is_host() && src_dev.is_host()) {
+    std::memmove(dst, src, n);
+    return;
+  }
+  auto& hooks = detail::cuda_hooks();
+  MG_CHECK(hooks.copy != nullptr, "copy between {} and {} needs a CUDA build", src_dev.str(), dst_dev.str());
+  hooks.copy(dst, dst_dev, src, src_dev, n, stream);
+}
+
+}  // namespace megatron

@@ -1,0 +1,67 @@
+// Owning storage that knows its device, and the allocators behind it. Every allocator keeps
+// statistics (bytes in use, peak) so tests and logs can state memory figures: the CPU figures are
+// what the activation-recomputation test measures; the CUDA pool's feed Megatron's memory report.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <functional>
+#include <memory>
+
+#include "megatron/runtime/device.h"
+
+namespace megatron {
+
+struct MemoryStats {
+  size_t allocated = 0;       // bytes in use now
+  size_t peak_allocated = 0;  // high-water mark since the last reset
+  size_t num_allocs = 0;
+};
+
+/// A block of memory. Freed through its allocator when the last Tensor referencing it goes away.
+class Storage {
+ public:
+  using Deleter = std::function<void(void*, size_t)>;
+  Storage(void* ptr, size_t nbytes, Device device, Deleter deleter)
+      : ptr_(ptr), nbytes_(nbytes), device_(device), deleter_(std::move(deleter)) {}
+  ~Storage() {
+    if (deleter_) deleter_(ptr_, nbytes_);
+  }
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  void* data() const { return ptr_; }
+  size_t nbytes() const { return nbytes_; }
+  Device device() const { return device_; }
+
+ private:
+  void* ptr_;
+  size_t nbytes_;
+  Device device_;
+  Deleter deleter_;
+};
+
+/// Allocates `nbytes` on `device` (CPU: 64-byte aligned; CUDA: the stream-ordered pool).
+std::shared_ptr<Storage> allocate(size_t nbytes, Device device);
+
+/// Statistics for a device's allocator. CPU statistics count every Tensor allocation on the host.
+MemoryStats memory_stats(Device device);
+void reset_peak_memory_stats(Device device);
+
+namespace detail {
+// The CUDA half of the allocator lives in runtime/cuda (compiled only with CUDA); these hooks are
+// set by it at static-initialisation time, so a CPU build has no CUDA symbols at all.
+struct CudaAllocatorHooks {
+  std::shared_ptr<Storage> (*allocate)(size_t, Device) = nullptr;
+  MemoryStats (*stats)(Device) = nullptr;
+  void (*reset_peak)(Device) = nullptr;
+  void (*copy)(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) = nullptr;
+};
+CudaAllocatorHooks& cuda_hooks();
+}  // namespace detail
+
+/// Copies bytes between any two devices (host<->host is memcpy).
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream = nullptr);
+bool cuda_available();
+
+}  // namespace megatron

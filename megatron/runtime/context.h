@@ -1,0 +1,52 @@
+// Context: everything an op needs besides its tensors — the device, the stream, library handles,
+// a workspace and the RNG. Passed explicitly; there are no globals (DESIGN.md principle 5).
+#pragma once
+
+#include <memory>
+
+#include "megatron/runtime/device.h"
+#include "megatron/runtime/philox.h"
+#include "megatron/runtime/tensor.h"
+
+namespace megatron {
+
+class Context {
+ public:
+  explicit Context(Device device = Device::cpu(), uint64_t seed = 1234);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  Device device() const { return device_; }
+  bool is_cuda() const { return device_.is_cuda(); }
+  /// The CUDA stream (cudaStream_t) ops on this context run on; null on CPU.
+  void* stream() const { return stream_; }
+  /// Library handles (cublasLtHandle_t, cudnnHandle_t) owned by the CUDA half; null on CPU.
+  void* cublaslt_handle() const { return cublaslt_; }
+  void* cudnn_handle() const { return cudnn_; }
+  /// A scratch buffer of at least `bytes`, reused across calls (grown, never shrunk).
+  Tensor workspace(size_t bytes);
+  /// Waits until all work queued on this context's stream has finished (no-op on CPU).
+  void synchronize();
+
+  RngState& rng() { return rng_; }
+
+ private:
+  Device device_;
+  void* stream_ = nullptr;
+  void* cublaslt_ = nullptr;
+  void* cudnn_ = nullptr;
+  Tensor workspace_;
+  RngState rng_;
+};
+
+namespace detail {
+struct CudaContextHooks {
+  void (*create)(Device, void** stream, void** cublaslt, void** cudnn) = nullptr;
+  void (*destroy)(Device, void* stream, void* cublaslt, void* cudnn) = nullptr;
+  void (*synchronize)(void* stream) = nullptr;
+};
+CudaContextHooks& cuda_context_hooks();
+}  // namespace detail
+
+}  // namespace megatron

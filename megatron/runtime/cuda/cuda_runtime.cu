@@ -1,0 +1,106 @@
+// The CUDA half of the runtime: a stream-ordered memory pool (cudaMallocAsync on the device's
+// default pool, which keeps freed blocks for reuse so a steady-state iteration allocates nothing),
+// pinned host memory, copies, and the per-Context stream. It installs itself into the hooks of
+// runtime/allocator.h and runtime/context.h so the CPU build carries no CUDA symbols.
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "megatron/runtime/allocator.h"
+#include "megatron/runtime/context.h"
+#include "megatron/runtime/cuda/cuda_check.h"
+
+namespace megatron::detail {
+
+namespace {
+struct DeviceStats {
+  std::mutex mu;
+  std::unordered_map<int, MemoryStats> by_device;
+};
+DeviceStats& device_stats() {
+  static DeviceStats s;
+  return s;
+}
+
+void record(Device d, long long delta) {
+  auto& s = device_stats();
+  std::lock_guard<std::mutex> lock(s.mu);
+  MemoryStats& m = s.by_device[d.type == DeviceType::CUDAHost ? -1 : d.index];
+  m.allocated = size_t((long long)m.allocated + delta);
+  if (delta > 0) {
+    m.num_allocs += 1;
+    m.peak_allocated = std::max(m.peak_allocated, m.allocated);
+  }
+}
+
+std::shared_ptr<Storage> cuda_allocate(size_t nbytes, Device device) {
+  void* p = nullptr;
+  size_t n = std::max<size_t>(nbytes, 1);
+  if (device.type == DeviceType::CUDAHost) {
+    CUDA_CHECK(cudaMallocHost(&p, n));
+    record(device, (long long)n);
+    return std::make_shared<Storage>(p, nbytes, device, [device, n](void* ptr, size_t) {
+      cudaFreeHost(ptr);
+      record(device, -(long long)n);
+    });
+  }
+  CUDA_CHECK(cudaSetDevice(device.index));
+  // Allocations are ordered on the legacy default stream; kernels on Context streams are ordered
+  // against it by the pool's own cross-stream synchronisation at free time.
+  CUDA_CHECK(cudaMallocAsync(&p, n, nullptr));
+  record(device, (long long)n);
+  return std::make_shared<Storage>(p, nbytes, device, [device, n](void* ptr, size_t) {
+    cudaFreeAsync(ptr, nullptr);
+    record(device, -(long long)n);
+  });
+}
+
+MemoryStats cuda_stats(Device d) {
+  auto& s = device_stats();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.by_device[d.type == DeviceType::CUDAHost ? -1 : d.index];
+}
+
+void cuda_reset_peak(Device d) {
+  auto& s = device_stats();
+  std::lock_guard<std::mutex> lock(s.mu);
+  MemoryStats& m = s.by_device[d.type == DeviceType::CUDAHost ? -1 : d.index];
+  m.peak_allocated = m.allocated;
+}
+
+void cuda_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) {
+  (void)dst_dev;
+  (void)src_dev;
+  auto s = static_cast<cudaStream_t>(stream);
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void context_create(Device device, void** stream, void** cublaslt, void** cudnn) {
+  CUDA_CHECK(cudaSetDevice(device.index));
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  *stream = s;
+  *cublaslt = nullptr;  // created by the CUDA op library when it is linked in
+  *cudnn = nullptr;
+}
+
+void context_destroy(Device, void* stream, void*, void*) {
+  if (stream) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+void context_synchronize(void* stream) { CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
+}  // namespace
+
+void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
+  alloc.allocate = cuda_allocate;
+  alloc.stats = cuda_stats;
+  alloc.reset_peak = cuda_reset_peak;
+  alloc.copy = cuda_copy;
+  ctx.create = context_create;
+  ctx.destroy = context_destroy;
+  ctx.synchronize = context_synchronize;
+}
+
+}  // namespace megatron::detail
