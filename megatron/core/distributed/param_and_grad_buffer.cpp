@@ -1,0 +1,77 @@
+#include "megatron/core/distributed/param_and_grad_buffer.h"
+
+#include <cmath>
+
+#include "megatron/runtime/philox.h"
+
+namespace megatron {
+
+namespace {
+// FNV-1a: the parameter name picks its random stream (Note [Random stream layout]).
+uint64_t name_hash(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+}  // namespace
+
+Parameter* ParamAndGradBuffer::add(const std::string& name, const Shape& shape, bool no_weight_decay, ParamInit init) {
+  MG_ASSERT(!allocated(), "parameter {} registered after allocation", name);
+  MG_ASSERT(!by_name_.count(name), "parameter {} registered twice", name);
+  entries_.push_back(Entry{Parameter{name, Tensor(), Tensor(), no_weight_decay}, shape, init});
+  Parameter* p = &entries_.back().param;
+  params_.push_back(p);
+  by_name_[name] = p;
+  return p;
+}
+
+void ParamAndGradBuffer::allocate() {
+  MG_ASSERT(!allocated(), "buffer allocated twice");
+  numel_ = 0;
+  for (const Entry& e : entries_) numel_ += shape_numel(e.shape);
+  param_buffer_ = Tensor::zeros({numel_}, param_dtype_, device_);
+  grad_buffer_ = Tensor::zeros({numel_}, DType::Float32, device_);
+  int64_t offset = 0;
+  for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {  // reverse: backward order
+    int64_t n = shape_numel(it->shape);
+    it->param.data = param_buffer_.flat_slice(offset, n).view(it->shape);
+    it->param.main_grad = grad_buffer_.flat_slice(offset, n).view(it->shape);
+    offset += n;
+  }
+}
+
+void ParamAndGradBuffer::init_weights(uint64_t seed, float std, int num_layers, bool zero_centered_gamma) {
+  MG_ASSERT(allocated());
+  const float scaled_std = std / std::sqrt(2.0f * float(num_layers));
+  for (Entry& e : entries_) {
+    const int64_t n = shape_numel(e.shape);
+    std::vector<float> v(size_t(n), 0.0f);
+    switch (e.init) {
+      case ParamInit::Normal:
+      case ParamInit::ScaledNormal: {
+        const float s = e.init == ParamInit::Normal ? std : scaled_std;
+        const uint64_t stream = name_hash(e.param.name);
+        for (int64_t i = 0; i < n; ++i) v[size_t(i)] = s * philox_normal(seed, stream, uint64_t(i));
+        break;
+      }
+      case ParamInit::Zeros:
+        break;
+      case ParamInit::Ones:
+        std::fill(v.begin(), v.end(), zero_centered_gamma ? 0.0f : 1.0f);
+        break;
+    }
+    e.param.data.copy_from(Tensor::from_floats(v, e.shape));
+  }
+}
+
+void ParamAndGradBuffer::zero_grad() {
+  MG_ASSERT(allocated());
+  grad_buffer_.zero_();
+}
+
+Parameter* ParamAndGradBuffer::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : it->second;
+}
+
+}  // namespace megatron

@@ -1,0 +1,82 @@
+#include "megatron/core/models/gpt/gpt_model.h"
+
+#include "megatron/kernels/ops.h"
+
+namespace megatron {
+
+namespace {
+TransformerConfig finalized(TransformerConfig c) {
+  c.finalize();
+  return c;
+}
+}  // namespace
+
+GPTModel::GPTModel(TransformerConfig config, Device device)
+    : config_(finalized(std::move(config))),
+      params_(std::make_unique<ParamAndGradBuffer>(config_.params_dtype, device)) {
+  embedding_ = std::make_unique<LanguageModelEmbedding>(config_, *params_, "embedding");
+  if (config_.use_rope()) rotary_.emplace(config_);
+  decoder_ = std::make_unique<TransformerBlock>(config_, *params_, "decoder");
+  if (config_.share_embeddings_and_output_weights) {
+    output_layer_ = std::make_unique<Linear>(embedding_->word_embeddings());
+  } else {
+    output_layer_ = std::make_unique<Linear>(*params_, "output_layer", config_.hidden_size, config_.padded_vocab_size,
+                                             /*bias=*/false, ParamInit::Normal);
+  }
+  params_->allocate();
+}
+
+void GPTModel::init_weights(uint64_t seed) {
+  params_->init_weights(seed, config_.init_method_std, config_.num_layers, config_.layernorm_zero_centered_gamma);
+}
+
+Tensor GPTModel::forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
+                         Stash& stash) const {
+  MG_ASSERT(tokens.dim() == 2 && labels.shape() == tokens.shape(), "tokens {} labels {}", shape_str(tokens.shape()),
+            shape_str(labels.shape()));
+  const int64_t b = tokens.size(0), s = tokens.size(1), h = config_.hidden_size, v = config_.padded_vocab_size;
+  if (config_.use_learned_positions()) {
+    MG_CHECK(s <= config_.max_position_embeddings, "sequence length {} exceeds --max-position-embeddings {}", s,
+             config_.max_position_embeddings);
+  }
+  Tensor positions = position_ids.defined() ? position_ids : default_position_ids(b, s);
+  if (positions.device() != tokens.device()) positions = positions.to(tokens.device());
+  Tensor x = embedding_->forward(ctx, tokens, positions, stash.embedding);
+  if (rotary_) stash.freqs = rotary_->freqs(ctx, s);
+  stash.hidden = decoder_->forward(ctx, x, stash.freqs, stash.decoder);
+
+  stash.logits = output_layer_->forward(ctx, stash.hidden.view({s * b, h})).view({s, b, v});
+  stash.labels = Tensor::empty({s, b}, labels.dtype(), ctx.device());
+  ops::transpose_01(ctx, labels, stash.labels);
+  Tensor losses_sb = Tensor::empty({s * b}, DType::Float32, ctx.device());
+  stash.lse = Tensor::empty({s * b}, DType::Float32, ctx.device());
+  ops::cross_entropy_forward(ctx, stash.logits.view({s * b, v}), stash.labels.view({s * b}), losses_sb, stash.lse);
+  Tensor losses = Tensor::empty({b, s}, DType::Float32, ctx.device());
+  ops::transpose_01(ctx, losses_sb.view({s, b}), losses);
+  return losses;
+}
+
+void GPTModel::backward(Context& ctx, const Tensor& grad_losses, Stash& stash) const {
+  const int64_t b = grad_losses.size(0), s = grad_losses.size(1), h = config_.hidden_size,
+                v = config_.padded_vocab_size;
+  Tensor grad_losses_sb = Tensor::empty({s, b}, DType::Float32, ctx.device());
+  ops::transpose_01(ctx, grad_losses, grad_losses_sb);
+  // The fused cross-entropy backward turns the logits into their own gradient in place.
+  Tensor grad_logits = stash.logits.view({s * b, v});
+  ops::cross_entropy_backward(ctx, grad_losses_sb.view({s * b}), grad_logits, stash.labels.view({s * b}), stash.lse,
+                              grad_logits);
+  Tensor grad_hidden = output_layer_->backward(ctx, grad_logits, stash.hidden.view({s * b, h})).view({s, b, h});
+  stash.logits = stash.hidden = stash.lse = Tensor();
+  Tensor grad_x = decoder_->backward(ctx, grad_hidden, stash.freqs, stash.decoder);
+  embedding_->backward(ctx, grad_x, stash.embedding);
+  stash = Stash{};
+}
+
+Tensor default_position_ids(int64_t batch, int64_t seq_len) {
+  std::vector<int64_t> ids(size_t(batch * seq_len));
+  for (int64_t i = 0; i < batch; ++i)
+    for (int64_t j = 0; j < seq_len; ++j) ids[size_t(i * seq_len + j)] = j;
+  return Tensor::from_ints(ids, {batch, seq_len});
+}
+
+}  // namespace megatron

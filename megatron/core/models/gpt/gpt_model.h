@@ -1,0 +1,61 @@
+// GPTModel (Megatron-Core's GPTModel): embedding -> TransformerBlock -> output layer -> per-token
+// cross entropy. One class serves the GPT-2 style (learned positions, LayerNorm, GeLU, biases, tied
+// embeddings) and the Llama style (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied output layer):
+// the TransformerConfig decides, as Megatron's layer specs do.
+//
+// forward() keeps what backward needs in a per-microbatch Stash, so pipeline schedules can hold
+// several microbatches in flight; backward() accumulates every parameter gradient into the fp32
+// grad buffer.
+#pragma once
+
+#include <memory>
+#include <optional>
+
+#include "megatron/core/models/common/embeddings/language_model_embedding.h"
+#include "megatron/core/models/common/embeddings/rotary_pos_embedding.h"
+#include "megatron/core/tensor_parallel/layers.h"
+#include "megatron/core/transformer/transformer_block.h"
+
+namespace megatron {
+
+class GPTModel {
+ public:
+  /// Builds the modules, registers and allocates the parameters on `device` (not initialised:
+  /// call init_weights or load a checkpoint). Calls config.finalize() first.
+  GPTModel(TransformerConfig config, Device device = Device::cpu());
+
+  struct Stash {
+    LanguageModelEmbedding::Saved embedding;
+    TransformerBlock::Saved decoder;
+    Tensor freqs;   // rotary angles [s, r/2] (RoPE only)
+    Tensor hidden;  // final-normed hidden states [s, b, h]
+    Tensor logits;  // [s, b, padded_vocab]; becomes its own gradient in backward
+    Tensor labels;  // [s, b]
+    Tensor lse;     // [s·b] fp32
+  };
+
+  /// tokens, position_ids, labels: [b, s] int. Returns the per-token losses [b, s] fp32
+  /// (Megatron's GPTModel.forward with labels). position_ids may be undefined (0..s-1).
+  Tensor forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
+                 Stash& stash) const;
+  /// grad_losses [b, s] fp32 (d loss / d per-token loss). Accumulates into the parameters' main_grad.
+  void backward(Context& ctx, const Tensor& grad_losses, Stash& stash) const;
+
+  void init_weights(uint64_t seed);
+  const TransformerConfig& config() const { return config_; }
+  ParamAndGradBuffer& params() { return *params_; }
+  const ParamAndGradBuffer& params() const { return *params_; }
+
+ private:
+  TransformerConfig config_;
+  std::unique_ptr<ParamAndGradBuffer> params_;
+  std::unique_ptr<LanguageModelEmbedding> embedding_;
+  std::optional<RotaryEmbedding> rotary_;
+  std::unique_ptr<TransformerBlock> decoder_;
+  std::unique_ptr<Linear> output_layer_;
+};
+
+/// position_ids [b, s] = 0..s-1 for every sequence (int64, host).
+Tensor default_position_ids(int64_t batch, int64_t seq_len);
+
+}  // namespace megatron

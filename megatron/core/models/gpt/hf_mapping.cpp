@@ -1,0 +1,317 @@
+#include "megatron/core/models/gpt/hf_mapping.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+namespace megatron {
+
+namespace {
+
+// ---- small host helpers on fp32 row-major matrices --------------------------------------------------
+Tensor as_fp32(const Tensor& t) {
+  Tensor h = t.device().is_host() ? t : t.to(Device::cpu());
+  return h.dtype() == DType::Float32 ? h : h.to(DType::Float32);
+}
+
+Tensor transpose2d(const Tensor& t) {
+  Tensor src = as_fp32(t);
+  const int64_t r = src.size(0), c = src.size(1);
+  Tensor out = Tensor::empty({c, r}, DType::Float32);
+  const float* s = src.data<float>();
+  float* d = out.data<float>();
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < c; ++j) d[j * r + i] = s[i * c + j];
+  return out;
+}
+
+// Concatenates along dim 0.
+Tensor concat_rows(const std::vector<Tensor>& parts) {
+  Shape shape = parts.at(0).shape();
+  shape[0] = 0;
+  for (const Tensor& p : parts) shape[0] += p.size(0);
+  Tensor out = Tensor::empty(shape, DType::Float32);
+  int64_t row = 0;
+  for (const Tensor& p : parts) {
+    out.slice(row, row + p.size(0)).copy_from(as_fp32(p));
+    row += p.size(0);
+  }
+  return out;
+}
+
+// q [nq·d, ...], k/v [ng·d, ...] -> grouped [ng·(nq/ng+2)·d, ...] (per group: its q heads, k, v).
+Tensor merge_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t nq, int64_t ng, int64_t d) {
+  const int64_t per = nq / ng;
+  std::vector<Tensor> parts;
+  for (int64_t g = 0; g < ng; ++g) {
+    parts.push_back(q.slice(g * per * d, (g + 1) * per * d));
+    parts.push_back(k.slice(g * d, (g + 1) * d));
+    parts.push_back(v.slice(g * d, (g + 1) * d));
+  }
+  return concat_rows(parts);
+}
+
+// The inverse of merge_qkv.
+void split_qkv(const Tensor& qkv, int64_t nq, int64_t ng, int64_t d, Tensor& q, Tensor& k, Tensor& v) {
+  const int64_t per = nq / ng, group_rows = (per + 2) * d;
+  std::vector<Tensor> qs, ks, vs;
+  Tensor src = as_fp32(qkv);
+  for (int64_t g = 0; g < ng; ++g) {
+    int64_t base = g * group_rows;
+    qs.push_back(src.slice(base, base + per * d));
+    ks.push_back(src.slice(base + per * d, base + (per + 1) * d));
+    vs.push_back(src.slice(base + (per + 1) * d, base + group_rows));
+  }
+  q = concat_rows(qs), k = concat_rows(ks), v = concat_rows(vs);
+}
+
+// Pads the rows of a [V, h] table to `rows` with zeros, or strips it back.
+Tensor resize_rows(const Tensor& t, int64_t rows) {
+  Tensor src = as_fp32(t);
+  if (src.size(0) == rows) return src;
+  Shape shape = src.shape();
+  shape[0] = rows;
+  Tensor out = Tensor::zeros(shape, DType::Float32);
+  int64_t n = std::min(rows, src.size(0));
+  out.slice(0, n).copy_from(src.slice(0, n));
+  return out;
+}
+
+// Fetches an HF tensor and checks its shape.
+struct HFReader {
+  const std::function<Tensor(const std::string&)>& get;
+  Tensor operator()(const std::string& name, const Shape& expected) const {
+    Tensor t = get(name);
+    MG_CHECK(is_floating(t.dtype()), "HF tensor '{}' has dtype {}, expected a floating-point type", name,
+             to_string(t.dtype()));
+    MG_CHECK(t.shape() == expected,
+             "HF tensor '{}' has shape {}, but the config needs {}: the weights do not belong to this config.json",
+             name, shape_str(t.shape()), shape_str(expected));
+    return as_fp32(t);
+  }
+};
+
+std::string layer(int i, const char* rest) { return fmt::format("decoder.layers.{}.{}", i, rest); }
+
+}  // namespace
+
+// ---- config ----------------------------------------------------------------------------------------
+HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisible_by) {
+  MG_CHECK(j.is_object() && j.contains("model_type"), "config.json has no \"model_type\": not a HuggingFace config");
+  HFModelInfo info;
+  info.model_type = j["model_type"].get<std::string>();
+  TransformerConfig& c = info.config;
+  c.make_vocab_size_divisible_by = make_vocab_size_divisible_by;
+  auto num = [&](const char* key, auto fallback) {
+    return j.contains(key) && !j[key].is_null() ? j[key].get<decltype(fallback)>() : fallback;
+  };
+  if (info.model_type == "gpt2") {
+    info.family = HFFamily::GPT2;
+    c.num_layers = num("n_layer", 0);
+    c.hidden_size = num("n_embd", 0);
+    c.num_attention_heads = num("n_head", 0);
+    c.ffn_hidden_size = num("n_inner", 0);  // null -> 4h
+    c.max_position_embeddings = num("n_positions", 0);
+    c.vocab_size = num("vocab_size", 0);
+    c.layernorm_epsilon = num("layer_norm_epsilon", 1e-5f);
+    c.normalization = "LayerNorm";
+    c.activation = "gelu";
+    std::string act = num("activation_function", std::string("gelu_new"));
+    MG_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh",
+             "GPT-2 activation_function '{}' is not supported: only the tanh GeLU (gelu_new)", act);
+    c.add_bias_linear = true;
+    c.add_qkv_bias = true;
+    c.position_embedding_type = "learned_absolute";
+    c.share_embeddings_and_output_weights = num("tie_word_embeddings", true);
+    MG_CHECK(c.share_embeddings_and_output_weights, "untied GPT-2 models are not supported");
+    c.hidden_dropout = num("resid_pdrop", 0.1f);
+    c.attention_dropout = num("attn_pdrop", 0.1f);
+    c.init_method_std = num("initializer_range", 0.02f);
+    MG_CHECK(!num("scale_attn_by_inverse_layer_idx", false) && !num("reorder_and_upcast_attn", false),
+             "GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported");
+  } else if (info.model_type == "llama" || info.model_type == "mistral" || info.model_type == "qwen2") {
+    info.family = HFFamily::Llama;
+    c.num_layers = num("num_hidden_layers", 0);
+    c.hidden_size = num("hidden_size", 0);
+    c.num_attention_heads = num("num_attention_heads", 0);
+    c.num_query_groups = num("num_key_value_heads", c.num_attention_heads);
+    c.kv_channels = num("head_dim", 0);
+    c.ffn_hidden_size = num("intermediate_size", 0);
+    c.max_position_embeddings = num("max_position_embeddings", 0);
+    c.vocab_size = num("vocab_size", 0);
+    c.layernorm_epsilon = num("rms_norm_eps", 1e-6f);
+    c.normalization = "RMSNorm";
+    c.activation = "swiglu";
+    std::string act = num("hidden_act", std::string("silu"));
+    MG_CHECK(act == "silu", "hidden_act '{}' is not supported: only silu (SwiGLU)", act);
+    c.add_bias_linear = num("mlp_bias", false);
+    MG_CHECK(!c.add_bias_linear, "mlp_bias=true is not supported");
+    c.add_qkv_bias = info.model_type == "qwen2" ? true : num("attention_bias", false);
+    c.position_embedding_type = "rope";
+    float theta = num("rope_theta", 10000.0f);
+    if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
+      const auto& rp = j["rope_parameters"];
+      theta = rp.value("rope_theta", theta);
+      std::string type = rp.value("rope_type", std::string("default"));
+      MG_CHECK(type == "default", "rope_type '{}' is not supported: only the default RoPE", type);
+    }
+    MG_CHECK(!j.contains("rope_scaling") || j["rope_scaling"].is_null(), "rope_scaling is not supported");
+    c.rotary_base = theta;
+    c.share_embeddings_and_output_weights = num("tie_word_embeddings", false);
+    c.hidden_dropout = 0.0f;
+    c.attention_dropout = num("attention_dropout", 0.0f);
+    c.init_method_std = num("initializer_range", 0.02f);
+  } else {
+    MG_CHECK(false, "HF model_type '{}' is not supported: expected gpt2, llama, mistral or qwen2", info.model_type);
+  }
+  c.finalize();
+  return info;
+}
+
+// ---- HF -> Megatron-Core -----------------------------------------------------------------------
+TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf) {
+  const TransformerConfig& c = info.config;
+  const int64_t h = c.hidden_size, v = c.vocab_size, vp = c.padded_vocab_size, f = c.ffn_hidden_size;
+  const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels;
+  HFReader hf{get_hf};
+  TensorMap out;
+  if (info.family == HFFamily::GPT2) {
+    out["embedding.word_embeddings.weight"] = resize_rows(hf("transformer.wte.weight", {v, h}), vp);
+    out["embedding.position_embeddings.weight"] = hf("transformer.wpe.weight", {c.max_position_embeddings, h});
+    for (int i = 0; i < c.num_layers; ++i) {
+      auto p = [&](const char* rest) { return fmt::format("transformer.h.{}.{}", i, rest); };
+      out[layer(i, "input_layernorm.weight")] = hf(p("ln_1.weight"), {h});
+      out[layer(i, "input_layernorm.bias")] = hf(p("ln_1.bias"), {h});
+      Tensor w = transpose2d(hf(p("attn.c_attn.weight"), {h, 3 * h}));  // [3h, h] = [q | k | v]
+      out[layer(i, "self_attention.linear_qkv.weight")] =
+          merge_qkv(w.slice(0, h), w.slice(h, 2 * h), w.slice(2 * h, 3 * h), nq, ng, d);
+      Tensor b = hf(p("attn.c_attn.bias"), {3 * h});
+      out[layer(i, "self_attention.linear_qkv.bias")] =
+          merge_qkv(b.slice(0, h), b.slice(h, 2 * h), b.slice(2 * h, 3 * h), nq, ng, d);
+      out[layer(i, "self_attention.linear_proj.weight")] = transpose2d(hf(p("attn.c_proj.weight"), {h, h}));
+      out[layer(i, "self_attention.linear_proj.bias")] = hf(p("attn.c_proj.bias"), {h});
+      out[layer(i, "pre_mlp_layernorm.weight")] = hf(p("ln_2.weight"), {h});
+      out[layer(i, "pre_mlp_layernorm.bias")] = hf(p("ln_2.bias"), {h});
+      out[layer(i, "mlp.linear_fc1.weight")] = transpose2d(hf(p("mlp.c_fc.weight"), {h, f}));
+      out[layer(i, "mlp.linear_fc1.bias")] = hf(p("mlp.c_fc.bias"), {f});
+      out[layer(i, "mlp.linear_fc2.weight")] = transpose2d(hf(p("mlp.c_proj.weight"), {f, h}));
+      out[layer(i, "mlp.linear_fc2.bias")] = hf(p("mlp.c_proj.bias"), {h});
+    }
+    out["decoder.final_layernorm.weight"] = hf("transformer.ln_f.weight", {h});
+    out["decoder.final_layernorm.bias"] = hf("transformer.ln_f.bias", {h});
+    return out;
+  }
+  out["embedding.word_embeddings.weight"] = resize_rows(hf("model.embed_tokens.weight", {v, h}), vp);
+  for (int i = 0; i < c.num_layers; ++i) {
+    auto p = [&](const char* rest) { return fmt::format("model.layers.{}.{}", i, rest); };
+    out[layer(i, "input_layernorm.weight")] = hf(p("input_layernorm.weight"), {h});
+    out[layer(i, "self_attention.linear_qkv.weight")] =
+        merge_qkv(hf(p("self_attn.q_proj.weight"), {nq * d, h}), hf(p("self_attn.k_proj.weight"), {ng * d, h}),
+                  hf(p("self_attn.v_proj.weight"), {ng * d, h}), nq, ng, d);
+    if (c.add_qkv_bias) {
+      out[layer(i, "self_attention.linear_qkv.bias")] =
+          merge_qkv(hf(p("self_attn.q_proj.bias"), {nq * d}), hf(p("self_attn.k_proj.bias"), {ng * d}),
+                    hf(p("self_attn.v_proj.bias"), {ng * d}), nq, ng, d);
+    }
+    out[layer(i, "self_attention.linear_proj.weight")] = hf(p("self_attn.o_proj.weight"), {h, nq * d});
+    out[layer(i, "pre_mlp_layernorm.weight")] = hf(p("post_attention_layernorm.weight"), {h});
+    out[layer(i, "mlp.linear_fc1.weight")] =
+        concat_rows({hf(p("mlp.gate_proj.weight"), {f, h}), hf(p("mlp.up_proj.weight"), {f, h})});
+    out[layer(i, "mlp.linear_fc2.weight")] = hf(p("mlp.down_proj.weight"), {h, f});
+  }
+  out["decoder.final_layernorm.weight"] = hf("model.norm.weight", {h});
+  if (!c.share_embeddings_and_output_weights) {
+    out["output_layer.weight"] = resize_rows(hf("lm_head.weight", {v, h}), vp);
+  }
+  return out;
+}
+
+// ---- Megatron-Core -> HF -------------------------------------------------------------------------
+TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
+  const TransformerConfig& c = info.config;
+  const int64_t h = c.hidden_size, v = c.vocab_size;
+  const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels;
+  auto get = [&](const std::string& name) -> Tensor {
+    auto it = m.find(name);
+    MG_CHECK(it != m.end(), "tensor '{}' is missing from the Megatron state", name);
+    return as_fp32(it->second);
+  };
+  TensorMap out;
+  if (info.family == HFFamily::GPT2) {
+    out["transformer.wte.weight"] = resize_rows(get("embedding.word_embeddings.weight"), v);
+    out["transformer.wpe.weight"] = get("embedding.position_embeddings.weight");
+    for (int i = 0; i < c.num_layers; ++i) {
+      auto p = [&](const char* rest) { return fmt::format("transformer.h.{}.{}", i, rest); };
+      out[p("ln_1.weight")] = get(layer(i, "input_layernorm.weight"));
+      out[p("ln_1.bias")] = get(layer(i, "input_layernorm.bias"));
+      Tensor q, k, vv;
+      split_qkv(get(layer(i, "self_attention.linear_qkv.weight")), nq, ng, d, q, k, vv);
+      out[p("attn.c_attn.weight")] = transpose2d(concat_rows({q, k, vv}));
+      split_qkv(get(layer(i, "self_attention.linear_qkv.bias")), nq, ng, d, q, k, vv);
+      out[p("attn.c_attn.bias")] = concat_rows({q, k, vv});
+      out[p("attn.c_proj.weight")] = transpose2d(get(layer(i, "self_attention.linear_proj.weight")));
+      out[p("attn.c_proj.bias")] = get(layer(i, "self_attention.linear_proj.bias"));
+      out[p("ln_2.weight")] = get(layer(i, "pre_mlp_layernorm.weight"));
+      out[p("ln_2.bias")] = get(layer(i, "pre_mlp_layernorm.bias"));
+      out[p("mlp.c_fc.weight")] = transpose2d(get(layer(i, "mlp.linear_fc1.weight")));
+      out[p("mlp.c_fc.bias")] = get(layer(i, "mlp.linear_fc1.bias"));
+      out[p("mlp.c_proj.weight")] = transpose2d(get(layer(i, "mlp.linear_fc2.weight")));
+      out[p("mlp.c_proj.bias")] = get(layer(i, "mlp.linear_fc2.bias"));
+    }
+    out["transformer.ln_f.weight"] = get("decoder.final_layernorm.weight");
+    out["transformer.ln_f.bias"] = get("decoder.final_layernorm.bias");
+    return out;
+  }
+  out["model.embed_tokens.weight"] = resize_rows(get("embedding.word_embeddings.weight"), v);
+  for (int i = 0; i < c.num_layers; ++i) {
+    auto p = [&](const char* rest) { return fmt::format("model.layers.{}.{}", i, rest); };
+    out[p("input_layernorm.weight")] = get(layer(i, "input_layernorm.weight"));
+    Tensor q, k, vv;
+    split_qkv(get(layer(i, "self_attention.linear_qkv.weight")), nq, ng, d, q, k, vv);
+    out[p("self_attn.q_proj.weight")] = q, out[p("self_attn.k_proj.weight")] = k;
+    out[p("self_attn.v_proj.weight")] = vv;
+    if (c.add_qkv_bias) {
+      split_qkv(get(layer(i, "self_attention.linear_qkv.bias")), nq, ng, d, q, k, vv);
+      out[p("self_attn.q_proj.bias")] = q, out[p("self_attn.k_proj.bias")] = k, out[p("self_attn.v_proj.bias")] = vv;
+    }
+    out[p("self_attn.o_proj.weight")] = get(layer(i, "self_attention.linear_proj.weight"));
+    out[p("post_attention_layernorm.weight")] = get(layer(i, "pre_mlp_layernorm.weight"));
+    Tensor fc1 = get(layer(i, "mlp.linear_fc1.weight"));
+    const int64_t f = fc1.size(0) / 2;
+    out[p("mlp.gate_proj.weight")] = fc1.slice(0, f).clone();
+    out[p("mlp.up_proj.weight")] = fc1.slice(f, 2 * f).clone();
+    out[p("mlp.down_proj.weight")] = get(layer(i, "mlp.linear_fc2.weight"));
+  }
+  out["model.norm.weight"] = get("decoder.final_layernorm.weight");
+  if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), v);
+  (void)h;
+  return out;
+}
+
+// ---- model state -----------------------------------------------------------------------------------
+TensorMap model_state_dict(const GPTModel& model) {
+  TensorMap out;
+  for (const Parameter* p : model.params().parameters()) out[p->name] = as_fp32(p->data).clone();
+  return out;
+}
+
+TensorMap model_grad_dict(const GPTModel& model) {
+  TensorMap out;
+  for (const Parameter* p : model.params().parameters()) out[p->name] = as_fp32(p->main_grad).clone();
+  return out;
+}
+
+void load_model_state_dict(GPTModel& model, const TensorMap& state, const std::string& source) {
+  for (Parameter* p : model.params().parameters()) {
+    auto it = state.find(p->name);
+    MG_CHECK(it != state.end(), "{} has no tensor '{}' that the model needs", source, p->name);
+    MG_CHECK(it->second.shape() == p->data.shape(), "{}: tensor '{}' has shape {}, the model needs {}", source, p->name,
+             shape_str(it->second.shape()), shape_str(p->data.shape()));
+    p->data.copy_from(it->second);
+  }
+  for (const auto& [name, t] : state) {
+    MG_CHECK(model.params().find(name) != nullptr, "{} has a tensor '{}' that this model does not have", source, name);
+  }
+}
+
+}  // namespace megatron

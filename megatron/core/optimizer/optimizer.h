@@ -1,0 +1,114 @@
+// The mixed-precision Adam optimizer: Megatron-LM's Float16OptimizerWithFloat16Params (bf16/fp16
+// parameters with fp32 master copies) and FP32Optimizer (fp32 parameters are their own masters)
+// in one class, over AdamW (apex FusedAdam, adam_w_mode) via ops::adamw_step.
+//
+// step(ctx), as Megatron's MixedPrecisionOptimizer.step:
+//   1. one ops::grad_stats pass over the fp32 main grads: Σg², inf/nan, zeros;
+//   2. with a grad scaler: update it with the inf/nan flag; on inf/nan skip the step;
+//   3. clip_grad > 0: grad norm of the unscaled grads, clip coefficient clip/(norm + 1e-6) if < 1;
+//   4. adamw_step per parameter with grad_scale = (1/loss_scale) · clip coefficient, writing the
+//      fp32 master and copying it into the model's parameter.
+// The main grads are read, never modified (unscaling and clipping are folded into grad_scale);
+// zeroing them is the caller's job. Param groups: parameters with no_weight_decay get weight decay
+// 0 (Megatron's wd_mult 0), the others the scheduled weight decay.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "megatron/core/optimizer/grad_scaler.h"
+#include "megatron/core/optimizer/parameter.h"
+#include "megatron/runtime/context.h"
+
+namespace megatron {
+
+/// Megatron's OptimizerConfig (the Adam part), with its names and defaults.
+struct OptimizerConfig {
+  double lr = 0.0;      // Megatron: None (required); the scheduler sets the lr each step
+  double min_lr = 0.0;  // Megatron: None; used by the scheduler
+  double weight_decay = 0.01;
+  bool fp16 = false;
+  bool bf16 = false;
+  double loss_scale = 0.0;                   // > 0: a constant scale; 0: dynamic when fp16, none otherwise
+  double initial_loss_scale = 4294967296.0;  // 2^32
+  double min_loss_scale = 1.0;
+  int64_t loss_scale_window = 1000;
+  int64_t hysteresis = 2;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  double clip_grad = 1.0;  // 0 disables clipping
+  bool log_num_zeros_in_grad = false;
+};
+
+/// What Megatron's optimizer.step() returns: (update_successful, grad_norm, num_zeros_in_grad).
+struct OptimizerStepResult {
+  bool update_successful = false;
+  std::optional<double> grad_norm;           // unset when skipped; 0 when clip_grad == 0
+  std::optional<int64_t> num_zeros_in_grad;  // set when log_num_zeros_in_grad and not skipped
+};
+
+/// The optimizer state of one parameter, for checkpoints. All fp32, the parameter's numel and shape.
+struct AdamParamState {
+  Tensor master;  // the fp32 master (the parameter itself when it is fp32)
+  Tensor exp_avg;
+  Tensor exp_avg_sq;
+};
+
+class AdamOptimizer {
+ public:
+  /// Takes the parameters (their tensors are shared, not copied) and allocates the fp32 masters
+  /// (initialised from the model's values) and zero Adam moments on each parameter's device.
+  AdamOptimizer(std::vector<Parameter> params, const OptimizerConfig& config);
+
+  OptimizerStepResult step(Context& ctx);
+
+  /// The learning rate and weight decay for the following steps (from OptimizerParamScheduler:
+  /// set_lr(v.lr); set_weight_decay(v.wd)). Parameters with no_weight_decay always get 0.
+  void set_lr(double lr) { lr_ = lr; }
+  void set_weight_decay(double wd) { weight_decay_ = wd; }
+  double lr() const { return lr_; }
+  double weight_decay() const { return weight_decay_; }
+
+  /// The loss scale the training loop multiplies the loss by (1 without a grad scaler).
+  float loss_scale() const { return scaler_ ? scaler_->scale() : 1.0f; }
+  /// The grad scaler, or nullptr (fp32 and bf16 without --loss-scale).
+  GradScaler* grad_scaler() const { return scaler_.get(); }
+  /// Successful Adam steps so far (the bias-correction step of the next update is this + 1).
+  int64_t step_count() const { return step_count_; }
+  const OptimizerConfig& config() const { return config_; }
+
+  const std::vector<Parameter>& parameters() const { return params_; }
+  /// The Adam state of the parameter of that name (a user error if there is none).
+  AdamParamState& state(const std::string& name);
+  const AdamParamState& state(const std::string& name) const;
+
+  /// Copies the model's parameters into the fp32 masters (after loading model weights without
+  /// optimizer state).
+  void reload_model_params();
+  /// Copies the fp32 masters into the model's parameters (after loading masters from a checkpoint).
+  void copy_main_params_to_model_params();
+
+  /// The non-tensor state: {"step", "lr", "weight_decay", "grad_scaler"}. Tensors go through state().
+  nlohmann::json state_dict() const;
+  void load_state_dict(const nlohmann::json& state);
+
+ private:
+  size_t index_of(const std::string& name) const;
+
+  OptimizerConfig config_;
+  std::vector<Parameter> params_;
+  std::vector<AdamParamState> states_;
+  std::unordered_map<std::string, size_t> index_;
+  std::unique_ptr<GradScaler> scaler_;
+  double lr_;
+  double weight_decay_;
+  int64_t step_count_ = 0;
+};
+
+}  // namespace megatron

@@ -1,0 +1,45 @@
+// SelfAttention (Megatron-Core's SelfAttention with the local core attention): the fused QKV
+// projection (grouped per query group), rotary embedding of q and k, causal softmax attention with
+// GQA and attention dropout, and the output projection.
+//
+// Note [Selective recomputation]: with --recompute-granularity selective the core attention's
+// tensors (split q/k/v after RoPE, the attention output and its log-sum-exp) are dropped after
+// forward and recomputed in backward from the kept QKV projection, as Megatron recomputes its core
+// attention. The dropout stream offset is kept, so the recomputation is exact.
+#pragma once
+
+#include <string>
+
+#include "megatron/core/tensor_parallel/layers.h"
+#include "megatron/core/transformer/transformer_config.h"
+
+namespace megatron {
+
+class SelfAttention {
+ public:
+  SelfAttention(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix);
+
+  struct Saved {
+    Tensor x;                      // input [s, b, h]
+    Tensor qkv;                    // fused projection [s, b, ng·(nq/ng+2)·d]
+    Tensor q, k, v, context, lse;  // core attention (dropped under selective recomputation)
+    uint64_t dropout_offset = 0;
+  };
+  /// x [s, b, h] -> [s, b, h] (output projection applied, its bias included). freqs: rotary angles
+  /// (undefined without RoPE). dropout_offset: the attention-dropout stream.
+  Tensor forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t dropout_offset, bool keep_core,
+                 Saved& saved) const;
+  Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
+
+ private:
+  void core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const;
+
+  int64_t nq_, ng_, d_;
+  float softmax_scale_;
+  float dropout_p_;
+  bool rope_interleaved_;
+  Linear linear_qkv_;
+  Linear linear_proj_;
+};
+
+}  // namespace megatron

@@ -1,0 +1,32 @@
+// MLP: linear_fc1 -> activation -> linear_fc2 (Megatron-Core's MLP). With SwiGLU, fc1 produces
+// [gate; up] (2·ffn rows) and the activation is silu(gate)·up; with GeLU, fc1 produces ffn rows.
+#pragma once
+
+#include <string>
+
+#include "megatron/core/tensor_parallel/layers.h"
+#include "megatron/core/transformer/transformer_config.h"
+
+namespace megatron {
+
+class MLP {
+ public:
+  MLP(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix);
+
+  struct Saved {
+    Tensor x;    // input [N, h]
+    Tensor fc1;  // [N, ffn] or [N, 2·ffn]
+    Tensor act;  // [N, ffn]
+  };
+  /// x [N, h] -> [N, h] (fc2 bias included).
+  Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;
+  Tensor backward(Context& ctx, const Tensor& grad_out, const Saved& saved) const;
+
+ private:
+  bool swiglu_;
+  int64_t ffn_;
+  Linear linear_fc1_;
+  Linear linear_fc2_;
+};
+
+}  // namespace megatron

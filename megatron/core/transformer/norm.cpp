@@ -1,0 +1,41 @@
+#include "megatron/core/transformer/norm.h"
+
+#include "megatron/kernels/ops.h"
+
+namespace megatron {
+
+Norm::Norm(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix)
+    : rms_(config.use_rmsnorm()),
+      zero_centered_gamma_(config.layernorm_zero_centered_gamma),
+      eps_(config.layernorm_epsilon) {
+  const Shape shape{config.hidden_size};
+  weight_ = params.add(prefix + ".weight", shape, /*no_weight_decay=*/true, ParamInit::Ones);
+  if (!rms_) bias_ = params.add(prefix + ".bias", shape, /*no_weight_decay=*/true, ParamInit::Zeros);
+}
+
+Tensor Norm::forward(Context& ctx, const Tensor& x, Saved& saved) const {
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
+  saved.x = x;
+  saved.rstd = Tensor::empty({x.size(0)}, DType::Float32, ctx.device());
+  if (rms_) {
+    ops::rmsnorm_forward(ctx, x, weight_->data, eps_, zero_centered_gamma_, out, saved.rstd);
+  } else {
+    saved.mean = Tensor::empty({x.size(0)}, DType::Float32, ctx.device());
+    ops::layernorm_forward(ctx, x, weight_->data, bias_->data, eps_, zero_centered_gamma_, out, saved.mean, saved.rstd);
+  }
+  return out;
+}
+
+Tensor Norm::backward(Context& ctx, const Tensor& grad_out, const Saved& saved) const {
+  Tensor grad_in = Tensor::empty(saved.x.shape(), saved.x.dtype(), ctx.device());
+  if (rms_) {
+    ops::rmsnorm_backward(ctx, grad_out, saved.x, weight_->data, saved.rstd, zero_centered_gamma_, grad_in,
+                          weight_->main_grad);
+  } else {
+    ops::layernorm_backward(ctx, grad_out, saved.x, weight_->data, saved.mean, saved.rstd, zero_centered_gamma_,
+                            grad_in, weight_->main_grad, bias_->main_grad);
+  }
+  return grad_in;
+}
+
+}  // namespace megatron

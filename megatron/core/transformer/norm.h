@@ -1,0 +1,35 @@
+// Norm: LayerNorm or RMSNorm over the hidden dimension, as the config says (Megatron's
+// TENorm / FusedLayerNorm choice). Parameters "<prefix>.weight" (and "<prefix>.bias" for LayerNorm).
+#pragma once
+
+#include <string>
+
+#include "megatron/core/distributed/param_and_grad_buffer.h"
+#include "megatron/core/transformer/transformer_config.h"
+#include "megatron/runtime/context.h"
+
+namespace megatron {
+
+class Norm {
+ public:
+  Norm(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix);
+
+  struct Saved {
+    Tensor x;     // input [N, h]
+    Tensor mean;  // [N] fp32 (LayerNorm only)
+    Tensor rstd;  // [N] fp32
+  };
+  /// x [N, h] -> [N, h]; fills `saved` for backward.
+  Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;
+  /// Returns the input gradient; accumulates the weight (and bias) gradients.
+  Tensor backward(Context& ctx, const Tensor& grad_out, const Saved& saved) const;
+
+ private:
+  bool rms_;
+  bool zero_centered_gamma_;
+  float eps_;
+  Parameter* weight_;
+  Parameter* bias_ = nullptr;
+};
+
+}  // namespace megatron

@@ -1,0 +1,81 @@
+#include "megatron/core/transformer/transformer_block.h"
+
+#include <fmt/format.h>
+
+namespace megatron {
+
+namespace {
+std::vector<TransformerBlock::Segment> plan_segments(const TransformerConfig& c) {
+  std::vector<TransformerBlock::Segment> segs;
+  const bool full = c.recompute_granularity == "full";
+  if (full && c.recompute_method == "uniform") {
+    for (int i = 0; i < c.num_layers; i += c.recompute_num_layers) {
+      segs.push_back({i, std::min(i + c.recompute_num_layers, c.num_layers), true});
+    }
+    return segs;
+  }
+  for (int i = 0; i < c.num_layers; ++i) segs.push_back({i, i + 1, full && i < c.recompute_num_layers});
+  return segs;
+}
+
+// Builds the layers before the final norm so parameters register in Megatron's order.
+std::vector<std::unique_ptr<TransformerLayer>> build_layers(const TransformerConfig& c, ParamAndGradBuffer& params,
+                                                            const std::string& prefix) {
+  std::vector<std::unique_ptr<TransformerLayer>> layers;
+  for (int i = 0; i < c.num_layers; ++i) {
+    layers.push_back(std::make_unique<TransformerLayer>(c, params, fmt::format("{}.layers.{}", prefix, i)));
+  }
+  return layers;
+}
+}  // namespace
+
+TransformerBlock::TransformerBlock(const TransformerConfig& config, ParamAndGradBuffer& params,
+                                   const std::string& prefix)
+    : selective_(config.recompute_granularity == "selective"),
+      segments_(plan_segments(config)),
+      layers_(build_layers(config, params, prefix)),
+      final_layernorm_(config, params, prefix + ".final_layernorm") {}
+
+Tensor TransformerBlock::run_segment(Context& ctx, const Segment& seg, const Tensor& x, const Tensor& freqs,
+                                     Saved& saved, bool keep) const {
+  Tensor h = x;
+  for (int i = seg.begin; i < seg.end; ++i) {
+    TransformerLayer::Saved layer_saved;
+    uint64_t base = saved.rng_base + uint64_t(i) * TransformerLayer::kRandomStreams;
+    h = layers_[size_t(i)]->forward(ctx, h, freqs, base, /*keep_core_attention=*/!selective_, layer_saved);
+    if (keep) saved.layers[size_t(i)] = std::move(layer_saved);
+  }
+  return h;
+}
+
+Tensor TransformerBlock::forward(Context& ctx, const Tensor& x, const Tensor& freqs, Saved& saved) const {
+  saved.rng_base = ctx.rng().offset;
+  ctx.rng().offset += layers_.size() * TransformerLayer::kRandomStreams;
+  saved.layers.assign(layers_.size(), TransformerLayer::Saved{});
+  saved.segment_inputs.clear();
+  Tensor h = x;
+  for (const Segment& seg : segments_) {
+    saved.segment_inputs.push_back(seg.recompute ? h : Tensor());
+    h = run_segment(ctx, seg, h, freqs, saved, /*keep=*/!seg.recompute);
+  }
+  const int64_t s = h.size(0), b = h.size(1), hid = h.size(2);
+  return final_layernorm_.forward(ctx, h.view({s * b, hid}), saved.final_norm).view({s, b, hid});
+}
+
+Tensor TransformerBlock::backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const {
+  const int64_t s = grad_out.size(0), b = grad_out.size(1), hid = grad_out.size(2);
+  Tensor g = final_layernorm_.backward(ctx, grad_out.view({s * b, hid}), saved.final_norm).view({s, b, hid});
+  saved.final_norm = Norm::Saved{};
+  for (size_t k = segments_.size(); k-- > 0;) {
+    const Segment& seg = segments_[k];
+    if (seg.recompute) run_segment(ctx, seg, saved.segment_inputs[k], freqs, saved, /*keep=*/true);
+    for (int i = seg.end; i-- > seg.begin;) {
+      g = layers_[size_t(i)]->backward(ctx, g, freqs, saved.layers[size_t(i)]);
+      saved.layers[size_t(i)] = TransformerLayer::Saved{};  // free as we go
+    }
+    saved.segment_inputs[k] = Tensor();
+  }
+  return g;
+}
+
+}  // namespace megatron

@@ -1,0 +1,48 @@
+// TransformerBlock: the stack of layers and the final norm ("decoder" in Megatron-Core's names),
+// with activation recomputation:
+//   none       every layer keeps its Saved activations;
+//   selective  layers drop their core-attention tensors (Note [Selective recomputation]);
+//   full       uniform: the layers are cut into chunks of --recompute-num-layers and only each
+//              chunk's input is kept; backward re-runs the chunk's forward, then its backward.
+//              block: the first --recompute-num-layers layers are recomputed one by one, the rest
+//              keep their activations.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "megatron/core/transformer/transformer_layer.h"
+
+namespace megatron {
+
+class TransformerBlock {
+ public:
+  TransformerBlock(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix);
+
+  struct Segment {
+    int begin = 0, end = 0;  // layers [begin, end)
+    bool recompute = false;  // keep only the input; re-run forward in backward
+  };
+  struct Saved {
+    std::vector<Tensor> segment_inputs;           // per segment
+    std::vector<TransformerLayer::Saved> layers;  // per layer (empty while recomputed)
+    uint64_t rng_base = 0;
+    Norm::Saved final_norm;
+  };
+
+  /// x [s, b, h] -> final-normed hidden states [s, b, h].
+  Tensor forward(Context& ctx, const Tensor& x, const Tensor& freqs, Saved& saved) const;
+  Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
+  const std::vector<Segment>& segments() const { return segments_; }
+
+ private:
+  Tensor run_segment(Context& ctx, const Segment& seg, const Tensor& x, const Tensor& freqs, Saved& saved,
+                     bool keep) const;
+
+  bool selective_;
+  std::vector<Segment> segments_;
+  std::vector<std::unique_ptr<TransformerLayer>> layers_;
+  Norm final_layernorm_;
+};
+
+}  // namespace megatron

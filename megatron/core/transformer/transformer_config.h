@@ -1,0 +1,72 @@
+// TransformerConfig: every hyperparameter of the model, with Megatron-Core's names and defaults.
+// finalize() fills the derived values (ffn size, query groups, kv channels, padded vocabulary) and
+// validates the shape rules with one clear error line each.
+#pragma once
+
+#include <string>
+
+#include "megatron/runtime/dtype.h"
+
+namespace megatron {
+
+struct TransformerConfig {
+  // ---- shape
+  int num_layers = 0;
+  int hidden_size = 0;
+  int ffn_hidden_size = 0;  // 0: 4 * hidden_size
+  int num_attention_heads = 0;
+  int num_query_groups = 0;  // 0: num_attention_heads (MHA); fewer: GQA
+  int kv_channels = 0;       // 0: hidden_size / num_attention_heads
+  int max_position_embeddings = 0;
+  int seq_length = 0;
+  int vocab_size = 0;
+  int make_vocab_size_divisible_by = 128;
+  int padded_vocab_size = 0;  // derived: vocab padded to a multiple of divisible_by * tp
+
+  // ---- architecture (the layer spec is derived from these)
+  std::string normalization = "LayerNorm";     // LayerNorm | RMSNorm
+  bool layernorm_zero_centered_gamma = false;  // --apply-layernorm-1p
+  float layernorm_epsilon = 1e-5f;
+  bool add_bias_linear = true;
+  bool add_qkv_bias = false;  // Megatron: add_bias_linear also adds the qkv bias
+  bool gated_linear_unit = false;
+  std::string activation = "gelu";                           // gelu | swiglu (swiglu implies gated_linear_unit)
+  std::string position_embedding_type = "learned_absolute";  // learned_absolute | rope | none
+  float rotary_base = 10000.0f;
+  float rotary_percent = 1.0f;
+  bool rotary_interleaved = false;
+  bool share_embeddings_and_output_weights = true;  // false with --untie-embeddings-and-output-weights
+  bool apply_residual_connection_post_layernorm = false;
+
+  // ---- regularisation and initialisation
+  float hidden_dropout = 0.1f;
+  float attention_dropout = 0.1f;
+  float init_method_std = 0.02f;
+
+  // ---- precision
+  DType params_dtype = DType::Float32;  // bf16 with --bf16, fp16 with --fp16
+  bool bf16 = false;
+  bool fp16 = false;
+
+  // ---- activation recomputation
+  std::string recompute_granularity;  // "" | full | selective
+  std::string recompute_method;       // uniform | block (with full)
+  int recompute_num_layers = 0;
+
+  // ---- parallelism (layout fields; the parallel issue fills in their use)
+  int tensor_model_parallel_size = 1;
+
+  /// Fills derived values and validates; throws megatron::Error naming the flag at fault.
+  void finalize();
+  int head_dim() const { return kv_channels; }
+  int query_projection_size() const { return kv_channels * num_attention_heads; }
+  int kv_projection_size() const { return kv_channels * num_query_groups; }
+  bool use_rope() const { return position_embedding_type == "rope"; }
+  bool use_learned_positions() const { return position_embedding_type == "learned_absolute"; }
+  bool use_rmsnorm() const { return normalization == "RMSNorm"; }
+};
+
+/// Megatron's _vocab_size_with_padding: the smallest multiple of divisible_by * tp >= vocab_size.
+int padded_vocab_size(int vocab_size, int make_vocab_size_divisible_by, int tensor_model_parallel_size);
+
+}  // namespace megatron
