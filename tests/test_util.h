@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,15 @@ inline std::string fixtures_dir() {
   if (const char* e = std::getenv("MEGATRON_FIXTURES"); e && *e) return e;
   if (const char* d = std::getenv("MEGATRON_FIXTURES_DEFAULT"); d && *d) return d;
   return "../shared/fixtures";
+}
+
+/// The Megatron data oracle (fixtures/megatron_data): $MEGATRON_DATA_FIXTURES, else
+/// <fixtures_dir()>/megatron_data, else the copy in tests/fixtures/megatron_data.
+inline std::string data_fixtures_dir() {
+  if (const char* e = std::getenv("MEGATRON_DATA_FIXTURES"); e && *e) return e;
+  std::string shared = fixtures_dir() + "/megatron_data";
+  if (std::filesystem::is_directory(shared)) return shared;
+  return std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures/megatron_data";
 }
 
 /// A tensor of normal(0, std) values from a Philox stream (reproducible).
