@@ -23,6 +23,14 @@ bool on_cuda(const Context& ctx, const char* op) {
 }
 }  // namespace
 
+bool has_cuda_kernels() {
+#ifdef MEGATRON_WITH_CUDA_OPS
+  return true;
+#else
+  return false;
+#endif
+}
+
 void embedding_forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& word_weight,
                        const Tensor& pos_weight, Tensor& out) {
 #ifdef MEGATRON_WITH_CUDA_OPS

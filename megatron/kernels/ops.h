@@ -42,5 +42,7 @@ struct GradStats {
 }  // namespace megatron
 
 namespace megatron::ops {
+/// Whether this build has the CUDA op library (kernels/cuda).
+bool has_cuda_kernels();
 #include "megatron/kernels/op_list.inc"
 }  // namespace megatron::ops

@@ -40,6 +40,11 @@ CudaAllocatorHooks& cuda_hooks() {
 
 bool cuda_available() { return detail::cuda_hooks().allocate != nullptr; }
 
+int cuda_device_count() {
+  auto& hooks = detail::cuda_hooks();
+  return hooks.device_count ? hooks.device_count() : 0;
+}
+
 std::shared_ptr<Storage> allocate(size_t nbytes, Device device) {
   if (device.type == DeviceType::CPU) {
     size_t rounded = (std::max<size_t>(nbytes, 1) + kCpuAlignment - 1) / kCpuAlignment * kCpuAlignment;

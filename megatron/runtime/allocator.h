@@ -56,12 +56,16 @@ struct CudaAllocatorHooks {
   MemoryStats (*stats)(Device) = nullptr;
   void (*reset_peak)(Device) = nullptr;
   void (*copy)(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) = nullptr;
+  int (*device_count)() = nullptr;
 };
 CudaAllocatorHooks& cuda_hooks();
 }  // namespace detail
 
 /// Copies bytes between any two devices (host<->host is memcpy).
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream = nullptr);
+/// Whether this build has the CUDA runtime half (not whether a GPU is present).
 bool cuda_available();
+/// The number of CUDA devices this process sees (0 in a CPU build or on a machine without a GPU).
+int cuda_device_count();
 
 }  // namespace megatron

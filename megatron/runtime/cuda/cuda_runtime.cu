@@ -90,6 +90,15 @@ void context_destroy(Device, void* stream, void*, void*) {
   if (stream) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
 }
 
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: not an error for a CPU run
+    return 0;
+  }
+  return n;
+}
+
 void context_synchronize(void* stream) { CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
 }  // namespace
 
@@ -98,6 +107,7 @@ void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
   alloc.stats = cuda_stats;
   alloc.reset_peak = cuda_reset_peak;
   alloc.copy = cuda_copy;
+  alloc.device_count = device_count;
   ctx.create = context_create;
   ctx.destroy = context_destroy;
   ctx.synchronize = context_synchronize;

@@ -30,10 +30,8 @@ void GPTModel::init_weights(uint64_t seed) {
   params_->init_weights(seed, config_.init_method_std, config_.num_layers, config_.layernorm_zero_centered_gamma);
 }
 
-Tensor GPTModel::forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
-                         Stash& stash) const {
-  MG_ASSERT(tokens.dim() == 2 && labels.shape() == tokens.shape(), "tokens {} labels {}", shape_str(tokens.shape()),
-            shape_str(labels.shape()));
+void GPTModel::forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, Stash& stash) const {
+  MG_ASSERT(tokens.dim() == 2, "tokens {}", shape_str(tokens.shape()));
   const int64_t b = tokens.size(0), s = tokens.size(1), h = config_.hidden_size, v = config_.padded_vocab_size;
   if (config_.use_learned_positions()) {
     MG_CHECK(s <= config_.max_position_embeddings, "sequence length {} exceeds --max-position-embeddings {}", s,
@@ -44,8 +42,21 @@ Tensor GPTModel::forward(Context& ctx, const Tensor& tokens, const Tensor& posit
   Tensor x = embedding_->forward(ctx, tokens, positions, stash.embedding);
   if (rotary_) stash.freqs = rotary_->freqs(ctx, s);
   stash.hidden = decoder_->forward(ctx, x, stash.freqs, stash.decoder);
-
   stash.logits = output_layer_->forward(ctx, stash.hidden.view({s * b, h})).view({s, b, v});
+}
+
+Tensor GPTModel::forward_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids) const {
+  Stash stash;
+  forward_to_logits(ctx, tokens, position_ids, stash);
+  return stash.logits;
+}
+
+Tensor GPTModel::forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
+                         Stash& stash) const {
+  MG_ASSERT(labels.shape() == tokens.shape(), "tokens {} labels {}", shape_str(tokens.shape()),
+            shape_str(labels.shape()));
+  const int64_t b = tokens.size(0), s = tokens.size(1), v = config_.padded_vocab_size;
+  forward_to_logits(ctx, tokens, position_ids, stash);
   stash.labels = Tensor::empty({s, b}, labels.dtype(), ctx.device());
   ops::transpose_01(ctx, labels, stash.labels);
   Tensor losses_sb = Tensor::empty({s * b}, DType::Float32, ctx.device());

@@ -38,6 +38,8 @@ class GPTModel {
   /// (Megatron's GPTModel.forward with labels). position_ids may be undefined (0..s-1).
   Tensor forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
                  Stash& stash) const;
+  /// Inference: logits [s, b, padded_vocab] (model dtype) for tokens [b, s]; no loss, nothing kept.
+  Tensor forward_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids) const;
   /// grad_losses [b, s] fp32 (d loss / d per-token loss). Accumulates into the parameters' main_grad.
   void backward(Context& ctx, const Tensor& grad_losses, Stash& stash) const;
 
@@ -53,6 +55,9 @@ class GPTModel {
   std::optional<RotaryEmbedding> rotary_;
   std::unique_ptr<TransformerBlock> decoder_;
   std::unique_ptr<Linear> output_layer_;
+
+  // Embedding -> decoder -> output layer; fills the stash's activations and logits.
+  void forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, Stash& stash) const;
 };
 
 /// position_ids [b, s] = 0..s-1 for every sequence (int64, host).

@@ -1,0 +1,50 @@
+#include "megatron/core/inference/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "megatron/runtime/check.h"
+#include "megatron/runtime/philox.h"
+
+namespace megatron {
+
+int64_t sample_token(const float* logits, int64_t vocab, const SamplingParams& p, uint64_t step) {
+  MG_CHECK(vocab > 0, "sampling from an empty vocabulary");
+  if (p.greedy || p.top_k == 1) return int64_t(std::max_element(logits, logits + vocab) - logits);
+  MG_CHECK(p.temperature > 0.0f, "temperature must be positive (got {}); use greedy decoding for 0", p.temperature);
+  MG_CHECK(p.top_p >= 0.0f && p.top_p <= 1.0f, "top_p must be in [0, 1] (got {})", p.top_p);
+  MG_CHECK(p.top_k >= 0, "top_k must be non-negative (got {})", p.top_k);
+  std::vector<int64_t> order(static_cast<size_t>(vocab));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
+  size_t keep = p.top_k > 0 ? std::min<size_t>(size_t(p.top_k), order.size()) : order.size();
+  std::vector<double> probs(keep);
+  const double max = logits[order[0]] / p.temperature;
+  double sum = 0;
+  for (size_t i = 0; i < keep; ++i) sum += probs[i] = std::exp(logits[order[i]] / p.temperature - max);
+  for (double& x : probs) x /= sum;
+  if (p.top_p > 0.0f) {  // the smallest prefix whose mass reaches top_p
+    double cum = 0;
+    size_t n = 0;
+    while (n < keep && cum < p.top_p) cum += probs[n++];
+    keep = std::max<size_t>(n, 1);
+    probs.resize(keep);
+    for (double& x : probs) x /= cum;
+  }
+  double u = philox_uniform(p.seed, step, 0), cum = 0;
+  for (size_t i = 0; i < keep; ++i) {
+    cum += probs[i];
+    if (u < cum) return order[i];
+  }
+  return order[keep - 1];
+}
+
+double token_logprob(const float* logits, int64_t vocab, int64_t token) {
+  double max = *std::max_element(logits, logits + vocab), sum = 0;
+  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(double(logits[i]) - max);
+  return double(logits[token]) - max - std::log(sum);
+}
+
+}  // namespace megatron

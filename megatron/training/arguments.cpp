@@ -1,0 +1,483 @@
+// The flag table (CLI11) and Megatron's validation rules. Flags are declared group by group in the
+// order of Megatron's arguments.py; a few Megatron flags that select implementations we do not have
+// (TransformerEngine, apex fusions, flash-attn) are accepted with a warning and no effect, so
+// launch scripts run unchanged.
+#include "megatron/training/arguments.h"
+
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <type_traits>
+
+#include "megatron/runtime/check.h"
+
+namespace megatron {
+
+namespace {
+
+// Megatron flags that select implementation details megatron.cpp does not have; accepted so that
+// launch scripts run, with a warning when given.
+const char* const kNoEffectFlags[] = {
+    "--use-mcore-models",
+    "--use-flash-attn",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-gradient-accumulation-fusion",
+    "--no-async-tensor-model-parallel-allreduce",
+    "--attention-softmax-in-fp32",
+    "--apply-query-key-layer-scaling",
+    "--no-persist-layer-norm",
+    "--manual-gc",
+    "--use-torch-fsdp2",
+    "--tp-comm-overlap",
+    "--no-check-for-nan-in-loss-and-grad",
+    "--check-for-nan-in-loss-and-grad",
+    "--log-progress",
+    "--log-world-size-to-tensorboard",
+    "--log-loss-scale-to-tensorboard",
+    "--no-log-loss-scale-to-tensorboard",
+    "--log-batch-size-to-tensorboard",
+    "--log-learning-rate-to-tensorboard",
+    "--no-mmap-bin-files",
+    "--dist-ckpt-strictness",
+};
+const char* const kNoEffectOptions[] = {
+    "--transformer-impl", "--attention-backend", "--data-impl",  "--ckpt-fully-parallel-save",
+    "--wandb-exp-name",   "--wandb-save-dir",    "--eval-split", "--num-dataset-builder-threads",
+    "--ddp-bucket-size",
+};
+
+struct Parser {
+  CLI::App app;
+  Arguments& a;
+  std::vector<std::string> flags;
+  std::vector<std::pair<std::string, bool*>> no_effect_flags;
+  std::vector<std::pair<std::string, std::string*>> no_effect_options;
+  std::vector<std::unique_ptr<bool>> flag_storage;
+  std::vector<std::unique_ptr<std::string>> option_storage;
+
+  Parser(Arguments& args, const std::string& description) : app(description), a(args) {
+    app.set_help_flag("-h,--help", "Print this help and exit");
+    app.get_formatter()->column_width(44);
+  }
+
+  template <typename T>
+  CLI::Option* opt(const char* group, const char* name, T& field, const char* help) {
+    flags.push_back(name);
+    // A repeated flag takes its last value, as argparse does (launch scripts append overrides).
+    CLI::Option* o = app.add_option(name, field, help)->group(group)->capture_default_str();
+    if constexpr (!std::is_same_v<T, std::vector<std::string>> && !std::is_same_v<T, std::vector<int64_t>>) {
+      o->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    }
+    return o;
+  }
+  CLI::Option* flag(const char* group, const char* name, bool& field, const char* help) {
+    flags.push_back(name);
+    return app.add_flag(name, field, help)->group(group);
+  }
+  void no_effect() {
+    for (const char* name : kNoEffectFlags) {
+      flag_storage.push_back(std::make_unique<bool>(false));
+      flag("Accepted for compatibility (no effect)", name, *flag_storage.back(), "");
+      no_effect_flags.emplace_back(name, flag_storage.back().get());
+    }
+    for (const char* name : kNoEffectOptions) {
+      option_storage.push_back(std::make_unique<std::string>());
+      opt("Accepted for compatibility (no effect)", name, *option_storage.back(), "");
+      no_effect_options.emplace_back(name, option_storage.back().get());
+    }
+  }
+
+  void define() {
+    const char* g = "Model";
+    opt(g, "--num-layers", a.num_layers, "Number of transformer layers");
+    opt(g, "--hidden-size", a.hidden_size, "Transformer hidden size");
+    opt(g, "--ffn-hidden-size", a.ffn_hidden_size,
+        "MLP hidden size (default 4h; with --swiglu 2/3 of that, rounded to 64)");
+    opt(g, "--num-attention-heads", a.num_attention_heads, "Number of attention heads");
+    opt(g, "--kv-channels", a.kv_channels, "Head dimension (default hidden / heads)");
+    flag(g, "--group-query-attention", a.group_query_attention, "Use grouped-query attention");
+    opt(g, "--num-query-groups", a.num_query_groups, "Number of query groups with --group-query-attention");
+    opt(g, "--seq-length", a.seq_length, "Sequence length");
+    opt(g, "--max-position-embeddings", a.max_position_embeddings,
+        "Position-embedding table size (default seq length)");
+    opt(g, "--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by,
+        "Pad the vocabulary to a multiple of this (times TP)");
+    flag(g, "--untie-embeddings-and-output-weights", a.untie_embeddings_and_output_weights,
+         "Separate output layer weights");
+    flag(g, "--disable-bias-linear", a.disable_bias_linear, "No biases in linear layers");
+    flag(g, "--add-qkv-bias", a.add_qkv_bias, "Bias in the QKV projection even with --disable-bias-linear");
+    opt(g, "--attention-dropout", a.attention_dropout, "Dropout on attention probabilities");
+    opt(g, "--hidden-dropout", a.hidden_dropout, "Dropout on the residual branches and embeddings");
+    opt(g, "--init-method-std", a.init_method_std, "Standard deviation of the weight initialisation");
+    opt(g, "--seed", a.seed, "Random seed (initialisation, dropout, data order)");
+    opt(g, "--normalization", a.normalization, "LayerNorm or RMSNorm")->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
+    opt(g, "--norm-epsilon", a.norm_epsilon, "Epsilon of the norms");
+    opt(g, "--layernorm-epsilon", a.norm_epsilon, "Alias of --norm-epsilon");
+    flag(g, "--swiglu", a.swiglu, "SwiGLU MLP");
+    opt(g, "--position-embedding-type", a.position_embedding_type, "learned_absolute, rope or none")
+        ->check(CLI::IsMember({"learned_absolute", "rope", "none"}));
+    flag(g, "--use-rotary-position-embeddings", a.use_rotary_position_embeddings,
+         "Alias of --position-embedding-type rope");
+    opt(g, "--rotary-base", a.rotary_base, "RoPE base");
+    opt(g, "--rotary-percent", a.rotary_percent, "Fraction of each head's channels RoPE rotates");
+    flag(g, "--rotary-interleaved", a.rotary_interleaved, "Interleaved RoPE channel pairs");
+    flag(g, "--apply-layernorm-1p", a.apply_layernorm_1p, "Norm weights stored as gamma - 1");
+    flag(g, "--qk-layernorm", a.qk_layernorm, "LayerNorm on queries and keys");
+    flag(g, "--apply-residual-connection-post-layernorm", a.apply_residual_connection_post_layernorm,
+         "Post-norm residuals");
+
+    g = "Parallelism";
+    opt(g, "--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size");
+    opt(g, "--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "Pipeline-parallel size");
+    opt(g, "--num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage, "Interleaved pipeline");
+    opt(g, "--context-parallel-size", a.context_parallel_size, "Context-parallel size");
+    opt(g, "--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size");
+    opt(g, "--expert-tensor-parallel-size", a.expert_tensor_parallel_size, "Expert tensor-parallel size");
+    flag(g, "--sequence-parallel", a.sequence_parallel, "Sequence parallelism (with TP)");
+    flag(g, "--use-distributed-optimizer", a.use_distributed_optimizer, "Shard optimizer state over data parallel");
+    flag(g, "--overlap-grad-reduce", a.overlap_grad_reduce, "Overlap the gradient reduction with backward");
+    flag(g, "--overlap-param-gather", a.overlap_param_gather, "Overlap the parameter gather with forward");
+    opt(g, "--distributed-backend", a.distributed_backend, "nccl or gloo");
+    opt(g, "--distributed-timeout-minutes", a.distributed_timeout_minutes, "Collective timeout");
+
+    g = "Batches";
+    opt(g, "--micro-batch-size", a.micro_batch_size, "Samples per microbatch per data-parallel rank");
+    opt(g, "--global-batch-size", a.global_batch_size, "Samples per iteration (default micro x DP)");
+    opt(g, "--rampup-batch-size", a.rampup_batch_size, "START INCR SAMPLES: ramp the global batch up")->expected(3);
+
+    g = "Training";
+    opt(g, "--train-iters", a.train_iters, "Iterations to train");
+    opt(g, "--train-samples", a.train_samples, "Samples to train (instead of --train-iters)");
+    opt(g, "--lr", a.lr, "Peak learning rate");
+    opt(g, "--min-lr", a.min_lr, "Minimum learning rate");
+    opt(g, "--lr-decay-style", a.lr_decay_style, "constant, linear, cosine, inverse-square-root or WSD")
+        ->check(CLI::IsMember({"constant", "linear", "cosine", "inverse-square-root", "WSD"}));
+    opt(g, "--lr-decay-iters", a.lr_decay_iters, "Iterations to decay over (default --train-iters)");
+    opt(g, "--lr-decay-samples", a.lr_decay_samples, "Samples to decay over");
+    opt(g, "--lr-warmup-iters", a.lr_warmup_iters, "Warmup iterations");
+    opt(g, "--lr-warmup-fraction", a.lr_warmup_fraction, "Warmup as a fraction of the decay");
+    opt(g, "--lr-warmup-samples", a.lr_warmup_samples, "Warmup samples");
+    opt(g, "--lr-warmup-init", a.lr_warmup_init, "Learning rate at the start of warmup");
+    opt(g, "--lr-wsd-decay-style", a.lr_wsd_decay_style, "WSD decay: linear, cosine, exponential or minus_sqrt")
+        ->check(CLI::IsMember({"linear", "cosine", "exponential", "minus_sqrt"}));
+    opt(g, "--lr-wsd-decay-iters", a.lr_wsd_decay_iters, "WSD decay iterations");
+    opt(g, "--lr-wsd-decay-samples", a.lr_wsd_decay_samples, "WSD decay samples");
+    opt(g, "--weight-decay", a.weight_decay, "Weight decay");
+    opt(g, "--start-weight-decay", a.start_weight_decay, "Weight decay at the start of the increment");
+    opt(g, "--end-weight-decay", a.end_weight_decay, "Weight decay at the end of the increment");
+    opt(g, "--weight-decay-incr-style", a.weight_decay_incr_style, "constant, linear or cosine")
+        ->check(CLI::IsMember({"constant", "linear", "cosine"}));
+    opt(g, "--clip-grad", a.clip_grad, "Clip gradients to this global L2 norm (0: off)");
+    opt(g, "--adam-beta1", a.adam_beta1, "Adam beta1");
+    opt(g, "--adam-beta2", a.adam_beta2, "Adam beta2");
+    opt(g, "--adam-eps", a.adam_eps, "Adam epsilon");
+    opt(g, "--optimizer", a.optimizer, "adam")->check(CLI::IsMember({"adam"}));
+    flag(g, "--override-opt-param-scheduler", a.override_opt_param_scheduler, "Take scheduler values from the flags");
+    flag(g, "--use-checkpoint-opt-param-scheduler", a.use_checkpoint_opt_param_scheduler,
+         "Take them from the checkpoint");
+
+    g = "Data";
+    opt(g, "--data-path", a.data_path, "[weight] prefix ... : the training data blend")->expected(1, 1 << 20);
+    opt(g, "--split", a.split, "Train/valid/test split, e.g. 969,30,1");
+    opt(g, "--train-data-path", a.train_data_path, "Training data blend")->expected(1, 1 << 20);
+    opt(g, "--valid-data-path", a.valid_data_path, "Validation data blend")->expected(1, 1 << 20);
+    opt(g, "--test-data-path", a.test_data_path, "Test data blend")->expected(1, 1 << 20);
+    opt(g, "--data-cache-path", a.data_cache_path, "Where the dataset index caches live");
+    flag(g, "--mock-data", a.mock_data, "Synthetic data (no files)");
+    opt(g, "--tokenizer-type", a.tokenizer_type, "GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, ...");
+    opt(g, "--vocab-file", a.vocab_file, "Vocabulary file");
+    opt(g, "--merge-file", a.merge_file, "BPE merges file");
+    opt(g, "--tokenizer-model", a.tokenizer_model, "Tokenizer model file or folder");
+    opt(g, "--vocab-size", a.vocab_size, "Vocabulary size (NullTokenizer)");
+    opt(g, "--tiktoken-pattern", a.tiktoken_pattern, "v1 or v2");
+    opt(g, "--num-workers", a.num_workers, "Data loader workers");
+    flag(g, "--reset-position-ids", a.reset_position_ids, "Restart position ids after each EOD");
+    flag(g, "--reset-attention-mask", a.reset_attention_mask, "Block attention across EODs");
+    flag(g, "--eod-mask-loss", a.eod_mask_loss, "No loss on EOD tokens");
+    flag(g, "--no-create-attention-mask-in-dataloader", a.no_create_attention_mask_in_dataloader, "");
+
+    g = "Checkpoints";
+    opt(g, "--save", a.save, "Directory to save checkpoints to");
+    opt(g, "--load", a.load, "Directory to load checkpoints from");
+    opt(g, "--pretrained-checkpoint", a.pretrained_checkpoint, "Directory of a pretrained model for finetuning");
+    opt(g, "--save-interval", a.save_interval, "Save every N iterations");
+    flag(g, "--no-save-optim", a.no_save_optim, "Do not save the optimizer state");
+    flag(g, "--no-save-rng", a.no_save_rng, "Do not save the RNG state");
+    flag(g, "--no-load-optim", a.no_load_optim, "Do not load the optimizer state");
+    flag(g, "--no-load-rng", a.no_load_rng, "Do not load the RNG state");
+    flag(g, "--finetune", a.finetune, "Load weights only; start at iteration 0 with a fresh optimizer");
+    flag(g, "--async-save", a.async_save, "Write checkpoints on a background thread");
+    opt(g, "--ckpt-format", a.ckpt_format, "Checkpoint format (accepted; megatron.cpp writes its own)");
+    flag(g, "--use-checkpoint-args", a.use_checkpoint_args, "Take the model arguments from the checkpoint");
+    flag(g, "--exit-on-missing-checkpoint", a.exit_on_missing_checkpoint, "Fail if --load has no checkpoint");
+
+    g = "Evaluation";
+    opt(g, "--eval-interval", a.eval_interval, "Evaluate every N iterations");
+    opt(g, "--eval-iters", a.eval_iters, "Iterations per evaluation");
+    flag(g, "--skip-train", a.skip_train, "Evaluate only");
+
+    g = "Logging";
+    opt(g, "--log-interval", a.log_interval, "Print the iteration line every N iterations");
+    flag(g, "--log-throughput", a.log_throughput, "Add TFLOP/s/GPU and tokens/s/GPU");
+    opt(g, "--tensorboard-dir", a.tensorboard_dir, "Write TensorBoard events here");
+    opt(g, "--tensorboard-log-interval", a.tensorboard_log_interval, "TensorBoard every N iterations");
+    opt(g, "--tensorboard-queue-size", a.tensorboard_queue_size, "Events buffered before a flush");
+    flag(g, "--log-timers-to-tensorboard", a.log_timers_to_tensorboard, "Timers to TensorBoard");
+    flag(g, "--log-memory-to-tensorboard", a.log_memory_to_tensorboard, "Memory to TensorBoard");
+    flag(g, "--log-validation-ppl-to-tensorboard", a.log_validation_ppl_to_tensorboard,
+         "Validation PPL to TensorBoard");
+    flag(g, "--log-params-norm", a.log_params_norm, "Print the parameter norm");
+    flag(g, "--log-num-zeros-in-grad", a.log_num_zeros_in_grad, "Print the number of zero gradients");
+    opt(g, "--timing-log-level", a.timing_log_level, "0, 1 or 2")->check(CLI::Range(0, 2));
+    opt(g, "--wandb-project", a.wandb_project, "Weights & Biases project (not supported: warned and ignored)");
+
+    g = "Precision";
+    flag(g, "--bf16", a.bf16, "bf16 parameters and activations, fp32 master weights and grads");
+    flag(g, "--fp16", a.fp16, "fp16 with a loss scaler");
+    opt(g, "--loss-scale", a.loss_scale, "Constant loss scale (default: dynamic with --fp16)");
+    opt(g, "--initial-loss-scale", a.initial_loss_scale, "Initial dynamic loss scale");
+    opt(g, "--min-loss-scale", a.min_loss_scale, "Minimum dynamic loss scale");
+    opt(g, "--loss-scale-window", a.loss_scale_window, "Iterations without overflow before growing the scale");
+    opt(g, "--hysteresis", a.hysteresis, "Overflows tolerated before backing off");
+    flag(g, "--accumulate-allreduce-grads-in-fp32", a.accumulate_allreduce_grads_in_fp32, "fp32 grads (always on)");
+    opt(g, "--fp8-format", a.fp8_format, "e4m3 or hybrid");
+    opt(g, "--fp8-recipe", a.fp8_recipe, "delayed, tensorwise or blockwise");
+
+    g = "Activation recomputation";
+    opt(g, "--recompute-granularity", a.recompute_granularity, "full or selective")
+        ->check(CLI::IsMember({"full", "selective"}));
+    opt(g, "--recompute-method", a.recompute_method, "uniform or block")->check(CLI::IsMember({"uniform", "block"}));
+    opt(g, "--recompute-num-layers", a.recompute_num_layers, "Layers per recomputed chunk (or recomputed layers)");
+    flag(g, "--recompute-activations", a.recompute_activations, "Alias of --recompute-granularity selective");
+
+    g = "Exit";
+    opt(g, "--exit-interval", a.exit_interval, "Exit after this iteration");
+    opt(g, "--exit-duration-in-mins", a.exit_duration_in_mins, "Exit after this many minutes");
+    flag(g, "--exit-signal-handler", a.exit_signal_handler, "On SIGTERM: save a checkpoint, then exit");
+
+    g = "Mixture of experts";
+    opt(g, "--num-experts", a.num_experts, "Number of experts (MoE)");
+    opt(g, "--moe-router-topk", a.moe_router_topk, "Experts per token");
+
+    g = "megatron.cpp";
+    opt(g, "--device", a.device, "auto (GPU when present), cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+    no_effect();
+  }
+};
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+}  // namespace
+
+std::string nearest_flag(const std::string& word, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_d = SIZE_MAX;
+  for (const std::string& c : candidates) {
+    size_t d = edit_distance(word, c);
+    if (d < best_d) best_d = d, best = c;
+  }
+  return best;
+}
+
+std::vector<std::string> known_flags() {
+  Arguments a;
+  Parser p(a, "");
+  p.define();
+  return p.flags;
+}
+
+std::optional<Arguments> parse_args(int argc, const char* const* argv, const std::string& description) {
+  Arguments a;
+  Parser p(a, description);
+  p.define();
+  std::vector<std::string> args(argv + 1, argv + argc);
+  // CLI11 takes "--flag=value" and "--flag value"; Megatron's argparse takes both too.
+  std::reverse(args.begin(), args.end());
+  try {
+    p.app.parse(args);
+  } catch (const CLI::CallForHelp&) {
+    std::fputs(p.app.help().c_str(), stdout);
+    return std::nullopt;
+  } catch (const CLI::ExtrasError& e) {
+    std::string first;
+    for (auto it = args.rbegin(); it != args.rend(); ++it) {
+      if (it->rfind("-", 0) == 0) {
+        first = it->substr(0, it->find('='));
+        break;
+      }
+    }
+    if (first.empty()) MG_CHECK(false, "unexpected argument(s): {} (see --help)", e.what());
+    MG_CHECK(false, "unknown flag {}: did you mean {}? (see --help)", first, nearest_flag(first, p.flags));
+  } catch (const CLI::ParseError& e) {
+    MG_CHECK(false, "bad command line: {} (see --help)", e.what());
+  }
+  for (const auto& [name, set] : p.no_effect_flags) {
+    if (*set) std::fprintf(stderr, "warning: %s has no effect in megatron.cpp\n", name.c_str());
+  }
+  for (const auto& [name, value] : p.no_effect_options) {
+    if (!value->empty()) std::fprintf(stderr, "warning: %s has no effect in megatron.cpp\n", name.c_str());
+  }
+  if (!a.wandb_project.empty()) std::fprintf(stderr, "warning: --wandb-project is not supported; nothing is sent\n");
+  return a;
+}
+
+void validate_args(Arguments& a) {
+  // ---- parallel layout (Megatron's order tp-cp-ep-dp-pp)
+  const int model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size * a.context_parallel_size;
+  MG_CHECK(model_parallel > 0 && a.world_size % model_parallel == 0,
+           "world size ({}) is not divisible by tensor ({}) x pipeline ({}) x context ({}) parallel size: launch a "
+           "multiple of {} processes",
+           a.world_size, a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size,
+           model_parallel);
+  a.data_parallel_size = a.world_size / model_parallel;
+  MG_CHECK(a.expert_model_parallel_size == 1 && a.num_experts == 0,
+           "mixture of experts (--num-experts, --expert-model-parallel-size) is not supported yet");
+  MG_CHECK(!a.sequence_parallel || a.tensor_model_parallel_size > 1,
+           "--sequence-parallel needs --tensor-model-parallel-size > 1");
+  MG_CHECK(!a.qk_layernorm, "--qk-layernorm is not supported yet");
+  MG_CHECK(!a.apply_residual_connection_post_layernorm, "--apply-residual-connection-post-layernorm is not supported");
+  MG_CHECK(a.fp8_format.empty(), "--fp8-format is not supported yet");
+
+  // ---- model shape
+  MG_CHECK(a.num_layers > 0, "--num-layers is required");
+  MG_CHECK(a.hidden_size > 0, "--hidden-size is required");
+  MG_CHECK(a.num_attention_heads > 0, "--num-attention-heads is required");
+  MG_CHECK(a.num_layers % a.pipeline_model_parallel_size == 0,
+           "--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({})", a.num_layers,
+           a.pipeline_model_parallel_size);
+  if (a.use_rotary_position_embeddings) a.position_embedding_type = "rope";
+  if (a.ffn_hidden_size == 0) {
+    a.ffn_hidden_size = a.swiglu ? int((4.0 * a.hidden_size * 2.0 / 3.0) / 64.0) * 64 : 4 * a.hidden_size;
+  }
+  if (!a.group_query_attention) a.num_query_groups = a.num_attention_heads;
+  MG_CHECK(a.seq_length > 0, "--seq-length is required");
+  if (a.max_position_embeddings == 0) a.max_position_embeddings = a.seq_length;
+  if (a.position_embedding_type == "learned_absolute") {
+    MG_CHECK(a.max_position_embeddings >= a.seq_length,
+             "--max-position-embeddings ({}) must be at least --seq-length ({}) with learned position embeddings",
+             a.max_position_embeddings, a.seq_length);
+  }
+
+  // ---- batches
+  MG_CHECK(a.micro_batch_size > 0, "--micro-batch-size is required");
+  if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size * a.data_parallel_size;
+  MG_CHECK(a.global_batch_size % (a.micro_batch_size * a.data_parallel_size) == 0,
+           "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) x data-parallel size ({})",
+           a.global_batch_size, a.micro_batch_size, a.data_parallel_size);
+  if (!a.rampup_batch_size.empty()) {
+    MG_CHECK(a.rampup_batch_size.size() == 3, "--rampup-batch-size takes three values: START INCR SAMPLES");
+    MG_CHECK(a.train_iters == 0, "--rampup-batch-size needs sample-based training (--train-samples), as in Megatron");
+  }
+
+  // ---- training length and schedule
+  if (!a.skip_train) {
+    MG_CHECK((a.train_iters > 0) != (a.train_samples > 0), "give exactly one of --train-iters and --train-samples");
+    MG_CHECK(a.lr >= 0.0, "--lr is required");
+  }
+  if (a.train_iters > 0) {
+    MG_CHECK(a.lr_decay_samples == 0, "expected iteration-based learning rate decay (--lr-decay-iters)");
+    MG_CHECK(a.lr_warmup_samples == 0, "expected iteration-based learning rate warmup (--lr-warmup-iters)");
+  }
+  if (a.train_samples > 0) {
+    MG_CHECK(a.lr_decay_iters == 0, "expected sample-based learning rate decay (--lr-decay-samples)");
+    MG_CHECK(a.lr_warmup_iters == 0, "expected sample-based learning rate warmup (--lr-warmup-samples)");
+  }
+  MG_CHECK(!(a.lr_warmup_fraction >= 0.0 && (a.lr_warmup_iters > 0 || a.lr_warmup_samples > 0)),
+           "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples cannot both be given");
+  if (a.weight_decay_incr_style == "constant") {
+    MG_CHECK(a.start_weight_decay < 0 && a.end_weight_decay < 0,
+             "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine");
+    a.start_weight_decay = a.end_weight_decay = a.weight_decay;
+  } else {
+    MG_CHECK(a.start_weight_decay >= 0 && a.end_weight_decay >= 0,
+             "--weight-decay-incr-style {} needs --start-weight-decay and --end-weight-decay",
+             a.weight_decay_incr_style);
+  }
+
+  // ---- precision and recomputation
+  MG_CHECK(!(a.bf16 && a.fp16), "--bf16 and --fp16 cannot both be given");
+  if (a.recompute_activations) a.recompute_granularity = "selective";
+  if (a.recompute_granularity == "full") {
+    MG_CHECK(!a.recompute_method.empty(), "--recompute-granularity full needs --recompute-method uniform or block");
+  }
+
+  // ---- data
+  const bool per_split = !a.train_data_path.empty() || !a.valid_data_path.empty() || !a.test_data_path.empty();
+  if (!a.skip_train || a.eval_iters > 0) {
+    MG_CHECK(a.mock_data || !a.data_path.empty() || per_split,
+             "no data: give --data-path (or --train-data-path/--valid-data-path/--test-data-path) or --mock-data");
+  }
+  MG_CHECK(!(per_split && !a.data_path.empty()), "give --data-path or the per-split paths, not both");
+  if (a.split.empty()) a.split = a.mock_data ? "1,1,1" : "969, 30, 1";
+  MG_CHECK(a.eval_interval > 0, "--eval-interval must be positive");
+  MG_CHECK(a.log_interval > 0, "--log-interval must be positive");
+  MG_CHECK(a.device == "auto" || a.device == "cpu" || a.device == "cuda", "--device must be auto, cpu or cuda");
+}
+
+TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab_size) {
+  TransformerConfig c;
+  c.num_layers = a.num_layers;
+  c.hidden_size = a.hidden_size;
+  c.ffn_hidden_size = a.ffn_hidden_size;
+  c.num_attention_heads = a.num_attention_heads;
+  c.num_query_groups = a.num_query_groups;
+  c.kv_channels = a.kv_channels;
+  c.max_position_embeddings = a.max_position_embeddings;
+  c.seq_length = a.seq_length;
+  c.vocab_size = int(vocab_size);
+  c.make_vocab_size_divisible_by = a.make_vocab_size_divisible_by;
+  c.normalization = a.normalization;
+  c.layernorm_zero_centered_gamma = a.apply_layernorm_1p;
+  c.layernorm_epsilon = a.norm_epsilon;
+  c.add_bias_linear = !a.disable_bias_linear;
+  c.add_qkv_bias = a.add_qkv_bias;
+  c.activation = a.swiglu ? "swiglu" : "gelu";
+  c.gated_linear_unit = a.swiglu;
+  c.position_embedding_type = a.position_embedding_type;
+  c.rotary_base = a.rotary_base;
+  c.rotary_percent = a.rotary_percent;
+  c.rotary_interleaved = a.rotary_interleaved;
+  c.share_embeddings_and_output_weights = !a.untie_embeddings_and_output_weights;
+  c.hidden_dropout = a.hidden_dropout;
+  c.attention_dropout = a.attention_dropout;
+  c.init_method_std = a.init_method_std;
+  c.bf16 = a.bf16;
+  c.fp16 = a.fp16;
+  c.recompute_granularity = a.recompute_granularity;
+  c.recompute_method = a.recompute_method;
+  c.recompute_num_layers = a.recompute_num_layers;
+  c.tensor_model_parallel_size = a.tensor_model_parallel_size;
+  c.finalize();
+  return c;
+}
+
+TokenizerArgs tokenizer_args_from_args(const Arguments& a) {
+  TokenizerArgs t;
+  t.tokenizer_type = a.tokenizer_type;
+  t.vocab_file = a.vocab_file;
+  t.merge_file = a.merge_file;
+  t.tokenizer_model = a.tokenizer_model;
+  if (a.vocab_size > 0) t.vocab_size = a.vocab_size;
+  t.tiktoken_pattern = a.tiktoken_pattern;
+  return t;
+}
+
+}  // namespace megatron

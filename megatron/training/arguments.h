@@ -1,0 +1,190 @@
+// Megatron's command line: every flag of pretrain_gpt with Megatron's spelling, meaning and default
+// (megatron/training/arguments.py), parsed with CLI11 and validated as Megatron's validate_args
+// does. Unknown flags are an error naming the nearest known flag; --help lists the flags by group.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "megatron/core/tokenizers/tokenizer.h"
+#include "megatron/core/transformer/transformer_config.h"
+
+namespace megatron {
+
+struct OptimizerConfig;
+struct SchedulerConfig;
+
+struct Arguments {
+  // ---- model
+  int num_layers = 0;
+  int hidden_size = 0;
+  int ffn_hidden_size = 0;
+  int num_attention_heads = 0;
+  int kv_channels = 0;
+  bool group_query_attention = false;
+  int num_query_groups = 1;
+  int seq_length = 0;
+  int max_position_embeddings = 0;
+  int make_vocab_size_divisible_by = 128;
+  bool untie_embeddings_and_output_weights = false;
+  bool disable_bias_linear = false;
+  bool add_qkv_bias = false;
+  float attention_dropout = 0.1f;
+  float hidden_dropout = 0.1f;
+  float init_method_std = 0.02f;
+  int64_t seed = 1234;
+  std::string normalization = "LayerNorm";
+  float norm_epsilon = 1e-5f;
+  bool swiglu = false;
+  std::string position_embedding_type = "learned_absolute";
+  bool use_rotary_position_embeddings = false;
+  float rotary_base = 10000.0f;
+  float rotary_percent = 1.0f;
+  bool rotary_interleaved = false;
+  bool apply_layernorm_1p = false;
+  bool qk_layernorm = false;
+  bool apply_residual_connection_post_layernorm = false;
+
+  // ---- parallelism
+  int tensor_model_parallel_size = 1;
+  int pipeline_model_parallel_size = 1;
+  int num_layers_per_virtual_pipeline_stage = 0;
+  int context_parallel_size = 1;
+  int expert_model_parallel_size = 1;
+  int expert_tensor_parallel_size = 0;
+  bool sequence_parallel = false;
+  bool use_distributed_optimizer = false;
+  bool overlap_grad_reduce = false;
+  bool overlap_param_gather = false;
+  std::string distributed_backend = "nccl";
+  int distributed_timeout_minutes = 10;
+  int world_size = 1;          // from the launcher (1 for a single process)
+  int data_parallel_size = 1;  // derived
+
+  // ---- batches
+  int micro_batch_size = 0;
+  int global_batch_size = 0;
+  std::vector<int64_t> rampup_batch_size;  // START INCR SAMPLES
+
+  // ---- training length, learning rate, regularisation
+  int64_t train_iters = 0;
+  int64_t train_samples = 0;
+  double lr = -1.0;  // unset: required unless --skip-train
+  double min_lr = 0.0;
+  std::string lr_decay_style = "linear";
+  int64_t lr_decay_iters = 0;
+  int64_t lr_decay_samples = 0;
+  int64_t lr_warmup_iters = 0;
+  double lr_warmup_fraction = -1.0;
+  int64_t lr_warmup_samples = 0;
+  double lr_warmup_init = 0.0;
+  std::string lr_wsd_decay_style = "exponential";
+  int64_t lr_wsd_decay_iters = 0;
+  int64_t lr_wsd_decay_samples = 0;
+  double weight_decay = 0.01;
+  double start_weight_decay = -1.0;
+  double end_weight_decay = -1.0;
+  std::string weight_decay_incr_style = "constant";
+  double clip_grad = 1.0;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  std::string optimizer = "adam";
+  bool override_opt_param_scheduler = false;
+  bool use_checkpoint_opt_param_scheduler = false;
+
+  // ---- data
+  std::vector<std::string> data_path;
+  std::string split;  // default per data source (validate)
+  std::vector<std::string> train_data_path, valid_data_path, test_data_path;
+  std::string data_cache_path;
+  bool mock_data = false;
+  std::string tokenizer_type;
+  std::string vocab_file, merge_file, tokenizer_model;
+  int64_t vocab_size = 0;
+  std::string tiktoken_pattern;
+  int num_workers = 2;
+  bool reset_position_ids = false;
+  bool reset_attention_mask = false;
+  bool eod_mask_loss = false;
+  bool no_create_attention_mask_in_dataloader = false;
+
+  // ---- checkpoints
+  std::string save, load, pretrained_checkpoint;
+  int64_t save_interval = 0;
+  bool no_save_optim = false, no_save_rng = false, no_load_optim = false, no_load_rng = false;
+  bool finetune = false;
+  bool async_save = false;
+  std::string ckpt_format = "torch_dist";
+  bool use_checkpoint_args = false;
+  bool exit_on_missing_checkpoint = false;
+
+  // ---- evaluation
+  int64_t eval_interval = 1000;
+  int64_t eval_iters = 100;
+  bool skip_train = false;
+
+  // ---- logging
+  int64_t log_interval = 100;
+  bool log_throughput = false;
+  std::string tensorboard_dir;
+  int64_t tensorboard_log_interval = 1;
+  int tensorboard_queue_size = 1000;
+  bool log_timers_to_tensorboard = false;
+  bool log_memory_to_tensorboard = false;
+  bool log_validation_ppl_to_tensorboard = false;
+  bool log_params_norm = false;
+  bool log_num_zeros_in_grad = false;
+  int timing_log_level = 0;
+  std::string wandb_project;
+
+  // ---- precision
+  bool bf16 = false;
+  bool fp16 = false;
+  double loss_scale = 0.0;
+  double initial_loss_scale = 4294967296.0;
+  double min_loss_scale = 1.0;
+  int64_t loss_scale_window = 1000;
+  int64_t hysteresis = 2;
+  bool accumulate_allreduce_grads_in_fp32 = false;
+  std::string fp8_format, fp8_recipe;
+
+  // ---- activation recomputation
+  std::string recompute_granularity;
+  std::string recompute_method;
+  int recompute_num_layers = 0;
+  bool recompute_activations = false;
+
+  // ---- exit
+  int64_t exit_interval = 0;
+  double exit_duration_in_mins = 0.0;
+  bool exit_signal_handler = false;
+
+  // ---- mixture of experts (accepted; refused when enabled)
+  int num_experts = 0;
+  int moe_router_topk = 2;
+
+  // ---- megatron.cpp's own
+  std::string device = "auto";  // auto | cpu | cuda
+};
+
+/// Parses argv (argv[0] is the program). Prints --help and returns std::nullopt when asked for help;
+/// throws megatron::Error for unknown flags (naming the nearest), bad values and invalid combinations.
+std::optional<Arguments> parse_args(int argc, const char* const* argv, const std::string& program_description);
+
+/// Megatron's validate_args: derives defaults and checks every combination rule (throws).
+void validate_args(Arguments& args);
+
+/// The pieces other modules take.
+TransformerConfig transformer_config_from_args(const Arguments& args, int64_t vocab_size);
+TokenizerArgs tokenizer_args_from_args(const Arguments& args);
+
+/// Every flag name (for the nearest-flag suggestion and documentation), e.g. "--num-layers".
+std::vector<std::string> known_flags();
+
+/// The Levenshtein-nearest of `candidates` to `word`.
+std::string nearest_flag(const std::string& word, const std::vector<std::string>& candidates);
+
+}  // namespace megatron

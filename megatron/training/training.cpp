@@ -1,0 +1,412 @@
+#include "megatron/training/training.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "megatron/core/optimizer/optimizer.h"
+#include "megatron/core/optimizer/optimizer_param_scheduler.h"
+#include "megatron/kernels/ops.h"
+#include "megatron/training/checkpointing.h"
+#include "megatron/training/num_microbatches.h"
+#include "megatron/training/signal_handler.h"
+#include "megatron/training/tensorboard.h"
+#include "megatron/training/timers.h"
+#include "megatron/training/training_log.h"
+
+namespace megatron {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+void print_line(const std::string& s) {
+  std::fputs(s.c_str(), stdout);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+}
+
+OptimizerConfig optimizer_config_from_args(const Arguments& a) {
+  OptimizerConfig c;
+  c.lr = a.lr;
+  c.min_lr = a.min_lr;
+  c.weight_decay = a.weight_decay;
+  c.fp16 = a.fp16;
+  c.bf16 = a.bf16;
+  c.loss_scale = a.loss_scale;
+  c.initial_loss_scale = a.initial_loss_scale;
+  c.min_loss_scale = a.min_loss_scale;
+  c.loss_scale_window = a.loss_scale_window;
+  c.hysteresis = a.hysteresis;
+  c.adam_beta1 = a.adam_beta1;
+  c.adam_beta2 = a.adam_beta2;
+  c.adam_eps = a.adam_eps;
+  c.clip_grad = a.clip_grad;
+  c.log_num_zeros_in_grad = a.log_num_zeros_in_grad;
+  return c;
+}
+
+// Megatron's get_optimizer_param_scheduler: iteration-based flags become samples.
+OptimizerParamSchedulerConfig scheduler_config_from_args(const Arguments& a) {
+  if (a.train_iters > 0 || a.train_samples == 0) {
+    IterationScheduleArgs s;
+    s.train_iters = std::max<int64_t>(a.train_iters, 1);
+    s.global_batch_size = a.global_batch_size;
+    s.lr = std::max(a.lr, 0.0);
+    s.min_lr = a.min_lr;
+    s.lr_warmup_init = a.lr_warmup_init;
+    s.lr_decay_style = lr_decay_style_from_string(a.lr_decay_style);
+    if (a.lr_decay_iters > 0) s.lr_decay_iters = a.lr_decay_iters;
+    s.lr_warmup_iters = a.lr_warmup_iters;
+    if (a.lr_warmup_fraction >= 0) s.lr_warmup_fraction = a.lr_warmup_fraction;
+    if (a.lr_wsd_decay_iters > 0) s.lr_wsd_decay_iters = a.lr_wsd_decay_iters;
+    s.lr_wsd_decay_style = wsd_decay_style_from_string(a.lr_wsd_decay_style);
+    s.weight_decay = a.weight_decay;
+    s.start_weight_decay = a.start_weight_decay;
+    s.end_weight_decay = a.end_weight_decay;
+    s.weight_decay_incr_style = wd_incr_style_from_string(a.weight_decay_incr_style);
+    OptimizerParamSchedulerConfig c = scheduler_config_from_iterations(s);
+    c.override_opt_param_scheduler = a.override_opt_param_scheduler;
+    c.use_checkpoint_opt_param_scheduler = !a.override_opt_param_scheduler;
+    return c;
+  }
+  // Sample-based training (--train-samples).
+  OptimizerParamSchedulerConfig c;
+  c.init_lr = a.lr_warmup_init;
+  c.max_lr = a.lr;
+  c.min_lr = a.min_lr;
+  c.lr_decay_steps = a.lr_decay_samples > 0 ? a.lr_decay_samples : a.train_samples;
+  c.lr_warmup_steps =
+      a.lr_warmup_fraction >= 0 ? a.lr_warmup_fraction * double(c.lr_decay_steps) : double(a.lr_warmup_samples);
+  c.lr_decay_style = lr_decay_style_from_string(a.lr_decay_style);
+  if (a.lr_wsd_decay_samples > 0) c.wsd_decay_steps = a.lr_wsd_decay_samples;
+  c.lr_wsd_decay_style = wsd_decay_style_from_string(a.lr_wsd_decay_style);
+  c.start_wd = a.start_weight_decay;
+  c.end_wd = a.end_weight_decay;
+  c.wd_incr_steps = a.train_samples;
+  c.wd_incr_style = wd_incr_style_from_string(a.weight_decay_incr_style);
+  c.override_opt_param_scheduler = a.override_opt_param_scheduler;
+  c.use_checkpoint_opt_param_scheduler = !a.override_opt_param_scheduler;
+  return c;
+}
+
+std::string memory_report(Device device, int64_t iteration) {
+  MemoryStats m = memory_stats(device);
+  const double mb = 1024.0 * 1024.0;
+  return fmt::format("[Rank 0] (after {} iterations) memory (MB) | allocated: {:.2f} | max allocated: {:.2f}",
+                     iteration, m.allocated / mb, m.peak_allocated / mb);
+}
+
+// Everything the loop carries between iterations.
+struct Trainer {
+  Arguments& args;
+  const PretrainCallbacks& callbacks;
+  Context& ctx;
+  GPTModel& model;
+  AdamOptimizer& optimizer;
+  OptimizerParamScheduler& scheduler;
+  Checkpointer& checkpointer;
+  NumMicroBatchesCalculator& microbatches;
+  DataIterators& data;
+  TensorBoardWriter* tb;
+  TrainingProgress& progress;
+  Clock::time_point program_start;
+  Timers timers{args.timing_log_level};
+  SignalHandler* signals = nullptr;
+
+  // Interval accumulators (Megatron's total_loss_dict).
+  double interval_loss = 0;
+  int64_t interval_advanced = 0, interval_skipped = 0, interval_nan = 0;
+  int64_t total_skipped = 0;
+  Clock::time_point interval_start = Clock::now();
+  bool reported_memory = false;
+
+  float loss_scale() const { return optimizer.loss_scale(); }
+
+  void apply_schedule() {
+    ScheduledValues v = scheduler.values();
+    optimizer.set_lr(v.lr);
+    optimizer.set_weight_decay(v.wd);
+  }
+
+  // One iteration: all microbatches of the global batch, then the optimizer.
+  OptimizerStepResult train_step(double& lm_loss) {
+    model.params().zero_grad();
+    timers.start("forward-backward", 1);
+    LossSums sums = forward_backward_no_pipelining(ctx, model, callbacks.forward_step, data.train,
+                                                   microbatches.num_microbatches(), loss_scale(), false);
+    timers.stop("forward-backward");
+    timers.start("optimizer", 1);
+    OptimizerStepResult r = optimizer.step(ctx);
+    timers.stop("optimizer");
+    if (r.update_successful) {
+      scheduler.step(microbatches.current_global_batch_size());
+      apply_schedule();
+    }
+    lm_loss = sums.num_tokens > 0 ? sums.loss_sum / sums.num_tokens : 0.0;
+    return r;
+  }
+
+  double params_norm() {
+    double sq = 0;
+    for (const Parameter& p : optimizer.parameters()) sq += ops::grad_stats(ctx, optimizer.state(p.name).master).sum_sq;
+    return std::sqrt(sq);
+  }
+
+  void log(const OptimizerStepResult& r, int64_t train_iters) {
+    const int64_t iterations = interval_advanced + interval_skipped;
+    const double elapsed_ms = seconds_since(interval_start) * 1000.0 / double(std::max<int64_t>(iterations, 1));
+    const int64_t gbs = microbatches.current_global_batch_size();
+    IterationLogFields f;
+    f.iteration = progress.iteration;
+    f.train_iters = train_iters;
+    f.consumed_samples = progress.consumed_train_samples;
+    f.elapsed_ms_per_iteration = elapsed_ms;
+    const double flops = num_floating_point_operations(args, model.config().padded_vocab_size, gbs);
+    if (args.log_throughput) {
+      f.tflops_per_gpu = flops / (elapsed_ms / 1000.0 * 1e12 * args.world_size);
+      f.tokens_per_sec_per_gpu = double(gbs) * args.seq_length / (elapsed_ms / 1000.0) / args.world_size;
+    }
+    f.learning_rate = optimizer.lr();
+    f.global_batch_size = gbs;
+    if (interval_advanced > 0) f.losses.emplace_back("lm loss", interval_loss / double(interval_advanced));
+    f.loss_scale = loss_scale();
+    f.grad_norm = r.grad_norm;
+    f.num_zeros_in_grad = r.num_zeros_in_grad;
+    if (args.log_params_norm) f.params_norm = params_norm();
+    f.skipped_iterations = interval_skipped;
+    f.nan_iterations = interval_nan;
+    print_line(format_iteration_line(f));
+    if (!reported_memory) {
+      print_line(format_theoretical_memory(
+          theoretical_memory(args, model.config().padded_vocab_size, microbatches.num_microbatches())));
+      print_line(memory_report(ctx.device(), progress.iteration));
+      reported_memory = true;
+    }
+    const std::string t = timers.log(double(std::max<int64_t>(iterations, 1)));
+    if (!t.empty()) std::fputs(t.c_str(), stdout);
+    if (tb) {
+      const int64_t it = progress.iteration, samples = progress.consumed_train_samples;
+      tb->add_scalar("learning-rate", f.learning_rate, it);
+      tb->add_scalar("learning-rate vs samples", f.learning_rate, samples);
+      tb->add_scalar("batch-size", double(gbs), it);
+      tb->add_scalar("batch-size vs samples", double(gbs), samples);
+      for (const auto& [name, value] : f.losses) {
+        tb->add_scalar(name, value, it);
+        tb->add_scalar(name + " vs samples", value, samples);
+      }
+      tb->add_scalar("loss-scale", f.loss_scale, it);
+      tb->add_scalar("loss-scale vs samples", f.loss_scale, samples);
+      if (f.grad_norm) {
+        tb->add_scalar("grad-norm", *f.grad_norm, it);
+        tb->add_scalar("grad-norm vs samples", *f.grad_norm, samples);
+      }
+      if (f.num_zeros_in_grad) tb->add_scalar("num-zeros", double(*f.num_zeros_in_grad), it);
+      if (f.params_norm) tb->add_scalar("params-norm", *f.params_norm, it);
+      tb->add_scalar("iteration-time", elapsed_ms / 1000.0, it);
+      if (f.tflops_per_gpu) tb->add_scalar("throughput", *f.tflops_per_gpu, it);
+      if (f.tokens_per_sec_per_gpu) tb->add_scalar("tokens-per-second-per-gpu", *f.tokens_per_sec_per_gpu, it);
+      if (args.log_memory_to_tensorboard) {
+        MemoryStats m = memory_stats(ctx.device());
+        tb->add_scalar("mem-allocated-bytes", double(m.allocated), it);
+        tb->add_scalar("mem-max-allocated-bytes", double(m.peak_allocated), it);
+      }
+      tb->flush();
+    }
+    interval_loss = 0;
+    interval_advanced = interval_skipped = interval_nan = 0;
+    interval_start = Clock::now();
+  }
+
+  // Megatron's evaluate_and_print_results.
+  void evaluate(const std::string& prefix, BatchIterator& iterator, bool is_test) {
+    if (!iterator || args.eval_iters <= 0) return;
+    LossSums total;
+    for (int64_t k = 0; k < args.eval_iters; ++k) {
+      LossSums s = forward_backward_no_pipelining(ctx, model, callbacks.forward_step, iterator,
+                                                  microbatches.num_microbatches(), 1.0f, true);
+      total.loss_sum += s.loss_sum;
+      total.num_tokens += s.num_tokens;
+      if (!is_test) progress.consumed_valid_samples += microbatches.current_global_batch_size();
+    }
+    const double loss = total.num_tokens > 0 ? total.loss_sum / total.num_tokens : 0.0;
+    print_line(format_validation_block(prefix, {{"lm loss", loss}}));
+    if (tb) {
+      const std::string split = is_test ? "test" : "validation";
+      tb->add_scalar("lm loss " + split, loss, progress.iteration);
+      tb->add_scalar("lm loss " + split + " vs samples", loss, progress.consumed_train_samples);
+      if (args.log_validation_ppl_to_tensorboard) {
+        tb->add_scalar("lm loss " + split + " ppl", std::exp(std::min(20.0, loss)), progress.iteration);
+      }
+      tb->flush();
+    }
+  }
+
+  void save() {
+    if (args.save.empty()) return;
+    timers.start("save-checkpoint", 0);
+    checkpointer.save(ctx, model, args.no_save_optim ? nullptr : &optimizer, &scheduler, progress);
+    timers.stop("save-checkpoint");
+    const double ms = timers.elapsed_ms("save-checkpoint", /*reset=*/false);
+    print_line(fmt::format("  {} checkpoint at iteration {:7d} to {} in {:.1f} ms",
+                           args.async_save ? "scheduled" : "saved", progress.iteration, args.save, ms));
+  }
+
+  // Megatron's checkpoint_and_decide_exit. Returns true when training must stop now.
+  bool checkpoint_and_decide_exit() {
+    if (signals && signals->signal_received()) {
+      save();
+      print_line(fmt::format("{} exiting program after receiving SIGTERM.", timestamp_now()));
+      return true;
+    }
+    bool saved = false;
+    if (args.save_interval > 0 && progress.iteration % args.save_interval == 0) {
+      save();
+      saved = !args.save.empty();
+    }
+    if (args.exit_duration_in_mins > 0) {
+      const double minutes = seconds_since(program_start) / 60.0;
+      if (minutes > args.exit_duration_in_mins) {
+        if (!saved) save();
+        print_line(fmt::format("{} exiting program after {:.3f} minutes", timestamp_now(), minutes));
+        return true;
+      }
+    }
+    if (args.exit_interval > 0 && progress.iteration % args.exit_interval == 0) {
+      if (!saved) save();
+      print_line(fmt::format("{} exiting program at iteration {}", timestamp_now(), progress.iteration));
+      return true;
+    }
+    return false;
+  }
+
+  // Returns true when an exit condition stopped training.
+  bool train(int64_t train_iters) {
+    bool first = true;
+    while (args.train_iters > 0 ? progress.iteration < args.train_iters
+                                : progress.consumed_train_samples < args.train_samples) {
+      microbatches.update(progress.consumed_train_samples);
+      double lm_loss = 0;
+      OptimizerStepResult r = train_step(lm_loss);
+      if (first) {
+        print_line(fmt::format("time from process start to the end of the first iteration (seconds): {:.3f}",
+                               seconds_since(program_start)));
+        first = false;
+      }
+      progress.iteration += 1;
+      progress.consumed_train_samples += microbatches.current_global_batch_size();
+      progress.floating_point_operations_so_far += num_floating_point_operations(
+          args, model.config().padded_vocab_size, microbatches.current_global_batch_size());
+      if (r.update_successful) {
+        interval_advanced += 1;
+        interval_loss += lm_loss;
+      } else {
+        interval_skipped += 1;
+        total_skipped += 1;
+      }
+      if (!std::isfinite(lm_loss)) interval_nan += 1;
+      if (progress.iteration % args.log_interval == 0) log(r, train_iters);
+      if (args.eval_interval > 0 && progress.iteration % args.eval_interval == 0) {
+        evaluate(fmt::format("iteration {}", progress.iteration), data.valid, false);
+      }
+      if (checkpoint_and_decide_exit()) return true;
+    }
+    return false;
+  }
+};
+
+}  // namespace
+
+Device select_device(const std::string& requested) {
+  const bool gpu = ops::has_cuda_kernels() && cuda_device_count() > 0;
+  if (requested == "cpu") return Device::cpu();
+  if (requested == "cuda") {
+    MG_CHECK(ops::has_cuda_kernels(), "--device cuda: this build has no CUDA kernels; rebuild with -DMEGATRON_CUDA=ON");
+    MG_CHECK(cuda_device_count() > 0, "--device cuda: no GPU is visible to this process");
+    return Device::cuda(0);
+  }
+  return gpu ? Device::cuda(0) : Device::cpu();
+}
+
+int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_point program_start) {
+  if (args.use_checkpoint_args && !args.load.empty()) apply_checkpoint_args(args, args.load);
+  validate_args(args);
+  const Device device = select_device(args.device);
+  Context ctx(device, uint64_t(args.seed));
+
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (args.tokenizer_type.empty() && args.vocab_size > 0) args.tokenizer_type = "NullTokenizer";
+  MG_CHECK(!args.tokenizer_type.empty(), "--tokenizer-type is required (or --vocab-size for a NullTokenizer)");
+  tokenizer = build_tokenizer(tokenizer_args_from_args(args));
+  print_line(fmt::format("> building {} tokenizer ...", args.tokenizer_type));
+
+  TransformerConfig config = transformer_config_from_args(args, tokenizer->vocab_size());
+  print_line(fmt::format(" > padded vocab (size: {}) with {} dummy tokens (new size: {})", tokenizer->vocab_size(),
+                         config.padded_vocab_size - tokenizer->vocab_size(), config.padded_vocab_size));
+  GPTModel model(config, device);
+  model.init_weights(uint64_t(args.seed));
+  print_line(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {}",
+                         model.params().numel()));
+  print_line(fmt::format(" > running on {}", device.str()));
+
+  std::vector<Parameter> params;
+  for (Parameter* p : model.params().parameters()) params.push_back(*p);
+  AdamOptimizer optimizer(params, optimizer_config_from_args(args));
+  OptimizerParamScheduler scheduler(scheduler_config_from_args(args));
+  Checkpointer checkpointer(args);
+  TrainingProgress progress;
+  if (!args.load.empty()) {
+    auto loaded = checkpointer.load(ctx, args.load, model, &optimizer, &scheduler);
+    if (loaded) {
+      progress = *loaded;
+      print_line(
+          fmt::format("  successfully loaded checkpoint from {} at iteration {}", args.load, progress.iteration));
+    } else {
+      print_line(fmt::format("WARNING: could not find a checkpoint in {}: training from scratch", args.load));
+    }
+  }
+  {
+    ScheduledValues v = scheduler.values();
+    optimizer.set_lr(v.lr);
+    optimizer.set_weight_decay(v.wd);
+  }
+
+  NumMicroBatchesCalculator microbatches(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+                                         args.rampup_batch_size);
+  microbatches.update(progress.consumed_train_samples);
+  DataIterators data =
+      callbacks.data_iterators(args, tokenizer.get(), progress.consumed_train_samples, progress.consumed_valid_samples);
+  std::unique_ptr<TensorBoardWriter> tb;
+  if (!args.tensorboard_dir.empty()) tb = std::make_unique<TensorBoardWriter>(args.tensorboard_dir);
+  std::unique_ptr<SignalHandler> signals;
+  if (args.exit_signal_handler) signals = std::make_unique<SignalHandler>();
+  print_line(fmt::format("time to initialize megatron (seconds): {:.3f}", seconds_since(program_start)));
+  print_line(fmt::format("{} before the start of training step", timestamp_now()));
+
+  const int64_t train_iters = args.train_iters > 0 ? args.train_iters : args.train_samples / args.global_batch_size;
+  Trainer trainer{args,         callbacks,    ctx,  model,    optimizer, scheduler,
+                  checkpointer, microbatches, data, tb.get(), progress,  program_start};
+  trainer.signals = signals.get();
+  bool exited = false;
+  const int64_t start_iteration = progress.iteration;
+  if (!args.skip_train) {
+    exited = trainer.train(train_iters);
+    print_line(fmt::format("{} after training is done", timestamp_now()));
+  }
+  if (!exited) {
+    if (!args.skip_train && !args.save.empty() && progress.iteration != start_iteration &&
+        (args.save_interval == 0 || progress.iteration % args.save_interval != 0)) {
+      trainer.save();
+    }
+    trainer.evaluate(fmt::format("iteration {} on validation set", progress.iteration), data.valid, false);
+    trainer.evaluate(fmt::format("iteration {} on test set", progress.iteration), data.test, true);
+  }
+  checkpointer.finalize();
+  if (tb) tb->flush();
+  return 0;
+}
+
+}  // namespace megatron

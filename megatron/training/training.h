@@ -1,0 +1,36 @@
+// pretrain(): Megatron's training driver (megatron/training/training.py) — initialize, build the
+// model and optimizer, load a checkpoint, build the data iterators, train with periodic logging,
+// evaluation and checkpoints, honour the exit conditions, and evaluate at the end.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+
+#include "megatron/core/pipeline_parallel/schedules.h"
+#include "megatron/core/tokenizers/tokenizer.h"
+#include "megatron/training/arguments.h"
+
+namespace megatron {
+
+/// The train/valid/test data iterators; an empty iterator means the split has no data.
+struct DataIterators {
+  BatchIterator train, valid, test;
+};
+
+/// What pretrain_gpt provides (Megatron's train_valid_test_datasets_provider and forward_step).
+struct PretrainCallbacks {
+  /// Builds the datasets and data loaders; resumes each loader at its consumed samples.
+  std::function<DataIterators(const Arguments&, const Tokenizer*, int64_t consumed_train, int64_t consumed_valid)>
+      data_iterators;
+  ForwardStepFunc forward_step;
+};
+
+/// Runs training as the arguments say. Returns the process exit code. Throws megatron::Error for
+/// the user's mistakes (the binary prints them as one line).
+int pretrain(Arguments args, const PretrainCallbacks& callbacks, std::chrono::steady_clock::time_point program_start);
+
+/// Selects the device --device asks for ("auto": the GPU when this build and machine have one).
+Device select_device(const std::string& requested);
+
+}  // namespace megatron

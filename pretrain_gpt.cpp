@@ -1,0 +1,94 @@
+// pretrain_gpt: Megatron-LM's pretrain_gpt.py in C++ — the dataset provider and the forward step,
+// handed to pretrain(). Megatron launch scripts run with `python pretrain_gpt.py` replaced by
+// `build/bin/pretrain_gpt`.
+#include <chrono>
+#include <cstdio>
+
+#include "megatron/core/datasets/blended_megatron_dataset_builder.h"
+#include "megatron/core/datasets/data_loader.h"
+#include "megatron/training/training.h"
+
+using namespace megatron;
+
+namespace {
+
+GPTDataArgs data_args(const Arguments& a) {
+  GPTDataArgs d;
+  d.data_path = a.data_path;
+  d.train_data_path = a.train_data_path;
+  d.valid_data_path = a.valid_data_path;
+  d.test_data_path = a.test_data_path;
+  d.split = a.split;
+  d.mock_data = a.mock_data;
+  if (!a.data_cache_path.empty()) d.data_cache_path = a.data_cache_path;
+  d.seq_length = a.seq_length;
+  d.seed = a.seed;
+  d.reset_position_ids = a.reset_position_ids;
+  d.reset_attention_mask = a.reset_attention_mask;
+  d.eod_mask_loss = a.eod_mask_loss;
+  d.create_attention_mask_in_dataloader = !a.no_create_attention_mask_in_dataloader;
+  if (a.train_samples > 0) d.train_samples = a.train_samples;
+  d.train_iters = a.train_iters;
+  d.eval_interval = a.eval_interval;
+  d.eval_iters = a.eval_iters;
+  d.global_batch_size = a.global_batch_size;
+  return d;
+}
+
+// A data iterator over one split: the loader's next micro-batch, an error when it runs dry.
+BatchIterator make_iterator(std::shared_ptr<const MegatronDataset> dataset, const Arguments& a, int64_t consumed,
+                            const char* split) {
+  if (!dataset) return {};
+  DataLoaderOptions o;
+  o.micro_batch_size = a.micro_batch_size;
+  o.data_parallel_size = a.data_parallel_size;
+  o.consumed_samples = consumed;
+  auto loader = std::make_shared<DataLoader>(std::move(dataset), o);
+  return [loader, split]() {
+    std::optional<GPTBatch> b = loader->next();
+    MG_CHECK(b.has_value(), "the {} data ran out: the dataset has fewer samples than training asks for", split);
+    return MicroBatch{b->tokens, b->labels, b->loss_mask, b->position_ids};
+  };
+}
+
+DataIterators train_valid_test_data_iterators(const Arguments& a, const Tokenizer* tokenizer, int64_t consumed_train,
+                                              int64_t consumed_valid) {
+  MG_CHECK(!a.reset_attention_mask,
+           "--reset-attention-mask is not supported yet: the attention kernels are causal over the whole sequence");
+  // The tokenizer outlives the iterators (pretrain owns it); a non-owning shared_ptr hands it over.
+  std::shared_ptr<const Tokenizer> tok(tokenizer, [](const Tokenizer*) {});
+  SplitDatasets ds = build_train_valid_test_datasets(data_args(a), tok);
+  DataIterators it;
+  it.train = make_iterator(ds[0], a, consumed_train, "training");
+  it.valid = make_iterator(ds[1], a, consumed_valid, "validation");
+  it.test = make_iterator(ds[2], a, 0, "test");
+  return it;
+}
+
+// Megatron's forward_step: the next micro-batch through the model; the loss mask goes to the loss.
+ForwardOutput forward_step(Context& ctx, BatchIterator& data, const GPTModel& model, GPTModel::Stash& stash) {
+  MicroBatch b = data();
+  const Device d = ctx.device();
+  auto on_device = [&](const Tensor& t) { return t.device() == d ? t : t.to(d); };
+  Tensor losses = model.forward(ctx, on_device(b.tokens), on_device(b.position_ids), on_device(b.labels), stash);
+  return ForwardOutput{losses, on_device(b.loss_mask)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto program_start = std::chrono::steady_clock::now();
+  try {
+    std::optional<Arguments> args =
+        parse_args(argc, argv, "Pretrain a GPT or Llama model (Megatron-LM's pretrain_gpt)");
+    if (!args) return 0;
+    PretrainCallbacks callbacks{train_valid_test_data_iterators, forward_step};
+    return pretrain(*args, callbacks, program_start);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,130 @@
+// End-to-end runs of build/bin/pretrain_gpt on the CPU: the loss falls on real text, every exit
+// condition, TensorBoard files that TensorBoard reads, and bad input.
+#include "tests/functional/run_util.h"
+
+namespace megatron::testing {
+namespace {
+
+TEST(Train, LossFallsOnRealText) {
+  ScratchDir dir("loss_falls");
+  RunResult r = run(concat({bin("pretrain_gpt")}, tiny_gpt_flags(60)), dir.path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::string> losses = field_values(r.output, "lm loss");
+  ASSERT_EQ(losses.size(), 60u) << r.output;
+  const double first = std::stod(losses.front()), last = std::stod(losses.back());
+  EXPECT_GT(first, 6.5) << "a fresh model's loss is about log(vocab) = 6.9";
+  EXPECT_LT(last, first - 0.8) << "the loss should fall on real text: " << losses.front() << " -> " << losses.back();
+  EXPECT_NE(r.output.find("validation loss at iteration 60 on validation set"), std::string::npos);
+  EXPECT_NE(r.output.find("Theoretical memory footprints: weight and optimizer="), std::string::npos);
+}
+
+TEST(Train, ExitInterval) {
+  ScratchDir dir("exit_interval");
+  RunResult r =
+      run(concat({bin("pretrain_gpt")},
+                 concat(tiny_gpt_flags(20), {"--exit-interval", "4", "--save", "ckpt", "--save-interval", "100"})),
+          dir.path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(field_values(r.output, "lm loss").size(), 4u);
+  EXPECT_NE(r.output.find("exiting program at iteration 4"), std::string::npos) << r.output;
+  EXPECT_EQ(read_file(dir.path / "ckpt/latest_checkpointed_iteration.txt"), "4");
+}
+
+TEST(Train, ExitDuration) {
+  ScratchDir dir("exit_duration");
+  RunResult r =
+      run(concat({bin("pretrain_gpt")}, concat(tiny_gpt_flags(20), {"--exit-duration-in-mins", "0.00001"})), dir.path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(field_values(r.output, "lm loss").size(), 1u);
+  EXPECT_NE(r.output.find("exiting program after"), std::string::npos) << r.output;
+}
+
+TEST(Train, SigtermSavesThenExits) {
+  ScratchDir dir("sigterm");
+  const fs::path log = dir.path / "log.txt";
+  std::vector<std::string> argv =
+      concat({bin("pretrain_gpt")},
+             concat(tiny_gpt_flags(100000), {"--exit-signal-handler", "--save", "ckpt", "--save-interval", "100000"}));
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (chdir(dir.path.c_str()) != 0) _exit(127);
+    FILE* f = freopen(log.c_str(), "w", stdout);
+    (void)f;
+    dup2(fileno(stdout), 2);
+    std::vector<char*> cargv;
+    for (auto& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    execv(cargv[0], cargv.data());
+    _exit(127);
+  }
+  // Wait until a few iterations have run, then send SIGTERM.
+  for (int i = 0; i < 600 && field_values(read_file(log), "lm loss").size() < 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const std::string out = read_file(log);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  EXPECT_NE(out.find("exiting program after receiving SIGTERM"), std::string::npos) << out;
+  const std::string latest = read_file(dir.path / "ckpt/latest_checkpointed_iteration.txt");
+  ASSERT_FALSE(latest.empty());
+  EXPECT_EQ(std::to_string(field_values(out, "lm loss").size()), latest);
+}
+
+TEST(Train, TensorBoardEventsAreReadByTensorBoard) {
+  ScratchDir dir("tensorboard");
+  RunResult r =
+      run(concat({bin("pretrain_gpt")}, concat(tiny_gpt_flags(6), {"--tensorboard-dir", "tb", "--eval-interval", "3",
+                                                                   "--log-memory-to-tensorboard"})),
+          dir.path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string script =
+      "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n"
+      "ea = EventAccumulator('tb'); ea.Reload()\n"
+      "tags = ea.Tags()['scalars']\n"
+      "for t in ['lm loss', 'learning-rate', 'grad-norm', 'batch-size', 'lm loss validation', "
+      "'mem-allocated-bytes', 'loss-scale']:\n"
+      "    assert t in tags, (t, tags)\n"
+      "ev = ea.Scalars('lm loss')\n"
+      "assert [e.step for e in ev] == [1, 2, 3, 4, 5, 6], [e.step for e in ev]\n"
+      "print('LOSSES', ' '.join('%.6E' % e.value for e in ev))\n";
+  std::ofstream(dir.path / "read_tb.py") << script;
+  RunResult py = run({"python3", "read_tb.py"}, dir.path);
+  ASSERT_EQ(py.exit_code, 0) << "the tensorboard package must be installed (scripts/setup): " << py.output;
+  // The values TensorBoard read are the printed losses (stored as float32).
+  std::vector<std::string> printed = field_values(r.output, "lm loss");
+  std::istringstream in(py.output.substr(py.output.find("LOSSES") + 7));
+  for (const std::string& p : printed) {
+    std::string v;
+    in >> v;
+    EXPECT_NEAR(std::stod(v), std::stod(p), 1e-5 * std::stod(p));
+  }
+}
+
+TEST(Cli, BadInputGivesOneClearLine) {
+  ScratchDir dir("cli");
+  auto expect_error = [&](std::vector<std::string> flags, const std::string& needle) {
+    RunResult r = run(concat({bin("pretrain_gpt")}, flags), dir.path);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("terminate called"), std::string::npos) << r.output;
+  };
+  expect_error(concat(tiny_gpt_flags(2), {"--num-layer", "3"}), "did you mean --num-layers");
+  expect_error(concat(tiny_gpt_flags(2), {"--global-batch-size", "6"}), "must be divisible by --micro-batch-size");
+  auto flags = tiny_gpt_flags(2);
+  for (auto& f : flags)
+    if (f.find("shakespeare_spm_text_document") != std::string::npos) f = "/nonexistent/corpus_text_document";
+  expect_error(flags, "/nonexistent/corpus_text_document");
+  flags = tiny_gpt_flags(2);
+  for (auto& f : flags)
+    if (f.find("tok-spm.model") != std::string::npos) f = "/nonexistent/tok.model";
+  expect_error(flags, "/nonexistent/tok.model");
+  RunResult help = run({bin("pretrain_gpt"), "--help"}, dir.path);
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.output.find("Parallelism"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace megatron::testing

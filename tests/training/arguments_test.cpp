@@ -1,0 +1,176 @@
+// Megatron's command line: flags, defaults, validation rules, the nearest-flag suggestion, and the
+// iteration line's format.
+#include "megatron/training/arguments.h"
+
+#include <gtest/gtest.h>
+
+#include <regex>
+
+#include "megatron/runtime/check.h"
+#include "megatron/training/num_microbatches.h"
+#include "megatron/training/training_log.h"
+
+namespace megatron {
+namespace {
+
+Arguments parse(std::vector<std::string> flags) {
+  std::vector<const char*> argv = {"pretrain_gpt"};
+  for (const std::string& f : flags) argv.push_back(f.c_str());
+  auto a = parse_args(int(argv.size()), argv.data(), "test");
+  EXPECT_TRUE(a.has_value());
+  return *a;
+}
+
+std::vector<std::string> base() {
+  return {"--num-layers",
+          "2",
+          "--hidden-size",
+          "64",
+          "--num-attention-heads",
+          "4",
+          "--seq-length",
+          "32",
+          "--micro-batch-size",
+          "2",
+          "--train-iters",
+          "10",
+          "--lr",
+          "1e-3",
+          "--mock-data",
+          "--vocab-size",
+          "100"};
+}
+
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Arguments, MegatronDefaults) {
+  Arguments a = parse(base());
+  validate_args(a);
+  EXPECT_EQ(a.ffn_hidden_size, 256);
+  EXPECT_EQ(a.num_query_groups, 4);
+  EXPECT_EQ(a.max_position_embeddings, 32);
+  EXPECT_EQ(a.global_batch_size, 2);
+  EXPECT_EQ(a.make_vocab_size_divisible_by, 128);
+  EXPECT_FLOAT_EQ(a.hidden_dropout, 0.1f);
+  EXPECT_EQ(a.lr_decay_style, "linear");
+  EXPECT_EQ(a.split, "1,1,1");  // mock data
+  EXPECT_EQ(a.eval_interval, 1000);
+  EXPECT_EQ(a.log_interval, 100);
+  EXPECT_DOUBLE_EQ(a.start_weight_decay, 0.01);
+}
+
+TEST(Arguments, SwigluFfnSizeAndGqa) {
+  auto f = base();
+  for (const char* x : {"--swiglu", "--group-query-attention", "--num-query-groups", "2", "--hidden-size=4096",
+                        "--num-attention-heads", "32"})
+    f.push_back(x);
+  Arguments a = parse(f);
+  validate_args(a);
+  EXPECT_EQ(a.ffn_hidden_size, 10880);  // int((4·4096·2/3)/64)·64, as Megatron
+  EXPECT_EQ(a.num_query_groups, 2);
+  TransformerConfig c = transformer_config_from_args(a, 32000);
+  EXPECT_EQ(c.activation, "swiglu");
+  EXPECT_EQ(c.padded_vocab_size, 32000);
+}
+
+TEST(Arguments, UnknownFlagNamesTheNearest) {
+  auto f = base();
+  f.push_back("--num-layer");
+  f.push_back("3");
+  std::string e = error_of([&] { parse(f); });
+  EXPECT_NE(e.find("unknown flag --num-layer"), std::string::npos) << e;
+  EXPECT_NE(e.find("did you mean --num-layers"), std::string::npos) << e;
+  f = base();
+  f.push_back("--hiden-size=8");
+  e = error_of([&] { parse(f); });
+  EXPECT_NE(e.find("did you mean --hidden-size"), std::string::npos) << e;
+}
+
+TEST(Arguments, InvalidCombinationsSayWhichRuleFailed) {
+  auto check = [](std::vector<std::string> extra, const std::string& needle) {
+    auto f = base();
+    f.insert(f.end(), extra.begin(), extra.end());
+    std::string e = error_of([&] {
+      Arguments a = parse(f);
+      validate_args(a);
+    });
+    EXPECT_NE(e.find(needle), std::string::npos) << "got: " << e;
+  };
+  check({"--global-batch-size", "3"}, "--global-batch-size (3) must be divisible by --micro-batch-size (2)");
+  check({"--bf16", "--fp16"}, "--bf16 and --fp16");
+  check({"--train-samples", "100"}, "exactly one of --train-iters and --train-samples");
+  check({"--tensor-model-parallel-size", "2"}, "world size (1) is not divisible");
+  check({"--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"}, "--lr-warmup-fraction and --lr-warmup-iters");
+  check({"--max-position-embeddings", "16"}, "--max-position-embeddings (16) must be at least --seq-length (32)");
+  check({"--recompute-granularity", "full"}, "--recompute-method");
+  check({"--start-weight-decay", "0.1"}, "--weight-decay-incr-style");
+  check({"--normalization", "BatchNorm"}, "bad command line");
+  check({"--rampup-batch-size", "2", "2", "100"}, "sample-based training");
+}
+
+TEST(Arguments, HelpListsGroups) {
+  const char* argv[] = {"pretrain_gpt", "--help"};
+  testing::internal::CaptureStdout();
+  auto a = parse_args(2, argv, "test");
+  std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_FALSE(a.has_value());
+  for (const char* g : {"Model", "Parallelism", "Data", "Checkpoints", "Logging", "--num-layers", "--data-path"}) {
+    EXPECT_NE(out.find(g), std::string::npos) << g;
+  }
+}
+
+TEST(TrainingLog, IterationLineHasMegatronsFormat) {
+  IterationLogFields f;
+  f.iteration = 10;
+  f.train_iters = 100;
+  f.consumed_samples = 160;
+  f.elapsed_ms_per_iteration = 123.456;
+  f.learning_rate = 3e-4;
+  f.global_batch_size = 16;
+  f.losses = {{"lm loss", 5.4321}};
+  f.loss_scale = 1.0;
+  f.grad_norm = 1.2345;
+  std::string line = format_iteration_line(f);
+  std::regex re(
+      R"(^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration       10/     100 \| consumed samples:          160 \| )"
+      R"(elapsed time per iteration \(ms\): 123\.5 \| learning rate: 3\.000000E-04 \| global batch size:    16 \| )"
+      R"(lm loss: 5\.432100E\+00 \| loss scale: 1\.0 \| grad norm: 1\.234 \| number of skipped iterations:   0 \| )"
+      R"(number of nan iterations:   0 \|$)");
+  EXPECT_TRUE(std::regex_match(line, re)) << line;
+  EXPECT_EQ(format_validation_block("iteration 10", {{"lm loss", 2.0}}),
+            std::string(94, '-') +
+                "\n validation loss at iteration 10 | lm loss value: 2.000000E+00 | lm loss PPL: "
+                "7.389056E+00 | \n" +
+                std::string(94, '-'));
+}
+
+TEST(TrainingLog, FlopsFollowMegatronsFormula) {
+  Arguments a = parse(base());
+  validate_args(a);
+  // 24·B·s·L·h² (1 + s/(6h)... ): check against a hand expansion of the causal formula.
+  const double B = 2, s = 32, h = 64, L = 2, V = 128, f = 256;
+  const double expected = B * s * (3 * 2 * h * f * 2 * L + L * 3 * 2 * (h * 3 * h + h * s + h * h) + 3 * 2 * h * V);
+  EXPECT_DOUBLE_EQ(num_floating_point_operations(a, 128, 2), expected);
+}
+
+TEST(NumMicroBatches, RampupFollowsMegatron) {
+  NumMicroBatchesCalculator c(16, 2, 1, {4, 4, 96});
+  EXPECT_EQ(c.current_global_batch_size(), 4);
+  EXPECT_EQ(c.num_microbatches(), 2);
+  c.update(32);  // 3 increments over 96 samples: one per 32
+  EXPECT_EQ(c.current_global_batch_size(), 8);
+  c.update(200);
+  EXPECT_EQ(c.current_global_batch_size(), 16);
+  EXPECT_EQ(c.num_microbatches(), 8);
+}
+
+}  // namespace
+}  // namespace megatron

@@ -1,0 +1,83 @@
+// generate: text from a checkpoint — greedy, temperature, top-k, top-p. A small tool for the demo
+// and for checking a model; the text generation server (tools/text_generation_server) serves many
+// requests with a KV cache.
+//
+//   build/bin/generate --load ckpt --tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt \
+//       --prompt "Hello" --max-new-tokens 40 --temperature 0.8 --top-k 40
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+
+#include "megatron/core/inference/sampling.h"
+#include "megatron/training/checkpointing.h"
+#include "megatron/training/training.h"
+
+using namespace megatron;
+
+int main(int argc, char** argv) {
+  try {
+    Arguments args;
+    std::vector<std::string> prompts;
+    int max_new_tokens = 64;
+    SamplingParams sampling;
+    CLI::App app("Generate text from a megatron.cpp checkpoint");
+    app.add_option("--load", args.load, "Checkpoint directory")->required();
+    app.add_option("--tokenizer-type", args.tokenizer_type, "Tokenizer type (as pretrain_gpt)")->required();
+    app.add_option("--vocab-file", args.vocab_file, "Vocabulary file");
+    app.add_option("--merge-file", args.merge_file, "Merges file");
+    app.add_option("--tokenizer-model", args.tokenizer_model, "Tokenizer model");
+    app.add_option("--vocab-size", args.vocab_size, "NullTokenizer vocabulary size");
+    app.add_option("--prompt", prompts, "Prompt (repeat for several)")->required();
+    app.add_option("--max-new-tokens", max_new_tokens, "Tokens to generate per prompt")->capture_default_str();
+    app.add_flag("--greedy", sampling.greedy, "Greedy decoding");
+    app.add_option("--temperature", sampling.temperature, "Sampling temperature")->capture_default_str();
+    app.add_option("--top-k", sampling.top_k, "Top-k filter (0: off)")->capture_default_str();
+    app.add_option("--top-p", sampling.top_p, "Nucleus filter (0: off)")->capture_default_str();
+    app.add_option("--seed", sampling.seed, "Random seed")->capture_default_str();
+    app.add_option("--device", args.device, "auto, cpu or cuda")->capture_default_str();
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      return app.exit(e);
+    }
+    const std::string tokenizer_type = args.tokenizer_type;
+    apply_checkpoint_args(args, args.load);
+    args.tokenizer_type = tokenizer_type;
+    args.no_load_rng = true;
+    args.no_load_optim = true;
+    std::unique_ptr<Tokenizer> tokenizer = build_tokenizer(tokenizer_args_from_args(args));
+    Context ctx(select_device(args.device), sampling.seed);
+    TransformerConfig config = transformer_config_from_args(args, tokenizer->vocab_size());
+    config.hidden_dropout = config.attention_dropout = 0.0f;
+    config.recompute_granularity.clear();
+    GPTModel model(config, ctx.device());
+    Checkpointer checkpointer(args);
+    MG_CHECK(checkpointer.load(ctx, args.load, model, nullptr, nullptr).has_value(), "no checkpoint in {}", args.load);
+    const int64_t max_len = config.use_learned_positions() ? config.max_position_embeddings : 1 << 30;
+    const int64_t vocab = tokenizer->vocab_size(), padded = config.padded_vocab_size;
+    uint64_t step = 0;
+    for (const std::string& prompt : prompts) {
+      std::vector<int64_t> ids = tokenizer->tokenize(prompt);
+      MG_CHECK(!ids.empty(), "prompt '{}' tokenizes to nothing", prompt);
+      const size_t prompt_len = ids.size();
+      for (int i = 0; i < max_new_tokens && int64_t(ids.size()) < max_len; ++i) {
+        Tensor tokens = Tensor::from_ints(ids, {1, int64_t(ids.size())}, DType::Int64, ctx.device());
+        Tensor logits = model.forward_logits(ctx, tokens, Tensor());  // [s, 1, padded]
+        Tensor last = logits.slice(int64_t(ids.size()) - 1, int64_t(ids.size())).to(DType::Float32).to(Device::cpu());
+        (void)padded;
+        int64_t next = sample_token(last.data<float>(), vocab, sampling, step++);
+        if (next == tokenizer->eod()) break;
+        ids.push_back(next);
+      }
+      std::vector<int64_t> generated(ids.begin() + int64_t(prompt_len), ids.end());
+      std::printf("%s%s\n", prompt.c_str(), tokenizer->detokenize(generated).c_str());
+      std::fflush(stdout);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
