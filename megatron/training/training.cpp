@@ -170,7 +170,9 @@ struct Trainer {
       f.tflops_per_gpu = flops / (elapsed_ms / 1000.0 * 1e12 * args.world_size);
       f.tokens_per_sec_per_gpu = double(gbs) * args.seq_length / (elapsed_ms / 1000.0) / args.world_size;
     }
-    f.learning_rate = optimizer.lr();
+    // Megatron's logged learning rate passes through a float32 tensor (its printed digits are the
+    // fp32 value's; the schedule itself is computed in double).
+    f.learning_rate = static_cast<float>(optimizer.lr());
     f.global_batch_size = gbs;
     if (interval_advanced > 0) f.losses.emplace_back("lm loss", interval_loss / double(interval_advanced));
     f.loss_scale = loss_scale();
