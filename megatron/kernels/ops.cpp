@@ -4,7 +4,7 @@
 
 #include "megatron/kernels/cpu/cpu_ops.h"
 #ifdef MEGATRON_WITH_CUDA_OPS
-#include "megatron/kernels/cuda/cuda_ops.h"
+#include "megatron/kernels/cuda/cuda_ops.h"  // megatron::cuda::<op>
 #endif
 
 namespace megatron::ops {
@@ -197,6 +197,18 @@ void attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, c
 #endif
   return cpu::attention_backward(ctx, grad_out, q, k, v, out, lse, softmax_scale, dropout_p, seed, offset, grad_q,
                                  grad_k, grad_v);
+}
+
+void attention_kv_cache_forward(Context& ctx, const Tensor& q, const Tensor& k_new, const Tensor& v_new,
+                                const Tensor& slots, const Tensor& starts, float softmax_scale, Tensor& k_cache,
+                                Tensor& v_cache, Tensor& out) {
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "attention_kv_cache_forward"))
+    return cuda::attention_kv_cache_forward(ctx, q, k_new, v_new, slots, starts, softmax_scale, k_cache, v_cache, out);
+#else
+  on_cuda(ctx, "attention_kv_cache_forward");
+#endif
+  return cpu::attention_kv_cache_forward(ctx, q, k_new, v_new, slots, starts, softmax_scale, k_cache, v_cache, out);
 }
 
 void qkv_split_forward(Context& ctx, const Tensor& qkv, Tensor& q, Tensor& k, Tensor& v) {

@@ -92,6 +92,17 @@ void reset_peak_memory_stats(Device device) {
   if (hooks.reset_peak) hooks.reset_peak(device);
 }
 
+void fill_bytes(void* dst, Device dev, int value, size_t n, void* stream) {
+  if (n == 0) return;
+  if (dev.is_host()) {
+    std::memset(dst, value, n);
+    return;
+  }
+  auto& hooks = detail::cuda_hooks();
+  MG_CHECK(hooks.memset != nullptr, "memset on {} needs a CUDA build", dev.str());
+  hooks.memset(dst, value, n, stream);
+}
+
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) {
   if (n == 0) return;
   if (dst_dev.is_host() && src_dev.is_host()) {

@@ -57,6 +57,7 @@ struct CudaAllocatorHooks {
   void (*reset_peak)(Device) = nullptr;
   void (*copy)(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) = nullptr;
   int (*device_count)() = nullptr;
+  void (*memset)(void* dst, int value, size_t n, void* stream) = nullptr;
 };
 CudaAllocatorHooks& cuda_hooks();
 }  // namespace detail
@@ -64,6 +65,8 @@ CudaAllocatorHooks& cuda_hooks();
 /// Copies bytes between any two devices (host<->host is memcpy).
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream = nullptr);
 /// Whether this build has the CUDA runtime half (not whether a GPU is present).
+/// Sets n bytes to `value` (host: memset; device: an asynchronous memset on `stream`).
+void fill_bytes(void* dst, Device dev, int value, size_t n, void* stream = nullptr);
 bool cuda_available();
 /// The number of CUDA devices this process sees (0 in a CPU build or on a machine without a GPU).
 int cuda_device_count();

@@ -122,14 +122,7 @@ void Tensor::copy_from(const Tensor& src) {
   }
 }
 
-void Tensor::zero_() {
-  if (device().is_host()) {
-    std::memset(raw_data(), 0, nbytes());
-  } else {
-    Tensor h = zeros(shape_, dtype_);
-    copy_from(h);
-  }
-}
+void Tensor::zero_() { fill_bytes(raw_data(), device(), 0, nbytes()); }
 
 void Tensor::fill_(float value) {
   std::vector<float> v(size_t(numel()), value);

@@ -2,7 +2,9 @@
 // default pool, which keeps freed blocks for reuse so a steady-state iteration allocates nothing),
 // pinned host memory, copies, and the per-Context stream. It installs itself into the hooks of
 // runtime/allocator.h and runtime/context.h so the CPU build carries no CUDA symbols.
+#include <cublasLt.h>
 #include <cuda_runtime.h>
+#include <cudnn.h>
 
 #include <mutex>
 #include <unordered_map>
@@ -77,16 +79,36 @@ void cuda_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_
   CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
+void cuda_memset(void* dst, int value, size_t n, void* stream) {
+  CUDA_CHECK(cudaMemsetAsync(dst, value, n, static_cast<cudaStream_t>(stream)));
+}
+
+// Note [Streams and the memory pool]: a Context's stream is a blocking stream, so it is ordered
+// with the legacy default stream on which the pool allocates and frees: a block freed after a
+// kernel that used it is reused only once that kernel finished.
 void context_create(Device device, void** stream, void** cublaslt, void** cudnn) {
   CUDA_CHECK(cudaSetDevice(device.index));
   cudaStream_t s;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaStreamCreate(&s));
   *stream = s;
-  *cublaslt = nullptr;  // created by the CUDA op library when it is linked in
-  *cudnn = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  cublasStatus_t st = cublasLtCreate(&lt);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    mg_library_failure("cuBLASLt", "cublasLtCreate", __FILE__, __LINE__, cublasLtGetStatusString(st), device.index);
+  }
+  *cublaslt = lt;
+  cudnnHandle_t dnn = nullptr;
+  cudnnStatus_t ds = cudnnCreate(&dnn);
+  if (ds != CUDNN_STATUS_SUCCESS) {
+    mg_library_failure("cuDNN", "cudnnCreate", __FILE__, __LINE__, cudnnGetErrorString(ds), device.index);
+  }
+  cudnnSetStream(dnn, s);
+  *cudnn = dnn;
 }
 
-void context_destroy(Device, void* stream, void*, void*) {
+void context_destroy(Device, void* stream, void* cublaslt, void* cudnn) {
+  if (cudnn) cudnnDestroy(static_cast<cudnnHandle_t>(cudnn));
+  if (cublaslt) cublasLtDestroy(static_cast<cublasLtHandle_t>(cublaslt));
   if (stream) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
 }
 
@@ -108,6 +130,7 @@ void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
   alloc.reset_peak = cuda_reset_peak;
   alloc.copy = cuda_copy;
   alloc.device_count = device_count;
+  alloc.memset = cuda_memset;
   ctx.create = context_create;
   ctx.destroy = context_destroy;
   ctx.synchronize = context_synchronize;

@@ -1,0 +1,143 @@
+// gpt_throughput: training-step throughput of a GPT (or Llama-style) model on random tokens — the
+// same step pretrain_gpt runs (forward, backward, Adam on fp32 masters) — for the shapes of
+// ../shared/BENCHMARKS.md. One JSON line per run: tokens/s, TFLOP/s (Megatron's formula), MFU
+// against 989 TFLOP/s, median step time, peak memory.
+//
+//   build/bench/gpt_throughput --preset gpt-1.3B [--steps 20 --warmup 5 --device cuda --dtype bf16]
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+
+#include "megatron/core/models/gpt/gpt_model.h"
+#include "megatron/core/optimizer/optimizer.h"
+#include "megatron/kernels/ops.h"
+#include "megatron/training/training.h"
+#include "megatron/training/training_log.h"
+
+using namespace megatron;
+
+namespace {
+struct Preset {
+  int layers, hidden, heads, seq, mbs;
+  bool llama = false;
+  int groups = 0, ffn = 0;
+};
+const std::map<std::string, Preset> kPresets = {
+    {"gpt2-124M", {12, 768, 12, 1024, 32}},
+    {"gpt2-350M", {24, 1024, 16, 1024, 16}},
+    {"gpt-1.3B", {24, 2048, 16, 2048, 8}},
+    {"gpt2-1.5B", {48, 1600, 25, 1024, 8}},
+    {"gpt-2.7B", {32, 2560, 32, 2048, 8}},
+    {"llama-1B", {16, 2048, 32, 4096, 2, true, 8, 8192}},
+    {"tiny", {2, 128, 4, 128, 4}},
+};
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::string preset = "tiny", device = "auto", dtype = "bf16";
+    int steps = 10, warmup = 3, vocab = 50257;
+    CLI::App app("GPT training-step throughput");
+    app.add_option("--preset", preset, "Model shape")->capture_default_str();
+    app.add_option("--steps", steps, "Timed steps")->capture_default_str();
+    app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
+    app.add_option("--device", device, "auto, cpu or cuda")->capture_default_str();
+    app.add_option("--dtype", dtype, "bf16 or fp32")->capture_default_str();
+    app.add_option("--vocab", vocab, "Vocabulary size (padded to 128)")->capture_default_str();
+    CLI11_PARSE(app, argc, argv);
+    auto it = kPresets.find(preset);
+    MG_CHECK(it != kPresets.end(), "unknown preset '{}'", preset);
+    const Preset& p = it->second;
+
+    Arguments a;
+    a.num_layers = p.layers;
+    a.hidden_size = p.hidden;
+    a.num_attention_heads = p.heads;
+    a.seq_length = p.seq;
+    a.max_position_embeddings = p.seq;
+    a.micro_batch_size = p.mbs;
+    a.global_batch_size = p.mbs;
+    a.train_iters = steps + warmup;
+    a.lr = 1e-4;
+    a.mock_data = true;
+    a.hidden_dropout = a.attention_dropout = 0.0f;
+    a.bf16 = dtype == "bf16";
+    if (p.llama) {
+      a.swiglu = true;
+      a.group_query_attention = true;
+      a.num_query_groups = p.groups;
+      a.ffn_hidden_size = p.ffn;
+      a.normalization = "RMSNorm";
+      a.position_embedding_type = "rope";
+      a.disable_bias_linear = true;
+      a.untie_embeddings_and_output_weights = true;
+    }
+    validate_args(a);
+    Context ctx(select_device(device), 1234);
+    TransformerConfig config = transformer_config_from_args(a, vocab);
+    GPTModel model(config, ctx.device());
+    model.init_weights(1234);
+    std::vector<Parameter> params;
+    for (Parameter* q : model.params().parameters()) params.push_back(*q);
+    OptimizerConfig oc;
+    oc.lr = 1e-4;
+    oc.bf16 = a.bf16;
+    AdamOptimizer optimizer(params, oc);
+    optimizer.set_lr(1e-4);
+    optimizer.set_weight_decay(0.01);
+
+    std::vector<int64_t> ids(size_t(p.mbs) * p.seq), labels(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      ids[i] = int64_t(philox_element(7, 0, i) % uint64_t(vocab));
+      labels[i] = int64_t(philox_element(7, 1, i) % uint64_t(vocab));
+    }
+    Tensor tokens = Tensor::from_ints(ids, {p.mbs, p.seq}, DType::Int64, ctx.device());
+    Tensor targets = Tensor::from_ints(labels, {p.mbs, p.seq}, DType::Int64, ctx.device());
+    Tensor positions = default_position_ids(p.mbs, p.seq).to(ctx.device());
+    Tensor sums = Tensor::empty({2}, DType::Float32, ctx.device());
+    Tensor grad = Tensor::empty({int64_t(ids.size())}, DType::Float32, ctx.device());
+
+    std::vector<double> times;
+    double loss = 0;
+    reset_peak_memory_stats(ctx.device());
+    for (int s = 0; s < warmup + steps; ++s) {
+      ctx.synchronize();
+      auto t0 = std::chrono::steady_clock::now();
+      model.params().zero_grad();
+      GPTModel::Stash stash;
+      Tensor losses = model.forward(ctx, tokens, positions, targets, stash);
+      ops::masked_loss_backward(ctx, Tensor(), 1.0f / float(ids.size()), grad);
+      model.backward(ctx, grad.view(losses.shape()), stash);
+      optimizer.step(ctx);
+      ctx.synchronize();
+      auto t1 = std::chrono::steady_clock::now();
+      if (s >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
+      if (s == warmup + steps - 1) {
+        ops::masked_loss_sums(ctx, losses.view({-1}), Tensor(), sums);
+        auto h = sums.to_floats();
+        loss = h[0] / h[1];
+      }
+    }
+    std::sort(times.begin(), times.end());
+    const double median = times[times.size() / 2];
+    const double tokens_per_step = double(p.mbs) * p.seq;
+    const double flops = num_floating_point_operations(a, config.padded_vocab_size, p.mbs);
+    MemoryStats m = memory_stats(ctx.device());
+    std::printf("%s\n", fmt::format("{{\"bench\": \"gpt_throughput\", \"impl\": \"megatron.cpp\", \"preset\": \"{}\", "
+                                    "\"device\": \"{}\", \"dtype\": \"{}\", \"params\": {}, \"tokens_per_s\": {:.1f}, "
+                                    "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
+                                    "\"loss\": {:.4f}}}",
+                                    preset, ctx.device().str(), dtype, model.params().numel(),
+                                    tokens_per_step / median, flops / median / 1e12, flops / median / 989e12,
+                                    median * 1e3, double(m.peak_allocated) / 1e9, loss)
+                            .c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
