@@ -1,16 +1,16 @@
 // generate: text from a checkpoint — greedy, temperature, top-k, top-p. A small tool for the demo
-// and for checking a model; the text generation server (tools/text_generation_server) serves many
-// requests with a KV cache.
+// and for checking a model: the prompts run as one batch through the InferenceEngine (KV cache), as
+// the text generation server (tools/text_generation_server) runs its requests.
 //
 //   build/bin/generate --load ckpt --tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt \
 //       --prompt "Hello" --max-new-tokens 40 --temperature 0.8 --top-k 40
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
-#include <chrono>
+#include <algorithm>
 #include <cstdio>
 
-#include "megatron/core/inference/sampling.h"
+#include "megatron/core/inference/generation.h"
 #include "megatron/training/checkpointing.h"
 #include "megatron/training/training.h"
 
@@ -55,26 +55,25 @@ int main(int argc, char** argv) {
     GPTModel model(config, ctx.device());
     Checkpointer checkpointer(args);
     MG_CHECK(checkpointer.load(ctx, args.load, model, nullptr, nullptr).has_value(), "no checkpoint in {}", args.load);
-    const int64_t max_len = config.use_learned_positions() ? config.max_position_embeddings : 1 << 30;
-    const int64_t vocab = tokenizer->vocab_size(), padded = config.padded_vocab_size;
-    uint64_t step = 0;
+    InferenceEngine engine(model, ctx, tokenizer->vocab_size(), {.max_batch_size = int64_t(prompts.size())});
+    std::vector<GenerationRequest> requests;
     for (const std::string& prompt : prompts) {
-      std::vector<int64_t> ids = tokenizer->tokenize(prompt);
-      MG_CHECK(!ids.empty(), "prompt '{}' tokenizes to nothing", prompt);
-      const size_t prompt_len = ids.size();
-      for (int i = 0; i < max_new_tokens && int64_t(ids.size()) < max_len; ++i) {
-        Tensor tokens = Tensor::from_ints(ids, {1, int64_t(ids.size())}, DType::Int64, ctx.device());
-        Tensor logits = model.forward_logits(ctx, tokens, Tensor());  // [s, 1, padded]
-        Tensor last = logits.slice(int64_t(ids.size()) - 1, int64_t(ids.size())).to(DType::Float32).to(Device::cpu());
-        (void)padded;
-        int64_t next = sample_token(last.data<float>(), vocab, sampling, step++);
-        if (next == tokenizer->eod()) break;
-        ids.push_back(next);
-      }
-      std::vector<int64_t> generated(ids.begin() + int64_t(prompt_len), ids.end());
-      std::printf("%s%s\n", prompt.c_str(), tokenizer->detokenize(generated).c_str());
-      std::fflush(stdout);
+      GenerationRequest r;
+      r.prompt = tokenizer->tokenize(prompt);
+      MG_CHECK(!r.prompt.empty(), "prompt '{}' tokenizes to nothing", prompt);
+      // Up to --max-new-tokens, as far as the model's positions allow.
+      r.max_new_tokens = std::min<int64_t>(max_new_tokens, engine.max_sequence_length() - int64_t(r.prompt.size()));
+      r.sampling = sampling;
+      r.stop_tokens = {tokenizer->eod()};
+      requests.push_back(std::move(r));
     }
+    std::vector<GenerationResult> results = engine.generate(requests);  // one batch, KV cache
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      std::vector<int64_t> generated = results[i].tokens;
+      if (results[i].finish_reason == "stop") generated.pop_back();  // the eod
+      std::printf("%s%s\n", prompts[i].c_str(), tokenizer->detokenize(generated).c_str());
+    }
+    std::fflush(stdout);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

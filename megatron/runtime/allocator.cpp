@@ -1,5 +1,7 @@
 #include "megatron/runtime/allocator.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -69,6 +71,30 @@ std::shared_ptr<Storage> allocate(size_t nbytes, Device device) {
            "a {} tensor was requested but this build has no CUDA support: rebuild with -DMEGATRON_CUDA=ON",
            device.str());
   return hooks.allocate(nbytes, device);
+}
+
+std::shared_ptr<Storage> allocate_zeroed_host(size_t nbytes) {
+  constexpr size_t kMmapThreshold = size_t(1) << 20;
+  if (nbytes < kMmapThreshold) {
+    auto s = allocate(nbytes, Device::cpu());
+    std::memset(s->data(), 0, nbytes);
+    return s;
+  }
+  void* p = ::mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  MG_CHECK(p != MAP_FAILED, "out of host memory allocating {} bytes", nbytes);
+  {
+    auto& st = cpu_stats();
+    std::lock_guard<std::mutex> lock(st.mu);
+    st.stats.allocated += nbytes;
+    st.stats.num_allocs += 1;
+    st.stats.peak_allocated = std::max(st.stats.peak_allocated, st.stats.allocated);
+  }
+  return std::make_shared<Storage>(p, nbytes, Device::cpu(), [](void* ptr, size_t n) {
+    ::munmap(ptr, n);
+    auto& st = cpu_stats();
+    std::lock_guard<std::mutex> lock(st.mu);
+    st.stats.allocated -= n;
+  });
 }
 
 MemoryStats memory_stats(Device device) {

@@ -43,6 +43,10 @@ class Storage {
 
 /// Allocates `nbytes` on `device` (CPU: 64-byte aligned; CUDA: the stream-ordered pool).
 std::shared_ptr<Storage> allocate(size_t nbytes, Device device);
+/// Zero-filled host memory. Large blocks come straight from the kernel's zero pages (mmap), so
+/// they cost nothing until first written — a model's gradient buffer and Adam moments do not pay
+/// a pass over memory at startup.
+std::shared_ptr<Storage> allocate_zeroed_host(size_t nbytes);
 
 /// Statistics for a device's allocator. CPU statistics count every Tensor allocation on the host.
 MemoryStats memory_stats(Device device);

@@ -66,6 +66,30 @@ MG_HOST_DEVICE float philox_normal(uint64_t seed, uint64_t offset, uint64_t i) {
   return sqrtf(-2.0f * logf(u1)) * cosf(6.28318530717958647692f * u2);
 }
 
+/// Standard normals [first, first + count) of the stream (seed, offset), four per Philox block:
+/// block j gives elements 4j..4j+3 from two Box-Muller pairs of its four words. Used for bulk
+/// initialisation (a pure function of the index, so any split of the range gives the same values).
+inline void philox_normals(uint64_t seed, uint64_t offset, uint64_t first, uint64_t count, float* out) {
+  const uint32_t key[2] = {uint32_t(seed), uint32_t(seed >> 32)};
+  uint64_t i = first;
+  const uint64_t end = first + count;
+  while (i < end) {
+    const uint64_t block = i >> 2;
+    const uint32_t ctr[4] = {uint32_t(block), uint32_t(block >> 32), uint32_t(offset), uint32_t(offset >> 32)};
+    uint32_t w[4];
+    philox4x32_10(ctr, key, w);
+    float z[4];
+    for (int pair = 0; pair < 2; ++pair) {
+      const float u1 = (float(w[2 * pair] >> 8) + 1.0f) * (1.0f / 16777216.0f);  // (0, 1]
+      const float u2 = float(w[2 * pair + 1] >> 8) * (1.0f / 16777216.0f);
+      const float r = sqrtf(-2.0f * logf(u1)), t = 6.28318530717958647692f * u2;
+      z[2 * pair] = r * cosf(t);
+      z[2 * pair + 1] = r * sinf(t);
+    }
+    for (uint64_t k = i & 3; k < 4 && i < end; ++k, ++i) out[i - first] = z[k];
+  }
+}
+
 /// The generator's state: a seed and the next unused offset.
 struct RngState {
   uint64_t seed = 1234;

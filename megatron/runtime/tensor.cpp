@@ -26,8 +26,15 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
 }
 
 Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
-  Tensor t = empty(shape, dtype, device);
-  t.zero_();
+  if (device.type != DeviceType::CPU) {
+    Tensor t = empty(shape, dtype, device);
+    t.zero_();
+    return t;
+  }
+  Tensor t;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  t.storage_ = allocate_zeroed_host(t.nbytes());
   return t;
 }
 

@@ -24,6 +24,7 @@ class Tensor {
   Tensor() = default;
 
   static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu());
+  /// Zero-filled (host: large tensors come from zero pages, paid for on first write).
   static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu());
   /// A host fp32 tensor from values (converted to `dtype`), then moved to `device`.
   static Tensor from_floats(const std::vector<float>& values, const Shape& shape, DType dtype = DType::Float32,

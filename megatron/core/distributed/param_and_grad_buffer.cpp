@@ -1,5 +1,6 @@
 #include "megatron/core/distributed/param_and_grad_buffer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "megatron/runtime/philox.h"
@@ -29,7 +30,7 @@ void ParamAndGradBuffer::allocate() {
   MG_ASSERT(!allocated(), "buffer allocated twice");
   numel_ = 0;
   for (const Entry& e : entries_) numel_ += shape_numel(e.shape);
-  param_buffer_ = Tensor::zeros({numel_}, param_dtype_, device_);
+  param_buffer_ = Tensor::zeros({numel_}, param_dtype_, device_);  // init_weights or a checkpoint fills it
   grad_buffer_ = Tensor::zeros({numel_}, DType::Float32, device_);
   int64_t offset = 0;
   for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {  // reverse: backward order
@@ -45,22 +46,32 @@ void ParamAndGradBuffer::init_weights(uint64_t seed, float std, int num_layers, 
   const float scaled_std = std / std::sqrt(2.0f * float(num_layers));
   for (Entry& e : entries_) {
     const int64_t n = shape_numel(e.shape);
-    std::vector<float> v(size_t(n), 0.0f);
+    // Host fp32 parameters are written in place; others through an fp32 staging copy.
+    const bool direct = e.param.data.device().is_host() && e.param.data.dtype() == DType::Float32;
+    Tensor staging = direct ? e.param.data : Tensor::empty(e.shape, DType::Float32);
+    float* v = staging.data<float>();
     switch (e.init) {
       case ParamInit::Normal:
       case ParamInit::ScaledNormal: {
         const float s = e.init == ParamInit::Normal ? std : scaled_std;
         const uint64_t stream = name_hash(e.param.name);
-        for (int64_t i = 0; i < n; ++i) v[size_t(i)] = s * philox_normal(seed, stream, uint64_t(i));
+        constexpr int64_t kChunk = 1 << 16;  // chunks of whole Philox blocks, spread over the cores
+#pragma omp parallel for schedule(static)
+        for (int64_t c = 0; c < n; c += kChunk) {
+          const int64_t len = std::min(kChunk, n - c);
+          philox_normals(seed, stream, uint64_t(c), uint64_t(len), v + c);
+          for (int64_t i = 0; i < len; ++i) v[c + i] *= s;
+        }
         break;
       }
       case ParamInit::Zeros:
+        std::fill(v, v + n, 0.0f);
         break;
       case ParamInit::Ones:
-        std::fill(v.begin(), v.end(), zero_centered_gamma ? 0.0f : 1.0f);
+        std::fill(v, v + n, zero_centered_gamma ? 0.0f : 1.0f);
         break;
     }
-    e.param.data.copy_from(Tensor::from_floats(v, e.shape));
+    if (!direct) e.param.data.copy_from(staging);
   }
 }
 

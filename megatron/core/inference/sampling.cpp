@@ -10,12 +10,18 @@
 
 namespace megatron {
 
+void check_sampling_params(const SamplingParams& p) {
+  MG_CHECK(p.top_k >= 0, "top_k must be non-negative (got {})", p.top_k);
+  if (p.greedy || p.top_k == 1) return;
+  MG_CHECK(p.temperature > 0.0f && std::isfinite(p.temperature),
+           "temperature must be positive (got {}); use greedy decoding for 0", p.temperature);
+  MG_CHECK(p.top_p >= 0.0f && p.top_p <= 1.0f, "top_p must be in [0, 1] (got {})", p.top_p);
+}
+
 int64_t sample_token(const float* logits, int64_t vocab, const SamplingParams& p, uint64_t step) {
   MG_CHECK(vocab > 0, "sampling from an empty vocabulary");
+  check_sampling_params(p);
   if (p.greedy || p.top_k == 1) return int64_t(std::max_element(logits, logits + vocab) - logits);
-  MG_CHECK(p.temperature > 0.0f, "temperature must be positive (got {}); use greedy decoding for 0", p.temperature);
-  MG_CHECK(p.top_p >= 0.0f && p.top_p <= 1.0f, "top_p must be in [0, 1] (got {})", p.top_p);
-  MG_CHECK(p.top_k >= 0, "top_k must be non-negative (got {})", p.top_k);
   std::vector<int64_t> order(static_cast<size_t>(vocab));
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });

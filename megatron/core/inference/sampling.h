@@ -15,6 +15,10 @@ struct SamplingParams {
   uint64_t seed = 1234;
 };
 
+/// Throws megatron::Error (one line naming the field) unless the parameters are valid: temperature
+/// > 0 unless greedy, top_k >= 0, top_p in [0, 1].
+void check_sampling_params(const SamplingParams& params);
+
 /// Picks the next token from logits[0, vocab) (the unpadded vocabulary). `step` selects the
 /// random draw. Invalid parameters (temperature <= 0, top_p outside [0, 1]) are a user error.
 int64_t sample_token(const float* logits, int64_t vocab, const SamplingParams& params, uint64_t step);

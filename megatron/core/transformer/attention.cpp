@@ -68,4 +68,25 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Tenso
   return linear_qkv_.backward(ctx, grad_qkv.view({s * b, -1}), saved.x.view({s * b, h})).view({s, b, h});
 }
 
+// ---- inference ---------------------------------------------------------------------------------
+
+Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
+                                        const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const {
+  const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
+  const DType dt = x.dtype();
+  Tensor qkv = linear_qkv_.forward(ctx, x.view({s * b, h})).view({s, b, -1});
+  Tensor q = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
+  Tensor k = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
+  Tensor v = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
+  ops::qkv_split_forward(ctx, qkv, q, k, v);
+  if (freqs.defined()) {  // one angle row per (position, sequence): the sequences sit at different positions
+    Tensor q_rows = q.view({s * b, 1, nq_, d_}), k_rows = k.view({s * b, 1, ng_, d_});
+    ops::rope_forward(ctx, q_rows, freqs, rope_interleaved_, q_rows);
+    ops::rope_forward(ctx, k_rows, freqs, rope_interleaved_, k_rows);
+  }
+  Tensor context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
+  ops::attention_kv_cache_forward(ctx, q, k, v, slots, starts, softmax_scale_, k_cache, v_cache, context);
+  return linear_proj_.forward(ctx, context.view({s * b, nq_ * d_})).view({s, b, h});
+}
+
 }  // namespace megatron

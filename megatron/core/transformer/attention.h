@@ -31,6 +31,13 @@ class SelfAttention {
                  Saved& saved) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
 
+  // ---- inference (KV cache; no dropout, nothing saved) ----
+  /// x [s, b, h] -> [s, b, h]. freqs: rotary angles per (position, sequence) row, [s·b, r/2]
+  /// (undefined without RoPE). Appends the new keys/values (after RoPE) to k_cache/v_cache
+  /// [slots, S, ng, d] at slot slots[i], positions starts[i].., and attends over the cache.
+  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
+                           const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
+
  private:
   void core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const;
 

@@ -78,4 +78,19 @@ Tensor TransformerBlock::backward(Context& ctx, const Tensor& grad_out, const Te
   return g;
 }
 
+// ---- inference ---------------------------------------------------------------------------------
+
+Tensor TransformerBlock::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
+                                           const Tensor& starts, KVCache& cache) const {
+  MG_CHECK(cache.num_layers() == int64_t(layers_.size()), "the KV cache has {} layers, the model {}",
+           cache.num_layers(), layers_.size());
+  Tensor h = x;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    h = layers_[i]->forward_inference(ctx, h, freqs, slots, starts, cache.keys[i], cache.values[i]);
+  }
+  const int64_t s = h.size(0), b = h.size(1), hid = h.size(2);
+  Norm::Saved final_norm;
+  return final_layernorm_.forward(ctx, h.view({s * b, hid}), final_norm).view({s, b, hid});
+}
+
 }  // namespace megatron

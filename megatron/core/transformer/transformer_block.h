@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "megatron/core/inference/kv_cache.h"
 #include "megatron/core/transformer/transformer_layer.h"
 
 namespace megatron {
@@ -34,6 +35,11 @@ class TransformerBlock {
   Tensor forward(Context& ctx, const Tensor& x, const Tensor& freqs, Saved& saved) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
   const std::vector<Segment>& segments() const { return segments_; }
+
+  /// Inference: x [s, b, h] -> final-normed [s, b, h], each layer appending to its cache entry
+  /// (TransformerLayer::forward_inference). slots, starts [b]: cache slot and first new position.
+  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
+                           const Tensor& starts, KVCache& cache) const;
 
  private:
   Tensor run_segment(Context& ctx, const Segment& seg, const Tensor& x, const Tensor& freqs, Saved& saved,

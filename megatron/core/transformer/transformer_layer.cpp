@@ -45,4 +45,22 @@ Tensor TransformerLayer::backward(Context& ctx, const Tensor& grad_out, const Te
   return grad_x;
 }
 
+// ---- inference ---------------------------------------------------------------------------------
+
+Tensor TransformerLayer::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
+                                           const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const {
+  const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
+  Norm::Saved norm_saved;
+  MLP::Saved mlp_saved;
+  Tensor h1 = input_layernorm_.forward(ctx, x.view({s * b, h}), norm_saved).view({s, b, h});
+  Tensor attn = self_attention_.forward_inference(ctx, h1, freqs, slots, starts, k_cache, v_cache);
+  Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
+  ops::add(ctx, attn, x, x2);
+  Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), norm_saved);
+  Tensor mlp_out = mlp_.forward(ctx, h2, mlp_saved);
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
+  ops::add(ctx, mlp_out.view({s, b, h}), x2, out);
+  return out;
+}
+
 }  // namespace megatron

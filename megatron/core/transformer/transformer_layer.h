@@ -32,6 +32,10 @@ class TransformerLayer {
                  Saved& saved) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
 
+  /// Inference with a KV cache (SelfAttention::forward_inference): x [s, b, h] -> [s, b, h], no dropout.
+  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
+                           const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
+
  private:
   float hidden_dropout_;
   Norm input_layernorm_;

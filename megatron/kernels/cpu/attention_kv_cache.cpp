@@ -66,8 +66,8 @@ void attention_kv_cache_forward(Context& ctx, const Tensor& q, const Tensor& k_n
     const float* vbase = vc.data() + slot[size_t(i)] * max_len * row;
     for (int64_t h = 0; h < nq; ++h) {
       const int64_t q_off = (i * nq + h) * d, k_off = (h / group) * d;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(s), int(len), int(d), softmax_scale,
-                  qin.data() + q_off, int(ldq), kbase + k_off, int(row), 0.0f, probs.data(), int(len));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(s), int(len), int(d), softmax_scale, qin.data() + q_off,
+                  int(ldq), kbase + k_off, int(row), 0.0f, probs.data(), int(len));
       for (int64_t j = 0; j < s; ++j) {
         float* p = probs.data() + j * len;
         const int64_t last = start[size_t(i)] + j;  // the query's own position

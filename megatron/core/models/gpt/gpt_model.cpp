@@ -1,5 +1,7 @@
 #include "megatron/core/models/gpt/gpt_model.h"
 
+#include <algorithm>
+
 #include "megatron/kernels/ops.h"
 
 namespace megatron {
@@ -81,6 +83,47 @@ void GPTModel::backward(Context& ctx, const Tensor& grad_losses, Stash& stash) c
   Tensor grad_x = decoder_->backward(ctx, grad_hidden, stash.freqs, stash.decoder);
   embedding_->backward(ctx, grad_x, stash.embedding);
   stash = Stash{};
+}
+
+// ---- inference -----------------------------------------------------------------------------------
+
+Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
+                                   const std::vector<int64_t>& starts, KVCache& cache) const {
+  MG_ASSERT(tokens.dim() == 2, "tokens {}", shape_str(tokens.shape()));
+  const int64_t b = tokens.size(0), s = tokens.size(1), h = config_.hidden_size, v = config_.padded_vocab_size;
+  MG_CHECK(int64_t(slots.size()) == b && int64_t(starts.size()) == b, "{} sequences but {} slots and {} starts", b,
+           slots.size(), starts.size());
+  MG_CHECK(config_.hidden_dropout == 0.0f && config_.attention_dropout == 0.0f,
+           "inference needs a model built with hidden and attention dropout 0");
+  std::vector<int64_t> positions(size_t(b * s));
+  int64_t max_position = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    for (int64_t j = 0; j < s; ++j) positions[size_t(i * s + j)] = starts[size_t(i)] + j;
+    max_position = std::max(max_position, starts[size_t(i)] + s - 1);
+  }
+  MG_CHECK(max_position < cache.max_length(), "position {} is past the KV cache's {} positions", max_position,
+           cache.max_length());
+  if (config_.use_learned_positions()) {
+    MG_CHECK(max_position < config_.max_position_embeddings, "position {} exceeds --max-position-embeddings {}",
+             max_position, config_.max_position_embeddings);
+  }
+  Tensor position_ids = Tensor::from_ints(positions, {b, s}, DType::Int64, tokens.device());
+  LanguageModelEmbedding::Saved embedding_saved;
+  Tensor x = embedding_->forward(ctx, tokens, position_ids, embedding_saved);
+  Tensor freqs;
+  if (rotary_) {  // row j·b + i: the angles of sequence i's position starts[i] + j
+    std::vector<float> table = rotary_->freqs(ctx, max_position + 1).to_floats();
+    const int64_t half = rotary_->rotary_dim() / 2;
+    std::vector<float> rows(size_t(s * b * half));
+    for (int64_t j = 0; j < s; ++j)
+      for (int64_t i = 0; i < b; ++i)
+        std::copy_n(table.begin() + (starts[size_t(i)] + j) * half, half, rows.begin() + (j * b + i) * half);
+    freqs = Tensor::from_floats(rows, {s * b, half}, DType::Float32, ctx.device());
+  }
+  Tensor slot_t = Tensor::from_ints(slots, {b}, DType::Int64, ctx.device());
+  Tensor start_t = Tensor::from_ints(starts, {b}, DType::Int64, ctx.device());
+  Tensor hidden = decoder_->forward_inference(ctx, x, freqs, slot_t, start_t, cache);
+  return output_layer_->forward(ctx, hidden.view({s * b, h})).view({s, b, v});
 }
 
 Tensor default_position_ids(int64_t batch, int64_t seq_len) {

@@ -43,6 +43,15 @@ class GPTModel {
   /// grad_losses [b, s] fp32 (d loss / d per-token loss). Accumulates into the parameters' main_grad.
   void backward(Context& ctx, const Tensor& grad_losses, Stash& stash) const;
 
+  // ---- inference with a KV cache (megatron/core/inference) ----
+  /// tokens [b, s] (int) are the next s tokens of b sequences: sequence i lives in cache slot
+  /// slots[i] and its new tokens sit at positions starts[i] .. starts[i]+s-1 (right padding: a
+  /// shorter sequence's extra tokens are written past its end and overwritten later). Appends
+  /// their keys/values to the cache and returns the logits [s, b, padded_vocab] of the new tokens,
+  /// equal to forward_logits on each full sequence. The model must be built with dropout off.
+  Tensor forward_inference(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
+                           const std::vector<int64_t>& starts, KVCache& cache) const;
+
   void init_weights(uint64_t seed);
   const TransformerConfig& config() const { return config_; }
   ParamAndGradBuffer& params() { return *params_; }

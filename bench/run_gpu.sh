@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call: GPU op tests, golden fixtures on the GPU, a bf16 training run on real text, the
+# 1.3B startup time, and throughput against the PyTorch reference on the same GPU.
+# Runs from the repository root on the GPU machine with the binaries staged in .device/ (see
+# bench/stage_gpu.sh). Usage: bench/run_gpu.sh [tests|train|bench|all] [presets...]
+set -uo pipefail
+what=${1:-all}; shift || true
+PRESETS=${*:-gpt2-124M gpt-1.3B}
+source .device/env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+B=.device/bin
+export MEGATRON_FIXTURES=$PWD/tests/fixtures
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+
+if [[ $what == tests || $what == all ]]; then
+  echo "== gpu op tests"
+  timeout 400 $B/gpu_tests --gtest_brief=1 2>&1 | tee "$OUT/gpu_tests.txt" | tail -40
+fi
+if [[ $what == train || $what == all ]]; then
+  echo "== bf16 training on the GPU (300 iterations, fixture corpus)"
+  D=$PWD/tests/fixtures/megatron_data
+  FLAGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4 --global-batch-size 8
+    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 --data-path $D/data/shakespeare_spm_text_document
+    --split 98,2,0 --tokenizer-type SentencePieceTokenizer --tokenizer-model $D/tok-spm.model --log-interval 1
+    --eval-interval 1000 --eval-iters 1 --train-iters 300"
+  (cd /tmp && timeout 200 $OLDPWD/$B/pretrain_gpt $FLAGS --bf16 --device cuda > "$OUT/train_bf16_gpu.txt" 2>&1; echo "rc=$?")
+  grep -E "iteration +(1|100|200|300)/" "$OUT/train_bf16_gpu.txt" | cut -c1-40,150-330
+  tail -3 "$OUT/train_bf16_gpu.txt"
+  echo "== startup: 1.3B GPT, mock data, bf16"
+  (cd /tmp && timeout 200 $OLDPWD/$B/pretrain_gpt --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
+    --seq-length 2048 --micro-batch-size 8 --global-batch-size 8 --train-iters 2 --lr 1e-4 --mock-data \
+    --tokenizer-type NullTokenizer --vocab-size 50257 --log-interval 1 --eval-iters 0 --bf16 --log-throughput \
+    --device cuda > "$OUT/startup_1.3B.txt" 2>&1; echo "rc=$?")
+  grep -E "time to|time from|iteration|error" "$OUT/startup_1.3B.txt" | cut -c1-300
+fi
+if [[ $what == bench || $what == all ]]; then
+  echo "== throughput: ours vs PyTorch (same GPU, same call)"
+  for p in $PRESETS; do
+    timeout 300 $B/gpt_throughput --preset "$p" --device cuda --dtype bf16 --steps 10 --warmup 3 2>&1 | tee -a "$OUT/bench.jsonl"
+    timeout 400 python3 .device/pytorch_gpt_reference.py --preset "$p" 2>&1 | grep '^{' | tee -a "$OUT/bench.jsonl"
+  done
+fi

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Builds the CUDA configuration (sm_90a, CUDA ops on) and stages what a device call needs in
+# .device/ (git-ignored): the binaries, the GPU environment script and the PyTorch reference.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cmake -S . -B build-gpu -G Ninja -DMEGATRON_CUDA=ON -DMEGATRON_CUDA_OPS=ON >/dev/null
+ninja -C build-gpu gpu_tests golden_tests pretrain_gpt bench_gpt_throughput text_generation_server
+mkdir -p .device/bin
+cp build-gpu/tests/gpu_tests build-gpu/tests/golden_tests build-gpu/bin/pretrain_gpt build-gpu/bench/gpt_throughput \
+   build-gpu/bin/text_generation_server .device/bin/
+cp ../shared/gpu/env.sh ../shared/bench/pytorch_gpt_reference.py .device/ 2>/dev/null || true
+du -sh .device

@@ -1,0 +1,105 @@
+// InferenceEngine: batched generation with a KV cache and continuous batching (Megatron-Core's
+// inference engine, simplified to one process).
+//
+// Requests queue up; each step() first admits waiting requests into free cache slots and runs
+// their prompts through the model in one right-padded prefill forward, then runs one decode
+// forward for every active sequence, each at its own position. A sequence ends on a stop token
+// (emitted, then "stop"), after max_new_tokens ("length"), or when its token callback returns
+// false ("cancelled"); its slot is free for the next step at once.
+//
+// Sampling draws for token t of a request come from Philox(seed, t), so a seeded request gives
+// the same tokens whatever it was batched with. Log-probabilities are fp64 log-softmax over the
+// unpadded vocabulary of the model's logits.
+//
+// Not thread-safe: one thread owns the engine (the text generation server's engine thread).
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "megatron/core/inference/kv_cache.h"
+#include "megatron/core/inference/sampling.h"
+#include "megatron/core/models/gpt/gpt_model.h"
+
+namespace megatron {
+
+struct GenerationRequest {
+  std::vector<int64_t> prompt;  // token ids, non-empty
+  int64_t max_new_tokens = 16;  // prompt + max_new_tokens <= the engine's max_sequence_length
+  SamplingParams sampling;
+  std::vector<int64_t> stop_tokens;  // end the sequence after emitting one (e.g. the eod id)
+  bool prompt_logprobs = false;      // also the log-probability of every prompt token after the first
+};
+
+struct GenerationResult {
+  std::vector<int64_t> tokens;          // generated ids (a final stop token included)
+  std::vector<double> logprobs;         // one per generated id
+  std::vector<double> prompt_logprobs;  // prompt.size() - 1 values when requested
+  std::string finish_reason;            // "stop" | "length" | "cancelled" | "error: ..."
+};
+
+/// Called (on the engine's thread) for every generated token; returning false cancels the request.
+using TokenCallback = std::function<bool(int64_t token, double logprob)>;
+/// Called once when a request ends, with everything it generated.
+using DoneCallback = std::function<void(const GenerationResult&)>;
+
+struct EngineOptions {
+  int64_t max_batch_size = 8;       // cache slots: sequences decoded together
+  int64_t max_sequence_length = 0;  // 0: max_position_embeddings (learned positions) or seq_length
+};
+
+class InferenceEngine {
+ public:
+  /// vocab_size: the tokenizer's (unpadded) vocabulary; sampling and log-softmax range over it.
+  InferenceEngine(const GPTModel& model, Context& ctx, int64_t vocab_size, EngineOptions options = {});
+
+  /// Throws megatron::Error (one line) if the request cannot run: empty prompt, an id outside the
+  /// vocabulary, too many tokens, invalid sampling parameters.
+  void validate(const GenerationRequest& request) const;
+  /// Queues a request (validated first); callbacks run inside step().
+  void submit(GenerationRequest request, TokenCallback on_token = nullptr, DoneCallback on_done = nullptr);
+  /// One engine iteration (admit + prefill, then one decode step). Returns false if there was nothing to do.
+  bool step();
+  bool idle() const { return waiting_.empty() && active_count() == 0; }
+  /// Ends every queued and active request with finish_reason "error: <message>" (after a failed step).
+  void abort_all(const std::string& message);
+
+  /// Runs the requests to completion; results in request order.
+  std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests);
+
+  int64_t max_sequence_length() const { return max_length_; }
+  int64_t max_batch_size() const { return cache_.num_slots(); }
+
+ private:
+  struct Sequence {
+    GenerationRequest request;
+    TokenCallback on_token;
+    DoneCallback on_done;
+    std::vector<int64_t> ids;  // prompt + generated; all but the last are in the cache
+    GenerationResult result;
+  };
+
+  int64_t active_count() const;
+  void prefill(const std::vector<int64_t>& slots);
+  void decode();
+  // Samples the next token of `slot` from its logits row; ends the sequence if it is done.
+  void emit(int64_t slot, const float* logits);
+  void finish(int64_t slot, const std::string& reason);
+
+  const GPTModel& model_;
+  Context& ctx_;
+  int64_t vocab_size_;
+  int64_t max_length_;
+  KVCache cache_;
+  std::deque<Sequence> waiting_;
+  std::vector<std::optional<Sequence>> slots_;
+};
+
+/// The longest sequence a model can run: max_position_embeddings with learned positions, else
+/// seq_length (or max_position_embeddings when set).
+int64_t model_max_sequence_length(const TransformerConfig& config);
+
+}  // namespace megatron

@@ -1,0 +1,30 @@
+// KVCache: the keys (after RoPE) and values of every layer for a fixed number of sequence slots,
+// preallocated once: per layer [slots, max_length, num_query_groups, kv_channels] in the model
+// dtype on the model's device. Slot-major, so one sequence's history is contiguous and a batch
+// can be any subset of slots, each at its own position (ops::attention_kv_cache_forward).
+// Which positions of a slot are valid is the caller's bookkeeping (InferenceEngine): a forward
+// writes positions starts[i] .. starts[i]+s-1 and reads 0 .. starts[i]+s-1.
+#pragma once
+
+#include <vector>
+
+#include "megatron/core/transformer/transformer_config.h"
+#include "megatron/runtime/tensor.h"
+
+namespace megatron {
+
+struct KVCache {
+  /// Allocates (zeroed) caches for config.num_layers layers.
+  KVCache(const TransformerConfig& config, int64_t num_slots, int64_t max_length, Device device);
+
+  int64_t num_layers() const { return int64_t(keys.size()); }
+  int64_t num_slots() const { return num_slots_; }
+  int64_t max_length() const { return max_length_; }
+
+  std::vector<Tensor> keys, values;  // per layer [num_slots, max_length, ng, d]
+
+ private:
+  int64_t num_slots_, max_length_;
+};
+
+}  // namespace megatron

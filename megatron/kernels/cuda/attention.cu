@@ -1,0 +1,439 @@
+// Causal self-attention with grouped-query heads, the CUDA fast path (contract in kernels/ops.h,
+// reference in kernels/cpu/attention.cpp).
+//
+// bf16 and fp16 go to cuDNN's fused flash attention (attention_cudnn.cpp). fp32, and any config
+// cuDNN declines, run the row-wise kernels below: fp32 compute, correctness over speed.
+//  * forward, one block per (query row i, head h, batch b): S_j = scale·q_i·k_j for j <= i into
+//    shared memory, softmax (lse saved), dropout exactly as the CPU (Philox element
+//    ((b·nq + h)·s + i)·s + j), then O_i = Σ_j P̃_j v_j with each warp summing its own keys.
+//  * backward, two passes and no atomics (deterministic):
+//    1. one block per query row: D_i = dO_i·O_i (saved), P_j = exp(S_j - lse_i) recomputed,
+//       dP̃_j = dO_i·v_j, dS_j = P̃_j·dP̃_j - P_j·D_i, dQ_i = scale·Σ_j dS_j k_j;
+//    2. one block per (key row j, group g, batch b): loops over the group's heads and the queries
+//       i >= j, recomputing P_ij and dS_ij, and sums dV_j = Σ P̃_ij dO_i, dK_j = scale·Σ dS_ij q_i.
+// The score row lives in shared memory (4·s bytes), so s is bounded by the block's shared memory.
+// With dropout, a forward and its backward must take the same path: cuDNN's mask is not the CPU's
+// (Note [Attention dropout on the GPU] in attention_cudnn.cpp).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "megatron/kernels/cuda/attention.h"
+#include "megatron/kernels/cuda/cuda_common.cuh"
+#include "megatron/kernels/cuda/cuda_ops.h"
+#include "megatron/runtime/philox.h"
+
+namespace megatron::cuda {
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+
+// Sequence-first offsets: row (position, batch, head) of q/o/dq (nq heads) and of k/v/dk/dv (ng).
+struct AttnDims {
+  int64_t s = 0, b = 0, nq = 0, ng = 0, d = 0;
+  __host__ __device__ int64_t q_row(int64_t pos, int64_t bi, int64_t h) const { return ((pos * b + bi) * nq + h) * d; }
+  __host__ __device__ int64_t k_row(int64_t pos, int64_t bi, int64_t g) const { return ((pos * b + bi) * ng + g) * d; }
+  // Index into lse / D [b, nq, s]; times s plus the key position it is the Philox element.
+  __host__ __device__ int64_t stat(int64_t bi, int64_t h, int64_t i) const { return (bi * nq + h) * s + i; }
+};
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// Block-wide reductions (every thread gets the result); red holds kWarps floats. Both barriers are
+// full: shared writes made before the call are visible after it, and red may be reused at once.
+__device__ float block_sum(float x, float* red) {
+  x = warp_sum(x);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = 0.0f;
+  for (int w = 0; w < kWarps; ++w) r += red[w];
+  __syncthreads();
+  return r;
+}
+
+__device__ float block_max(float x, float* red) {
+  x = warp_max(x);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) r = fmaxf(r, red[w]);
+  __syncthreads();
+  return r;
+}
+
+// P̃ = P∘M for Philox element idx, as the CPU's dropout_row: keep when uniform >= p, scale 1/(1-p).
+__device__ __forceinline__ float apply_dropout(float p, float dropout_p, uint64_t seed, uint64_t offset,
+                                               uint64_t idx) {
+  if (dropout_p <= 0.0f) return p;
+  const float keep_scale = 1.0f / (1.0f - dropout_p);
+  return philox_uniform(seed, offset, idx) >= dropout_p ? p * keep_scale : 0.0f;
+}
+
+// acc [kWarps, d] holds one partial row per warp; returns the sum over warps of column c.
+__device__ __forceinline__ float sum_over_warps(const float* acc, int64_t d, int64_t c) {
+  float r = 0.0f;
+  for (int w = 0; w < kWarps; ++w) r += acc[w * d + c];
+  return r;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    attention_forward_rowwise_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                     T* __restrict__ out, float* __restrict__ lse, AttnDims a, float scale,
+                                     float dropout_p, uint64_t seed, uint64_t offset) {
+  extern __shared__ float smem[];
+  const int64_t i = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
+  const int64_t g = h / (a.nq / a.ng);
+  const int64_t n = i + 1;  // causal: keys 0..i
+  const int64_t d = a.d;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* qs = smem;               // [d]
+  float* p = qs + d;              // [s]: scores, then P̃
+  float* acc = p + a.s;           // [kWarps, d]
+  float* red = acc + kWarps * d;  // [kWarps]
+
+  const T* qrow = q + a.q_row(i, bi, h);
+  for (int64_t c = threadIdx.x; c < d; c += kThreads) qs[c] = load_float(qrow[c]);
+  __syncthreads();
+
+  float m = -INFINITY;
+  for (int64_t j = warp; j < n; j += kWarps) {
+    const T* krow = k + a.k_row(j, bi, g);
+    float dot = 0.0f;
+    for (int64_t c = lane; c < d; c += 32) dot += qs[c] * load_float(krow[c]);
+    dot = scale * warp_sum(dot);
+    if (lane == 0) p[j] = dot;
+    m = fmaxf(m, dot);
+  }
+  m = block_max(m, red);
+
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < n; j += kThreads) {
+    const float e = expf(p[j] - m);
+    p[j] = e;
+    sum += e;
+  }
+  sum = block_sum(sum, red);
+  const int64_t row = a.stat(bi, h, i);
+  if (threadIdx.x == 0) lse[row] = m + logf(sum);
+
+  const float inv = 1.0f / sum;
+  const uint64_t base = uint64_t(row) * uint64_t(a.s);
+  for (int64_t j = threadIdx.x; j < n; j += kThreads)
+    p[j] = apply_dropout(p[j] * inv, dropout_p, seed, offset, base + uint64_t(j));
+  float* mine = acc + warp * d;
+  for (int64_t c = lane; c < d; c += 32) mine[c] = 0.0f;
+  __syncthreads();
+
+  for (int64_t j = warp; j < n; j += kWarps) {
+    const float pj = p[j];
+    const T* vrow = v + a.k_row(j, bi, g);
+    for (int64_t c = lane; c < d; c += 32) mine[c] += pj * load_float(vrow[c]);
+  }
+  __syncthreads();
+  T* orow = out + a.q_row(i, bi, h);
+  for (int64_t c = threadIdx.x; c < d; c += kThreads) orow[c] = store_float<T>(sum_over_warps(acc, d, c));
+}
+
+// Pass 1 of the backward: dQ and D (module comment).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    attention_backward_dq_kernel(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
+                                 const T* __restrict__ v, const T* __restrict__ out, const float* __restrict__ lse,
+                                 T* __restrict__ dq, float* __restrict__ delta, AttnDims a, float scale,
+                                 float dropout_p, uint64_t seed, uint64_t offset) {
+  extern __shared__ float smem[];
+  const int64_t i = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
+  const int64_t g = h / (a.nq / a.ng);
+  const int64_t n = i + 1;
+  const int64_t d = a.d;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* qs = smem;               // [d]
+  float* dos = qs + d;            // [d]
+  float* ds = dos + d;            // [s]
+  float* acc = ds + a.s;          // [kWarps, d]
+  float* red = acc + kWarps * d;  // [kWarps]
+
+  const T* qrow = q + a.q_row(i, bi, h);
+  const T* dorow = dout + a.q_row(i, bi, h);
+  const T* orow = out + a.q_row(i, bi, h);
+  float partial = 0.0f;
+  for (int64_t c = threadIdx.x; c < d; c += kThreads) {
+    qs[c] = load_float(qrow[c]);
+    const float go = load_float(dorow[c]);
+    dos[c] = go;
+    partial += go * load_float(orow[c]);
+  }
+  const float di = block_sum(partial, red);  // its barriers also publish qs and dos
+  const int64_t row = a.stat(bi, h, i);
+  if (threadIdx.x == 0) delta[row] = di;
+  const float l = lse[row];
+  const uint64_t base = uint64_t(row) * uint64_t(a.s);
+
+  for (int64_t j = warp; j < n; j += kWarps) {
+    const T* krow = k + a.k_row(j, bi, g);
+    const T* vrow = v + a.k_row(j, bi, g);
+    float qk = 0.0f, dpv = 0.0f;
+    for (int64_t c = lane; c < d; c += 32) {
+      qk += qs[c] * load_float(krow[c]);
+      dpv += dos[c] * load_float(vrow[c]);
+    }
+    qk = scale * warp_sum(qk);
+    dpv = warp_sum(dpv);
+    const float pj = expf(qk - l);
+    const float pd = apply_dropout(pj, dropout_p, seed, offset, base + uint64_t(j));
+    if (lane == 0) ds[j] = pd * dpv - pj * di;
+  }
+  float* mine = acc + warp * d;
+  for (int64_t c = lane; c < d; c += 32) mine[c] = 0.0f;
+  __syncthreads();
+
+  for (int64_t j = warp; j < n; j += kWarps) {
+    const float dsj = ds[j];
+    const T* krow = k + a.k_row(j, bi, g);
+    for (int64_t c = lane; c < d; c += 32) mine[c] += dsj * load_float(krow[c]);
+  }
+  __syncthreads();
+  T* dqrow = dq + a.q_row(i, bi, h);
+  for (int64_t c = threadIdx.x; c < d; c += kThreads) dqrow[c] = store_float<T>(scale * sum_over_warps(acc, d, c));
+}
+
+// Pass 2 of the backward: dK and dV of one key row, summed over the group's heads (module comment).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    attention_backward_dkv_kernel(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
+                                  const T* __restrict__ v, const float* __restrict__ lse,
+                                  const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                                  AttnDims a, float scale, float dropout_p, uint64_t seed, uint64_t offset) {
+  extern __shared__ float smem[];
+  const int64_t j = blockIdx.x, g = blockIdx.y, bi = blockIdx.z;
+  const int64_t group = a.nq / a.ng;
+  const int64_t rows = a.s - j;  // causal: queries j..s-1 see key j
+  const int64_t d = a.d;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* ks = smem;                   // [d]
+  float* vs = ks + d;                 // [d]
+  float* acc_k = vs + d;              // [kWarps, d]
+  float* acc_v = acc_k + kWarps * d;  // [kWarps, d]
+
+  const T* krow = k + a.k_row(j, bi, g);
+  const T* vrow = v + a.k_row(j, bi, g);
+  for (int64_t c = threadIdx.x; c < d; c += kThreads) {
+    ks[c] = load_float(krow[c]);
+    vs[c] = load_float(vrow[c]);
+  }
+  float* mine_k = acc_k + warp * d;
+  float* mine_v = acc_v + warp * d;
+  for (int64_t c = lane; c < d; c += 32) mine_k[c] = mine_v[c] = 0.0f;
+  __syncthreads();
+
+  for (int64_t t = warp; t < group * rows; t += kWarps) {
+    const int64_t h = g * group + t / rows, i = j + t % rows;
+    const T* qrow = q + a.q_row(i, bi, h);
+    const T* dorow = dout + a.q_row(i, bi, h);
+    float qk = 0.0f, dpv = 0.0f;
+    for (int64_t c = lane; c < d; c += 32) {
+      qk += load_float(qrow[c]) * ks[c];
+      dpv += load_float(dorow[c]) * vs[c];
+    }
+    qk = scale * warp_sum(qk);
+    dpv = warp_sum(dpv);
+    const int64_t row = a.stat(bi, h, i);
+    const float pij = expf(qk - lse[row]);
+    const float pd = apply_dropout(pij, dropout_p, seed, offset, uint64_t(row) * uint64_t(a.s) + uint64_t(j));
+    const float dsij = pd * dpv - pij * delta[row];
+    for (int64_t c = lane; c < d; c += 32) {
+      mine_k[c] += dsij * load_float(qrow[c]);
+      mine_v[c] += pd * load_float(dorow[c]);
+    }
+  }
+  __syncthreads();
+  T* dkrow = dk + a.k_row(j, bi, g);
+  T* dvrow = dv + a.k_row(j, bi, g);
+  for (int64_t c = threadIdx.x; c < d; c += kThreads) {
+    dkrow[c] = store_float<T>(scale * sum_over_warps(acc_k, d, c));
+    dvrow[c] = store_float<T>(sum_over_warps(acc_v, d, c));
+  }
+}
+
+__global__ void write_seed_offset_kernel(int64_t* dst, uint64_t seed, uint64_t offset) {
+  dst[0] = int64_t(seed);
+  dst[1] = int64_t(offset);
+}
+
+// ---- host side ------------------------------------------------------------------------------------
+
+void check_on_device(const Context& ctx, const Tensor& t, const char* name) {
+  MG_ASSERT(t.defined() && t.device() == ctx.device(), "attention: {} must be a tensor on {}, got {}", name,
+            ctx.device().str(), t.defined() ? t.str() : std::string("an undefined tensor"));
+}
+
+void check_like(const Context& ctx, const Tensor& t, const Tensor& like, const char* name) {
+  check_on_device(ctx, t, name);
+  MG_ASSERT(t.dtype() == like.dtype() && t.shape() == like.shape(), "attention: {} is {}, expected the shape and dtype of {}",
+            name, t.str(), like.str());
+}
+
+AttnDims check_inputs(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float dropout_p,
+                      const Tensor& lse) {
+  MG_ASSERT(ctx.is_cuda(), "megatron::cuda::attention on a {} context", ctx.device().str());
+  check_on_device(ctx, q, "q");
+  check_on_device(ctx, k, "k");
+  check_like(ctx, v, k, "v");
+  MG_ASSERT(q.dtype() == DType::Float32 || q.dtype() == DType::BFloat16 || q.dtype() == DType::Float16,
+            "attention: q is {}, expected fp32, bf16 or fp16", q.str());
+  MG_ASSERT(q.dim() == 4 && k.dim() == 4 && k.dtype() == q.dtype(),
+            "attention expects q [s, b, nq, d], k/v [s, b, ng, d] of one dtype; got {}, {}", q.str(), k.str());
+  AttnDims a{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  MG_ASSERT(k.size(0) == a.s && k.size(1) == a.b && k.size(3) == a.d && a.ng > 0 && a.nq % a.ng == 0 &&
+                a.nq >= a.ng,
+            "q {} and k {} do not fit causal GQA attention", q.str(), k.str());
+  MG_ASSERT(a.d > 0, "attention head dimension must be positive, q is {}", q.str());
+  MG_ASSERT(dropout_p >= 0.0f && dropout_p < 1.0f, "attention dropout_p {} must be in [0, 1)", dropout_p);
+  check_on_device(ctx, lse, "lse");
+  MG_ASSERT(lse.dtype() == DType::Float32 && lse.shape() == Shape({a.b, a.nq, a.s}),
+            "attention: lse is {}, expected fp32 [{}, {}, {}]", lse.str(), a.b, a.nq, a.s);
+  return a;
+}
+
+AttnDims check_forward(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float dropout_p,
+                       const Tensor& out, const Tensor& lse) {
+  const AttnDims a = check_inputs(ctx, q, k, v, dropout_p, lse);
+  check_like(ctx, out, q, "out");
+  return a;
+}
+
+AttnDims check_backward(const Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                        const Tensor& v, const Tensor& out, const Tensor& lse, float dropout_p,
+                        const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
+  const AttnDims a = check_inputs(ctx, q, k, v, dropout_p, lse);
+  check_like(ctx, grad_out, q, "grad_out");
+  check_like(ctx, out, q, "out");
+  check_like(ctx, grad_q, q, "grad_q");
+  check_like(ctx, grad_k, k, "grad_k");
+  check_like(ctx, grad_v, k, "grad_v");
+  return a;
+}
+
+// Grid (rows, heads, batch) for the row-wise kernels.
+dim3 row_grid(int64_t rows, int64_t heads, int64_t batch) {
+  MG_CHECK(rows <= 0x7fffffffLL && heads <= 65535 && batch <= 65535,
+           "attention: s {}, heads {} or batch {} exceed the CUDA grid of the row-wise kernels", rows, heads, batch);
+  return dim3(unsigned(rows), unsigned(heads), unsigned(batch));
+}
+
+// Raises the kernel's dynamic shared-memory limit when it needs more than the default 48 KB.
+template <typename Kernel>
+void reserve_shared_memory(Kernel* kernel, size_t bytes, const AttnDims& a) {
+  if (bytes <= 48 * 1024) return;
+  int device = 0, optin = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  MG_CHECK(bytes <= size_t(optin),
+           "attention: s = {}, d = {} needs {} bytes of shared memory per block in the row-wise kernels "
+           "(the device allows {}); use bf16/fp16 (cuDNN) or a shorter sequence",
+           a.s, a.d, bytes, optin);
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+void launch_forward_rowwise(Context& ctx, const AttnDims& a, const Tensor& q, const Tensor& k, const Tensor& v,
+                            float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, Tensor& out,
+                            Tensor& lse) {
+  const size_t smem = sizeof(float) * size_t(a.d + a.s + kWarps * a.d + kWarps);
+  const dim3 grid = row_grid(a.s, a.nq, a.b);
+  dispatch_float(q.dtype(), [&]<typename T>() {
+    reserve_shared_memory(attention_forward_rowwise_kernel<T>, smem, a);
+    attention_forward_rowwise_kernel<T><<<grid, kThreads, smem, stream_of(ctx)>>>(
+        dev_ptr<const T>(q), dev_ptr<const T>(k), dev_ptr<const T>(v), dev_ptr<T>(out), dev_ptr<float>(lse), a,
+        softmax_scale, dropout_p, seed, offset);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void launch_backward_rowwise(Context& ctx, const AttnDims& a, const Tensor& grad_out, const Tensor& q,
+                             const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                             float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q,
+                             Tensor& grad_k, Tensor& grad_v) {
+  // D [b, nq, s] fp32, written by pass 1 and read by pass 2 (same stream).
+  Tensor delta_buf = ctx.workspace(sizeof(float) * size_t(a.b * a.nq * a.s));
+  float* delta = static_cast<float*>(delta_buf.raw_data());
+  const size_t smem_dq = sizeof(float) * size_t(2 * a.d + a.s + kWarps * a.d + kWarps);
+  const size_t smem_dkv = sizeof(float) * size_t(2 * a.d + 2 * kWarps * a.d);
+  const dim3 grid_dq = row_grid(a.s, a.nq, a.b);
+  const dim3 grid_dkv = row_grid(a.s, a.ng, a.b);
+  dispatch_float(q.dtype(), [&]<typename T>() {
+    reserve_shared_memory(attention_backward_dq_kernel<T>, smem_dq, a);
+    reserve_shared_memory(attention_backward_dkv_kernel<T>, smem_dkv, a);
+    attention_backward_dq_kernel<T><<<grid_dq, kThreads, smem_dq, stream_of(ctx)>>>(
+        dev_ptr<const T>(grad_out), dev_ptr<const T>(q), dev_ptr<const T>(k), dev_ptr<const T>(v),
+        dev_ptr<const T>(out), dev_ptr<const float>(lse), dev_ptr<T>(grad_q), delta, a, softmax_scale, dropout_p,
+        seed, offset);
+    CUDA_CHECK_LAUNCH();
+    attention_backward_dkv_kernel<T><<<grid_dkv, kThreads, smem_dkv, stream_of(ctx)>>>(
+        dev_ptr<const T>(grad_out), dev_ptr<const T>(q), dev_ptr<const T>(k), dev_ptr<const T>(v),
+        dev_ptr<const float>(lse), delta, dev_ptr<T>(grad_k), dev_ptr<T>(grad_v), a, softmax_scale, dropout_p, seed,
+        offset);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+bool is_empty(const AttnDims& a) { return a.s == 0 || a.b == 0; }
+
+}  // namespace
+
+void write_dropout_seed_offset(Context& ctx, int64_t* dst, uint64_t seed, uint64_t offset) {
+  write_seed_offset_kernel<<<1, 1, 0, stream_of(ctx)>>>(dst, seed, offset);
+  CUDA_CHECK_LAUNCH();
+}
+
+void attention_forward_rowwise(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float softmax_scale,
+                               float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
+  const AttnDims a = check_forward(ctx, q, k, v, dropout_p, out, lse);
+  if (is_empty(a)) return;
+  launch_forward_rowwise(ctx, a, q, k, v, softmax_scale, dropout_p, seed, offset, out, lse);
+}
+
+void attention_backward_rowwise(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                const Tensor& v, const Tensor& out, const Tensor& lse, float softmax_scale,
+                                float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q, Tensor& grad_k,
+                                Tensor& grad_v) {
+  const AttnDims a = check_backward(ctx, grad_out, q, k, v, out, lse, dropout_p, grad_q, grad_k, grad_v);
+  if (is_empty(a)) return;
+  launch_backward_rowwise(ctx, a, grad_out, q, k, v, out, lse, softmax_scale, dropout_p, seed, offset, grad_q,
+                          grad_k, grad_v);
+}
+
+void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float softmax_scale,
+                       float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
+  const AttnDims a = check_forward(ctx, q, k, v, dropout_p, out, lse);
+  if (is_empty(a)) return;
+  if (q.dtype() != DType::Float32 &&
+      cudnn_attention_forward(ctx, q, k, v, softmax_scale, dropout_p, seed, offset, out, lse))
+    return;
+  launch_forward_rowwise(ctx, a, q, k, v, softmax_scale, dropout_p, seed, offset, out, lse);
+}
+
+void attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, float softmax_scale, float dropout_p, uint64_t seed,
+                        uint64_t offset, Tensor& grad_q, Tensor& grad_k, Tensor& grad_v) {
+  const AttnDims a = check_backward(ctx, grad_out, q, k, v, out, lse, dropout_p, grad_q, grad_k, grad_v);
+  if (is_empty(a)) return;
+  if (q.dtype() != DType::Float32 && cudnn_attention_backward(ctx, grad_out, q, k, v, out, lse, softmax_scale,
+                                                              dropout_p, seed, offset, grad_q, grad_k, grad_v))
+    return;
+  launch_backward_rowwise(ctx, a, grad_out, q, k, v, out, lse, softmax_scale, dropout_p, seed, offset, grad_q,
+                          grad_k, grad_v);
+}
+
+}  // namespace megatron::cuda

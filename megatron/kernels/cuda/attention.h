@@ -1,0 +1,49 @@
+// The two implementations behind megatron::cuda::attention_forward / attention_backward
+// (kernels/cuda/attention.cu):
+//  * cuDNN's fused flash attention through cudnn-frontend, for bf16 and fp16
+//    (kernels/cuda/attention_cudnn.cpp, a host-only file compiled by g++: the frontend is heavy);
+//  * row-wise CUDA kernels for every float dtype (fp32 compute), the fp32 path and the fallback
+//    when cuDNN reports a configuration unsupported.
+// Exposed here so the two halves can call each other and tests can pin a path.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "megatron/runtime/context.h"
+#include "megatron/runtime/tensor.h"
+
+namespace megatron::cuda {
+
+/// Whether cuDNN's fused attention runs this configuration (bf16/fp16 q, k, v on ctx's device),
+/// and if not, why. Builds (and caches) the graph, as the op would.
+struct CudnnAttentionSupport {
+  bool supported = false;
+  std::string reason;
+};
+CudnnAttentionSupport cudnn_attention_support(Context& ctx, const Tensor& q, const Tensor& k, float softmax_scale,
+                                              float dropout_p, bool backward);
+
+/// cuDNN's fused attention; false (nothing launched) when cuDNN does not support the configuration
+/// or a pointer is not 16-byte aligned. Shapes and dtypes are checked by the caller (attention.cu).
+bool cudnn_attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float softmax_scale,
+                             float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse);
+bool cudnn_attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                              const Tensor& v, const Tensor& out, const Tensor& lse, float softmax_scale,
+                              float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q, Tensor& grad_k,
+                              Tensor& grad_v);
+
+/// The row-wise kernels (any float dtype, fp32 compute, dropout bit-compatible with the CPU
+/// reference), with the same contract as attention_forward / attention_backward.
+void attention_forward_rowwise(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float softmax_scale,
+                               float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse);
+void attention_backward_rowwise(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                const Tensor& v, const Tensor& out, const Tensor& lse, float softmax_scale,
+                                float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q, Tensor& grad_k,
+                                Tensor& grad_v);
+
+/// Writes {seed, offset} as two int64 into device memory `dst` on ctx's stream (cuDNN's dropout
+/// reads its seed and offset from device tensors).
+void write_dropout_seed_offset(Context& ctx, int64_t* dst, uint64_t seed, uint64_t offset);
+
+}  // namespace megatron::cuda

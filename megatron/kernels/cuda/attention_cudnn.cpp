@@ -1,0 +1,415 @@
+// cuDNN fused flash attention (bf16, fp16) through the cudnn-frontend Graph API, targeting
+// cudnn-frontend 1.x (built against 1.32 with cuDNN 9.19). Host code only, compiled by g++: the
+// frontend is heavy and this file is its one user. attention.cu checks shapes and dtypes and falls
+// back to its row-wise kernels when this file says false.
+//
+// Layout: our q/out/dq are [s, b, nq, d] and k/v/dk/dv [s, b, ng, d] (sequence-first). cuDNN wants
+// logical dims [b, h, s, d]; we give it those dims with the strides of our memory,
+// {h·d, d, b·h·d, 1}, so nothing is transposed. GQA is native: k/v declare ng heads, and cuDNN sums
+// dK/dV over the nq/ng query heads of each group. The causal mask is the top-left diagonal band
+// with right bound 0 (key j <= query i).
+//
+// Stats: with generate_stats, cuDNN returns "Stats" [b, h, s, 1] fp32 = max_j S_ij +
+// ln Σ_j exp(S_ij - max), S = attn_scale·Q·Kᵀ after the mask: the natural-log log-sum-exp of the
+// scaled scores, exactly our lse [b, nq, s] (contiguous, so the same memory with strides
+// {nq·s, s, 1, 1}). Its backward consumes the same definition, so an lse from the row-wise kernels
+// feeds cuDNN's backward and vice versa.
+//
+// Note [Attention dropout on the GPU]: cuDNN draws its dropout mask with its own Philox, keyed by
+// the (seed, offset) we pass as device int64 scalars, over its own element order. The mask is a
+// pure function of (seed, offset), so cuDNN's backward regenerates its forward's mask, but it does
+// NOT match the CPU reference's mask (Note [Random stream layout]); with dropout the two backends
+// agree only in distribution. The row-wise kernels in attention.cu do reproduce the CPU's mask. A
+// forward and its backward must therefore take the same path: with dropout > 0, cuDNN is used only
+// when it supports both directions, and misaligned pointers are an error instead of a fallback.
+//
+// Graphs: building one costs milliseconds to seconds (heuristics, plan compilation), so each is
+// built once per configuration and cached; see GraphKey. attn_scale and the dropout probability are
+// baked into the graph, so they are part of the key.
+#if defined(MEGATRON_WITH_CUDA)
+
+#include <cudnn.h>
+#include <nvrtc.h>
+
+// Note [NVRTC for cudnn-frontend]: cudnn-frontend 1.32's headers carry an experimental SM100
+// RmsNorm+SiLU engine that compiles kernels with NVRTC, so every user of the Graph API references
+// nvrtc* symbols, although only that engine (built for RmsNorm+SiLU graphs, never for SDPA) calls
+// them. The megatron target does not link libnvrtc, so these references are weak: unresolved they
+// are null and never called here; once CMake links CUDA::nvrtc they bind to the real functions.
+#pragma weak nvrtcCreateProgram
+#pragma weak nvrtcCompileProgram
+#pragma weak nvrtcDestroyProgram
+#pragma weak nvrtcGetProgramLogSize
+#pragma weak nvrtcGetProgramLog
+#pragma weak nvrtcGetCUBINSize
+#pragma weak nvrtcGetCUBIN
+
+#include <cudnn_frontend.h>
+
+#include <bit>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "megatron/kernels/cuda/attention.h"
+#include "megatron/runtime/cuda/cuda_check.h"
+
+// The library check for cudnn-frontend calls: an error becomes megatron::Error with the
+// frontend's message (runtime/check.h).
+#define CUDNN_FE_CHECK(stmt)                                                                              \
+  do {                                                                                                    \
+    ::cudnn_frontend::error_t mg_fe_err_ = (stmt);                                                        \
+    if (mg_fe_err_.is_bad()) [[unlikely]] {                                                               \
+      int mg_dev_ = -1;                                                                                   \
+      cudaGetDevice(&mg_dev_);                                                                            \
+      ::megatron::mg_library_failure("cuDNN frontend", #stmt, __FILE__, __LINE__, mg_fe_err_.get_message(), \
+                                     mg_dev_);                                                            \
+    }                                                                                                     \
+  } while (0)
+
+namespace megatron::cuda {
+
+namespace {
+
+namespace fe = cudnn_frontend;
+
+// Tensor uids of the graphs' variant packs.
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kSeed, kOffset, kGradO, kGradQ, kGradK, kGradV };
+
+// The cuDNN kernels move q/k/v/o with 16-byte vector loads: every pointer must be 16-byte aligned.
+constexpr uintptr_t kAlignment = 16;
+// The dropout seed and offset live at the start of the workspace, 16 bytes apart (each tensor is
+// 16-byte aligned); cuDNN's own workspace follows at this offset.
+constexpr size_t kDropoutStateBytes = 256;
+
+// One graph per (handle, device, shape, dtype, attn_scale, dropout probability, direction); the mask
+// is always causal. A graph is built with, and executed with, the handle of one Context, so Contexts
+// never share a graph (nor execute one concurrently). A handle freed with its Context may come back
+// at the same address for a new Context: the key then matches, and the graph's handle is that live
+// handle on the same device, so reuse is sound. Entries of dead handles stay (one per shape).
+struct GraphKey {
+  void* handle = nullptr;
+  int device = 0;
+  int64_t b = 0, s = 0, nq = 0, ng = 0, d = 0;
+  DType dtype = DType::BFloat16;
+  uint32_t scale_bits = 0, dropout_bits = 0;
+  bool backward = false;
+  bool operator==(const GraphKey&) const = default;
+  float dropout_p() const { return std::bit_cast<float>(dropout_bits); }
+  float scale() const { return std::bit_cast<float>(scale_bits); }
+};
+
+struct GraphKeyHash {
+  size_t operator()(const GraphKey& k) const {
+    size_t h = std::hash<void*>()(k.handle);
+    auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
+    mix(uint64_t(k.device));
+    for (int64_t v : {k.b, k.s, k.nq, k.ng, k.d}) mix(uint64_t(v));
+    mix(uint64_t(k.dtype));
+    mix(k.scale_bits);
+    mix(k.dropout_bits);
+    mix(uint64_t(k.backward));
+    return h;
+  }
+};
+
+// A built graph, or why cuDNN declined the configuration (graph null).
+struct CachedGraph {
+  std::shared_ptr<fe::graph::Graph> graph;
+  int64_t workspace_bytes = 0;
+  std::string unsupported;
+};
+
+GraphKey make_key(Context& ctx, const Tensor& q, const Tensor& k, float softmax_scale, float dropout_p,
+                  bool backward) {
+  MG_ASSERT(ctx.cudnn_handle() != nullptr, "cuDNN attention on a context without a cuDNN handle ({})",
+            ctx.device().str());
+  GraphKey key;
+  key.handle = ctx.cudnn_handle();
+  key.device = ctx.device().index;
+  key.s = q.size(0);
+  key.b = q.size(1);
+  key.nq = q.size(2);
+  key.ng = k.size(2);
+  key.d = q.size(3);
+  key.dtype = q.dtype();
+  key.scale_bits = std::bit_cast<uint32_t>(softmax_scale);
+  key.dropout_bits = dropout_p > 0.0f ? std::bit_cast<uint32_t>(dropout_p) : 0u;
+  key.backward = backward;
+  return key;
+}
+
+fe::DataType_t io_type(DType t) {
+  switch (t) {
+    case DType::BFloat16: return fe::DataType_t::BFLOAT16;
+    case DType::Float16: return fe::DataType_t::HALF;
+    default: break;
+  }
+  MG_ASSERT(false, "cuDNN attention takes bf16 or fp16, got {}", to_string(t));
+  return fe::DataType_t::NOT_SET;
+}
+
+// Logical [b, h, s, d] over sequence-first memory [s, b, h, d].
+std::vector<int64_t> bhsd_dims(const GraphKey& k, int64_t heads) { return {k.b, heads, k.s, k.d}; }
+std::vector<int64_t> sbhd_strides(const GraphKey& k, int64_t heads) {
+  return {heads * k.d, k.d, k.b * heads * k.d, 1};
+}
+
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+TensorPtr activation(fe::graph::Graph& graph, const GraphKey& k, const char* name, Uid uid, int64_t heads) {
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim(bhsd_dims(k, heads))
+                          .set_stride(sbhd_strides(k, heads)));
+}
+
+void mark_activation_output(const TensorPtr& t, const GraphKey& k, Uid uid, int64_t heads) {
+  t->set_output(true).set_uid(uid).set_dim(bhsd_dims(k, heads)).set_stride(sbhd_strides(k, heads));
+}
+
+// Our lse [b, nq, s] as cuDNN's Stats [b, nq, s, 1].
+std::vector<int64_t> stats_dims(const GraphKey& k) { return {k.b, k.nq, k.s, 1}; }
+std::vector<int64_t> stats_strides(const GraphKey& k) { return {k.nq * k.s, k.s, 1, 1}; }
+
+TensorPtr int64_scalar(fe::graph::Graph& graph, const char* name, Uid uid) {
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim({1, 1, 1, 1})
+                          .set_stride({1, 1, 1, 1})
+                          .set_data_type(fe::DataType_t::INT64));
+}
+
+void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
+  TensorPtr q = activation(graph, k, "q", kQ, k.nq);
+  TensorPtr kk = activation(graph, k, "k", kK, k.ng);
+  TensorPtr v = activation(graph, k, "v", kV, k.ng);
+  auto options = fe::graph::SDPA_attributes()
+                     .set_name("attention_forward")
+                     .set_generate_stats(true)
+                     .set_attn_scale(k.scale())
+                     .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                     .set_diagonal_band_right_bound(0);
+  if (k.dropout_bits != 0)
+    options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
+  auto [o, stats] = graph.sdpa(q, kk, v, options);
+  mark_activation_output(o, k, kO, k.nq);
+  stats->set_output(true)
+      .set_uid(kStats)
+      .set_data_type(fe::DataType_t::FLOAT)
+      .set_dim(stats_dims(k))
+      .set_stride(stats_strides(k));
+}
+
+void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
+  TensorPtr q = activation(graph, k, "q", kQ, k.nq);
+  TensorPtr kk = activation(graph, k, "k", kK, k.ng);
+  TensorPtr v = activation(graph, k, "v", kV, k.ng);
+  TensorPtr o = activation(graph, k, "o", kO, k.nq);
+  TensorPtr grad_o = activation(graph, k, "grad_o", kGradO, k.nq);
+  TensorPtr stats = graph.tensor(fe::graph::Tensor_attributes()
+                                     .set_name("stats")
+                                     .set_uid(kStats)
+                                     .set_dim(stats_dims(k))
+                                     .set_stride(stats_strides(k))
+                                     .set_data_type(fe::DataType_t::FLOAT));
+  auto options = fe::graph::SDPA_backward_attributes()
+                     .set_name("attention_backward")
+                     .set_attn_scale(k.scale())
+                     .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                     .set_diagonal_band_right_bound(0);
+  if (k.dropout_bits != 0)
+    options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
+  auto [grad_q, grad_k, grad_v] = graph.sdpa_backward(q, kk, v, o, grad_o, stats, options);
+  mark_activation_output(grad_q, k, kGradQ, k.nq);
+  mark_activation_output(grad_k, k, kGradK, k.ng);
+  mark_activation_output(grad_v, k, kGradV, k.ng);
+}
+
+// The error codes by which the frontend says "this configuration is not supported" while building
+// (support-surface checks, no engine or plan for it); any other code is a failure.
+bool is_unsupported(fe::error_code_t code) {
+  return code == fe::error_code_t::GRAPH_NOT_SUPPORTED ||
+         code == fe::error_code_t::GRAPH_EXECUTION_PLAN_CREATION_FAILED ||
+         code == fe::error_code_t::HEURISTIC_QUERY_FAILED || code == fe::error_code_t::CUDNN_BACKEND_API_FAILED;
+}
+
+// Records an unsupported verdict and returns false; throws on any other error.
+bool build_step(fe::error_t err, const char* step, CachedGraph& entry) {
+  if (err.is_good()) return true;
+  if (!is_unsupported(err.get_code())) {
+    int device = -1;
+    cudaGetDevice(&device);
+    mg_library_failure("cuDNN frontend", step, __FILE__, __LINE__, err.get_message(), device);
+  }
+  entry.unsupported = std::string(step) + ": " + err.get_message();
+  return false;
+}
+
+// Some frontend paths throw (cudnn_frontend::cudnnException, std::runtime_error from its loaders)
+// instead of returning an error_t: those become megatron::Error too; ours pass through.
+template <typename F>
+void rethrow_frontend_exceptions(const char* what, F&& f) {
+  try {
+    f();
+  } catch (const Error&) {
+    throw;
+  } catch (const InternalError&) {
+    throw;
+  } catch (const std::exception& e) {
+    int device = -1;
+    cudaGetDevice(&device);
+    mg_library_failure("cuDNN frontend", what, __FILE__, __LINE__, e.what(), device);
+  }
+}
+
+std::shared_ptr<const CachedGraph> build_graph(const GraphKey& key) {
+  auto entry = std::make_shared<CachedGraph>();
+  auto graph = std::make_shared<fe::graph::Graph>();
+  graph->set_io_data_type(io_type(key.dtype))
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  if (key.backward)
+    define_backward(*graph, key);
+  else
+    define_forward(*graph, key);
+  auto handle = static_cast<cudnnHandle_t>(key.handle);
+  if (!build_step(graph->validate(), "validate", *entry) ||
+      !build_step(graph->build_operation_graph(handle), "build_operation_graph", *entry) ||
+      !build_step(graph->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans", *entry) ||
+      !build_step(graph->check_support(), "check_support", *entry) ||
+      !build_step(graph->build_plans(), "build_plans", *entry))
+    return entry;
+  CUDNN_FE_CHECK(graph->get_workspace_size(entry->workspace_bytes));
+  entry->graph = std::move(graph);
+  return entry;
+}
+
+// The process-wide cache of built graphs. Thread-safe; a graph is built under the lock (once per
+// configuration). Intentionally never destroyed: graphs hold cuDNN descriptors that must not be
+// released after the CUDA runtime has shut down at exit.
+class GraphCache {
+ public:
+  std::shared_ptr<const CachedGraph> get(const GraphKey& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = graphs_.find(key);
+    if (it != graphs_.end()) return it->second;
+    std::shared_ptr<const CachedGraph> entry;
+    rethrow_frontend_exceptions("building the attention graph", [&] { entry = build_graph(key); });
+    graphs_.emplace(key, entry);
+    return entry;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<GraphKey, std::shared_ptr<const CachedGraph>, GraphKeyHash> graphs_;
+};
+
+GraphCache& graph_cache() {
+  static GraphCache* cache = new GraphCache();
+  return *cache;
+}
+
+// The graph for this direction when cuDNN runs it, else null and why. With dropout both directions
+// must be supported (Note [Attention dropout on the GPU]).
+struct Lookup {
+  std::shared_ptr<const CachedGraph> entry;
+  std::string unsupported;
+};
+
+Lookup lookup(Context& ctx, const Tensor& q, const Tensor& k, float softmax_scale, float dropout_p, bool backward) {
+  auto entry = graph_cache().get(make_key(ctx, q, k, softmax_scale, dropout_p, backward));
+  if (!entry->graph) return {nullptr, entry->unsupported};
+  if (dropout_p > 0.0f) {
+    auto other = graph_cache().get(make_key(ctx, q, k, softmax_scale, dropout_p, !backward));
+    if (!other->graph)
+      return {nullptr, std::string("with dropout both directions must run on cuDNN, and the ") +
+                           (backward ? "forward" : "backward") + " does not: " + other->unsupported};
+  }
+  return {std::move(entry), ""};
+}
+
+bool all_aligned(std::initializer_list<const Tensor*> tensors) {
+  for (const Tensor* t : tensors)
+    if (reinterpret_cast<uintptr_t>(t->raw_data()) % kAlignment != 0) return false;
+  return true;
+}
+
+// With dropout a fallback would change the mask between forward and backward, so misalignment is
+// the caller's error there; without dropout the row-wise kernels take over.
+bool check_alignment(std::initializer_list<const Tensor*> tensors, float dropout_p) {
+  if (all_aligned(tensors)) return true;
+  MG_CHECK(dropout_p <= 0.0f,
+           "attention with dropout on the GPU needs 16-byte aligned q, k, v, out, lse and gradients "
+           "(cuDNN's dropout mask has no row-wise fallback); allocate them as whole tensors");
+  return false;
+}
+
+void execute(Context& ctx, const CachedGraph& entry, std::unordered_map<int64_t, void*>& pack, float dropout_p,
+             uint64_t seed, uint64_t offset) {
+  const size_t state_bytes = dropout_p > 0.0f ? kDropoutStateBytes : 0;
+  const size_t total = state_bytes + size_t(entry.workspace_bytes);
+  Tensor workspace;
+  char* base = nullptr;
+  if (total > 0) {
+    workspace = ctx.workspace(total);
+    base = static_cast<char*>(workspace.raw_data());
+  }
+  if (state_bytes > 0) {
+    write_dropout_seed_offset(ctx, reinterpret_cast<int64_t*>(base), seed, offset);
+    pack[kSeed] = base;
+    pack[kOffset] = base + 16;
+  }
+  void* cudnn_workspace = entry.workspace_bytes > 0 ? base + state_bytes : nullptr;
+  rethrow_frontend_exceptions("executing the attention graph", [&] {
+    CUDNN_FE_CHECK(entry.graph->execute(static_cast<cudnnHandle_t>(ctx.cudnn_handle()), pack, cudnn_workspace));
+  });
+}
+
+}  // namespace
+
+CudnnAttentionSupport cudnn_attention_support(Context& ctx, const Tensor& q, const Tensor& k, float softmax_scale,
+                                              float dropout_p, bool backward) {
+  if (q.dtype() != DType::BFloat16 && q.dtype() != DType::Float16)
+    return {false, "cuDNN attention takes bf16 or fp16, not " + std::string(to_string(q.dtype()))};
+  Lookup found = lookup(ctx, q, k, softmax_scale, dropout_p, backward);
+  return {found.entry != nullptr, found.unsupported};
+}
+
+bool cudnn_attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float softmax_scale,
+                             float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
+  auto entry = lookup(ctx, q, k, softmax_scale, dropout_p, /*backward=*/false).entry;
+  if (!entry) return false;
+  if (!check_alignment({&q, &k, &v, &out, &lse}, dropout_p)) return false;
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, q.raw_data()}, {kK, k.raw_data()}, {kV, v.raw_data()}, {kO, out.raw_data()}, {kStats, lse.raw_data()}};
+  execute(ctx, *entry, pack, dropout_p, seed, offset);
+  return true;
+}
+
+bool cudnn_attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                              const Tensor& v, const Tensor& out, const Tensor& lse, float softmax_scale,
+                              float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q, Tensor& grad_k,
+                              Tensor& grad_v) {
+  auto entry = lookup(ctx, q, k, softmax_scale, dropout_p, /*backward=*/true).entry;
+  if (!entry) return false;
+  if (!check_alignment({&grad_out, &q, &k, &v, &out, &lse, &grad_q, &grad_k, &grad_v}, dropout_p)) return false;
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, q.raw_data()},          {kK, k.raw_data()},          {kV, v.raw_data()},
+      {kO, out.raw_data()},        {kGradO, grad_out.raw_data()}, {kStats, lse.raw_data()},
+      {kGradQ, grad_q.raw_data()}, {kGradK, grad_k.raw_data()}, {kGradV, grad_v.raw_data()}};
+  execute(ctx, *entry, pack, dropout_p, seed, offset);
+  return true;
+}
+
+}  // namespace megatron::cuda
+
+#endif  // MEGATRON_WITH_CUDA

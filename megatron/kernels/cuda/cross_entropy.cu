@@ -1,0 +1,308 @@
+// Cross-entropy loss and the masked token mean, CUDA fast path (reference: kernels/cpu/cross_entropy.cpp).
+//
+// logits [N, V] (V up to ~256k), one block per row:
+//   forward   one pass of an online log-sum-exp: each thread keeps (max, Σ exp(x - max)) in fp32 over
+//             16-byte packs, rescaling once per pack; the pairs are merged across the block.
+//   backward  grad = (exp(x - lse) - [v == label])·grad_losses[n] in one pass; grad_logits may alias
+//             logits (each thread reads its pack before writing it, so no __restrict__ there).
+// A label outside [0, V) is the user's mistake: the forward records the first bad row with atomicMin,
+// syncs and throws megatron::Error naming it, as the CPU does (Note [Device-side id checks] in
+// embedding.cu). The backward trusts the labels its forward checked; a bad one there is skipped, never
+// read or written out of bounds.
+// masked_loss_sums reduces in one block in fp64, in a fixed order (deterministic).
+#include <algorithm>
+#include <cmath>
+
+#include "megatron/kernels/cuda/cuda_common.cuh"
+#include "megatron/kernels/cuda/cuda_ops.h"
+
+namespace megatron::cuda {
+
+namespace {
+
+constexpr int kMaxRowThreads = 512;
+constexpr int kSumThreads = 1024;
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <int N, typename T>
+__device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = load_float(pk.v[k]);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int k = 0; k < N; ++k) pk.v[k] = store_float<T>(in[k]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+struct Labels {
+  const void* data = nullptr;
+  bool is64 = false;
+  __device__ __forceinline__ int64_t operator[](int64_t i) const {
+    return is64 ? static_cast<const int64_t*>(data)[i] : int64_t(static_cast<const int32_t*>(data)[i]);
+  }
+};
+
+// A running log-sum-exp: max m and Σ exp(x - m).
+struct MaxSum {
+  float m, s;
+};
+
+__device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.0f};
+  return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+}
+
+// Merges every thread's pair (blockDim.x a multiple of 32); the result is valid in every thread.
+__device__ MaxSum block_merge(MaxSum v) {
+  __shared__ MaxSum shared[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = merge(v, {__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o)});
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < int(blockDim.x >> 5) ? shared[lane] : MaxSum{-INFINITY, 0.0f};
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = merge(v, {__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o)});
+  return v;
+}
+
+template <typename T, int VEC>
+__global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, Labels labels, int64_t V,
+                                             float* __restrict__ losses, float* __restrict__ lse,
+                                             unsigned long long* bad_row) {
+  const int64_t row = blockIdx.x;
+  const T* xr = logits + row * V;
+  MaxSum acc{-INFINITY, 0.0f};
+  for (int64_t c = int64_t(threadIdx.x) * VEC; c < V; c += int64_t(blockDim.x) * VEC) {
+    float v[VEC];
+    load_pack<VEC>(xr + c, v);
+    float pm = v[0];
+#pragma unroll
+    for (int k = 1; k < VEC; ++k) pm = fmaxf(pm, v[k]);
+    if (pm == -INFINITY) continue;  // exp(-inf) adds nothing
+    if (pm > acc.m) {
+      acc.s *= expf(acc.m - pm);
+      acc.m = pm;
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc.s += expf(v[k] - acc.m);
+  }
+  acc = block_merge(acc);
+  if (threadIdx.x != 0) return;
+  const int64_t label = labels[row];
+  if (label < 0 || label >= V) {
+    atomicMin(bad_row, static_cast<unsigned long long>(row));
+    return;
+  }
+  const float l = acc.m + logf(acc.s);
+  losses[row] = l - load_float(xr[label]);
+  if (lse) lse[row] = l;
+}
+
+template <typename T, int VEC>
+__global__ void cross_entropy_backward_kernel(const float* __restrict__ grad_losses, const T* logits, Labels labels,
+                                              const float* __restrict__ lse, int64_t V, T* grad) {
+  const int64_t row = blockIdx.x, label = labels[row];
+  const float g = grad_losses[row], l = lse[row];
+  const T* xr = logits + row * V;
+  T* gr = grad + row * V;
+  for (int64_t c = int64_t(threadIdx.x) * VEC; c < V; c += int64_t(blockDim.x) * VEC) {
+    float v[VEC];
+    load_pack<VEC>(xr + c, v);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      v[k] = expf(v[k] - l) * g;
+      if (c + k == label) v[k] -= g;
+    }
+    store_pack<VEC>(gr + c, v);
+  }
+}
+
+// sums = {Σ loss·mask, Σ mask} (mask null: all ones), in one block, fp64, fixed order.
+template <typename L, typename M>
+__global__ void masked_loss_sums_kernel(const L* __restrict__ losses, const M* __restrict__ mask, int64_t n,
+                                        float* __restrict__ sums) {
+  __shared__ double sw[32], sc[32];
+  double w = 0.0, cnt = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const double m = mask ? double(load_float(mask[i])) : 1.0;
+    w += double(load_float(losses[i])) * m;
+    cnt += m;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    w += __shfl_xor_sync(0xffffffffu, w, o);
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    sw[warp] = w;
+    sc[warp] = cnt;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  double tw = 0.0, tc = 0.0;
+  for (int k = 0; k < int(blockDim.x >> 5); ++k) {
+    tw += sw[k];
+    tc += sc[k];
+  }
+  sums[0] = float(tw);
+  sums[1] = float(tc);
+}
+
+template <typename M>
+__global__ void masked_loss_backward_kernel(const M* __restrict__ mask, float scale, int64_t n,
+                                            float* __restrict__ grad) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    grad[i] = mask ? load_float(mask[i]) * scale : scale;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int row_threads(int64_t packs) {
+  return int(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, kMaxRowThreads));
+}
+
+void check_cuda(const Tensor& t, const char* name) {
+  MG_ASSERT(t.defined() && t.device().is_cuda(), "{} must be a CUDA tensor, got {}", name,
+            t.defined() ? t.str() : "undefined");
+}
+
+void check_fp32(const Tensor& t, int64_t numel, const char* name) {
+  check_cuda(t, name);
+  MG_ASSERT(t.dtype() == DType::Float32 && t.numel() == numel, "{} is {}, expected fp32 with {} elements", name,
+            t.str(), numel);
+}
+
+struct Rows {
+  int64_t n = 0, v = 0;
+  Labels labels;
+};
+
+Rows check_logits(const Tensor& logits, const Tensor& labels) {
+  check_cuda(logits, "logits");
+  MG_ASSERT(logits.dim() >= 1 && is_floating(logits.dtype()), "logits must be float [N, V], got {}", logits.str());
+  Rows r;
+  r.v = logits.size(-1);
+  r.n = r.v == 0 ? 0 : logits.numel() / r.v;
+  check_cuda(labels, "labels");
+  MG_ASSERT((labels.dtype() == DType::Int32 || labels.dtype() == DType::Int64) && labels.numel() == r.n,
+            "labels {} do not match logits {} (expected int32/int64 [N])", labels.str(), logits.str());
+  r.labels = Labels{labels.raw_data(), labels.dtype() == DType::Int64};
+  return r;
+}
+
+// Calls f.template operator()<M>() with M the mask's CUDA type (float when the mask is undefined).
+template <typename F>
+void dispatch_mask(const Tensor& mask, F&& f) {
+  if (!mask.defined()) return f.template operator()<float>();
+  dispatch_float(mask.dtype(), std::forward<F>(f));
+}
+
+}  // namespace
+
+void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& labels, Tensor& losses, Tensor& lse) {
+  const Rows r = check_logits(logits, labels);
+  check_fp32(losses, r.n, "losses");
+  float* lse_out = nullptr;
+  if (lse.defined()) {
+    check_fp32(lse, r.n, "lse");
+    lse_out = dev_ptr<float>(lse);
+  }
+  if (r.n == 0) return;
+  MG_CHECK(r.v > 0, "cross entropy over an empty vocabulary: logits are {}", logits.str());
+  cudaStream_t stream = stream_of(ctx);
+  Tensor bad = Tensor::empty({1}, DType::Int64, ctx.device());
+  auto* bad_row = static_cast<unsigned long long*>(bad.raw_data());
+  CUDA_CHECK(cudaMemsetAsync(bad_row, 0xff, sizeof(unsigned long long), stream));
+  dispatch_float(logits.dtype(), [&]<typename T>() {
+    constexpr int kVec = 16 / sizeof(T);
+    if (r.v % kVec == 0 && aligned16(logits.raw_data())) {
+      cross_entropy_forward_kernel<T, kVec><<<unsigned(r.n), row_threads(r.v / kVec), 0, stream>>>(
+          dev_ptr<T>(logits), r.labels, r.v, dev_ptr<float>(losses), lse_out, bad_row);
+    } else {
+      cross_entropy_forward_kernel<T, 1><<<unsigned(r.n), row_threads(r.v), 0, stream>>>(
+          dev_ptr<T>(logits), r.labels, r.v, dev_ptr<float>(losses), lse_out, bad_row);
+    }
+  });
+  CUDA_CHECK_LAUNCH();
+  unsigned long long found = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&found, bad_row, sizeof(found), cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (found == ~0ull) return;
+  const int64_t row = int64_t(found);
+  MG_CHECK(false,
+           "label {} at position {} is outside the vocabulary [0, {}): check the tokenizer and --vocab-size "
+           "(mask ignored tokens with the loss mask instead of a negative label)",
+           labels.flat_slice(row, 1).to_ints()[0], row, r.v);
+}
+
+void cross_entropy_backward(Context& ctx, const Tensor& grad_losses, const Tensor& logits, const Tensor& labels,
+                            const Tensor& lse, Tensor& grad_logits) {
+  const Rows r = check_logits(logits, labels);
+  check_fp32(grad_losses, r.n, "grad_losses");
+  check_fp32(lse, r.n, "lse");
+  check_cuda(grad_logits, "grad_logits");
+  MG_ASSERT(grad_logits.numel() == logits.numel() && grad_logits.dtype() == logits.dtype(),
+            "grad_logits is {}, expected the size and dtype of logits {}", grad_logits.str(), logits.str());
+  if (r.n == 0 || r.v == 0) return;
+  cudaStream_t stream = stream_of(ctx);
+  dispatch_float(logits.dtype(), [&]<typename T>() {
+    constexpr int kVec = 16 / sizeof(T);
+    if (r.v % kVec == 0 && aligned16(logits.raw_data()) && aligned16(grad_logits.raw_data())) {
+      cross_entropy_backward_kernel<T, kVec><<<unsigned(r.n), row_threads(r.v / kVec), 0, stream>>>(
+          dev_ptr<float>(grad_losses), dev_ptr<T>(logits), r.labels, dev_ptr<float>(lse), r.v, dev_ptr<T>(grad_logits));
+    } else {
+      cross_entropy_backward_kernel<T, 1><<<unsigned(r.n), row_threads(r.v), 0, stream>>>(
+          dev_ptr<float>(grad_losses), dev_ptr<T>(logits), r.labels, dev_ptr<float>(lse), r.v, dev_ptr<T>(grad_logits));
+    }
+  });
+  CUDA_CHECK_LAUNCH();
+}
+
+void masked_loss_sums(Context& ctx, const Tensor& losses, const Tensor& loss_mask, Tensor& sums) {
+  check_cuda(losses, "losses");
+  check_fp32(sums, 2, "sums");
+  const int64_t n = losses.numel();
+  if (loss_mask.defined()) {
+    check_cuda(loss_mask, "loss_mask");
+    MG_ASSERT(loss_mask.numel() == n, "loss_mask is {}, expected {} elements", loss_mask.str(), n);
+  }
+  cudaStream_t stream = stream_of(ctx);
+  dispatch_float(losses.dtype(), [&]<typename L>() {
+    dispatch_mask(loss_mask, [&]<typename M>() {
+      const M* mask = loss_mask.defined() ? dev_ptr<M>(loss_mask) : nullptr;
+      masked_loss_sums_kernel<L, M><<<1, kSumThreads, 0, stream>>>(dev_ptr<L>(losses), mask, n, dev_ptr<float>(sums));
+    });
+  });
+  CUDA_CHECK_LAUNCH();
+}
+
+void masked_loss_backward(Context& ctx, const Tensor& loss_mask, float scale, Tensor& grad_losses) {
+  check_cuda(grad_losses, "grad_losses");
+  MG_ASSERT(grad_losses.dtype() == DType::Float32, "grad_losses is {}, expected fp32", grad_losses.str());
+  const int64_t n = grad_losses.numel();
+  if (loss_mask.defined()) {
+    check_cuda(loss_mask, "loss_mask");
+    MG_ASSERT(loss_mask.numel() == n, "loss_mask is {}, expected {} elements", loss_mask.str(), n);
+  }
+  if (n == 0) return;
+  cudaStream_t stream = stream_of(ctx);
+  dispatch_mask(loss_mask, [&]<typename M>() {
+    const M* mask = loss_mask.defined() ? dev_ptr<M>(loss_mask) : nullptr;
+    masked_loss_backward_kernel<M><<<grid_for(n), kBlockSize, 0, stream>>>(mask, scale, n, dev_ptr<float>(grad_losses));
+  });
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace megatron::cuda

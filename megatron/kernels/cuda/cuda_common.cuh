@@ -1,0 +1,105 @@
+// Helpers shared by the CUDA kernel files: CUBLAS_CHECK (built on mg_library_failure like
+// CUDA_CHECK), dtype traits that load a storage element as float and store a float back (round to
+// nearest even, as the CPU backend does), a float-dtype dispatcher, launch-size helpers and the
+// Context's stream as a cudaStream_t.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "megatron/runtime/check.h"
+#include "megatron/runtime/context.h"
+#include "megatron/runtime/cuda/cuda_check.h"
+#include "megatron/runtime/dtype.h"
+#include "megatron/runtime/tensor.h"
+
+#define CUBLAS_CHECK(stmt)                                                                      \
+  do {                                                                                          \
+    cublasStatus_t mg_st_ = (stmt);                                                             \
+    if (mg_st_ != CUBLAS_STATUS_SUCCESS) [[unlikely]] {                                         \
+      int mg_dev_ = -1;                                                                         \
+      cudaGetDevice(&mg_dev_);                                                                  \
+      ::megatron::mg_library_failure("cuBLAS", #stmt, __FILE__, __LINE__,                       \
+                                     cublasLtGetStatusString(mg_st_), mg_dev_);                 \
+    }                                                                                           \
+  } while (0)
+
+namespace megatron::cuda {
+
+/// Loads a storage element as float and stores a float back into the storage type.
+template <typename T>
+struct DTypeTraits;
+
+template <>
+struct DTypeTraits<float> {
+  static constexpr DType dtype = DType::Float32;
+  __host__ __device__ static float load(float x) { return x; }
+  __host__ __device__ static float store(float x) { return x; }
+};
+
+template <>
+struct DTypeTraits<__nv_bfloat16> {
+  static constexpr DType dtype = DType::BFloat16;
+  __device__ static float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <>
+struct DTypeTraits<__half> {
+  static constexpr DType dtype = DType::Float16;
+  __device__ static float load(__half x) { return __half2float(x); }
+  __device__ static __half store(float x) { return __float2half_rn(x); }
+};
+
+template <typename T>
+__device__ __forceinline__ float load_float(T x) {
+  return DTypeTraits<T>::load(x);
+}
+template <typename T>
+__device__ __forceinline__ T store_float(float x) {
+  return DTypeTraits<T>::store(x);
+}
+
+/// Calls f.template operator()<T>() with T the CUDA type of a float dtype (fp32, bf16, fp16):
+///   dispatch_float(t.dtype(), [&]<typename T>() { kernel<T><<<...>>>(...); });
+/// Other dtypes are the caller's mistake and throw.
+template <typename F>
+void dispatch_float(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::Float32:
+      f.template operator()<float>();
+      return;
+    case DType::BFloat16:
+      f.template operator()<__nv_bfloat16>();
+      return;
+    case DType::Float16:
+      f.template operator()<__half>();
+      return;
+    default:
+      MG_CHECK(false, "CUDA op: dtype {} is not supported here (use fp32, bf16 or fp16)", to_string(dtype));
+  }
+}
+
+/// A tensor's device pointer as T (no dtype check: T is the CUDA type, e.g. __nv_bfloat16).
+template <typename T>
+inline T* dev_ptr(const Tensor& t) {
+  return static_cast<T*>(t.raw_data());
+}
+
+inline cudaStream_t stream_of(const Context& ctx) { return static_cast<cudaStream_t>(ctx.stream()); }
+
+inline constexpr int kBlockSize = 256;
+
+/// Blocks of `block` threads covering n elements, capped for grid-stride loops.
+inline unsigned grid_for(int64_t n, int block = kBlockSize, int64_t max_blocks = 65535LL * 16) {
+  int64_t b = (n + block - 1) / block;
+  if (b < 1) b = 1;
+  if (b > max_blocks) b = max_blocks;
+  return unsigned(b);
+}
+
+}  // namespace megatron::cuda

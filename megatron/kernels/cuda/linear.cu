@@ -1,0 +1,423 @@
+// Linear layer y = x·Wᵀ + b on cuBLASLt, the CUDA fast path of kernels/cpu/linear.cpp.
+//
+// Note [Row-major GEMMs on cuBLASLt]: cuBLASLt is column-major; a row-major [R, C] tensor is a
+// column-major C×R matrix with ld = C. So each row-major product is computed transposed:
+//   forward      yᵀ [out×N]  = Wᵀ-as-stored(T) · xᵀ(N)      m=out n=N k=in   "TN", bias epilogue
+//   grad_in      dxᵀ [in×N]  = W-as-stored(N) · dyᵀ(N)      m=in  n=N k=out  "NN"
+//   weight_grad  dWᵀ [in×out] += xᵀ(N) · dy(T)              m=in  n=out k=N  "NT", beta = 1, C=D fp32
+// The bias epilogue is used when the bias has y's dtype and is 16-byte aligned; otherwise the GEMM
+// writes fp32 (for a 16-bit y) and a small kernel adds the bias and rounds once.
+// Compute type is CUBLAS_COMPUTE_32F throughout (no TF32, so fp32 matches the CPU to ~1e-6), with
+// bf16/fp16 A/B and a bf16/fp16/fp32 D. The weight gradient accumulates straight into the fp32
+// main_grad with bf16 operands (Megatron's gradient-accumulation fusion). The bias gradient is a
+// deterministic two-stage column sum in fp32 added into bias_grad (cuBLASLt's BGRAD epilogues
+// overwrite instead of accumulating).
+//
+// Descriptors, layouts and the heuristic's algorithm are cached per (device, handle, shape,
+// dtypes, transposes, epilogue, pointer alignments): the heuristic depends on the alignments, so
+// a tensor slice at an odd offset gets its own entry.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "megatron/kernels/cuda/cuda_common.cuh"
+#include "megatron/kernels/cuda/cuda_ops.h"
+
+namespace megatron::cuda {
+
+namespace {
+
+constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::Float32:
+      return CUDA_R_32F;
+    case DType::BFloat16:
+      return CUDA_R_16BF;
+    case DType::Float16:
+      return CUDA_R_16F;
+    default:
+      MG_CHECK(false, "linear on CUDA: dtype {} is not supported (use fp32, bf16 or fp16)", to_string(t));
+  }
+  return CUDA_R_32F;
+}
+
+uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && (a % align) != 0) align /= 2;
+  return align;
+}
+
+// One GEMM D = alpha·op(A)·op(B) + beta·D in column-major terms (C aliases D).
+struct Gemm {
+  cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  cudaDataType_t at = CUDA_R_32F;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  cudaDataType_t bt = CUDA_R_32F;
+  int64_t ldb = 0;
+  void* d = nullptr;
+  cudaDataType_t dt = CUDA_R_32F;
+  int64_t ldd = 0;
+  float beta = 0.0f;
+  const void* bias = nullptr;  // non-null: CUBLASLT_EPILOGUE_BIAS with a bias of type dt
+};
+
+using GemmKey = std::tuple<int, void*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int,
+                           bool, uint32_t, uint32_t, uint32_t, uint32_t>;
+
+struct GemmPlan {
+  std::mutex mu;  // guards the bias pointer attribute between set and enqueue
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;
+};
+
+struct PlanCache {
+  std::mutex mu;
+  std::map<GemmKey, std::unique_ptr<GemmPlan>> plans;
+};
+
+// Leaked on purpose: the plans must outlive every Context, and cuBLASLt may be unloaded before
+// static destructors run.
+PlanCache& plan_cache() {
+  static auto* cache = new PlanCache;
+  return *cache;
+}
+
+cublasLtMatrixLayout_t make_layout(cudaDataType_t t, cublasOperation_t op, int64_t rows, int64_t cols, int64_t ld) {
+  cublasLtMatrixLayout_t l = nullptr;
+  if (op == CUBLAS_OP_N) {
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, t, uint64_t(rows), uint64_t(cols), ld));
+  } else {
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, t, uint64_t(cols), uint64_t(rows), ld));
+  }
+  return l;
+}
+
+std::unique_ptr<GemmPlan> make_plan(cublasLtHandle_t handle, const Gemm& g) {
+  auto plan = std::make_unique<GemmPlan>();
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &g.ta, sizeof(g.ta)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &g.tb, sizeof(g.tb)));
+  if (g.bias != nullptr) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    // The heuristic reads the bias pointer's value for its alignment.
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+  }
+  plan->la = make_layout(g.at, g.ta, g.m, g.k, g.lda);  // op(A) is m×k
+  plan->lb = make_layout(g.bt, g.tb, g.k, g.n, g.ldb);  // op(B) is k×n
+  plan->ld = make_layout(g.dt, CUBLAS_OP_N, g.m, g.n, g.ldd);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t max_ws = kCublasWorkspaceBytes;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws,
+                                                    sizeof(max_ws)));
+  const uint32_t align_a = alignment_of(g.a), align_b = alignment_of(g.b), align_d = alignment_of(g.d);
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                                                    sizeof(align_a)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                                                    sizeof(align_b)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
+                                                    sizeof(align_d)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
+                                                    sizeof(align_d)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->la, plan->lb, plan->ld, plan->ld,
+                                                           pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+    int dev = -1;
+    cudaGetDevice(&dev);
+    mg_library_failure("cuBLAS", "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__,
+                       std::string(cublasLtGetStatusString(st == CUBLAS_STATUS_SUCCESS ? CUBLAS_STATUS_NOT_SUPPORTED
+                                                                                       : st)) +
+                           " (no algorithm for m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) +
+                           " k=" + std::to_string(g.k) + ")",
+                       dev);
+  }
+  plan->algo = result.algo;
+  plan->workspace = result.workspaceSize;
+  return plan;
+}
+
+void run_gemm(Context& ctx, const Gemm& g) {
+  auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt_handle());
+  MG_ASSERT(handle != nullptr, "linear on CUDA needs a CUDA Context (no cuBLASLt handle)");
+  const uint32_t bias_align = g.bias != nullptr ? alignment_of(g.bias) : 0u;
+  const GemmKey key{ctx.device().index, ctx.cublaslt_handle(), int(g.ta), int(g.tb), g.m, g.n, g.k, g.lda, g.ldb,
+                    g.ldd, int(g.at), int(g.bt), int(g.dt), g.bias != nullptr, alignment_of(g.a), alignment_of(g.b),
+                    alignment_of(g.d), bias_align};
+  GemmPlan* plan = nullptr;
+  {
+    PlanCache& cache = plan_cache();
+    std::lock_guard<std::mutex> lock(cache.mu);
+    auto it = cache.plans.find(key);
+    if (it == cache.plans.end()) it = cache.plans.emplace(key, make_plan(handle, g)).first;
+    plan = it->second.get();
+  }
+  Tensor ws = ctx.workspace(kCublasWorkspaceBytes);
+  const float alpha = 1.0f;
+  std::lock_guard<std::mutex> lock(plan->mu);
+  if (g.bias != nullptr) {
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+  }
+  CUBLAS_CHECK(cublasLtMatmul(handle, plan->desc, &alpha, g.a, plan->la, g.b, plan->lb, &g.beta, g.d, plan->ld, g.d,
+                              plan->ld, &plan->algo, ws.raw_data(), plan->workspace, stream_of(ctx)));
+}
+
+// ---- small kernels: bias add (when not fused) and the bias-gradient column sums ----------------
+
+// y = src + bias per row, rounded once into y's type (src is y itself, or an fp32 GEMM result).
+template <typename S, typename T, typename B>
+__global__ void add_bias_rows_kernel(const S* src, T* y, const B* bias, int64_t rows, int64_t cols) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] = store_float<T>(load_float(src[i]) + load_float(bias[i % cols]));
+  }
+}
+
+constexpr int kSumCols = 32, kSumRows = 8;
+
+// Stage 1: block (x, y) sums column block x over row split y. With one split it adds straight into
+// bias_grad; otherwise it writes partial[y·cols + c] for stage 2.
+template <typename T>
+__global__ void column_sums_kernel(const T* dy, int64_t rows, int64_t cols, int64_t rows_per_split, float* partial,
+                                   float* bias_grad) {
+  __shared__ float sh[kSumRows][kSumCols + 1];
+  const int64_t c = int64_t(blockIdx.x) * kSumCols + threadIdx.x;
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_split;
+  const int64_t r1 = min(rows, r0 + rows_per_split);
+  float s = 0.0f;
+  if (c < cols) {
+#pragma unroll 4
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kSumRows) s += load_float(dy[r * cols + c]);
+  }
+  sh[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float total = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSumRows; ++j) total += sh[j][threadIdx.x];
+    if (partial != nullptr) {
+      partial[int64_t(blockIdx.y) * cols + c] = total;
+    } else {
+      bias_grad[c] += total;
+    }
+  }
+}
+
+// Stage 2: bias_grad[c] += Σ_splits partial[s·cols + c], in split order (deterministic).
+__global__ void column_sums_finish_kernel(const float* partial, int splits, int64_t cols, float* bias_grad) {
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= cols) return;
+  float total = 0.0f;
+  for (int s = 0; s < splits; ++s) total += partial[int64_t(s) * cols + c];
+  bias_grad[c] += total;
+}
+
+void bias_grad_accumulate(Context& ctx, const Tensor& dy, int64_t rows, int64_t cols, Tensor& bias_grad) {
+  const int64_t col_blocks = (cols + kSumCols - 1) / kSumCols;
+  const int64_t max_splits = std::max<int64_t>(1, (rows + 63) / 64);
+  const int64_t splits = std::clamp<int64_t>(1024 / col_blocks, 1, std::min<int64_t>(max_splits, 65535));
+  const int64_t rows_per_split = (rows + splits - 1) / splits;
+  float* partial = nullptr;
+  Tensor ws;
+  if (splits > 1) {
+    ws = ctx.workspace(size_t(splits * cols) * sizeof(float));
+    partial = static_cast<float*>(ws.raw_data());
+  }
+  float* db = dev_ptr<float>(bias_grad);
+  const dim3 grid{unsigned(col_blocks), unsigned(splits)}, block{kSumCols, kSumRows};
+  dispatch_float(dy.dtype(), [&]<typename T>() {
+    column_sums_kernel<T><<<grid, block, 0, stream_of(ctx)>>>(dev_ptr<const T>(dy), rows, cols, rows_per_split,
+                                                              partial, db);
+  });
+  CUDA_CHECK_LAUNCH();
+  if (splits > 1) {
+    column_sums_finish_kernel<<<unsigned((cols + kBlockSize - 1) / kBlockSize), kBlockSize, 0, stream_of(ctx)>>>(
+        partial, int(splits), cols, db);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+// y = src + bias; src undefined means y itself.
+void add_bias_rows(Context& ctx, const Tensor& src, Tensor& y, const Tensor& bias, int64_t rows, int64_t cols) {
+  dispatch_float(y.dtype(), [&]<typename T>() {
+    dispatch_float(bias.dtype(), [&]<typename B>() {
+      const unsigned grid = grid_for(rows * cols);
+      if (src.defined()) {
+        add_bias_rows_kernel<float, T, B><<<grid, kBlockSize, 0, stream_of(ctx)>>>(
+            dev_ptr<const float>(src), dev_ptr<T>(y), dev_ptr<const B>(bias), rows, cols);
+      } else {
+        add_bias_rows_kernel<T, T, B><<<grid, kBlockSize, 0, stream_of(ctx)>>>(dev_ptr<const T>(y), dev_ptr<T>(y),
+                                                                                dev_ptr<const B>(bias), rows, cols);
+      }
+    });
+  });
+  CUDA_CHECK_LAUNCH();
+}
+
+// ---- shape checks ---------------------------------------------------------------------------------
+
+struct LinearDims {
+  int64_t n = 0, in = 0, out = 0;
+};
+
+void check_cuda_float(const Tensor& t, const char* name) {
+  MG_ASSERT(t.defined(), "{} is undefined", name);
+  MG_ASSERT(t.device().is_cuda(), "{} must be on a CUDA device, got {}", name, t.str());
+  MG_ASSERT(is_floating(t.dtype()), "{} must be a float tensor, got {}", name, t.str());
+}
+
+int64_t rows_of(const Tensor& t, int64_t h, const char* name) {
+  MG_ASSERT(t.dim() >= 1 && t.size(-1) == h, "{} is {}, expected a last dimension of {}", name, t.str(), h);
+  int64_t rows = 1;
+  for (int i = 0; i + 1 < t.dim(); ++i) rows *= t.size(i);
+  return rows;
+}
+
+LinearDims linear_dims(const Tensor& x, const Tensor& weight) {
+  check_cuda_float(weight, "weight");
+  MG_ASSERT(weight.dim() == 2, "weight must be [out, in], got {}", weight.str());
+  check_cuda_float(x, "x");
+  LinearDims d;
+  d.out = weight.size(0);
+  d.in = weight.size(1);
+  d.n = rows_of(x, d.in, "x");
+  return d;
+}
+
+void check_output_type(DType operands, const Tensor& out, const char* name) {
+  MG_CHECK(out.dtype() == operands || out.dtype() == DType::Float32,
+           "linear on CUDA: {} is {} but the operands are {} (use the operand dtype or fp32)", name,
+           to_string(out.dtype()), to_string(operands));
+}
+
+}  // namespace
+
+void linear_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y) {
+  const LinearDims d = linear_dims(x, weight);
+  check_cuda_float(y, "y");
+  MG_ASSERT(rows_of(y, d.out, "y") == d.n, "y is {}, expected {} rows of {}", y.str(), d.n, d.out);
+  MG_CHECK(x.dtype() == weight.dtype(), "linear on CUDA: x is {} but weight is {} (they must match)",
+           to_string(x.dtype()), to_string(weight.dtype()));
+  check_output_type(x.dtype(), y, "y");
+  if (bias.defined()) {
+    check_cuda_float(bias, "bias");
+    MG_ASSERT(bias.numel() == d.out, "bias is {}, expected {} elements", bias.str(), d.out);
+  }
+  if (d.n == 0 || d.out == 0) return;
+  // cuBLASLt's bias epilogue wants the bias in D's type and (in practice) 16-byte aligned. Otherwise
+  // a 16-bit y goes through an fp32 GEMM result, so the bias add still rounds only once.
+  const bool fuse_bias =
+      bias.defined() && bias.dtype() == y.dtype() && alignment_of(bias.raw_data()) >= 16 && d.in > 0;
+  const bool via_fp32 = bias.defined() && !fuse_bias && y.dtype() != DType::Float32 && d.in > 0;
+  Tensor acc = via_fp32 ? Tensor::empty({d.n, d.out}, DType::Float32, y.device()) : Tensor();
+  Tensor& gemm_out = via_fp32 ? acc : y;
+  if (d.in == 0) {
+    CUDA_CHECK(cudaMemsetAsync(y.raw_data(), 0, y.nbytes(), stream_of(ctx)));
+  } else {
+    Gemm g;
+    g.ta = CUBLAS_OP_T;
+    g.tb = CUBLAS_OP_N;
+    g.m = d.out;
+    g.n = d.n;
+    g.k = d.in;
+    g.a = weight.raw_data();
+    g.at = cuda_type(weight.dtype());
+    g.lda = d.in;
+    g.b = x.raw_data();
+    g.bt = cuda_type(x.dtype());
+    g.ldb = d.in;
+    g.d = gemm_out.raw_data();
+    g.dt = cuda_type(gemm_out.dtype());
+    g.ldd = d.out;
+    g.bias = fuse_bias ? bias.raw_data() : nullptr;
+    run_gemm(ctx, g);
+  }
+  if (bias.defined() && !fuse_bias) add_bias_rows(ctx, acc, y, bias, d.n, d.out);
+}
+
+void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight, Tensor& grad_in,
+                     Tensor& weight_grad, Tensor& bias_grad) {
+  const LinearDims d = linear_dims(x, weight);
+  check_cuda_float(grad_out, "grad_out");
+  MG_ASSERT(rows_of(grad_out, d.out, "grad_out") == d.n, "grad_out is {}, expected {} rows of {}", grad_out.str(),
+            d.n, d.out);
+  if (grad_in.defined()) {
+    check_cuda_float(grad_in, "grad_in");
+    MG_ASSERT(grad_in.numel() == d.n * d.in, "grad_in is {}, expected {} elements", grad_in.str(), d.n * d.in);
+    if (d.out == 0) {
+      CUDA_CHECK(cudaMemsetAsync(grad_in.raw_data(), 0, grad_in.nbytes(), stream_of(ctx)));
+    } else if (d.n > 0 && d.in > 0) {
+      MG_CHECK(grad_out.dtype() == weight.dtype(), "linear_backward on CUDA: grad_out is {} but weight is {}",
+               to_string(grad_out.dtype()), to_string(weight.dtype()));
+      check_output_type(grad_out.dtype(), grad_in, "grad_in");
+      Gemm g;
+      g.ta = CUBLAS_OP_N;
+      g.tb = CUBLAS_OP_N;
+      g.m = d.in;
+      g.n = d.n;
+      g.k = d.out;
+      g.a = weight.raw_data();
+      g.at = cuda_type(weight.dtype());
+      g.lda = d.in;
+      g.b = grad_out.raw_data();
+      g.bt = cuda_type(grad_out.dtype());
+      g.ldb = d.out;
+      g.d = grad_in.raw_data();
+      g.dt = cuda_type(grad_in.dtype());
+      g.ldd = d.in;
+      run_gemm(ctx, g);
+    }
+  }
+  if (weight_grad.defined()) {
+    check_cuda_float(weight_grad, "weight_grad");
+    MG_ASSERT(weight_grad.dtype() == DType::Float32, "weight_grad must be fp32, got {}", weight_grad.str());
+    MG_ASSERT(weight_grad.numel() == d.out * d.in, "weight_grad is {}, expected {} elements", weight_grad.str(),
+              d.out * d.in);
+    if (d.n > 0 && d.in > 0 && d.out > 0) {
+      MG_CHECK(grad_out.dtype() == x.dtype(), "linear_backward on CUDA: grad_out is {} but x is {}",
+               to_string(grad_out.dtype()), to_string(x.dtype()));
+      Gemm g;
+      g.ta = CUBLAS_OP_N;
+      g.tb = CUBLAS_OP_T;
+      g.m = d.in;
+      g.n = d.out;
+      g.k = d.n;
+      g.a = x.raw_data();
+      g.at = cuda_type(x.dtype());
+      g.lda = d.in;
+      g.b = grad_out.raw_data();
+      g.bt = cuda_type(grad_out.dtype());
+      g.ldb = d.out;
+      g.d = weight_grad.raw_data();
+      g.dt = CUDA_R_32F;
+      g.ldd = d.in;
+      g.beta = 1.0f;
+      run_gemm(ctx, g);
+    }
+  }
+  if (bias_grad.defined()) {
+    check_cuda_float(bias_grad, "bias_grad");
+    MG_ASSERT(bias_grad.dtype() == DType::Float32, "bias_grad must be fp32, got {}", bias_grad.str());
+    MG_ASSERT(bias_grad.numel() == d.out, "bias_grad is {}, expected {} elements", bias_grad.str(), d.out);
+    if (d.n > 0 && d.out > 0) bias_grad_accumulate(ctx, grad_out, d.n, d.out, bias_grad);
+  }
+}
+
+}  // namespace megatron::cuda

@@ -1,0 +1,396 @@
+// LayerNorm and RMSNorm over the last dimension, CUDA fast path (reference: kernels/cpu/norms.cpp).
+//
+// Forward and input gradient: one block per row of x [N, h]. Statistics are fp32 and two-pass (μ,
+// then Σ(x - μ)²), the row being re-read from L1/L2 rather than held, so any h works; loads are
+// 16-byte vectors when h and the pointers allow, scalar otherwise. γ (weight, + 1 under
+// zero_centered_gamma) and β are first converted into an fp32 scratch, so the row kernels are
+// templated on the activation dtype only.
+//
+// Note [Deterministic norm parameter grads]: dweight = Σ_rows dy·x̂ and dbias = Σ_rows dy are column
+// sums. A first kernel gives each (32-column tile, row chunk) block its own slot in an fp32 scratch
+// [chunks, h] and sums its rows in a fixed order; a second kernel sums the chunks in order and adds
+// the result into the fp32 gradient. No float atomics: the same bits on every run.
+#include <algorithm>
+
+#include "megatron/kernels/cuda/cuda_common.cuh"
+#include "megatron/kernels/cuda/cuda_ops.h"
+
+namespace megatron::cuda {
+
+namespace {
+
+constexpr int kMaxRowThreads = 512;
+constexpr int kColTile = 32;     // columns per parameter-grad block (one warp wide)
+constexpr int kColRowThreads = 8;  // rows in flight per parameter-grad block
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <int N, typename T>
+__device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = load_float(pk.v[k]);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int k = 0; k < N; ++k) pk.v[k] = store_float<T>(in[k]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Σ v over the block (blockDim.x a multiple of 32), returned to every thread; shared holds 32 floats.
+__device__ float block_sum(float v, float* shared) {
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // a previous call may still be reading shared
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < int(blockDim.x >> 5) ? shared[lane] : 0.0f;
+  return warp_sum(v);
+}
+
+// out[c] = w[c] + add (w undefined: out = add).
+template <typename W>
+__global__ void norm_param_to_fp32_kernel(const W* __restrict__ w, float add, int64_t h, float* __restrict__ out) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c < h) out[c] = (w ? load_float(w[c]) : 0.0f) + add;
+}
+
+// y = (x - μ)·rstd·γ + β per row (μ = 0 and var = mean(x²) when !CENTERED; beta may be null).
+template <typename T, int VEC, bool CENTERED>
+__global__ void norm_forward_kernel(const T* __restrict__ x, const float* __restrict__ gamma,
+                                    const float* __restrict__ beta, int64_t h, float eps, T* __restrict__ out,
+                                    float* __restrict__ mean, float* __restrict__ rstd) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * h;
+  T* yr = out + row * h;
+  const int64_t start = int64_t(threadIdx.x) * VEC, stride = int64_t(blockDim.x) * VEC;
+  float mu = 0.0f;
+  if constexpr (CENTERED) {
+    float s = 0.0f;
+    for (int64_t c = start; c < h; c += stride) {
+      float v[VEC];
+      load_pack<VEC>(xr + c, v);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) s += v[k];
+    }
+    mu = block_sum(s, shared) / float(h);
+  }
+  float ss = 0.0f;
+  for (int64_t c = start; c < h; c += stride) {
+    float v[VEC];
+    load_pack<VEC>(xr + c, v);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) ss += (v[k] - mu) * (v[k] - mu);
+  }
+  const float rs = 1.0f / sqrtf(block_sum(ss, shared) / float(h) + eps);
+  for (int64_t c = start; c < h; c += stride) {
+    float v[VEC], g[VEC], y[VEC];
+    load_pack<VEC>(xr + c, v);
+    load_pack<VEC>(gamma + c, g);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) y[k] = (v[k] - mu) * rs * g[k];
+    if (beta) {
+      float b[VEC];
+      load_pack<VEC>(beta + c, b);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) y[k] += b[k];
+    }
+    store_pack<VEC>(yr + c, y);
+  }
+  if (threadIdx.x == 0) {
+    if (mean) mean[row] = mu;
+    if (rstd) rstd[row] = rs;
+  }
+}
+
+// dx = rstd·(dx̂ - mean(dx̂) - x̂·mean(dx̂·x̂)), dx̂ = dy·γ (no mean(dx̂) term when !CENTERED).
+template <typename T, int VEC, bool CENTERED>
+__global__ void norm_backward_input_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                           const float* __restrict__ gamma, const float* __restrict__ mean,
+                                           const float* __restrict__ rstd, int64_t h, T* __restrict__ dx) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * h;
+  const T* dyr = dy + row * h;
+  T* dxr = dx + row * h;
+  const float m = CENTERED ? mean[row] : 0.0f, rs = rstd[row];
+  const int64_t start = int64_t(threadIdx.x) * VEC, stride = int64_t(blockDim.x) * VEC;
+  float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
+  for (int64_t c = start; c < h; c += stride) {
+    float v[VEC], d[VEC], g[VEC];
+    load_pack<VEC>(xr + c, v);
+    load_pack<VEC>(dyr + c, d);
+    load_pack<VEC>(gamma + c, g);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float dxhat = d[k] * g[k];
+      sum_dxhat += dxhat;
+      sum_dxhat_xhat += dxhat * ((v[k] - m) * rs);
+    }
+  }
+  const float a = CENTERED ? block_sum(sum_dxhat, shared) / float(h) : 0.0f;
+  const float b = block_sum(sum_dxhat_xhat, shared) / float(h);
+  for (int64_t c = start; c < h; c += stride) {
+    float v[VEC], d[VEC], g[VEC], out[VEC];
+    load_pack<VEC>(xr + c, v);
+    load_pack<VEC>(dyr + c, d);
+    load_pack<VEC>(gamma + c, g);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = rs * (d[k] * g[k] - a - (v[k] - m) * rs * b);
+    store_pack<VEC>(dxr + c, out);
+  }
+}
+
+// Note [Deterministic norm parameter grads], first stage: part_w[chunk, c] = Σ dy·x̂ and
+// part_b[chunk, c] = Σ dy over the chunk's rows (either output may be null).
+template <typename T, bool CENTERED>
+__global__ void norm_param_grad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                               const float* __restrict__ mean, const float* __restrict__ rstd,
+                                               int64_t n, int64_t h, int64_t rows_per_chunk, float* __restrict__ part_w,
+                                               float* __restrict__ part_b) {
+  __shared__ float sw[kColRowThreads][kColTile + 1], sb[kColRowThreads][kColTile + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c = int64_t(blockIdx.x) * kColTile + tx;
+  const int64_t chunk = blockIdx.y;
+  const int64_t r0 = chunk * rows_per_chunk, r1 = std::min(n, r0 + rows_per_chunk);
+  float aw = 0.0f, ab = 0.0f;
+  if (c < h) {
+    for (int64_t r = r0 + ty; r < r1; r += kColRowThreads) {
+      const float g = load_float(dy[r * h + c]);
+      const float xhat = (load_float(x[r * h + c]) - (CENTERED ? mean[r] : 0.0f)) * rstd[r];
+      aw += g * xhat;
+      ab += g;
+    }
+  }
+  sw[ty][tx] = aw;
+  sb[ty][tx] = ab;
+  __syncthreads();
+  if (ty != 0 || c >= h) return;
+  float tw = 0.0f, tb = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kColRowThreads; ++k) {
+    tw += sw[k][tx];
+    tb += sb[k][tx];
+  }
+  if (part_w) part_w[chunk * h + c] = tw;
+  if (part_b) part_b[chunk * h + c] = tb;
+}
+
+// Second stage: grad[c] += Σ_chunks part[chunk, c], in chunk order.
+__global__ void norm_param_grad_final_kernel(const float* __restrict__ part, int64_t chunks, int64_t h,
+                                             float* __restrict__ grad) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= h) return;
+  float s = 0.0f;
+  for (int64_t k = 0; k < chunks; ++k) s += part[k * h + c];
+  grad[c] += s;
+}
+
+void check_float_cuda(const Tensor& t, const char* name) {
+  MG_ASSERT(t.defined() && t.device().is_cuda(), "{} must be a CUDA tensor, got {}", name,
+            t.defined() ? t.str() : "undefined");
+  MG_ASSERT(is_floating(t.dtype()), "{} is {}, expected a floating dtype", name, t.str());
+}
+
+void check_fp32_cuda(const Tensor& t, int64_t numel, const char* name) {
+  check_float_cuda(t, name);
+  MG_ASSERT(t.dtype() == DType::Float32 && t.numel() == numel, "{} is {}, expected fp32 with {} elements", name,
+            t.str(), numel);
+}
+
+// Rows of x viewed as [N, h]; checks `other` (same shape and dtype as x) when defined.
+void check_like(const Tensor& x, const Tensor& other, const char* name) {
+  check_float_cuda(other, name);
+  MG_ASSERT(other.numel() == x.numel() && other.dtype() == x.dtype(), "{} is {}, expected the shape and dtype of {}",
+            name, other.str(), x.str());
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int row_threads(int64_t packs) {
+  const int64_t t = (packs + 31) / 32 * 32;
+  return int(std::clamp<int64_t>(t, 32, kMaxRowThreads));
+}
+
+// γ (+ 1 under zero_centered_gamma) into out[0, h) and, when out_beta is non-null, β (zeros if bias is
+// undefined) into out_beta[0, h).
+void params_to_fp32(const Context& ctx, const Tensor& weight, const Tensor& bias, int64_t h, bool zero_centered_gamma,
+                    float* gamma, float* beta) {
+  cudaStream_t stream = stream_of(ctx);
+  const unsigned grid = grid_for(h);
+  check_float_cuda(weight, "weight");
+  MG_ASSERT(weight.numel() == h, "weight is {}, expected {} elements", weight.str(), h);
+  dispatch_float(weight.dtype(), [&]<typename W>() {
+    norm_param_to_fp32_kernel<W><<<grid, kBlockSize, 0, stream>>>(dev_ptr<W>(weight), zero_centered_gamma ? 1.0f : 0.0f,
+                                                                   h, gamma);
+  });
+  CUDA_CHECK_LAUNCH();
+  if (!beta) return;
+  if (!bias.defined()) {
+    norm_param_to_fp32_kernel<float><<<grid, kBlockSize, 0, stream>>>(nullptr, 0.0f, h, beta);
+  } else {
+    check_float_cuda(bias, "bias");
+    MG_ASSERT(bias.numel() == h, "bias is {}, expected {} elements", bias.str(), h);
+    dispatch_float(bias.dtype(), [&]<typename W>() {
+      norm_param_to_fp32_kernel<W><<<grid, kBlockSize, 0, stream>>>(dev_ptr<W>(bias), 0.0f, h, beta);
+    });
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+// centered: LayerNorm (bias and mean may be undefined), else RMSNorm.
+void norm_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                  bool zero_centered_gamma, bool centered, Tensor& out, Tensor* mean, Tensor& rstd) {
+  check_float_cuda(x, "x");
+  MG_ASSERT(x.dim() >= 1, "norm input must be [..., h], got {}", x.str());
+  const int64_t h = x.size(-1), n = h == 0 ? 0 : x.numel() / h;
+  check_like(x, out, "out");
+  float* mean_out = nullptr;
+  if (mean && mean->defined()) {
+    check_fp32_cuda(*mean, n, "mean");
+    mean_out = dev_ptr<float>(*mean);
+  }
+  float* rstd_out = nullptr;
+  if (rstd.defined()) {
+    check_fp32_cuda(rstd, n, "rstd");
+    rstd_out = dev_ptr<float>(rstd);
+  }
+  if (n == 0) return;
+  const bool has_beta = centered && bias.defined();
+  Tensor params = Tensor::empty({(has_beta ? 2 : 1) * h}, DType::Float32, x.device());
+  float* gamma = dev_ptr<float>(params);
+  float* beta = has_beta ? gamma + h : nullptr;
+  params_to_fp32(ctx, weight, bias, h, zero_centered_gamma, gamma, beta);
+
+  cudaStream_t stream = stream_of(ctx);
+  dispatch_float(x.dtype(), [&]<typename T>() {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = h % kVec == 0 && aligned16(x.raw_data()) && aligned16(out.raw_data());
+    const int threads = row_threads(vec ? h / kVec : h);
+    auto launch = [&]<int VEC, bool C>() {
+      norm_forward_kernel<T, VEC, C><<<unsigned(n), threads, 0, stream>>>(
+          dev_ptr<T>(x), gamma, beta, h, eps, dev_ptr<T>(out), mean_out, rstd_out);
+    };
+    if (vec) {
+      centered ? launch.template operator()<kVec, true>() : launch.template operator()<kVec, false>();
+    } else {
+      centered ? launch.template operator()<1, true>() : launch.template operator()<1, false>();
+    }
+  });
+  CUDA_CHECK_LAUNCH();
+}
+
+// mean is null for RMSNorm; bias_grad may be undefined.
+void norm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor* mean,
+                   const Tensor& rstd, bool zero_centered_gamma, Tensor& grad_in, Tensor& weight_grad,
+                   Tensor& bias_grad) {
+  check_float_cuda(x, "x");
+  MG_ASSERT(x.dim() >= 1, "norm input must be [..., h], got {}", x.str());
+  const int64_t h = x.size(-1), n = h == 0 ? 0 : x.numel() / h;
+  const bool centered = mean != nullptr;
+  check_like(x, grad_out, "grad_out");
+  check_fp32_cuda(rstd, n, "rstd");
+  const float* mean_in = nullptr;
+  if (centered) {
+    check_fp32_cuda(*mean, n, "mean");
+    mean_in = dev_ptr<float>(*mean);
+  }
+  if (grad_in.defined()) check_like(x, grad_in, "grad_in");
+  if (weight_grad.defined()) check_fp32_cuda(weight_grad, h, "weight_grad");
+  if (bias_grad.defined()) check_fp32_cuda(bias_grad, h, "bias_grad");
+  if (n == 0) return;
+  cudaStream_t stream = stream_of(ctx);
+
+  if (grad_in.defined()) {
+    Tensor params = Tensor::empty({h}, DType::Float32, x.device());
+    float* gamma = dev_ptr<float>(params);
+    params_to_fp32(ctx, weight, Tensor(), h, zero_centered_gamma, gamma, nullptr);
+    dispatch_float(x.dtype(), [&]<typename T>() {
+      constexpr int kVec = 16 / sizeof(T);
+      const bool vec = h % kVec == 0 && aligned16(x.raw_data()) && aligned16(grad_out.raw_data()) &&
+                       aligned16(grad_in.raw_data());
+      const int threads = row_threads(vec ? h / kVec : h);
+      auto launch = [&]<int VEC, bool C>() {
+        norm_backward_input_kernel<T, VEC, C><<<unsigned(n), threads, 0, stream>>>(
+            dev_ptr<T>(grad_out), dev_ptr<T>(x), gamma, mean_in, dev_ptr<float>(rstd), h, dev_ptr<T>(grad_in));
+      };
+      if (vec) {
+        centered ? launch.template operator()<kVec, true>() : launch.template operator()<kVec, false>();
+      } else {
+        centered ? launch.template operator()<1, true>() : launch.template operator()<1, false>();
+      }
+    });
+    CUDA_CHECK_LAUNCH();
+  }
+
+  if (!weight_grad.defined() && !bias_grad.defined()) return;
+  int sms = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.device().index));
+  const int64_t tiles = (h + kColTile - 1) / kColTile;
+  int64_t chunks = std::max<int64_t>(1, (4 * int64_t(sms) + tiles - 1) / tiles);
+  chunks = std::min(chunks, std::max<int64_t>(1, n / 32));  // at least ~32 rows per chunk
+  const int64_t rows_per_chunk = (n + chunks - 1) / chunks;
+  chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
+  const int outputs = int(weight_grad.defined()) + int(bias_grad.defined());
+  Tensor scratch = Tensor::empty({outputs * chunks * h}, DType::Float32, x.device());
+  float* part_w = weight_grad.defined() ? dev_ptr<float>(scratch) : nullptr;
+  float* part_b = bias_grad.defined() ? dev_ptr<float>(scratch) + (outputs - 1) * chunks * h : nullptr;
+  const dim3 grid{unsigned(tiles), unsigned(chunks)}, block{unsigned(kColTile), unsigned(kColRowThreads)};
+  dispatch_float(x.dtype(), [&]<typename T>() {
+    if (centered) {
+      norm_param_grad_partial_kernel<T, true><<<grid, block, 0, stream>>>(
+          dev_ptr<T>(grad_out), dev_ptr<T>(x), mean_in, dev_ptr<float>(rstd), n, h, rows_per_chunk, part_w, part_b);
+    } else {
+      norm_param_grad_partial_kernel<T, false><<<grid, block, 0, stream>>>(
+          dev_ptr<T>(grad_out), dev_ptr<T>(x), nullptr, dev_ptr<float>(rstd), n, h, rows_per_chunk, part_w, part_b);
+    }
+  });
+  CUDA_CHECK_LAUNCH();
+  if (part_w) {
+    norm_param_grad_final_kernel<<<grid_for(h), kBlockSize, 0, stream>>>(part_w, chunks, h, dev_ptr<float>(weight_grad));
+    CUDA_CHECK_LAUNCH();
+  }
+  if (part_b) {
+    norm_param_grad_final_kernel<<<grid_for(h), kBlockSize, 0, stream>>>(part_b, chunks, h, dev_ptr<float>(bias_grad));
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace
+
+void layernorm_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                       bool zero_centered_gamma, Tensor& out, Tensor& mean, Tensor& rstd) {
+  norm_forward(ctx, x, weight, bias, eps, zero_centered_gamma, /*centered=*/true, out, &mean, rstd);
+}
+
+void layernorm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                        const Tensor& rstd, bool zero_centered_gamma, Tensor& grad_in, Tensor& weight_grad,
+                        Tensor& bias_grad) {
+  norm_backward(ctx, grad_out, x, weight, &mean, rstd, zero_centered_gamma, grad_in, weight_grad, bias_grad);
+}
+
+void rmsnorm_forward(Context& ctx, const Tensor& x, const Tensor& weight, float eps, bool zero_centered_gamma,
+                     Tensor& out, Tensor& rstd) {
+  norm_forward(ctx, x, weight, Tensor(), eps, zero_centered_gamma, /*centered=*/false, out, nullptr, rstd);
+}
+
+void rmsnorm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                      bool zero_centered_gamma, Tensor& grad_in, Tensor& weight_grad) {
+  Tensor no_bias_grad;
+  norm_backward(ctx, grad_out, x, weight, nullptr, rstd, zero_centered_gamma, grad_in, weight_grad, no_bias_grad);
+}
+
+}  // namespace megatron::cuda

@@ -1,0 +1,177 @@
+// InferenceEngine: greedy generation with the KV cache reproduces HuggingFace's (fixtures/
+// generation.json: ids exactly, log-probabilities within 1e-4) for the fixture models, batched
+// together; continuous batching, stop tokens, max length, seeds and validation.
+#include "megatron/core/inference/generation.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/models/gpt/hf_mapping.h"
+#include "tests/test_util.h"
+
+namespace megatron {
+namespace {
+
+std::unique_ptr<GPTModel> load_fixture_model(const std::string& name) {
+  safetensors::File file(testing::fixtures_dir() + "/" + name + "_model.safetensors");
+  HFModelInfo info = config_from_hf(nlohmann::json::parse(file.metadata().at("config")), 1);
+  TransformerConfig c = info.config;
+  c.hidden_dropout = c.attention_dropout = 0.0f;
+  auto model = std::make_unique<GPTModel>(c);
+  load_model_state_dict(*model, hf_to_megatron(info, [&](const std::string& n) { return file.read(n); }), file.path());
+  return model;
+}
+
+class FixtureGeneration : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(FixtureGeneration, GreedyMatchesHuggingFace) {
+  std::ifstream in(testing::fixtures_dir() + "/generation.json");
+  ASSERT_TRUE(in) << "generation.json missing in " << testing::fixtures_dir();
+  const nlohmann::json cases = nlohmann::json::parse(in).at("models").at(GetParam());
+  auto model = load_fixture_model(GetParam());
+  Context ctx;
+  InferenceEngine engine(*model, ctx, model->config().vocab_size, {.max_batch_size = 2});  // 3 prompts: queued
+  std::vector<GenerationRequest> requests;
+  for (const auto& c : cases) {
+    GenerationRequest r;
+    r.prompt = c.at("prompt").get<std::vector<int64_t>>();
+    r.max_new_tokens = int64_t(c.at("greedy").size());
+    r.sampling.greedy = true;
+    requests.push_back(r);
+  }
+  std::vector<GenerationResult> results = engine.generate(requests);
+  double worst = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_EQ(results[i].tokens, cases[i].at("greedy").get<std::vector<int64_t>>()) << "prompt " << i;
+    EXPECT_EQ(results[i].finish_reason, "length");
+    std::vector<double> ref = cases[i].at("logprobs").get<std::vector<double>>();
+    ASSERT_EQ(results[i].logprobs.size(), ref.size());
+    for (size_t t = 0; t < ref.size(); ++t) worst = std::max(worst, std::fabs(results[i].logprobs[t] - ref[t]));
+  }
+  std::printf("%s: max |logprob - HF| = %.3g\n", GetParam().c_str(), worst);
+  EXPECT_LE(worst, 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, FixtureGeneration, ::testing::Values("gpt2", "llama"),
+                         [](const auto& info) { return info.param; });
+
+struct Tiny {
+  std::unique_ptr<GPTModel> model;
+  Context ctx;
+  Tiny() {
+    TransformerConfig c;
+    c.num_layers = 2;
+    c.hidden_size = 32;
+    c.num_attention_heads = 4;
+    c.num_query_groups = 2;
+    c.vocab_size = 50;
+    c.make_vocab_size_divisible_by = 16;
+    c.max_position_embeddings = 40;
+    c.normalization = "RMSNorm";
+    c.activation = "swiglu";
+    c.add_bias_linear = false;
+    c.position_embedding_type = "rope";
+    c.share_embeddings_and_output_weights = false;
+    c.hidden_dropout = c.attention_dropout = 0.0f;
+    model = std::make_unique<GPTModel>(c);
+    model->init_weights(3);
+  }
+};
+
+GenerationRequest sampled(std::vector<int64_t> prompt, uint64_t seed) {
+  GenerationRequest r;
+  r.prompt = std::move(prompt);
+  r.max_new_tokens = 12;
+  r.sampling.temperature = 1.5f;
+  r.sampling.seed = seed;
+  return r;
+}
+
+TEST(InferenceEngine, SeededSamplingIsReproducibleWhateverTheBatch) {
+  Tiny t;
+  InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 4});
+  GenerationResult alone = engine.generate({sampled({1, 2, 3}, 9)})[0];
+  std::vector<GenerationResult> batch =
+      engine.generate({sampled({7, 8, 9, 10, 11}, 5), sampled({1, 2, 3}, 9), sampled({4}, 1), sampled({1, 2, 3}, 10)});
+  EXPECT_EQ(alone.tokens, batch[1].tokens);
+  ASSERT_EQ(alone.logprobs.size(), batch[1].logprobs.size());
+  for (size_t i = 0; i < alone.logprobs.size(); ++i) EXPECT_NEAR(alone.logprobs[i], batch[1].logprobs[i], 1e-5);
+  EXPECT_NE(alone.tokens, batch[3].tokens) << "another seed draws other tokens";
+}
+
+TEST(InferenceEngine, StopTokensMaxLengthAndPromptLogprobs) {
+  Tiny t;
+  InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 2});
+  GenerationRequest r;
+  r.prompt = {3, 1, 4, 1, 5};
+  r.max_new_tokens = 10;
+  r.sampling.greedy = true;
+  r.prompt_logprobs = true;
+  GenerationResult full = engine.generate({r})[0];
+  ASSERT_EQ(full.tokens.size(), 10u);
+  EXPECT_EQ(full.finish_reason, "length");
+  EXPECT_EQ(full.prompt_logprobs.size(), 4u);
+  r.stop_tokens = {full.tokens[3]};
+  GenerationResult stopped = engine.generate({r})[0];
+  const size_t first = size_t(std::find(full.tokens.begin(), full.tokens.end(), full.tokens[3]) - full.tokens.begin());
+  EXPECT_EQ(stopped.finish_reason, "stop");
+  EXPECT_EQ(stopped.tokens, std::vector<int64_t>(full.tokens.begin(), full.tokens.begin() + int64_t(first) + 1));
+  // Cancelling from the token callback frees the slot; the queue keeps going.
+  int seen = 0;
+  std::string reason;
+  engine.submit(
+      r, [&](int64_t, double) { return ++seen < 2; }, [&](const GenerationResult& g) { reason = g.finish_reason; });
+  while (engine.step()) {
+  }
+  EXPECT_EQ(seen, 2);
+  EXPECT_EQ(reason, "cancelled");
+  EXPECT_TRUE(engine.idle());
+}
+
+TEST(InferenceEngine, InvalidRequestsAreClearErrors) {
+  Tiny t;
+  InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 2});
+  GenerationRequest r;
+  EXPECT_THROW(engine.validate(r), Error);  // empty prompt
+  r.prompt = {1, 2, 60};
+  EXPECT_THROW(engine.validate(r), Error);  // outside the vocabulary
+  r.prompt = std::vector<int64_t>(30, 1);
+  r.max_new_tokens = 11;
+  EXPECT_THROW(engine.validate(r), Error);  // 41 > 40 positions
+  r.max_new_tokens = 10;
+  EXPECT_NO_THROW(engine.validate(r));
+  r.sampling.temperature = -1.0f;
+  EXPECT_THROW(engine.validate(r), Error);
+}
+
+TEST(Sampling, TopKAndTopPRestrictTheSupport) {
+  // Probabilities ∝ exp(logits): token 3 > 1 > 4 > 0 > 2.
+  const std::vector<float> logits = {0.5f, 2.0f, 0.1f, 2.5f, 1.0f};
+  std::set<int64_t> top2, nucleus, all;
+  for (uint64_t step = 0; step < 400; ++step) {
+    top2.insert(sample_token(logits.data(), 5, {.top_k = 2, .seed = 1}, step));
+    nucleus.insert(sample_token(logits.data(), 5, {.top_p = 0.7f, .seed = 2}, step));
+    all.insert(sample_token(logits.data(), 5, {.seed = 3}, step));
+  }
+  EXPECT_EQ(top2, (std::set<int64_t>{1, 3}));
+  // p = softmax: 3 -> 0.49, 1 -> 0.30 (cumulative 0.79 >= 0.7): the nucleus is {3, 1}.
+  EXPECT_EQ(nucleus, (std::set<int64_t>{1, 3}));
+  EXPECT_EQ(all.size(), 5u);
+  EXPECT_EQ(sample_token(logits.data(), 5, {.greedy = true}, 0), 3);
+  EXPECT_EQ(sample_token(logits.data(), 5, {.top_k = 1}, 0), 3);
+  EXPECT_EQ(sample_token(logits.data(), 5, {.seed = 4}, 17), sample_token(logits.data(), 5, {.seed = 4}, 17));
+}
+
+TEST(Sampling, LogprobIsLogSoftmax) {
+  const std::vector<float> logits = {1.0f, 2.0f, 3.0f};
+  const double z = std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0));
+  EXPECT_NEAR(token_logprob(logits.data(), 3, 1), 2.0 - z, 1e-12);
+}
+
+}  // namespace
+}  // namespace megatron

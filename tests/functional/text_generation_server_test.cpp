@@ -1,0 +1,247 @@
+// tools/text_generation_server end to end: the gpt2 fixture converted with convert_checkpoint,
+// served with a NullTokenizer (prompts are space-separated ids, so the fixture prompts are exact),
+// queried over HTTP: Megatron's PUT /api and OpenAI's /v1/completions (plain and streamed) give the
+// fixture's greedy continuations, concurrent clients all get theirs, bad requests get a 400 with a
+// JSON error, and a client that hangs up mid-stream leaves the server serving.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <nlohmann/json.hpp>
+
+#include "megatron/core/dist_checkpointing/safetensors.h"
+#include "tests/functional/run_util.h"
+
+namespace megatron::testing {
+namespace {
+
+using nlohmann::json;
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string ids_text(const std::vector<int64_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) s += (i ? " " : "") + std::to_string(ids[i]);
+  return s;
+}
+
+class TextGenerationServer : public ::testing::Test {
+ protected:
+  static inline std::unique_ptr<ScratchDir> dir;
+  static inline pid_t pid = -1;
+  static inline int port = 0;
+  static inline json cases;
+
+  static void SetUpTestSuite() {
+    ::signal(SIGPIPE, SIG_IGN);
+    dir = std::make_unique<ScratchDir>("text_generation_server");
+    const fs::path fixtures = fs::absolute(fixtures_dir());
+    cases = json::parse(read_file(fixtures / "generation.json")).at("models").at("gpt2");
+    safetensors::File src((fixtures / "gpt2_model.safetensors").string());
+    fs::create_directories(dir->path / "hf");
+    fs::copy_file(fixtures / "gpt2_model.safetensors", dir->path / "hf/model.safetensors");
+    std::ofstream(dir->path / "hf/config.json") << src.metadata().at("config");
+    RunResult conv = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt"}, dir->path);
+    ASSERT_EQ(conv.exit_code, 0) << conv.output;
+    port = free_port();
+    const std::string server = bin("text_generation_server"), ckpt = (dir->path / "ckpt").string(),
+                      log = (dir->path / "server.log").string(), port_s = std::to_string(port);
+    pid = ::fork();
+    if (pid == 0) {
+      int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      ::execl(server.c_str(), server.c_str(), "--load", ckpt.c_str(), "--tokenizer-type", "NullTokenizer",
+              "--vocab-size", "512", "--port", port_s.c_str(), "--max-batch-size", "3", "--device", "cpu", nullptr);
+      ::_exit(127);
+    }
+    httplib::Client cli("127.0.0.1", port);
+    for (int i = 0; i < 300; ++i) {
+      if (auto r = cli.Get("/health"); r && r->status == 200) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    FAIL() << "the server did not come up:\n" << read_file(log);
+  }
+
+  static void TearDownTestSuite() {
+    if (pid > 0) {
+      ::kill(pid, SIGTERM);
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_file(dir->path / "server.log");
+    }
+    dir.reset();
+  }
+
+  httplib::Client client() const {
+    httplib::Client cli("127.0.0.1", port);
+    cli.set_read_timeout(60, 0);
+    return cli;
+  }
+  std::string prompt(size_t i) const { return ids_text(cases[i].at("prompt").get<std::vector<int64_t>>()); }
+  std::string greedy(size_t i) const { return ids_text(cases[i].at("greedy").get<std::vector<int64_t>>()); }
+
+  json complete(const json& body) const {
+    auto r = client().Post("/v1/completions", body.dump(), "application/json");
+    EXPECT_TRUE(r && r->status == 200) << (r ? r->body : "no response");
+    return r ? json::parse(r->body) : json();
+  }
+};
+
+TEST_F(TextGenerationServer, MegatronApiGivesTheFixtureGreedyContinuation) {
+  json body = {{"prompts", {prompt(0), prompt(1), prompt(2)}},
+               {"tokens_to_generate", 16},
+               {"temperature", 0},
+               {"logprobs", true}};
+  auto r = client().Put("/api", body.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no response");
+  json out = json::parse(r->body);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(out["text"][i], prompt(i) + " " + greedy(i));
+    const size_t n = cases[i]["prompt"].size();
+    EXPECT_EQ(out["segments"][i].size(), n + 16);
+    std::vector<double> lp = out["logprobs"][i], ref = cases[i]["logprobs"];
+    ASSERT_EQ(lp.size(), n - 1 + 16);
+    for (size_t t = 0; t < 16; ++t) EXPECT_NEAR(lp[n - 1 + t], ref[t], 1e-4);
+  }
+}
+
+TEST_F(TextGenerationServer, CompletionsStreamedEqualsPlain) {
+  json body = {{"model", "gpt2"}, {"prompt", prompt(0)}, {"max_tokens", 16}, {"temperature", 0}, {"logprobs", 1}};
+  json plain = complete(body);
+  ASSERT_EQ(plain["object"], "text_completion");
+  EXPECT_EQ(plain["choices"][0]["text"], greedy(0));
+  EXPECT_EQ(plain["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(plain["usage"]["completion_tokens"], 16);
+  EXPECT_NEAR(plain["choices"][0]["logprobs"]["token_logprobs"][0].get<double>(), cases[0]["logprobs"][0], 1e-4);
+
+  body["stream"] = true;
+  auto r = client().Post("/v1/completions", body.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no response");
+  EXPECT_NE(r->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+  std::string text, finish;
+  size_t events = 0;
+  bool done = false;
+  for (size_t pos = 0; pos < r->body.size();) {
+    size_t end = r->body.find("\n\n", pos);
+    ASSERT_NE(end, std::string::npos) << r->body;
+    std::string event = r->body.substr(pos, end - pos);
+    pos = end + 2;
+    ASSERT_EQ(event.rfind("data: ", 0), 0u) << event;
+    if (event == "data: [DONE]") {
+      done = true;
+      continue;
+    }
+    json chunk = json::parse(event.substr(6));
+    text += chunk["choices"][0]["text"].get<std::string>();
+    if (!chunk["choices"][0]["finish_reason"].is_null()) finish = chunk["choices"][0]["finish_reason"];
+    ++events;
+  }
+  EXPECT_TRUE(done);
+  EXPECT_GT(events, 2u);
+  EXPECT_EQ(text, plain["choices"][0]["text"]);
+  EXPECT_EQ(finish, "length");
+}
+
+TEST_F(TextGenerationServer, StopStringsAndSeeds) {
+  json stopped = complete({{"prompt", prompt(0)}, {"max_tokens", 16}, {"temperature", 0}, {"stop", " 285"}});
+  EXPECT_EQ(stopped["choices"][0]["text"], "54 54 54 54 54 54 54 54");
+  EXPECT_EQ(stopped["choices"][0]["finish_reason"], "stop");
+  json a = complete({{"prompt", prompt(1)}, {"max_tokens", 8}, {"temperature", 1.0}, {"top_k", 20}, {"seed", 7}});
+  json b = complete({{"prompt", prompt(1)}, {"max_tokens", 8}, {"temperature", 1.0}, {"top_k", 20}, {"seed", 7}});
+  EXPECT_EQ(a["choices"][0]["text"], b["choices"][0]["text"]);
+}
+
+TEST_F(TextGenerationServer, ConcurrentRequestsAreBatchedAndCorrect) {
+  std::vector<std::thread> threads;
+  std::vector<std::string> got(9);
+  for (size_t k = 0; k < got.size(); ++k) {
+    threads.emplace_back([&, k] {
+      json body = {{"prompt", prompt(k % 3)}, {"max_tokens", 16}, {"temperature", 0}, {"stream", k % 2 == 1}};
+      auto r = client().Post("/v1/completions", body.dump(), "application/json");
+      if (!r || r->status != 200) return;
+      if (k % 2 == 0) {
+        got[k] = json::parse(r->body)["choices"][0]["text"];
+        return;
+      }
+      for (size_t pos = 0; (pos = r->body.find("data: {", pos)) != std::string::npos; ++pos) {
+        size_t end = r->body.find("\n\n", pos);
+        got[k] += json::parse(r->body.substr(pos + 6, end - pos - 6))["choices"][0]["text"].get<std::string>();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t k = 0; k < got.size(); ++k) EXPECT_EQ(got[k], greedy(k % 3)) << "client " << k;
+}
+
+TEST_F(TextGenerationServer, BadRequestsGet400AndTheServerStaysUp) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"/api", "{\"prompts\": [\"1 2\""},                                 // malformed JSON
+      {"/api", R"({"prompts": [""]})"},                                   // empty prompt
+      {"/api", R"({"prompts": []})"},                                     // no prompts
+      {"/api", R"({"prompts": ["1 2"], "tokens_to_generate": 5000})"},    // too many tokens
+      {"/api", R"({"prompts": ["1 2"], "colour": "red"})"},               // unknown field
+      {"/api", R"({"prompts": ["1 2"], "temperature": -0.5})"},           // negative temperature
+      {"/api", R"({"prompts": ["1 two"]})"},                              // not ids for this tokenizer
+      {"/api", R"({"prompts": ["1 2 999"]})"},                            // outside the vocabulary
+      {"/api", R"([1, 2])"},                                              // not an object
+      {"/v1/completions", R"({"prompt": "", "max_tokens": 4})"},          // empty prompt
+      {"/v1/completions", R"({"prompt": "1 2", "max_tokens": 64})"},      // too many tokens
+      {"/v1/completions", R"({"prompt": "1 2", "temperature": -1})"},     // negative temperature
+      {"/v1/completions", R"({"prompt": "1 2", "best_of": 3})"},          // unknown field
+      {"/v1/completions", R"({"prompt": "1 2", "max_tokens": "many"})"},  // wrong type
+      {"/v1/completions", R"({"max_tokens": 4})"},                        // no prompt
+      {"/v1/completions", "not json at all"},
+  };
+  for (const auto& [path, body] : bad) {
+    auto r =
+        path == "/api" ? client().Put(path, body, "application/json") : client().Post(path, body, "application/json");
+    ASSERT_TRUE(r) << "no response to " << body;
+    EXPECT_EQ(r->status, 400) << body << " -> " << r->body;
+    json err = json::parse(r->body, nullptr, false);
+    EXPECT_TRUE(err.is_object() && err.contains("error") && err["error"].is_string()) << r->body;
+  }
+  auto h = client().Get("/health");
+  ASSERT_TRUE(h && h->status == 200);
+  EXPECT_EQ(complete({{"prompt", prompt(1)}, {"max_tokens", 16}, {"temperature", 0}})["choices"][0]["text"], greedy(1));
+}
+
+// Raw sockets: start a long stream, read its first bytes, hang up.
+TEST_F(TextGenerationServer, ClientHangingUpMidStreamFreesItsSlot) {
+  for (int k = 0; k < 4; ++k) {  // more than --max-batch-size
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(uint16_t(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    const std::string body = R"({"prompt": "7", "max_tokens": 62, "temperature": 0.9, "stream": true})";
+    const std::string req =
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        "Content-Length: " +
+        std::to_string(body.size()) + "\r\n\r\n" + body;
+    ASSERT_EQ(::write(fd, req.data(), req.size()), ssize_t(req.size()));
+    char buf[256];
+    ASSERT_GT(::read(fd, buf, sizeof(buf)), 0);
+    ::close(fd);
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(complete({{"prompt", prompt(i)}, {"max_tokens", 16}, {"temperature", 0}})["choices"][0]["text"],
+              greedy(i));
+  }
+}
+
+}  // namespace
+}  // namespace megatron::testing

@@ -1,0 +1,265 @@
+// Causal GQA attention on CUDA against the CPU reference: the row-wise kernels (fp32, and bf16 as
+// the fallback) must match it, dropout included (same Philox mask); cuDNN's fused attention (bf16,
+// fp16) must match it without dropout, and with dropout be finite, deterministic in (seed, offset)
+// and leave lse unchanged (its mask differs from the CPU's: Note [Attention dropout on the GPU]).
+#include "megatron/kernels/cuda/attention.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "megatron/kernels/cpu/cpu_ops.h"
+#include "megatron/kernels/cuda/cuda_ops.h"
+#include "megatron/runtime/allocator.h"
+#include "tests/test_util.h"
+
+namespace megatron {
+namespace {
+
+using testing::random_tensor;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr uint64_t kSeed = 2024, kOffset = 7;
+
+// max |got - want| / max |want| <= tol; a non-finite value where the reference is finite fails.
+void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
+  const std::vector<float> g = got.to_floats(), w = want.to_floats();
+  ASSERT_EQ(g.size(), w.size()) << what;
+  double scale = 0, worst = 0;
+  size_t worst_at = 0;
+  for (float x : w) scale = std::max(scale, std::fabs(double(x)));
+  if (scale == 0) scale = 1;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (!std::isfinite(g[i]) && std::isfinite(w[i])) {
+      ADD_FAILURE() << what << ": element " << i << " is " << g[i] << ", expected " << w[i];
+      return;
+    }
+    const double e = std::fabs(double(g[i]) - double(w[i]));
+    if (e > worst) worst = e, worst_at = i;
+  }
+  EXPECT_LE(worst / scale, tol) << what << " (max abs error " << worst << " at " << worst_at << ", max |ref| " << scale
+                                << ")";
+}
+
+void expect_finite(const Tensor& t, const std::string& what) {
+  const std::vector<float> v = t.to_floats();
+  for (size_t i = 0; i < v.size(); ++i)
+    if (!std::isfinite(v[i])) {
+      ADD_FAILURE() << what << ": element " << i << " is " << v[i];
+      return;
+    }
+}
+
+Tensor poisoned(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype, Device::cuda(0));
+  t.fill_(kNaN);
+  return t;
+}
+
+struct Shape5 {
+  int64_t s, b, nq, ng, d;
+};
+
+// Host inputs in the storage dtype.
+struct Inputs {
+  Tensor q, k, v, grad_out;
+};
+
+Inputs make_inputs(const Shape5& sh, DType dtype, uint64_t seed) {
+  return {random_tensor({sh.s, sh.b, sh.nq, sh.d}, seed, 1.0f, dtype),
+          random_tensor({sh.s, sh.b, sh.ng, sh.d}, seed + 1, 1.0f, dtype),
+          random_tensor({sh.s, sh.b, sh.ng, sh.d}, seed + 2, 1.0f, dtype),
+          random_tensor({sh.s, sh.b, sh.nq, sh.d}, seed + 3, 1.0f, dtype)};
+}
+
+struct Results {
+  Tensor out, lse, grad_q, grad_k, grad_v;
+};
+
+// The CPU reference in fp32 (outputs fp32 whatever the input dtype: exact math on the stored inputs).
+Results run_cpu(const Inputs& in, float scale, float p) {
+  Context cpu;
+  const Shape& qs = in.q.shape();
+  Results r{Tensor::empty(qs, DType::Float32), Tensor::empty({qs[1], qs[2], qs[0]}, DType::Float32),
+            Tensor::empty(qs, DType::Float32), Tensor::empty(in.k.shape(), DType::Float32),
+            Tensor::empty(in.k.shape(), DType::Float32)};
+  cpu::attention_forward(cpu, in.q, in.k, in.v, scale, p, kSeed, kOffset, r.out, r.lse);
+  cpu::attention_backward(cpu, in.grad_out, in.q, in.k, in.v, r.out, r.lse, scale, p, kSeed, kOffset, r.grad_q,
+                          r.grad_k, r.grad_v);
+  return r;
+}
+
+enum class Path { Dispatch, Rowwise };
+
+// Forward then backward on the device, outputs poisoned with NaN first.
+Results run_gpu(Context& ctx, const Inputs& in, float scale, float p, Path path, uint64_t seed = kSeed,
+                uint64_t offset = kOffset) {
+  const Device dev = Device::cuda(0);
+  const Tensor q = in.q.to(dev), k = in.k.to(dev), v = in.v.to(dev), grad_out = in.grad_out.to(dev);
+  const Shape& qs = q.shape();
+  Results r{poisoned(qs, q.dtype()), poisoned({qs[1], qs[2], qs[0]}, DType::Float32), poisoned(qs, q.dtype()),
+            poisoned(k.shape(), k.dtype()), poisoned(k.shape(), k.dtype())};
+  if (path == Path::Dispatch) {
+    cuda::attention_forward(ctx, q, k, v, scale, p, seed, offset, r.out, r.lse);
+    cuda::attention_backward(ctx, grad_out, q, k, v, r.out, r.lse, scale, p, seed, offset, r.grad_q, r.grad_k,
+                             r.grad_v);
+  } else {
+    cuda::attention_forward_rowwise(ctx, q, k, v, scale, p, seed, offset, r.out, r.lse);
+    cuda::attention_backward_rowwise(ctx, grad_out, q, k, v, r.out, r.lse, scale, p, seed, offset, r.grad_q, r.grad_k,
+                                     r.grad_v);
+  }
+  ctx.synchronize();
+  return r;
+}
+
+void expect_results_close(const Results& got, const Results& want, double tol, double lse_tol) {
+  expect_close(got.out, want.out, tol, "out");
+  expect_close(got.lse, want.lse, lse_tol, "lse");
+  expect_close(got.grad_q, want.grad_q, tol, "grad_q");
+  expect_close(got.grad_k, want.grad_k, tol, "grad_k");
+  expect_close(got.grad_v, want.grad_v, tol, "grad_v");
+}
+
+#define SKIP_WITHOUT_GPU()                                                  \
+  do {                                                                      \
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+// ---- row-wise kernels (fp32): the CPU's result, dropout mask included -----------------------------
+
+struct RowwiseCase {
+  int64_t nq, ng, s, d;
+  float dropout_p;
+};
+
+class AttentionFp32 : public ::testing::TestWithParam<RowwiseCase> {};
+
+TEST_P(AttentionFp32, MatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const RowwiseCase& c = GetParam();
+  const Inputs in = make_inputs({c.s, 2, c.nq, c.ng, c.d}, DType::Float32, 11);
+  const float scale = 1.0f / std::sqrt(float(c.d));
+  Context ctx(Device::cuda(0));
+  const Results want = run_cpu(in, scale, c.dropout_p);
+  // fp32 goes to the row-wise kernels through the public entry points.
+  expect_results_close(run_gpu(ctx, in, scale, c.dropout_p, Path::Dispatch), want, 1e-4, 1e-5);
+}
+
+std::vector<RowwiseCase> rowwise_cases() {
+  std::vector<RowwiseCase> cases;
+  const std::vector<std::pair<int64_t, int64_t>> heads = {{4, 4}, {8, 2}};  // MHA, GQA
+  for (auto [nq, ng] : heads)
+    for (int64_t s : {1, 7, 128})
+      for (int64_t d : {16, 64})
+        for (float p : {0.0f, 0.2f}) cases.push_back({nq, ng, s, d, p});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionFp32, ::testing::ValuesIn(rowwise_cases()), [](const auto& info) {
+  const RowwiseCase& c = info.param;
+  return std::string(c.nq == c.ng ? "MHA" : "GQA") + "_s" + std::to_string(c.s) + "_d" + std::to_string(c.d) +
+         (c.dropout_p > 0 ? "_dropout" : "");
+});
+
+// The fallback for configurations cuDNN declines: the same kernels on 16-bit storage.
+TEST(AttentionRowwise, Bf16MatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  for (float p : {0.0f, 0.2f}) {
+    SCOPED_TRACE(p);
+    const Inputs in = make_inputs({128, 2, 8, 2, 64}, DType::BFloat16, 21);
+    const float scale = 0.125f;
+    Context ctx(Device::cuda(0));
+    expect_results_close(run_gpu(ctx, in, scale, p, Path::Rowwise), run_cpu(in, scale, p), 2e-2, 1e-5);
+  }
+}
+
+// A q that is not 16-byte aligned cannot go to cuDNN: without dropout the dispatcher falls back.
+TEST(AttentionRowwise, UnalignedBf16FallsBack) {
+  SKIP_WITHOUT_GPU();
+  const Inputs in = make_inputs({64, 2, 4, 2, 64}, DType::BFloat16, 31);
+  const float scale = 0.125f;
+  Context ctx(Device::cuda(0));
+  const Device dev = Device::cuda(0);
+  Tensor big = Tensor::empty({in.q.numel() + 1}, DType::BFloat16, dev);
+  Tensor q = big.flat_slice(1, in.q.numel()).view(in.q.shape());
+  q.copy_from(in.q);
+  const Tensor k = in.k.to(dev), v = in.v.to(dev);
+  Tensor out = poisoned(q.shape(), q.dtype()), lse = poisoned({2, 4, 64}, DType::Float32);
+  cuda::attention_forward(ctx, q, k, v, scale, 0.0f, kSeed, kOffset, out, lse);
+  ctx.synchronize();
+  const Results want = run_cpu(in, scale, 0.0f);
+  expect_close(out, want.out, 2e-2, "out");
+  expect_close(lse, want.lse, 1e-5, "lse");
+}
+
+// ---- cuDNN (bf16, fp16) ------------------------------------------------------------------------------
+
+struct CudnnCase {
+  DType dtype;
+  int64_t s, d;
+};
+
+class AttentionCudnn : public ::testing::TestWithParam<CudnnCase> {};
+
+TEST_P(AttentionCudnn, MatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const CudnnCase& c = GetParam();
+  const Inputs in = make_inputs({c.s, 2, 16, 4, c.d}, c.dtype, 41);
+  const float scale = 1.0f / std::sqrt(float(c.d));
+  Context ctx(Device::cuda(0));
+  const Tensor q_dev = in.q.to(Device::cuda(0)), k_dev = in.k.to(Device::cuda(0));
+  for (bool backward : {false, true}) {
+    const cuda::CudnnAttentionSupport support = cuda::cudnn_attention_support(ctx, q_dev, k_dev, scale, 0.0f, backward);
+    ASSERT_TRUE(support.supported) << (backward ? "backward: " : "forward: ") << support.reason;
+  }
+  expect_results_close(run_gpu(ctx, in, scale, 0.0f, Path::Dispatch), run_cpu(in, scale, 0.0f), 2e-2, 1e-3);
+}
+
+std::vector<CudnnCase> cudnn_cases() {
+  std::vector<CudnnCase> cases;
+  for (DType t : {DType::BFloat16, DType::Float16})
+    for (int64_t s : {128, 512, 2048})
+      for (int64_t d : {64, 128}) cases.push_back({t, s, d});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionCudnn, ::testing::ValuesIn(cudnn_cases()), [](const auto& info) {
+  const CudnnCase& c = info.param;
+  return std::string(to_string(c.dtype)) + "_s" + std::to_string(c.s) + "_d" + std::to_string(c.d);
+});
+
+// cuDNN's dropout cannot match the CPU mask; check what must hold regardless.
+TEST(AttentionCudnnDropout, DeterministicFiniteAndLseUnchanged) {
+  SKIP_WITHOUT_GPU();
+  const Inputs in = make_inputs({256, 2, 8, 2, 64}, DType::BFloat16, 51);
+  const float scale = 0.125f, p = 0.2f;
+  Context ctx(Device::cuda(0));
+  const Tensor q_dev = in.q.to(Device::cuda(0)), k_dev = in.k.to(Device::cuda(0));
+  const cuda::CudnnAttentionSupport support = cuda::cudnn_attention_support(ctx, q_dev, k_dev, scale, p, false);
+  ASSERT_TRUE(support.supported) << support.reason;
+
+  const Results a = run_gpu(ctx, in, scale, p, Path::Dispatch);
+  const Results again = run_gpu(ctx, in, scale, p, Path::Dispatch);
+  const Results other = run_gpu(ctx, in, scale, p, Path::Dispatch, kSeed, kOffset + 1);
+  const Results plain = run_gpu(ctx, in, scale, 0.0f, Path::Dispatch);
+  for (const Tensor* t : {&a.out, &a.lse, &a.grad_q, &a.grad_k, &a.grad_v}) expect_finite(*t, t->str());
+  EXPECT_TRUE(a.out.to_floats() == again.out.to_floats()) << "same (seed, offset), different output";
+  EXPECT_FALSE(a.out.to_floats() == other.out.to_floats()) << "another offset gave the same dropout mask";
+  // lse is the statistic of the softmax before dropout.
+  expect_close(a.lse, plain.lse, 1e-5, "lse with dropout vs without");
+  // The output is P̃·V with E[P̃] = P: close to the dropout-free output on average over elements.
+  const std::vector<float> with = a.out.to_floats(), without = plain.out.to_floats();
+  double mean_with = 0, mean_without = 0;
+  for (size_t i = 0; i < with.size(); ++i) mean_with += with[i], mean_without += without[i];
+  mean_with /= double(with.size());
+  mean_without /= double(with.size());
+  EXPECT_NEAR(mean_with, mean_without, 0.05);
+}
+
+}  // namespace
+}  // namespace megatron

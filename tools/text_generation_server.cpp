@@ -1,0 +1,373 @@
+// text_generation_server: serves a checkpoint over HTTP (cpp-httplib) with the inference engine.
+//
+//   build/bin/text_generation_server --load ckpt --tokenizer-type GPT2BPETokenizer --vocab-file v.json \
+//       --merge-file m.txt --host 0.0.0.0 --port 5000 --max-batch-size 8
+//
+//   PUT  /api             Megatron's text generation API (megatron/core/inference/text_generation_api.h)
+//   POST /v1/completions  OpenAI completions; "stream": true sends server-sent events
+//   GET  /health          liveness
+//
+// HTTP handlers validate a request (400 + {"error": ...} on any problem) and queue one job per
+// prompt; a single engine thread owns the model and the InferenceEngine, moves queued jobs into it
+// and steps it (continuous batching: jobs arriving while others decode join at the next step).
+// Tokens flow back through each request's mutex and condition variable. A streaming client that
+// goes away makes the next write fail: its jobs are cancelled and their cache slots freed.
+// SIGINT/SIGTERM stop the listener, then the engine thread (remaining jobs end with an error).
+#include <fmt/format.h>
+#include <httplib.h>
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <condition_variable>
+#include <csignal>
+#include <cstdio>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "megatron/core/inference/text_generation_api.h"
+#include "megatron/training/checkpointing.h"
+#include "megatron/training/training.h"
+
+using namespace megatron;
+using nlohmann::json;
+
+namespace {
+
+volatile std::sig_atomic_t g_stop = 0;
+void on_signal(int) { g_stop = 1; }
+
+// One HTTP request's prompts ("choices"), shared by its handler and the engine thread.
+struct Pending {
+  struct Choice {
+    GenerationRequest request;
+    std::optional<CompletionText> text;  // /v1/completions
+    GenerationResult result;
+    bool done = false;
+  };
+  struct Piece {
+    size_t index;
+    std::string text;
+    std::optional<std::pair<int64_t, double>> token;
+  };
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<Choice> choices;
+  std::deque<Piece> pieces;  // streamed output not yet written
+  bool stream = false;
+  size_t remaining = 0;
+  std::atomic<bool> cancelled{false};
+
+  bool all_done() const { return remaining == 0; }
+};
+
+class Server {
+ public:
+  Server(InferenceEngine& engine, const Tokenizer& tokenizer, std::string model_name)
+      : engine_(engine), tokenizer_(tokenizer), model_name_(std::move(model_name)) {}
+
+  void run_engine() {
+    while (true) {
+      std::vector<std::pair<std::shared_ptr<Pending>, size_t>> incoming;
+      {
+        std::unique_lock lock(queue_m_);
+        queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !engine_.idle(); });
+        if (stopping_) break;
+        incoming.swap(queue_);
+      }
+      for (auto& [p, i] : incoming) submit(p, i);
+      try {
+        engine_.step();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "engine step failed: %s\n", e.what());
+        engine_.abort_all(e.what());
+      }
+    }
+    for (auto& [p, i] : queue_) submit(p, i);
+    engine_.abort_all("the server is shutting down");
+  }
+
+  void stop_engine() {
+    std::lock_guard lock(queue_m_);
+    stopping_ = true;
+    queue_cv_.notify_all();
+  }
+
+  void routes(httplib::Server& http) {
+    http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+      res.set_content(R"({"status":"ok"})", "application/json");
+    });
+    http.Put("/api", [this](const httplib::Request& req, httplib::Response& res) {
+      guarded(res, [&] { handle_api(req, res); });
+    });
+    http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      guarded(res, [&] { handle_completions(req, res); });
+    });
+  }
+
+ private:
+  static void error(httplib::Response& res, int status, const std::string& message) {
+    res.status = status;
+    res.set_content(json{{"error", message}}.dump(), "application/json");
+  }
+
+  // Every problem with the request is a 400; anything else a 500. Nothing escapes to httplib.
+  template <typename F>
+  static void guarded(httplib::Response& res, F&& f) {
+    try {
+      f();
+    } catch (const json::exception& e) {
+      error(res, 400, fmt::format("malformed JSON: {}", e.what()));
+    } catch (const ApiError& e) {
+      error(res, 400, e.what());
+    } catch (const Error& e) {
+      error(res, 400, e.what());
+    } catch (const std::exception& e) {
+      error(res, 500, e.what());
+    }
+  }
+
+  static json parse_body(const httplib::Request& req) { return json::parse(req.body); }
+
+  // Validates every request, then queues them all for the engine thread.
+  std::shared_ptr<Pending> enqueue(std::vector<GenerationRequest> requests, const CompletionRequest* completion) {
+    for (const GenerationRequest& r : requests) engine_.validate(r);
+    auto p = std::make_shared<Pending>();
+    for (GenerationRequest& r : requests) {
+      Pending::Choice c{std::move(r), std::nullopt, {}, false};
+      if (completion) c.text.emplace(tokenizer_, c.request.stop_tokens, completion->stop);
+      p->choices.push_back(std::move(c));
+    }
+    p->stream = completion && completion->stream;
+    p->remaining = p->choices.size();
+    std::lock_guard lock(queue_m_);
+    if (stopping_) throw std::runtime_error("the server is shutting down");
+    for (size_t i = 0; i < p->choices.size(); ++i) queue_.emplace_back(p, i);
+    queue_cv_.notify_all();
+    return p;
+  }
+
+  // On the engine thread.
+  void submit(const std::shared_ptr<Pending>& p, size_t i) {
+    auto on_token = [p, i](int64_t token, double logprob) {
+      std::lock_guard lock(p->m);
+      Pending::Choice& c = p->choices[i];
+      if (c.text) {
+        std::string piece = c.text->add(token);
+        if (p->stream) p->pieces.push_back({i, std::move(piece), std::make_pair(token, logprob)});
+      }
+      p->cv.notify_all();
+      return !p->cancelled && !(c.text && c.text->stopped());
+    };
+    auto on_done = [p, i](const GenerationResult& result) {
+      std::lock_guard lock(p->m);
+      Pending::Choice& c = p->choices[i];
+      c.result = result;
+      c.done = true;
+      if (c.text) {
+        std::string rest = c.text->finish();
+        if (p->stream && !rest.empty()) p->pieces.push_back({i, std::move(rest), std::nullopt});
+      }
+      --p->remaining;
+      p->cv.notify_all();
+    };
+    engine_.submit(p->choices[i].request, on_token, on_done);
+  }
+
+  static void wait_all(Pending& p) {
+    std::unique_lock lock(p.m);
+    p.cv.wait(lock, [&] { return p.all_done(); });
+  }
+
+  static std::optional<std::string> failure(const Pending& p) {
+    for (const auto& c : p.choices)
+      if (c.result.finish_reason.rfind("error", 0) == 0) return c.result.finish_reason;
+    return std::nullopt;
+  }
+
+  void handle_api(const httplib::Request& req, httplib::Response& res) {
+    MegatronApiRequest api = parse_megatron_api_request(parse_body(req), tokenizer_);
+    auto p = enqueue(api.requests, nullptr);
+    wait_all(*p);
+    if (auto f = failure(*p)) return error(res, 500, *f);
+    std::vector<GenerationResult> results;
+    for (const auto& c : p->choices) results.push_back(c.result);
+    res.set_content(megatron_api_response(api, results, tokenizer_).dump(), "application/json");
+  }
+
+  void handle_completions(const httplib::Request& req, httplib::Response& res) {
+    auto completion = std::make_shared<CompletionRequest>(parse_completion_request(parse_body(req), tokenizer_));
+    if (completion->model.empty()) completion->model = model_name_;
+    auto p = enqueue(completion->requests, completion.get());
+    const std::string id = fmt::format("cmpl-{}", next_id_++);
+    if (completion->stream) return stream_completion(res, p, completion, id);
+    wait_all(*p);
+    if (auto f = failure(*p)) return error(res, 500, *f);
+    json choices = json::array();
+    int64_t prompt_tokens = 0, completion_tokens = 0;
+    for (size_t i = 0; i < p->choices.size(); ++i) {
+      const Pending::Choice& c = p->choices[i];
+      const std::vector<int64_t>& kept = c.text->tokens();
+      std::vector<double> lps(c.result.logprobs.begin(), c.result.logprobs.begin() + int64_t(kept.size()));
+      json lp = completion->logprobs ? completion_logprobs(kept, lps, tokenizer_) : json(nullptr);
+      std::string text = (completion->echo ? completion->prompt_texts[i] : "") + c.text->text();
+      choices.push_back(completion_choice(i, text, completion_finish_reason(c.result, c.text->stopped()), lp));
+      prompt_tokens += int64_t(c.request.prompt.size());
+      completion_tokens += int64_t(c.result.tokens.size());
+    }
+    json usage = {{"prompt_tokens", prompt_tokens},
+                  {"completion_tokens", completion_tokens},
+                  {"total_tokens", prompt_tokens + completion_tokens}};
+    res.set_content(completion_object(id, completion->model, choices, usage).dump(), "application/json");
+  }
+
+  // Server-sent events: a chunk per released piece of text, a final chunk per choice with its
+  // finish_reason, then [DONE]. A failed write cancels the request (the client went away).
+  void stream_completion(httplib::Response& res, std::shared_ptr<Pending> p,
+                         std::shared_ptr<CompletionRequest> completion, std::string id) {
+    auto finished = std::make_shared<std::vector<bool>>(p->choices.size(), false);
+    auto echoed = std::make_shared<bool>(!completion->echo);
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, p, completion, id, finished, echoed](size_t, httplib::DataSink& sink) {
+          auto send = [&](const json& choice) {
+            std::string event =
+                "data: " + completion_object(id, completion->model, json::array({choice})).dump() + "\n\n";
+            if (!sink.write(event.data(), event.size())) {
+              p->cancelled = true;
+              return false;
+            }
+            return true;
+          };
+          if (!*echoed) {
+            *echoed = true;
+            for (size_t i = 0; i < p->choices.size(); ++i)
+              if (!send(completion_choice(i, completion->prompt_texts[i], std::nullopt, nullptr))) return false;
+          }
+          std::unique_lock lock(p->m);
+          p->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return !p->pieces.empty() || p->all_done(); });
+          std::deque<Pending::Piece> pieces;
+          pieces.swap(p->pieces);
+          std::vector<std::pair<size_t, json>> ends;
+          for (size_t i = 0; i < p->choices.size(); ++i) {
+            const Pending::Choice& c = p->choices[i];
+            if (c.done && !(*finished)[i]) {
+              (*finished)[i] = true;
+              ends.emplace_back(
+                  i, completion_choice(i, "", completion_finish_reason(c.result, c.text->stopped()), nullptr));
+            }
+          }
+          const bool done = p->all_done();
+          const std::optional<std::string> failed = done ? failure(*p) : std::nullopt;
+          lock.unlock();
+          for (const Pending::Piece& piece : pieces) {
+            if (piece.text.empty()) continue;
+            json lp = completion->logprobs && piece.token
+                          ? completion_logprobs({piece.token->first}, {piece.token->second}, tokenizer_)
+                          : json(nullptr);
+            if (!send(completion_choice(piece.index, piece.text, std::nullopt, lp))) return false;
+          }
+          if (failed) {
+            std::string event = "data: " + json{{"error", *failed}}.dump() + "\n\n";
+            sink.write(event.data(), event.size());
+          } else {
+            for (const auto& [i, choice] : ends)
+              if (!send(choice)) return false;
+          }
+          if (done) {
+            static const std::string kDone = "data: [DONE]\n\n";
+            sink.write(kDone.data(), kDone.size());
+            sink.done();
+          }
+          return true;
+        },
+        [p](bool success) {
+          if (!success) p->cancelled = true;
+        });
+  }
+
+  InferenceEngine& engine_;
+  const Tokenizer& tokenizer_;
+  std::string model_name_;
+  std::atomic<int64_t> next_id_{0};
+  std::mutex queue_m_;
+  std::condition_variable queue_cv_;
+  std::vector<std::pair<std::shared_ptr<Pending>, size_t>> queue_;
+  bool stopping_ = false;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Arguments args;
+    std::string host = "127.0.0.1";
+    int port = 5000;
+    EngineOptions options;
+    int threads = 32;
+    CLI::App app("Serve a megatron.cpp checkpoint over HTTP (Megatron's /api and OpenAI's /v1/completions)");
+    app.add_option("--load", args.load, "Checkpoint directory")->required();
+    app.add_option("--tokenizer-type", args.tokenizer_type, "Tokenizer type (as pretrain_gpt)")->required();
+    app.add_option("--vocab-file", args.vocab_file, "Vocabulary file");
+    app.add_option("--merge-file", args.merge_file, "Merges file");
+    app.add_option("--tokenizer-model", args.tokenizer_model, "Tokenizer model");
+    app.add_option("--vocab-size", args.vocab_size, "NullTokenizer vocabulary size");
+    app.add_option("--host", host, "Address to listen on")->capture_default_str();
+    app.add_option("--port", port, "Port to listen on")->capture_default_str()->check(CLI::Range(1, 65535));
+    app.add_option("--max-batch-size", options.max_batch_size, "Sequences decoded together (KV-cache slots)")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
+    app.add_option("--max-sequence-length", options.max_sequence_length,
+                   "Longest prompt + generation (0: the model's position limit)")
+        ->capture_default_str();
+    app.add_option("--http-threads", threads, "HTTP worker threads")->capture_default_str()->check(CLI::PositiveNumber);
+    app.add_option("--device", args.device, "auto, cpu or cuda")->capture_default_str();
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      return app.exit(e);
+    }
+    const Arguments flags = args;
+    apply_checkpoint_args(args, args.load);
+    args.tokenizer_type = flags.tokenizer_type;
+    args.vocab_size = flags.vocab_size > 0 ? flags.vocab_size : args.vocab_size;
+    args.no_load_rng = args.no_load_optim = true;
+    std::unique_ptr<Tokenizer> tokenizer = build_tokenizer(tokenizer_args_from_args(args));
+    Context ctx(select_device(args.device), 1234);
+    TransformerConfig config = transformer_config_from_args(args, tokenizer->vocab_size());
+    config.hidden_dropout = config.attention_dropout = 0.0f;
+    config.recompute_granularity.clear();
+    GPTModel model(config, ctx.device());
+    Checkpointer checkpointer(args);
+    MG_CHECK(checkpointer.load(ctx, args.load, model, nullptr, nullptr).has_value(), "no checkpoint in {}", args.load);
+    InferenceEngine engine(model, ctx, tokenizer->vocab_size(), options);
+
+    std::signal(SIGPIPE, SIG_IGN);  // a client that hangs up is a failed write, not a fatal signal
+    std::signal(SIGINT, on_signal);
+    std::signal(SIGTERM, on_signal);
+    Server server(engine, *tokenizer, args.load);
+    httplib::Server http;
+    http.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
+    server.routes(http);
+    MG_CHECK(http.bind_to_port(host, port), "cannot listen on {}:{} (in use, or not an address of this host)", host,
+             port);
+    std::thread engine_thread([&] { server.run_engine(); });
+    std::thread http_thread([&] { http.listen_after_bind(); });
+    std::printf("serving %s on http://%s:%d (max batch %lld, max sequence %lld)\n", args.load.c_str(), host.c_str(),
+                port, (long long)engine.max_batch_size(), (long long)engine.max_sequence_length());
+    std::fflush(stdout);
+    while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::printf("shutting down\n");
+    std::fflush(stdout);
+    server.stop_engine();
+    engine_thread.join();
+    http.stop();
+    http_thread.join();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
