@@ -87,6 +87,7 @@ int main(int argc, char** argv) {
     oc.lr = 1e-4;
     oc.bf16 = a.bf16;
     AdamOptimizer optimizer(params, oc);
+    optimizer.set_grad_buffer(model.params().grad_buffer());
     optimizer.set_lr(1e-4);
     optimizer.set_weight_decay(0.01);
 

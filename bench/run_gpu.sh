@@ -7,6 +7,7 @@ set -uo pipefail
 what=${1:-all}; shift || true
 PRESETS=${*:-gpt2-124M gpt-1.3B}
 source .device/env.sh
+export LD_LIBRARY_PATH=$PWD/.device/lib:$LD_LIBRARY_PATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B=.device/bin
 export MEGATRON_FIXTURES=$PWD/tests/fixtures
@@ -22,6 +23,7 @@ if [[ $what == train || $what == all ]]; then
   FLAGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4 --global-batch-size 8
     --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 --data-path $D/data/shakespeare_spm_text_document
     --split 98,2,0 --tokenizer-type SentencePieceTokenizer --tokenizer-model $D/tok-spm.model --log-interval 1
+    --hidden-dropout 0.0 --attention-dropout 0.0
     --eval-interval 1000 --eval-iters 1 --train-iters 300"
   (cd /tmp && timeout 200 $OLDPWD/$B/pretrain_gpt $FLAGS --bf16 --device cuda > "$OUT/train_bf16_gpu.txt" 2>&1; echo "rc=$?")
   grep -E "iteration +(1|100|200|300)/" "$OUT/train_bf16_gpu.txt" | cut -c1-40,150-330
@@ -37,6 +39,6 @@ if [[ $what == bench || $what == all ]]; then
   echo "== throughput: ours vs PyTorch (same GPU, same call)"
   for p in $PRESETS; do
     timeout 300 $B/gpt_throughput --preset "$p" --device cuda --dtype bf16 --steps 10 --warmup 3 2>&1 | tee -a "$OUT/bench.jsonl"
-    timeout 400 python3 .device/pytorch_gpt_reference.py --preset "$p" 2>&1 | grep '^{' | tee -a "$OUT/bench.jsonl"
+    timeout 150 python3 .device/pytorch_gpt_reference.py --preset "$p" 2>&1 | grep '^{' | tee -a "$OUT/bench.jsonl"
   done
 fi

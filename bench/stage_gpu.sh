@@ -8,5 +8,9 @@ ninja -C build-gpu gpu_tests golden_tests pretrain_gpt bench_gpt_throughput text
 mkdir -p .device/bin
 cp build-gpu/tests/gpu_tests build-gpu/tests/golden_tests build-gpu/bin/pretrain_gpt build-gpu/bench/gpt_throughput \
    build-gpu/bin/text_generation_server .device/bin/
+# Debian's libsentencepiece travels with the binaries: the C++ class layout of another version's
+# library (e.g. Ubuntu's) differs from the headers we built against.
+mkdir -p .device/lib
+cp -L "$(ldd build-gpu/bin/pretrain_gpt | awk '/libsentencepiece/ {print $3}')" .device/lib/
 cp ../shared/gpu/env.sh ../shared/bench/pytorch_gpt_reference.py .device/ 2>/dev/null || true
 du -sh .device

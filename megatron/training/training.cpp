@@ -357,6 +357,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   std::vector<Parameter> params;
   for (Parameter* p : model.params().parameters()) params.push_back(*p);
   AdamOptimizer optimizer(params, optimizer_config_from_args(args));
+  optimizer.set_grad_buffer(model.params().grad_buffer());
   OptimizerParamScheduler scheduler(scheduler_config_from_args(args));
   Checkpointer checkpointer(args);
   TrainingProgress progress;

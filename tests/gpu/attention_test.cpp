@@ -33,7 +33,9 @@ void expect_close(const Tensor& got, const Tensor& want, double tol, const std::
   double scale = 0, worst = 0;
   size_t worst_at = 0;
   for (float x : w) scale = std::max(scale, std::fabs(double(x)));
-  if (scale == 0) scale = 1;
+  // Errors are measured against at least 0.05 (inputs are O(1)): with one key (s = 1) the q and k
+  // gradients are zero in exact arithmetic and both sides hold only rounding noise.
+  scale = std::max(scale, 0.05);
   for (size_t i = 0; i < g.size(); ++i) {
     if (!std::isfinite(g[i]) && std::isfinite(w[i])) {
       ADD_FAILURE() << what << ": element " << i << " is " << g[i] << ", expected " << w[i];

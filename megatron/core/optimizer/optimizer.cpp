@@ -66,8 +66,12 @@ AdamOptimizer::AdamOptimizer(std::vector<Parameter> params, const OptimizerConfi
 OptimizerStepResult AdamOptimizer::step(Context& ctx) {
   OptimizerStepResult result;
   std::vector<Tensor> grads;
-  grads.reserve(params_.size());
-  for (const Parameter& p : params_) grads.push_back(p.main_grad);
+  if (grad_buffer_.defined()) {
+    grads.push_back(grad_buffer_);
+  } else {
+    grads.reserve(params_.size());
+    for (const Parameter& p : params_) grads.push_back(p.main_grad);
+  }
   const GradStats stats = grad_stats_fp32(ctx, grads);
 
   // Unscale and check for inf/nan (Megatron reads inv_scale before updating the scaler).

@@ -67,6 +67,9 @@ class AdamOptimizer {
   AdamOptimizer(std::vector<Parameter> params, const OptimizerConfig& config);
 
   OptimizerStepResult step(Context& ctx);
+  /// The contiguous fp32 buffer all the main grads are views of (the model's ParamAndGradBuffer):
+  /// the norm and inf/nan check then take one pass over it instead of one per parameter.
+  void set_grad_buffer(Tensor grad_buffer) { grad_buffer_ = std::move(grad_buffer); }
 
   /// The learning rate and weight decay for the following steps (from OptimizerParamScheduler:
   /// set_lr(v.lr); set_weight_decay(v.wd)). Parameters with no_weight_decay always get 0.
@@ -109,6 +112,7 @@ class AdamOptimizer {
   double lr_;
   double weight_decay_;
   int64_t step_count_ = 0;
+  Tensor grad_buffer_;
 };
 
 }  // namespace megatron

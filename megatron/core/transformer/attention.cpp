@@ -45,7 +45,12 @@ Tensor SelfAttention::forward(Context& ctx, const Tensor& x, const Tensor& freqs
   saved.qkv = linear_qkv_.forward(ctx, x.view({s * b, h})).view({s, b, -1});
   core_forward(ctx, freqs, saved);
   Tensor out = linear_proj_.forward(ctx, saved.context.view({s * b, nq_ * d_})).view({s, b, h});
-  if (!keep_core) saved.q = saved.k = saved.v = saved.context = saved.lse = Tensor();
+  // Backward needs the QKV projection's output only to recompute the core attention.
+  if (keep_core) {
+    saved.qkv = Tensor();
+  } else {
+    saved.q = saved.k = saved.v = saved.context = saved.lse = Tensor();
+  }
   return out;
 }
 
@@ -63,7 +68,7 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Tenso
     ops::rope_backward(ctx, gq, freqs, rope_interleaved_, gq);
     ops::rope_backward(ctx, gk, freqs, rope_interleaved_, gk);
   }
-  Tensor grad_qkv = Tensor::empty(saved.qkv.shape(), dt, ctx.device());
+  Tensor grad_qkv = Tensor::empty({s, b, (nq_ + 2 * ng_) * d_}, dt, ctx.device());
   ops::qkv_split_backward(ctx, gq, gk, gv, grad_qkv);
   return linear_qkv_.backward(ctx, grad_qkv.view({s * b, -1}), saved.x.view({s * b, h})).view({s, b, h});
 }

@@ -13,20 +13,27 @@ MLP::MLP(const TransformerConfig& config, ParamAndGradBuffer& params, const std:
       linear_fc2_(params, prefix + ".linear_fc2", config.ffn_hidden_size, config.hidden_size, config.add_bias_linear,
                   ParamInit::ScaledNormal) {}
 
+Tensor MLP::activation(Context& ctx, const Tensor& fc1) const {
+  Tensor act = Tensor::empty({fc1.size(0), ffn_}, fc1.dtype(), ctx.device());
+  if (swiglu_) {
+    ops::swiglu_forward(ctx, fc1, act);
+  } else {
+    ops::gelu_forward(ctx, fc1, act);
+  }
+  return act;
+}
+
 Tensor MLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
   saved.x = x;
   saved.fc1 = linear_fc1_.forward(ctx, x);
-  saved.act = Tensor::empty({x.size(0), ffn_}, x.dtype(), ctx.device());
-  if (swiglu_) {
-    ops::swiglu_forward(ctx, saved.fc1, saved.act);
-  } else {
-    ops::gelu_forward(ctx, saved.fc1, saved.act);
-  }
-  return linear_fc2_.forward(ctx, saved.act);
+  return linear_fc2_.forward(ctx, activation(ctx, saved.fc1));
 }
 
 Tensor MLP::backward(Context& ctx, const Tensor& grad_out, const Saved& saved) const {
-  Tensor grad_act = linear_fc2_.backward(ctx, grad_out, saved.act);
+  // Note [Activation recomputed in backward]: the activation's output is not kept: fc2's weight
+  // gradient needs it, and one elementwise pass recomputes it from fc1's output, saving an
+  // [N, ffn] tensor per layer.
+  Tensor grad_act = linear_fc2_.backward(ctx, grad_out, activation(ctx, saved.fc1));
   Tensor grad_fc1 = Tensor::empty(saved.fc1.shape(), saved.fc1.dtype(), ctx.device());
   if (swiglu_) {
     ops::swiglu_backward(ctx, grad_act, saved.fc1, grad_fc1);

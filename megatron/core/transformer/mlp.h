@@ -15,14 +15,15 @@ class MLP {
 
   struct Saved {
     Tensor x;    // input [N, h]
-    Tensor fc1;  // [N, ffn] or [N, 2·ffn]
-    Tensor act;  // [N, ffn]
+    Tensor fc1;  // [N, ffn] or [N, 2·ffn]; the activation is recomputed from it in backward
   };
   /// x [N, h] -> [N, h] (fc2 bias included).
   Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const Saved& saved) const;
 
  private:
+  Tensor activation(Context& ctx, const Tensor& fc1) const;
+
   bool swiglu_;
   int64_t ffn_;
   Linear linear_fc1_;
