@@ -21,7 +21,7 @@ if [[ $what == train || $what == all ]]; then
   echo "== bf16 training on the GPU (300 iterations, fixture corpus)"
   D=$PWD/tests/fixtures/megatron_data
   FLAGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4 --global-batch-size 8
-    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 --data-path $D/data/shakespeare_spm_text_document
+    --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10 --data-path $D/data/shakespeare_spm_text_document
     --split 98,2,0 --tokenizer-type SentencePieceTokenizer --tokenizer-model $D/tok-spm.model --log-interval 1
     --hidden-dropout 0.0 --attention-dropout 0.0
     --eval-interval 1000 --eval-iters 1 --train-iters 300"
