@@ -35,6 +35,18 @@ if [[ $what == train || $what == all ]]; then
     --device cuda > "$OUT/startup_1.3B.txt" 2>&1; echo "rc=$?")
   grep -E "time to|time from|iteration|error" "$OUT/startup_1.3B.txt" | cut -c1-300
 fi
+if [[ $what == infer || $what == all ]]; then
+  echo "== inference: greedy generation from the converted gpt2 fixture, CPU vs GPU"
+  W=$(mktemp -d); mkdir -p $W/hf
+  cp tests/fixtures/gpt2_model.safetensors $W/hf/model.safetensors
+  python3 -c "import json,struct;b=open('$W/hf/model.safetensors','rb').read();n=struct.unpack('<Q',b[:8])[0];print(json.loads(b[8:8+n])['__metadata__']['config'])" > $W/hf/config.json
+  $B/convert_checkpoint --from hf --load $W/hf --save $W/ckpt 2>&1 | tail -1
+  for dev in cpu cuda; do
+    $B/generate --load $W/ckpt --tokenizer-type NullTokenizer --vocab-size 512 --prompt "1 2 3 4 5" --prompt "100 200 300" \
+      --max-new-tokens 16 --greedy --device $dev > $W/gen_$dev.txt 2>&1; echo "$dev rc=$?"; cat $W/gen_$dev.txt
+  done
+  cmp $W/gen_cpu.txt $W/gen_cuda.txt && echo "greedy generation: GPU equals CPU"
+fi
 if [[ $what == bench || $what == all ]]; then
   echo "== throughput: ours vs PyTorch (same GPU, same call)"
   for p in $PRESETS; do
