@@ -71,7 +71,10 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < prompts.size(); ++i) {
       std::vector<int64_t> generated = results[i].tokens;
       if (results[i].finish_reason == "stop") generated.pop_back();  // the eod
-      std::printf("%s%s\n", prompts[i].c_str(), tokenizer->detokenize(generated).c_str());
+      // Prompt and continuation decoded together, so the tokenizer places the space between them.
+      std::vector<int64_t> all = requests[i].prompt;
+      all.insert(all.end(), generated.begin(), generated.end());
+      std::printf("%s\n", tokenizer->detokenize(all).c_str());
     }
     std::fflush(stdout);
     return 0;

@@ -1,10 +1,12 @@
 // The tokenizer interface (Megatron's MegatronTokenizer) and the factory for --tokenizer-type.
 //
-// Every tokenizer encodes text to ids without adding special tokens (preprocess_data appends the
-// EOD itself with --append-eod), decodes ids back to text, and reports its special ids as Megatron
-// defines them. unique_identifiers() is the JSON object Megatron writes into a dataset's
-// description (and so into the md5 that names the index cache): key order and value spelling
-// matter and follow Megatron-LM's megatron/core/tokenizers.
+// Every tokenizer encodes text to ids as Megatron's does (preprocess_data appends the EOD itself with
+// --append-eod): no special tokens, except that a HuggingFaceTokenizer whose tokenizer.json has a
+// post-processor adds its tokens (Llama-3's <|begin_of_text|>), as `tokenizer(text).input_ids`
+// does. It decodes ids back to text and reports its special ids as Megatron defines them.
+// unique_identifiers() is the JSON object Megatron writes into a dataset's description (and so
+// into the md5 that names the index cache): key order and value spelling matter and follow
+// Megatron-LM's megatron/core/tokenizers.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +24,7 @@ class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
 
-  /// Text -> ids, no special tokens added.
+  /// Text -> ids (see above for special tokens).
   virtual std::vector<int64_t> tokenize(std::string_view text) const = 0;
   /// Ids -> text.
   virtual std::string detokenize(const std::vector<int64_t>& ids) const = 0;
