@@ -23,25 +23,6 @@ namespace {
 constexpr int kMaxRowThreads = 512;
 constexpr int kSumThreads = 1024;
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <int N, typename T>
-__device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = load_float(pk.v[k]);
-}
-
-template <int N, typename T>
-__device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int k = 0; k < N; ++k) pk.v[k] = store_float<T>(in[k]);
-  *reinterpret_cast<Pack<T, N>*>(p) = pk;
-}
 
 struct Labels {
   const void* data = nullptr;
@@ -167,7 +148,6 @@ __global__ void masked_loss_backward_kernel(const M* __restrict__ mask, float sc
     grad[i] = mask ? load_float(mask[i]) * scale : scale;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int row_threads(int64_t packs) {
   return int(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, kMaxRowThreads));

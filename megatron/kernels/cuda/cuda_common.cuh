@@ -84,6 +84,29 @@ void dispatch_float(DType dtype, F&& f) {
   }
 }
 
+/// N elements loaded or stored in one aligned access (16 bytes for the widths the kernels use).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <int N, typename T>
+__device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = load_float(pk.v[k]);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int k = 0; k < N; ++k) pk.v[k] = store_float<T>(in[k]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 /// A tensor's device pointer as T (no dtype check: T is the CUDA type, e.g. __nv_bfloat16).
 template <typename T>
 inline T* dev_ptr(const Tensor& t) {

@@ -22,27 +22,7 @@ namespace {
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCoeff = 0.044715f;
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
 
-template <int N, typename T>
-__device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = load_float(pk.v[k]);
-}
-
-template <int N, typename T>
-__device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int k = 0; k < N; ++k) pk.v[k] = store_float<T>(in[k]);
-  *reinterpret_cast<Pack<T, N>*>(p) = pk;
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 __device__ __forceinline__ float gelu(float x) {
   const float u = kSqrt2OverPi * (x + kGeluCoeff * x * x * x);

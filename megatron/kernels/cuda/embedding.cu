@@ -23,11 +23,6 @@ namespace {
 constexpr int kMaxRowThreads = 256;
 constexpr unsigned long long kNoBadId = ~0ull;
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 // An [b, s] id tensor on the device: int32 or int64.
 struct Ids {
   const void* data = nullptr;
@@ -115,7 +110,6 @@ void check_rows_tensor(const Tensor& t, int64_t s, int64_t b, int64_t h, const c
             name, t.str(), s, b, h);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // The bad-id buffer: [0] tokens, [1] positions, each the smallest bad flat index or kNoBadId.
 Tensor make_bad_buffer(const Context& ctx) {

@@ -23,25 +23,6 @@ constexpr int kMaxRowThreads = 512;
 constexpr int kColTile = 32;     // columns per parameter-grad block (one warp wide)
 constexpr int kColRowThreads = 8;  // rows in flight per parameter-grad block
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <int N, typename T>
-__device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = load_float(pk.v[k]);
-}
-
-template <int N, typename T>
-__device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int k = 0; k < N; ++k) pk.v[k] = store_float<T>(in[k]);
-  *reinterpret_cast<Pack<T, N>*>(p) = pk;
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -218,7 +199,6 @@ void check_like(const Tensor& x, const Tensor& other, const char* name) {
             name, other.str(), x.str());
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int row_threads(int64_t packs) {
   const int64_t t = (packs + 31) / 32 * 32;
