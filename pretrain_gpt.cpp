@@ -43,6 +43,7 @@ BatchIterator make_iterator(std::shared_ptr<const MegatronDataset> dataset, cons
   o.micro_batch_size = a.micro_batch_size;
   o.data_parallel_size = a.data_parallel_size;
   o.consumed_samples = consumed;
+  o.pin_memory = select_device(a.device).is_cuda();  // pinned batches copy to the GPU asynchronously
   auto loader = std::make_shared<DataLoader>(std::move(dataset), o);
   return [loader, split]() {
     std::optional<GPTBatch> b = loader->next();
