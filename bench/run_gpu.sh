@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: GPU op tests, golden fixtures on the GPU, a bf16 training run on real text, the
+# One run on the GPU machine: GPU op tests, golden fixtures on the GPU, a bf16 training run on real text, the
 # 1.3B startup time, and throughput against the PyTorch reference on the same GPU.
 # Runs from the repository root on the GPU machine with the binaries staged in .device/ (see
 # bench/stage_gpu.sh). Usage: bench/run_gpu.sh [tests|train|bench|all] [presets...]

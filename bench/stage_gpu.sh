@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the CUDA configuration (sm_90a, CUDA ops on) and stages what a device call needs in
+# Builds the CUDA configuration (sm_90a, CUDA ops on) and stages what a run on the GPU machine needs in
 # .device/ (git-ignored): the binaries, the GPU environment script and the PyTorch reference.
 set -euo pipefail
 cd "$(dirname "$0")/.."
