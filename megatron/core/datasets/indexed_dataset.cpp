@@ -19,6 +19,29 @@ namespace megatron {
 
 namespace {
 
+// Calls f(T{}) with T the C++ element type of an index dtype.
+template <typename F>
+void visit_index_dtype(IndexDType dtype, F&& f) {
+  switch (dtype) {
+    case IndexDType::UInt8:
+      return f(uint8_t{});
+    case IndexDType::Int8:
+      return f(int8_t{});
+    case IndexDType::Int16:
+      return f(int16_t{});
+    case IndexDType::Int32:
+      return f(int32_t{});
+    case IndexDType::Int64:
+      return f(int64_t{});
+    case IndexDType::Float64:
+      return f(double{});
+    case IndexDType::Float32:
+      return f(float{});
+    case IndexDType::UInt16:
+      return f(uint16_t{});
+  }
+}
+
 constexpr std::array<char, 9> kMagic = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
 constexpr size_t kHeaderSize = 34;  // magic 9 + version 8 + dtype 1 + S 8 + D 8
 
@@ -39,32 +62,7 @@ void decode_tokens(IndexDType dtype, const std::byte* src, size_t n, std::vector
   auto convert = [&]<typename T>(T) {
     for (size_t k = 0; k < n; ++k) dst[k] = static_cast<int64_t>(load<T>(src + k * sizeof(T)));
   };
-  switch (dtype) {
-    case IndexDType::UInt8:
-      convert(uint8_t{});
-      break;
-    case IndexDType::Int8:
-      convert(int8_t{});
-      break;
-    case IndexDType::Int16:
-      convert(int16_t{});
-      break;
-    case IndexDType::Int32:
-      convert(int32_t{});
-      break;
-    case IndexDType::Int64:
-      convert(int64_t{});
-      break;
-    case IndexDType::Float64:
-      convert(double{});
-      break;
-    case IndexDType::Float32:
-      convert(float{});
-      break;
-    case IndexDType::UInt16:
-      convert(uint16_t{});
-      break;
-  }
+  visit_index_dtype(dtype, convert);
 }
 
 /// Converts ids to the file dtype into `out` (resized); an id the dtype cannot hold is an error.
@@ -81,32 +79,7 @@ void encode_tokens(IndexDType dtype, std::span<const int64_t> ids, std::vector<s
       std::memcpy(out.data() + k * sizeof(T), &v, sizeof(T));
     }
   };
-  switch (dtype) {
-    case IndexDType::UInt8:
-      convert(uint8_t{});
-      break;
-    case IndexDType::Int8:
-      convert(int8_t{});
-      break;
-    case IndexDType::Int16:
-      convert(int16_t{});
-      break;
-    case IndexDType::Int32:
-      convert(int32_t{});
-      break;
-    case IndexDType::Int64:
-      convert(int64_t{});
-      break;
-    case IndexDType::Float64:
-      convert(double{});
-      break;
-    case IndexDType::Float32:
-      convert(float{});
-      break;
-    case IndexDType::UInt16:
-      convert(uint16_t{});
-      break;
-  }
+  visit_index_dtype(dtype, convert);
 }
 
 /// A read-only mapping of a whole file (nothing mapped for an empty file).
