@@ -4,9 +4,9 @@
 // against 989 TFLOP/s, median step time, peak memory.
 //
 //   build/bench/gpt_throughput --preset gpt-1.3B [--steps 20 --warmup 5 --device cuda --dtype bf16]
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -15,6 +15,7 @@
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/kernels/ops.h"
+#include "megatron/runtime/profiler.h"
 #include "megatron/training/training.h"
 #include "megatron/training/training_log.h"
 
@@ -27,12 +28,9 @@ struct Preset {
   int groups = 0, ffn = 0;
 };
 const std::map<std::string, Preset> kPresets = {
-    {"gpt2-124M", {12, 768, 12, 1024, 32}},
-    {"gpt2-350M", {24, 1024, 16, 1024, 16}},
-    {"gpt-1.3B", {24, 2048, 16, 2048, 8}},
-    {"gpt2-1.5B", {48, 1600, 25, 1024, 8}},
-    {"gpt-2.7B", {32, 2560, 32, 2048, 8}},
-    {"llama-1B", {16, 2048, 32, 4096, 2, true, 8, 8192}},
+    {"gpt2-124M", {12, 768, 12, 1024, 32}}, {"gpt2-350M", {24, 1024, 16, 1024, 16}},
+    {"gpt-1.3B", {24, 2048, 16, 2048, 8}},  {"gpt2-1.5B", {48, 1600, 25, 1024, 8}},
+    {"gpt-2.7B", {32, 2560, 32, 2048, 8}},  {"llama-1B", {16, 2048, 32, 4096, 2, true, 8, 8192}},
     {"tiny", {2, 128, 4, 128, 4}},
 };
 }  // namespace
@@ -41,6 +39,7 @@ int main(int argc, char** argv) {
   try {
     std::string preset = "tiny", device = "auto", dtype = "bf16";
     int steps = 10, warmup = 3, vocab = 50257;
+    bool profile = false;
     CLI::App app("GPT training-step throughput");
     app.add_option("--preset", preset, "Model shape")->capture_default_str();
     app.add_option("--steps", steps, "Timed steps")->capture_default_str();
@@ -48,6 +47,7 @@ int main(int argc, char** argv) {
     app.add_option("--device", device, "auto, cpu or cuda")->capture_default_str();
     app.add_option("--dtype", dtype, "bf16 or fp32")->capture_default_str();
     app.add_option("--vocab", vocab, "Vocabulary size (padded to 128)")->capture_default_str();
+    app.add_flag("--profile", profile, "After timing, one more step with per-op timing (CUDA events): JSON lines");
     CLI11_PARSE(app, argc, argv);
     auto it = kPresets.find(preset);
     MG_CHECK(it != kPresets.end(), "unknown preset '{}'", preset);
@@ -123,19 +123,51 @@ int main(int argc, char** argv) {
         loss = h[0] / h[1];
       }
     }
+    if (profile) {  // one more step, each op bracketed by events: where the step's time goes
+      OpProfiler profiler;
+      ctx.set_profiler(&profiler);
+      ctx.synchronize();
+      auto t0 = std::chrono::steady_clock::now();
+      model.params().zero_grad();
+      GPTModel::Stash stash;
+      Tensor losses = model.forward(ctx, tokens, positions, targets, stash);
+      ops::masked_loss_backward(ctx, Tensor(), 1.0f / float(ids.size()), grad);
+      model.backward(ctx, grad.view(losses.shape()), stash);
+      optimizer.step(ctx);
+      ctx.synchronize();
+      const double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      ctx.set_profiler(nullptr);
+      std::vector<std::pair<std::string, OpProfiler::Entry>> rows;
+      double total = 0;
+      for (auto& [op, e] : profiler.collect(ctx)) rows.emplace_back(op, e), total += e.ms;
+      std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+      for (const auto& [op, e] : rows) {
+        std::printf("%s\n",
+                    fmt::format("{{\"bench\": \"op_profile\", \"preset\": \"{}\", \"op\": \"{}\", \"ms\": {:.3f}, "
+                                "\"calls\": {}, \"share\": {:.4f}}}",
+                                preset, op, e.ms, e.calls, e.ms / step_ms)
+                        .c_str());
+      }
+      std::printf("%s\n",
+                  fmt::format("{{\"bench\": \"op_profile\", \"preset\": \"{}\", \"op\": \"(between ops: launch "
+                              "gaps, host work, syncs)\", \"ms\": {:.3f}, \"share\": {:.4f}, \"step_ms\": {:.3f}}}",
+                              preset, step_ms - total, (step_ms - total) / step_ms, step_ms)
+                      .c_str());
+    }
     std::sort(times.begin(), times.end());
     const double median = times[times.size() / 2];
     const double tokens_per_step = double(p.mbs) * p.seq;
     const double flops = num_floating_point_operations(a, config.padded_vocab_size, p.mbs);
     MemoryStats m = memory_stats(ctx.device());
-    std::printf("%s\n", fmt::format("{{\"bench\": \"gpt_throughput\", \"impl\": \"megatron.cpp\", \"preset\": \"{}\", "
-                                    "\"device\": \"{}\", \"dtype\": \"{}\", \"params\": {}, \"tokens_per_s\": {:.1f}, "
-                                    "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
-                                    "\"loss\": {:.4f}}}",
-                                    preset, ctx.device().str(), dtype, model.params().numel(),
-                                    tokens_per_step / median, flops / median / 1e12, flops / median / 989e12,
-                                    median * 1e3, double(m.peak_allocated) / 1e9, loss)
-                            .c_str());
+    std::printf(
+        "%s\n",
+        fmt::format("{{\"bench\": \"gpt_throughput\", \"impl\": \"megatron.cpp\", \"preset\": \"{}\", "
+                    "\"device\": \"{}\", \"dtype\": \"{}\", \"params\": {}, \"tokens_per_s\": {:.1f}, "
+                    "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
+                    "\"loss\": {:.4f}}}",
+                    preset, ctx.device().str(), dtype, model.params().numel(), tokens_per_step / median,
+                    flops / median / 1e12, flops / median / 989e12, median * 1e3, double(m.peak_allocated) / 1e9, loss)
+            .c_str());
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -3,6 +3,7 @@
 #include "megatron/kernels/ops.h"
 
 #include "megatron/kernels/cpu/cpu_ops.h"
+#include "megatron/runtime/profiler.h"
 #ifdef MEGATRON_WITH_CUDA_OPS
 #include "megatron/kernels/cuda/cuda_ops.h"  // megatron::cuda::<op>
 #endif
@@ -33,6 +34,7 @@ bool has_cuda_kernels() {
 
 void embedding_forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& word_weight,
                        const Tensor& pos_weight, Tensor& out) {
+  ProfileScope profile(ctx, "embedding_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "embedding_forward"))
     return cuda::embedding_forward(ctx, tokens, position_ids, word_weight, pos_weight, out);
@@ -44,6 +46,7 @@ void embedding_forward(Context& ctx, const Tensor& tokens, const Tensor& positio
 
 void embedding_backward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& grad_out,
                         Tensor& word_grad, Tensor& pos_grad) {
+  ProfileScope profile(ctx, "embedding_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "embedding_backward"))
     return cuda::embedding_backward(ctx, tokens, position_ids, grad_out, word_grad, pos_grad);
@@ -55,6 +58,7 @@ void embedding_backward(Context& ctx, const Tensor& tokens, const Tensor& positi
 
 void layernorm_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
                        bool zero_centered_gamma, Tensor& out, Tensor& mean, Tensor& rstd) {
+  ProfileScope profile(ctx, "layernorm_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "layernorm_forward"))
     return cuda::layernorm_forward(ctx, x, weight, bias, eps, zero_centered_gamma, out, mean, rstd);
@@ -67,6 +71,7 @@ void layernorm_forward(Context& ctx, const Tensor& x, const Tensor& weight, cons
 void layernorm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& mean,
                         const Tensor& rstd, bool zero_centered_gamma, Tensor& grad_in, Tensor& weight_grad,
                         Tensor& bias_grad) {
+  ProfileScope profile(ctx, "layernorm_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "layernorm_backward"))
     return cuda::layernorm_backward(ctx, grad_out, x, weight, mean, rstd, zero_centered_gamma, grad_in, weight_grad,
@@ -80,6 +85,7 @@ void layernorm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, c
 
 void rmsnorm_forward(Context& ctx, const Tensor& x, const Tensor& weight, float eps, bool zero_centered_gamma,
                      Tensor& out, Tensor& rstd) {
+  ProfileScope profile(ctx, "rmsnorm_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "rmsnorm_forward"))
     return cuda::rmsnorm_forward(ctx, x, weight, eps, zero_centered_gamma, out, rstd);
@@ -91,6 +97,7 @@ void rmsnorm_forward(Context& ctx, const Tensor& x, const Tensor& weight, float 
 
 void rmsnorm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& rstd,
                       bool zero_centered_gamma, Tensor& grad_in, Tensor& weight_grad) {
+  ProfileScope profile(ctx, "rmsnorm_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "rmsnorm_backward"))
     return cuda::rmsnorm_backward(ctx, grad_out, x, weight, rstd, zero_centered_gamma, grad_in, weight_grad);
@@ -101,6 +108,7 @@ void rmsnorm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, con
 }
 
 void linear_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y) {
+  ProfileScope profile(ctx, "linear_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "linear_forward")) return cuda::linear_forward(ctx, x, weight, bias, y);
 #else
@@ -111,6 +119,7 @@ void linear_forward(Context& ctx, const Tensor& x, const Tensor& weight, const T
 
 void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight, Tensor& grad_in,
                      Tensor& weight_grad, Tensor& bias_grad) {
+  ProfileScope profile(ctx, "linear_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "linear_backward"))
     return cuda::linear_backward(ctx, grad_out, x, weight, grad_in, weight_grad, bias_grad);
@@ -121,6 +130,7 @@ void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, cons
 }
 
 void gelu_forward(Context& ctx, const Tensor& x, Tensor& out) {
+  ProfileScope profile(ctx, "gelu_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "gelu_forward")) return cuda::gelu_forward(ctx, x, out);
 #else
@@ -130,6 +140,7 @@ void gelu_forward(Context& ctx, const Tensor& x, Tensor& out) {
 }
 
 void gelu_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tensor& grad_in) {
+  ProfileScope profile(ctx, "gelu_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "gelu_backward")) return cuda::gelu_backward(ctx, grad_out, x, grad_in);
 #else
@@ -139,6 +150,7 @@ void gelu_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tensor
 }
 
 void swiglu_forward(Context& ctx, const Tensor& x, Tensor& out) {
+  ProfileScope profile(ctx, "swiglu_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "swiglu_forward")) return cuda::swiglu_forward(ctx, x, out);
 #else
@@ -148,6 +160,7 @@ void swiglu_forward(Context& ctx, const Tensor& x, Tensor& out) {
 }
 
 void swiglu_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tensor& grad_in) {
+  ProfileScope profile(ctx, "swiglu_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "swiglu_backward")) return cuda::swiglu_backward(ctx, grad_out, x, grad_in);
 #else
@@ -157,6 +170,7 @@ void swiglu_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tens
 }
 
 void rope_forward(Context& ctx, const Tensor& x, const Tensor& freqs, bool interleaved, Tensor& out) {
+  ProfileScope profile(ctx, "rope_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "rope_forward")) return cuda::rope_forward(ctx, x, freqs, interleaved, out);
 #else
@@ -166,6 +180,7 @@ void rope_forward(Context& ctx, const Tensor& x, const Tensor& freqs, bool inter
 }
 
 void rope_backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, bool interleaved, Tensor& grad_in) {
+  ProfileScope profile(ctx, "rope_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "rope_backward")) return cuda::rope_backward(ctx, grad_out, freqs, interleaved, grad_in);
 #else
@@ -176,6 +191,7 @@ void rope_backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, bo
 
 void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float softmax_scale,
                        float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
+  ProfileScope profile(ctx, "attention_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "attention_forward"))
     return cuda::attention_forward(ctx, q, k, v, softmax_scale, dropout_p, seed, offset, out, lse);
@@ -188,6 +204,7 @@ void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Ten
 void attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, float softmax_scale, float dropout_p, uint64_t seed,
                         uint64_t offset, Tensor& grad_q, Tensor& grad_k, Tensor& grad_v) {
+  ProfileScope profile(ctx, "attention_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "attention_backward"))
     return cuda::attention_backward(ctx, grad_out, q, k, v, out, lse, softmax_scale, dropout_p, seed, offset, grad_q,
@@ -202,6 +219,7 @@ void attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, c
 void attention_kv_cache_forward(Context& ctx, const Tensor& q, const Tensor& k_new, const Tensor& v_new,
                                 const Tensor& slots, const Tensor& starts, float softmax_scale, Tensor& k_cache,
                                 Tensor& v_cache, Tensor& out) {
+  ProfileScope profile(ctx, "attention_kv_cache_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "attention_kv_cache_forward"))
     return cuda::attention_kv_cache_forward(ctx, q, k_new, v_new, slots, starts, softmax_scale, k_cache, v_cache, out);
@@ -212,6 +230,7 @@ void attention_kv_cache_forward(Context& ctx, const Tensor& q, const Tensor& k_n
 }
 
 void qkv_split_forward(Context& ctx, const Tensor& qkv, Tensor& q, Tensor& k, Tensor& v) {
+  ProfileScope profile(ctx, "qkv_split_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "qkv_split_forward")) return cuda::qkv_split_forward(ctx, qkv, q, k, v);
 #else
@@ -222,6 +241,7 @@ void qkv_split_forward(Context& ctx, const Tensor& qkv, Tensor& q, Tensor& k, Te
 
 void qkv_split_backward(Context& ctx, const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v,
                         Tensor& grad_qkv) {
+  ProfileScope profile(ctx, "qkv_split_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "qkv_split_backward")) return cuda::qkv_split_backward(ctx, grad_q, grad_k, grad_v, grad_qkv);
 #else
@@ -231,6 +251,7 @@ void qkv_split_backward(Context& ctx, const Tensor& grad_q, const Tensor& grad_k
 }
 
 void dropout_forward(Context& ctx, const Tensor& x, float p, uint64_t seed, uint64_t offset, Tensor& out) {
+  ProfileScope profile(ctx, "dropout_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "dropout_forward")) return cuda::dropout_forward(ctx, x, p, seed, offset, out);
 #else
@@ -240,6 +261,7 @@ void dropout_forward(Context& ctx, const Tensor& x, float p, uint64_t seed, uint
 }
 
 void dropout_backward(Context& ctx, const Tensor& grad_out, float p, uint64_t seed, uint64_t offset, Tensor& grad_in) {
+  ProfileScope profile(ctx, "dropout_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "dropout_backward")) return cuda::dropout_backward(ctx, grad_out, p, seed, offset, grad_in);
 #else
@@ -250,6 +272,7 @@ void dropout_backward(Context& ctx, const Tensor& grad_out, float p, uint64_t se
 
 void dropout_add_forward(Context& ctx, const Tensor& x, const Tensor& residual, float p, uint64_t seed, uint64_t offset,
                          Tensor& out) {
+  ProfileScope profile(ctx, "dropout_add_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "dropout_add_forward")) return cuda::dropout_add_forward(ctx, x, residual, p, seed, offset, out);
 #else
@@ -259,6 +282,7 @@ void dropout_add_forward(Context& ctx, const Tensor& x, const Tensor& residual, 
 }
 
 void add(Context& ctx, const Tensor& a, const Tensor& b, Tensor& out) {
+  ProfileScope profile(ctx, "add");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "add")) return cuda::add(ctx, a, b, out);
 #else
@@ -268,6 +292,7 @@ void add(Context& ctx, const Tensor& a, const Tensor& b, Tensor& out) {
 }
 
 void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& labels, Tensor& losses, Tensor& lse) {
+  ProfileScope profile(ctx, "cross_entropy_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "cross_entropy_forward")) return cuda::cross_entropy_forward(ctx, logits, labels, losses, lse);
 #else
@@ -278,6 +303,7 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& lab
 
 void cross_entropy_backward(Context& ctx, const Tensor& grad_losses, const Tensor& logits, const Tensor& labels,
                             const Tensor& lse, Tensor& grad_logits) {
+  ProfileScope profile(ctx, "cross_entropy_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "cross_entropy_backward"))
     return cuda::cross_entropy_backward(ctx, grad_losses, logits, labels, lse, grad_logits);
@@ -288,6 +314,7 @@ void cross_entropy_backward(Context& ctx, const Tensor& grad_losses, const Tenso
 }
 
 void masked_loss_sums(Context& ctx, const Tensor& losses, const Tensor& loss_mask, Tensor& sums) {
+  ProfileScope profile(ctx, "masked_loss_sums");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "masked_loss_sums")) return cuda::masked_loss_sums(ctx, losses, loss_mask, sums);
 #else
@@ -297,6 +324,7 @@ void masked_loss_sums(Context& ctx, const Tensor& losses, const Tensor& loss_mas
 }
 
 void masked_loss_backward(Context& ctx, const Tensor& loss_mask, float scale, Tensor& grad_losses) {
+  ProfileScope profile(ctx, "masked_loss_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "masked_loss_backward")) return cuda::masked_loss_backward(ctx, loss_mask, scale, grad_losses);
 #else
@@ -306,6 +334,7 @@ void masked_loss_backward(Context& ctx, const Tensor& loss_mask, float scale, Te
 }
 
 void transpose_01(Context& ctx, const Tensor& x, Tensor& out) {
+  ProfileScope profile(ctx, "transpose_01");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "transpose_01")) return cuda::transpose_01(ctx, x, out);
 #else
@@ -316,6 +345,7 @@ void transpose_01(Context& ctx, const Tensor& x, Tensor& out) {
 
 void adamw_step(Context& ctx, Tensor& main_param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 const AdamHyperParams& hp, Tensor& model_param) {
+  ProfileScope profile(ctx, "adamw_step");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "adamw_step")) return cuda::adamw_step(ctx, main_param, grad, exp_avg, exp_avg_sq, hp, model_param);
 #else
@@ -325,6 +355,7 @@ void adamw_step(Context& ctx, Tensor& main_param, const Tensor& grad, Tensor& ex
 }
 
 GradStats grad_stats(Context& ctx, const Tensor& grad) {
+  ProfileScope profile(ctx, "grad_stats");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "grad_stats")) return cuda::grad_stats(ctx, grad);
 #else
@@ -334,6 +365,7 @@ GradStats grad_stats(Context& ctx, const Tensor& grad) {
 }
 
 void scale_(Context& ctx, Tensor& x, float s) {
+  ProfileScope profile(ctx, "scale_");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "scale_")) return cuda::scale_(ctx, x, s);
 #else

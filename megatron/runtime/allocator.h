@@ -62,6 +62,10 @@ struct CudaAllocatorHooks {
   void (*copy)(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) = nullptr;
   int (*device_count)() = nullptr;
   void (*memset)(void* dst, int value, size_t n, void* stream) = nullptr;
+  // Events for OpProfiler: record on a stream, elapsed milliseconds between two, destroy.
+  void* (*event_record)(void* stream) = nullptr;
+  float (*event_elapsed_ms)(void* start, void* end) = nullptr;
+  void (*event_destroy)(void* event) = nullptr;
 };
 CudaAllocatorHooks& cuda_hooks();
 }  // namespace detail

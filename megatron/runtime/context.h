@@ -31,6 +31,10 @@ class Context {
 
   RngState& rng() { return rng_; }
 
+  /// Per-op timing (runtime/profiler.h); null (the default) means off. Not owned.
+  class OpProfiler* profiler() const { return profiler_; }
+  void set_profiler(class OpProfiler* p) { profiler_ = p; }
+
  private:
   Device device_;
   void* stream_ = nullptr;
@@ -38,6 +42,7 @@ class Context {
   void* cudnn_ = nullptr;
   Tensor workspace_;
   RngState rng_;
+  class OpProfiler* profiler_ = nullptr;
 };
 
 namespace detail {

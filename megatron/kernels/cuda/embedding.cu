@@ -11,6 +11,8 @@
 // small device buffer and skip that row; the host syncs the stream after the launch and throws
 // megatron::Error naming the first bad id, as the CPU reference does.
 #include <algorithm>
+#include <climits>
+#include <cub/device/device_radix_sort.cuh>
 #include <string>
 
 #include "megatron/kernels/cuda/cuda_common.cuh"
@@ -69,26 +71,64 @@ __global__ void embedding_forward_kernel(Ids tokens, Ids positions, const T* __r
 }
 
 // word_grad[tokens[bi, si], :] += grad_out[si, bi, :], likewise pos_grad (either may be null).
-template <typename T, int VEC>
-__global__ void embedding_backward_kernel(Ids tokens, Ids positions, const T* __restrict__ grad_out, int64_t b,
-                                          int64_t s, int64_t h, float* word_grad, float* pos_grad,
-                                          unsigned long long* bad) {
-  const int64_t row = blockIdx.x, si = row / b, bi = row % b, flat = bi * s + si;
-  const int64_t w = word_grad ? checked_id(tokens, flat, &bad[0]) : 0;
-  const int64_t p = pos_grad ? checked_id(positions, flat, &bad[1]) : 0;
-  float* wr = word_grad && w >= 0 ? word_grad + w * h : nullptr;
-  float* pr = pos_grad && p >= 0 ? pos_grad + p * h : nullptr;
-  if (!wr && !pr) return;
-  const T* grow = grad_out + row * h;
-  for (int64_t c = int64_t(threadIdx.x) * VEC; c < h; c += int64_t(blockDim.x) * VEC) {
-    const Pack<T, VEC> g = *reinterpret_cast<const Pack<T, VEC>*>(grow + c);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      const float v = load_float(g.v[k]);
-      if (wr) atomicAdd(wr + c + k, v);
-      if (pr) atomicAdd(pr + c + k, v);
-    }
+// Note [Embedding backward by sorting]: scatter-adding every row with float atomics serialises on
+// repeated ids (every sequence has the same positions) and costs one atomic per element. Instead
+// the rows are sorted by id (cub radix sort, stable), and one block per run of equal ids sums its
+// rows in a fixed order and adds the sum once: deterministic, and one read-modify-write per table
+// row touched. keys[r] = id of grad_out row r (r = si·b + bi), INT_MAX for a bad id (skipped).
+__global__ void embedding_sort_keys(Ids ids, int64_t b, int64_t s, int32_t* keys, int32_t* rows,
+                                    unsigned long long* bad) {
+  const int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (r >= b * s) return;
+  const int64_t si = r / b, bi = r % b, flat = bi * s + si;
+  const int64_t id = ids[flat];
+  if (id >= 0 && id < ids.rows) {
+    keys[r] = int32_t(id);
+  } else {
+    keys[r] = INT_MAX;
+    atomicMin(bad, static_cast<unsigned long long>(flat));
   }
+  rows[r] = int32_t(r);
+}
+
+template <typename T>
+__global__ void embedding_segment_sum(const int32_t* keys, const int32_t* rows, int64_t n, const T* grad_out,
+                                      int64_t h, float* table_grad) {
+  const int64_t i = blockIdx.x;
+  const int32_t key = keys[i];
+  if (key == INT_MAX || (i > 0 && keys[i - 1] == key)) return;  // not the start of a run
+  int64_t end = i + 1;
+  while (end < n && keys[end] == key) ++end;
+  float* dst = table_grad + int64_t(key) * h;
+  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t t = i; t < end; ++t) acc += load_float(grad_out[int64_t(rows[t]) * h + c]);
+    dst[c] += acc;
+  }
+}
+
+// Adds grad_out's rows into table_grad by id (Note [Embedding backward by sorting]).
+template <typename T>
+void sorted_scatter_add(Context& ctx, const Ids& ids, int64_t b, int64_t s, const T* grad_out, int64_t h,
+                        float* table_grad, unsigned long long* bad) {
+  const int64_t n = b * s;
+  cudaStream_t stream = stream_of(ctx);
+  Tensor keys = Tensor::empty({2 * n}, DType::Int32, ctx.device());
+  Tensor rows = Tensor::empty({2 * n}, DType::Int32, ctx.device());
+  int32_t* keys_in = dev_ptr<int32_t>(keys);
+  int32_t* rows_in = dev_ptr<int32_t>(rows);
+  embedding_sort_keys<<<grid_for(n), kBlockSize, 0, stream>>>(ids, b, s, keys_in, rows_in, bad);
+  CUDA_CHECK_LAUNCH();
+  const int bits = 32;  // INT_MAX marks bad ids: sort on every bit so they go last
+  size_t temp_bytes = 0;
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_in + n, rows_in, rows_in + n,
+                                             int(n), 0, bits, stream));
+  Tensor temp = Tensor::empty({int64_t(std::max<size_t>(temp_bytes, 1))}, DType::UInt8, ctx.device());
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.raw_data(), temp_bytes, keys_in, keys_in + n, rows_in,
+                                             rows_in + n, int(n), 0, bits, stream));
+  const int threads = int(std::min<int64_t>(256, std::max<int64_t>(32, (h + 31) / 32 * 32)));
+  embedding_segment_sum<T><<<unsigned(n), threads, 0, stream>>>(keys_in + n, rows_in + n, n, grad_out, h, table_grad);
+  CUDA_CHECK_LAUNCH();
 }
 
 void check_cuda(const Tensor& t, const char* name) {
@@ -219,19 +259,11 @@ void embedding_backward(Context& ctx, const Tensor& tokens, const Tensor& positi
   }
   if ((!word_ptr && !pos_ptr) || b * s == 0 || h == 0) return;
   Tensor bad = make_bad_buffer(ctx);
-  cudaStream_t stream = stream_of(ctx);
   dispatch_float(grad_out.dtype(), [&]<typename T>() {
-    constexpr int kVec = 16 / sizeof(T);
     auto* bad_ptr = static_cast<unsigned long long*>(bad.raw_data());
-    if (h % kVec == 0 && aligned16(grad_out.raw_data())) {
-      embedding_backward_kernel<T, kVec><<<unsigned(b * s), row_threads(h / kVec), 0, stream>>>(
-          words, positions, dev_ptr<T>(grad_out), b, s, h, word_ptr, pos_ptr, bad_ptr);
-    } else {
-      embedding_backward_kernel<T, 1><<<unsigned(b * s), row_threads(h), 0, stream>>>(
-          words, positions, dev_ptr<T>(grad_out), b, s, h, word_ptr, pos_ptr, bad_ptr);
-    }
+    if (word_ptr) sorted_scatter_add<T>(ctx, words, b, s, dev_ptr<T>(grad_out), h, word_ptr, bad_ptr);
+    if (pos_ptr) sorted_scatter_add<T>(ctx, positions, b, s, dev_ptr<T>(grad_out), h, pos_ptr, bad_ptr + 1);
   });
-  CUDA_CHECK_LAUNCH();
   raise_bad_ids(ctx, bad, tokens, position_ids, words.rows, positions.rows);
 }
 

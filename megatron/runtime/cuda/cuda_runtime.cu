@@ -112,6 +112,21 @@ void context_destroy(Device, void* stream, void* cublaslt, void* cudnn) {
   if (stream) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
 }
 
+void* event_record(void* stream) {
+  cudaEvent_t e;
+  CUDA_CHECK(cudaEventCreate(&e));
+  CUDA_CHECK(cudaEventRecord(e, static_cast<cudaStream_t>(stream)));
+  return e;
+}
+
+float event_elapsed_ms(void* start, void* end) {
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(end)));
+  return ms;
+}
+
+void event_destroy(void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }
+
 int device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -131,6 +146,9 @@ void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
   alloc.copy = cuda_copy;
   alloc.device_count = device_count;
   alloc.memset = cuda_memset;
+  alloc.event_record = event_record;
+  alloc.event_elapsed_ms = event_elapsed_ms;
+  alloc.event_destroy = event_destroy;
   ctx.create = context_create;
   ctx.destroy = context_destroy;
   ctx.synchronize = context_synchronize;
