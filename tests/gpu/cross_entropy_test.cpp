@@ -12,31 +12,17 @@
 #include "megatron/kernels/cpu/cpu_ops.h"
 #include "megatron/kernels/cuda/cuda_ops.h"
 #include "megatron/runtime/allocator.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
 namespace {
 
+using testing::expect_close;
+using testing::kNaN;
 using testing::random_tensor;
 
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-// max |got - want| / max |want| <= tol; a non-finite value where the reference is finite fails.
-void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
-  const std::vector<float> g = got.to_floats(), w = want.to_floats();
-  ASSERT_EQ(g.size(), w.size()) << what;
-  double scale = 0, worst = 0;
-  for (float v : w) scale = std::max(scale, std::fabs(double(v)));
-  if (scale == 0) scale = 1;
-  for (size_t i = 0; i < g.size(); ++i) {
-    if (!std::isfinite(g[i]) && std::isfinite(w[i])) {
-      ADD_FAILURE() << what << ": element " << i << " is " << g[i] << ", expected " << w[i];
-      return;
-    }
-    worst = std::max(worst, std::fabs(double(g[i]) - double(w[i])));
-  }
-  EXPECT_LE(worst / scale, tol) << what << " (max abs error " << worst << ", max |ref| " << scale << ")";
-}
 
 double tolerance(DType t) { return t == DType::Float32 ? 1e-5 : t == DType::Float16 ? 2e-3 : 1e-2; }
 
