@@ -17,9 +17,18 @@ uint64_t name_hash(const std::string& s) {
 }  // namespace
 
 Parameter* ParamAndGradBuffer::add(const std::string& name, const Shape& shape, bool no_weight_decay, ParamInit init) {
+  return add(name, unsharded(shape), no_weight_decay, init);
+}
+
+Parameter* ParamAndGradBuffer::add(const std::string& name, const ShardSpec& spec, bool no_weight_decay,
+                                   ParamInit init) {
   MG_ASSERT(!allocated(), "parameter {} registered after allocation", name);
   MG_ASSERT(!by_name_.count(name), "parameter {} registered twice", name);
-  entries_.push_back(Entry{Parameter{name, Tensor(), Tensor(), no_weight_decay}, shape, init});
+  Parameter param;
+  param.name = name;
+  param.no_weight_decay = no_weight_decay;
+  param.shard = spec;
+  entries_.push_back(Entry{param, local_shape(spec), init});
   Parameter* p = &entries_.back().param;
   params_.push_back(p);
   by_name_[name] = p;
@@ -55,12 +64,21 @@ void ParamAndGradBuffer::init_weights(uint64_t seed, float std, int num_layers, 
       case ParamInit::ScaledNormal: {
         const float s = e.init == ParamInit::Normal ? std : scaled_std;
         const uint64_t stream = name_hash(e.param.name);
-        constexpr int64_t kChunk = 1 << 16;  // chunks of whole Philox blocks, spread over the cores
+        // Element i of the full tensor is normal number i of the parameter's stream; a shard
+        // draws the runs of the full tensor it holds.
+        std::vector<FlatRun> runs;
+        for (const ShardBox& box : shard_boxes(e.param.shard)) {
+          for (const FlatRun& r : flat_runs(box, e.param.shard.global_shape, e.shape)) runs.push_back(r);
+        }
+        for (const FlatRun& r : runs) {
+          constexpr int64_t kChunk = 1 << 16;  // chunks of whole Philox blocks, spread over the cores
 #pragma omp parallel for schedule(static)
-        for (int64_t c = 0; c < n; c += kChunk) {
-          const int64_t len = std::min(kChunk, n - c);
-          philox_normals(seed, stream, uint64_t(c), uint64_t(len), v + c);
-          for (int64_t i = 0; i < len; ++i) v[c + i] *= s;
+          for (int64_t c = 0; c < r.count; c += kChunk) {
+            const int64_t len = std::min(kChunk, r.count - c);
+            float* out = v + r.local_start + c;
+            philox_normals(seed, stream, uint64_t(r.global_start + c), uint64_t(len), out);
+            for (int64_t i = 0; i < len; ++i) out[i] *= s;
+          }
         }
         break;
       }

@@ -28,12 +28,16 @@ class ParamAndGradBuffer {
 
   /// Registers a parameter (before allocate()); the pointer stays valid for the buffer's lifetime.
   Parameter* add(const std::string& name, const Shape& shape, bool no_weight_decay, ParamInit init);
+  /// Registers a tensor-parallel shard: the local shape is local_shape(spec), and initialisation
+  /// gives it the values of its piece of the full tensor.
+  Parameter* add(const std::string& name, const ShardSpec& spec, bool no_weight_decay, ParamInit init);
   void allocate();
   bool allocated() const { return param_buffer_.defined(); }
 
   /// Initialises every parameter as Megatron does: normal(0, std) weights, normal(0, std/sqrt(2L))
   /// output projections, zero biases, unit norm weights (zero with zero-centered gamma). The values
-  /// are a pure function of (seed, parameter name), independent of layout and order.
+  /// are a pure function of (seed, parameter name, element index in the full tensor), independent of
+  /// layout and order: a tensor-parallel shard gets exactly its piece of the single-process values.
   void init_weights(uint64_t seed, float std, int num_layers, bool zero_centered_gamma);
   void zero_grad();
 

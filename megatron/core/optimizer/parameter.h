@@ -1,20 +1,85 @@
 // A trainable parameter as the optimizer sees it: the model's tensor, its fp32 gradient in the
-// model's grad buffer (Megatron's param.main_grad) and whether weight decay applies.
+// model's grad buffer (Megatron's param.main_grad), whether weight decay applies, and how the local
+// tensor sits in the full (unsharded) parameter under tensor parallelism.
 #pragma once
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "megatron/runtime/tensor.h"
 
 namespace megatron {
+
+class Context;
+struct Parameter;
+
+/// Told each time a backward pass has accumulated into a parameter's main_grad (the data-parallel
+/// wrapper uses it to start reducing a bucket as soon as its gradients are complete).
+class GradHook {
+ public:
+  virtual ~GradHook() = default;
+  virtual void grad_accumulated(Context& ctx, Parameter& param) = 0;
+};
+
+/// How a parameter's local tensor is a piece of the full tensor (Megatron's tensor_model_parallel,
+/// partition_dim and partition_stride attributes). Unsharded (partition_dim < 0) parameters are
+/// whole on every tensor-parallel rank.
+struct ShardSpec {
+  Shape global_shape;      // the full tensor's shape (== the local shape when unsharded)
+  int partition_dim = -1;  // the split dimension, or -1
+  int rank = 0;            // tensor-parallel rank and size along partition_dim
+  int size = 1;
+  /// partition_dim holds `chunks` equal blocks, each split over the ranks: the local tensor is
+  /// [block 0's piece; block 1's piece; ...] (SwiGLU's fc1 [gate; up], Megatron's stride).
+  int chunks = 1;
+};
+
+/// One rectangle: local[local_offset + i] = global[global_offset + i] for every i < shape.
+struct ShardBox {
+  std::vector<int64_t> global_offset, local_offset, shape;
+};
+
+/// A contiguous run: local flat [local_start, +count) = global flat [global_start, +count).
+struct FlatRun {
+  int64_t global_start, local_start, count;
+};
+
+/// The rectangles that make up a local tensor of `spec` (one, or `chunks` of them).
+std::vector<ShardBox> shard_boxes(const ShardSpec& spec);
+/// The local shape of a parameter of `spec`.
+Shape local_shape(const ShardSpec& spec);
+/// A box as maximal contiguous runs of flat (row-major) elements of the global and local tensors.
+std::vector<FlatRun> flat_runs(const ShardBox& box, const Shape& global_shape, const Shape& local_shape);
+/// An unsharded spec for a tensor of `shape`.
+ShardSpec unsharded(const Shape& shape);
 
 struct Parameter {
   std::string name;  // unique, e.g. "decoder.layers.0.self_attention.linear_qkv.weight"
   Tensor data;       // model dtype: fp32, bf16 or fp16
   Tensor main_grad;  // fp32, same numel; owned by the model, zeroed by the caller
   bool no_weight_decay = false;
+  ShardSpec shard;   // empty global_shape: unsharded, the local shape
+  /// The same values live on every tensor-parallel rank (norm weights, row-parallel biases): counted
+  /// once (tp rank 0) in gradient norms and checkpoints.
+  bool tp_duplicate = false;
+  /// Computed on sequence shards under --sequence-parallel (norm weights and biases, row-parallel
+  /// biases): its gradient is all-reduced over the tensor-parallel group.
+  bool sequence_parallel = false;
+  /// The last pipeline stage's copy of the tied word embeddings (Megatron's output_layer.weight with
+  /// share_embeddings_and_output_weights): same name and values as the first stage's, gradients
+  /// all-reduced over the embedding group, not counted in norms and not saved.
+  bool shared_embedding_copy = false;
+  /// The word embeddings of the first stage when the output layer shares them on another stage:
+  /// gradients all-reduced over the embedding group.
+  bool in_embedding_group = false;
+  /// Set by the data-parallel wrapper; modules call notify_grad_accumulated after accumulating.
+  GradHook* grad_hook = nullptr;
 };
+
+inline void notify_grad_accumulated(Context& ctx, Parameter* p) {
+  if (p && p->grad_hook) p->grad_hook->grad_accumulated(ctx, *p);
+}
 
 /// Megatron's default rule (_get_param_groups): no weight decay for biases and 1-D parameters
 /// (norm weights).
@@ -25,7 +90,13 @@ inline bool default_no_weight_decay(std::string_view name, const Tensor& data) {
 /// A Parameter with no_weight_decay set by Megatron's default rule.
 inline Parameter make_parameter(std::string name, Tensor data, Tensor main_grad) {
   const bool no_wd = default_no_weight_decay(name, data);
-  return Parameter{std::move(name), std::move(data), std::move(main_grad), no_wd};
+  Parameter p;
+  p.name = std::move(name);
+  p.data = std::move(data);
+  p.main_grad = std::move(main_grad);
+  p.no_weight_decay = no_wd;
+  p.shard = unsharded(p.data.shape());
+  return p;
 }
 
 }  // namespace megatron

@@ -1,0 +1,92 @@
+// parallel_state: the process groups of a run (Megatron-Core's parallel_state.py), built from the
+// world group by Megatron's rank order "tp-cp-ep-dp-pp": the tensor-parallel rank varies fastest,
+// then context-, (expert-,) data- and pipeline-parallel ranks:
+//   world rank = tp + TP·(cp + CP·(dp + DP·pp))
+// Expert parallelism shares the data-parallel dimension for dense models (EP = 1 here).
+//
+// Groups (each a Communicator; every rank belongs to exactly one group of each kind):
+//   tensor   ranks that differ only in tp          model     tp × pp (same dp, cp)
+//   pipeline ranks that differ only in pp          data      ranks that differ only in dp
+//   context  ranks that differ only in cp          data-context  dp × cp (gradient reduction)
+//   tensor-context tp × cp
+//   embedding  the first and last pipeline stage of this rank's pipeline (tied embeddings); null
+//              on middle stages and when PP = 1.
+// Virtual pipeline (interleaved 1F1B): each rank holds V model chunks; the schedule sets the
+// current chunk with set_virtual_pipeline_rank.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "megatron/core/comm/communicator.h"
+
+namespace megatron {
+
+struct ParallelConfig {
+  int tensor_model_parallel_size = 1;
+  int pipeline_model_parallel_size = 1;
+  int context_parallel_size = 1;
+  int expert_model_parallel_size = 1;
+  int virtual_pipeline_model_parallel_size = 1;  // model chunks per pipeline rank (1: not interleaved)
+  bool sequence_parallel = false;
+};
+
+class ParallelState {
+ public:
+  /// Collective over `world`: checks the sizes divide the world size (one-line error naming the
+  /// flags) and splits the groups.
+  ParallelState(std::unique_ptr<Communicator> world, const ParallelConfig& config);
+  ParallelState(const ParallelState&) = delete;
+  ParallelState& operator=(const ParallelState&) = delete;
+
+  const ParallelConfig& config() const { return config_; }
+  Communicator& world() const { return *world_; }
+  Communicator& tensor() const { return *tp_; }
+  Communicator& pipeline() const { return *pp_; }
+  Communicator& data() const { return *dp_; }
+  Communicator& context() const { return *cp_; }
+  Communicator& data_context() const { return *dp_cp_; }
+  Communicator& tensor_context() const { return *tp_cp_; }
+  Communicator& model() const { return *mp_; }
+  /// Null unless this rank is on the first or last pipeline stage and PP > 1.
+  Communicator* embedding() const { return embedding_.get(); }
+
+  int world_size() const { return world_->size(); }
+  int rank() const { return world_->rank(); }
+  int tp_size() const { return config_.tensor_model_parallel_size; }
+  int pp_size() const { return config_.pipeline_model_parallel_size; }
+  int cp_size() const { return config_.context_parallel_size; }
+  int dp_size() const { return dp_size_; }
+  int tp_rank() const { return tp_rank_; }
+  int pp_rank() const { return pp_rank_; }
+  int cp_rank() const { return cp_rank_; }
+  int dp_rank() const { return dp_rank_; }
+  int vpp_size() const { return config_.virtual_pipeline_model_parallel_size; }
+  bool sequence_parallel() const { return config_.sequence_parallel; }
+
+  /// The model chunk the schedule is working on (0 when not interleaved).
+  int virtual_pipeline_rank() const { return vpp_rank_; }
+  void set_virtual_pipeline_rank(int r) { vpp_rank_ = r; }
+  /// Megatron's is_pipeline_first_stage / is_pipeline_last_stage: with ignore_virtual=false, also
+  /// the first (last) model chunk.
+  bool is_pipeline_first_stage(bool ignore_virtual = false) const;
+  bool is_pipeline_last_stage(bool ignore_virtual = false) const;
+  /// Ranks within the pipeline group of the next and previous stage (wrapping around).
+  int pipeline_next_rank() const { return (pp_rank_ + 1) % pp_size(); }
+  int pipeline_prev_rank() const { return (pp_rank_ + pp_size() - 1) % pp_size(); }
+
+  /// The world rank of the given coordinates (Megatron's rank order).
+  int world_rank_of(int tp, int cp, int dp, int pp) const;
+  /// "tp 1/2, pp 0/2, dp 0/1" for messages.
+  std::string describe() const;
+
+ private:
+  ParallelConfig config_;
+  std::unique_ptr<Communicator> world_;
+  std::unique_ptr<Communicator> tp_, pp_, dp_, cp_, dp_cp_, tp_cp_, mp_, embedding_;
+  int dp_size_ = 1;
+  int tp_rank_ = 0, pp_rank_ = 0, cp_rank_ = 0, dp_rank_ = 0;
+  int vpp_rank_ = 0;
+};
+
+}  // namespace megatron
