@@ -121,6 +121,15 @@ size_t AdamOptimizer::index_of(const std::string& name) const {
 AdamParamState& AdamOptimizer::state(const std::string& name) { return states_[index_of(name)]; }
 const AdamParamState& AdamOptimizer::state(const std::string& name) const { return states_[index_of(name)]; }
 
+AdamParamState AdamOptimizer::gather_state(Context& ctx, const std::string& name) const { return state(name); }
+
+void AdamOptimizer::scatter_state(Context& ctx, const std::string& name, const AdamParamState& in) {
+  AdamParamState& s = state(name);
+  s.master.copy_from(in.master);
+  s.exp_avg.copy_from(in.exp_avg);
+  s.exp_avg_sq.copy_from(in.exp_avg_sq);
+}
+
 void AdamOptimizer::reload_model_params() {
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].data.dtype() != DType::Float32) states_[i].master.copy_from(params_[i].data);

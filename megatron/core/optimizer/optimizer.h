@@ -91,6 +91,13 @@ class AdamOptimizer {
   AdamParamState& state(const std::string& name);
   const AdamParamState& state(const std::string& name) const;
 
+  /// Checkpoint I/O of one parameter's whole state (master, exp_avg, exp_avg_sq shaped like the
+  /// parameter). With the distributed optimizer this is collective over the data-parallel group
+  /// (every rank calls it for the same names in the same order): gather assembles the shards,
+  /// scatter keeps this rank's shard of `state`.
+  AdamParamState gather_state(Context& ctx, const std::string& name) const;
+  void scatter_state(Context& ctx, const std::string& name, const AdamParamState& state);
+
   /// Copies the model's parameters into the fp32 masters (after loading model weights without
   /// optimizer state).
   void reload_model_params();
