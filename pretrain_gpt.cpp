@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "megatron/core/comm/communicator.h"
 #include "megatron/core/datasets/blended_megatron_dataset_builder.h"
 #include "megatron/core/datasets/data_loader.h"
 #include "megatron/training/training.h"
@@ -42,6 +43,7 @@ BatchIterator make_iterator(std::shared_ptr<const MegatronDataset> dataset, cons
   DataLoaderOptions o;
   o.micro_batch_size = a.micro_batch_size;
   o.data_parallel_size = a.data_parallel_size;
+  o.data_parallel_rank = a.data_parallel_rank;
   o.consumed_samples = consumed;
   o.pin_memory = select_device(a.device).is_cuda();  // pinned batches copy to the GPU asynchronously
   auto loader = std::make_shared<DataLoader>(std::move(dataset), o);
@@ -66,13 +68,17 @@ DataIterators train_valid_test_data_iterators(const Arguments& a, const Tokenize
   return it;
 }
 
-// Megatron's forward_step: the next micro-batch through the model; the loss mask goes to the loss.
-ForwardOutput forward_step(Context& ctx, BatchIterator& data, const GPTModel& model, GPTModel::Stash& stash) {
-  MicroBatch b = data();
+// Megatron's forward_step: one micro-batch through this rank's model chunk (the first stage reads
+// the tokens, the last the labels); the loss mask goes to the loss.
+ForwardOutput forward_step(Context& ctx, const MicroBatch& b, const GPTModel& model, const Tensor& input,
+                           GPTModel::Stash& stash) {
   const Device d = ctx.device();
   auto on_device = [&](const Tensor& t) { return t.device() == d ? t : t.to(d); };
-  Tensor losses = model.forward(ctx, on_device(b.tokens), on_device(b.position_ids), on_device(b.labels), stash);
-  return ForwardOutput{losses, on_device(b.loss_mask)};
+  const bool first = model.pre_process(), last = model.post_process();
+  Tensor output = model.forward_step(ctx, first ? on_device(b.tokens) : Tensor(),
+                                     first ? on_device(b.position_ids) : Tensor(), last ? on_device(b.labels) : Tensor(),
+                                     input, stash);
+  return ForwardOutput{output, last ? on_device(b.loss_mask) : Tensor()};
 }
 
 }  // namespace
@@ -83,6 +89,10 @@ int main(int argc, char** argv) {
     std::optional<Arguments> args =
         parse_args(argc, argv, "Pretrain a GPT or Llama model (Megatron-LM's pretrain_gpt)");
     if (!args) return 0;
+    // --nproc-per-node N: this process becomes the launcher of N workers (torchrun's job).
+    if (args->nproc_per_node > 0 && detect_launch().kind == LaunchInfo::Single) {
+      return launch_local_workers(argc, argv, args->nproc_per_node, select_device(args->device).is_host());
+    }
     PretrainCallbacks callbacks{train_valid_test_data_iterators, forward_step};
     return pretrain(*args, callbacks, program_start);
   } catch (const Error& e) {

@@ -24,13 +24,17 @@ using namespace megatron;
 namespace {
 struct Preset {
   int layers, hidden, heads, seq, mbs;
-  bool llama = false;
+  bool llama = false;  // GQA, SwiGLU, RMSNorm, RoPE, no biases, untied output layer
   int groups = 0, ffn = 0;
+  int vocab = 0;  // 0: --vocab
+  float rotary_base = 10000.0f;
 };
 const std::map<std::string, Preset> kPresets = {
     {"gpt2-124M", {12, 768, 12, 1024, 32}}, {"gpt2-350M", {24, 1024, 16, 1024, 16}},
     {"gpt-1.3B", {24, 2048, 16, 2048, 8}},  {"gpt2-1.5B", {48, 1600, 25, 1024, 8}},
-    {"gpt-2.7B", {32, 2560, 32, 2048, 8}},  {"llama-1B", {16, 2048, 32, 4096, 2, true, 8, 8192}},
+    {"gpt-2.7B", {32, 2560, 32, 2048, 8}},
+    // Llama-3.2-1B-like (untied output layer), as bench/pytorch_reference.py --preset llama-1B.
+    {"llama-1B", {16, 2048, 32, 4096, 2, true, 8, 8192, 128256, 500000.0f}},
     {"tiny", {2, 128, 4, 128, 4}},
 };
 }  // namespace
@@ -46,12 +50,15 @@ int main(int argc, char** argv) {
     app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
     app.add_option("--device", device, "auto, cpu or cuda")->capture_default_str();
     app.add_option("--dtype", dtype, "bf16 or fp32")->capture_default_str();
-    app.add_option("--vocab", vocab, "Vocabulary size (padded to 128)")->capture_default_str();
+    CLI::Option* vocab_opt =
+        app.add_option("--vocab", vocab, "Vocabulary size (padded to 128; Llama presets default to their own)")
+            ->capture_default_str();
     app.add_flag("--profile", profile, "After timing, one more step with per-op timing (CUDA events): JSON lines");
     CLI11_PARSE(app, argc, argv);
     auto it = kPresets.find(preset);
     MG_CHECK(it != kPresets.end(), "unknown preset '{}'", preset);
     const Preset& p = it->second;
+    if (p.vocab > 0 && vocab_opt->count() == 0) vocab = p.vocab;
 
     Arguments a;
     a.num_layers = p.layers;
@@ -72,7 +79,9 @@ int main(int argc, char** argv) {
       a.num_query_groups = p.groups;
       a.ffn_hidden_size = p.ffn;
       a.normalization = "RMSNorm";
+      a.norm_epsilon = 1e-5f;
       a.position_embedding_type = "rope";
+      a.rotary_base = p.rotary_base;
       a.disable_bias_linear = true;
       a.untie_embeddings_and_output_weights = true;
     }

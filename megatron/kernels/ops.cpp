@@ -374,4 +374,74 @@ void scale_(Context& ctx, Tensor& x, float s) {
   return cpu::scale_(ctx, x, s);
 }
 
+void vocab_parallel_embedding_forward(Context& ctx, const Tensor& tokens, const Tensor& word_shard, int64_t vocab_start,
+                                      int64_t vocab_size, Tensor& out) {
+  ProfileScope profile(ctx, "vocab_parallel_embedding_forward");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "vocab_parallel_embedding_forward"))
+    return cuda::vocab_parallel_embedding_forward(ctx, tokens, word_shard, vocab_start, vocab_size, out);
+#else
+  on_cuda(ctx, "vocab_parallel_embedding_forward");
+#endif
+  return cpu::vocab_parallel_embedding_forward(ctx, tokens, word_shard, vocab_start, vocab_size, out);
+}
+
+void vocab_parallel_embedding_backward(Context& ctx, const Tensor& tokens, const Tensor& grad_out, int64_t vocab_start,
+                                       Tensor& word_grad) {
+  ProfileScope profile(ctx, "vocab_parallel_embedding_backward");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "vocab_parallel_embedding_backward"))
+    return cuda::vocab_parallel_embedding_backward(ctx, tokens, grad_out, vocab_start, word_grad);
+#else
+  on_cuda(ctx, "vocab_parallel_embedding_backward");
+#endif
+  return cpu::vocab_parallel_embedding_backward(ctx, tokens, grad_out, vocab_start, word_grad);
+}
+
+void cross_entropy_local_max(Context& ctx, const Tensor& logits, Tensor& max) {
+  ProfileScope profile(ctx, "cross_entropy_local_max");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "cross_entropy_local_max")) return cuda::cross_entropy_local_max(ctx, logits, max);
+#else
+  on_cuda(ctx, "cross_entropy_local_max");
+#endif
+  return cpu::cross_entropy_local_max(ctx, logits, max);
+}
+
+void cross_entropy_local_sums(Context& ctx, const Tensor& logits, const Tensor& labels, int64_t vocab_start,
+                              const Tensor& max, Tensor& sums) {
+  ProfileScope profile(ctx, "cross_entropy_local_sums");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "cross_entropy_local_sums"))
+    return cuda::cross_entropy_local_sums(ctx, logits, labels, vocab_start, max, sums);
+#else
+  on_cuda(ctx, "cross_entropy_local_sums");
+#endif
+  return cpu::cross_entropy_local_sums(ctx, logits, labels, vocab_start, max, sums);
+}
+
+void cross_entropy_from_sums(Context& ctx, const Tensor& max, const Tensor& sums, Tensor& losses, Tensor& lse) {
+  ProfileScope profile(ctx, "cross_entropy_from_sums");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "cross_entropy_from_sums")) return cuda::cross_entropy_from_sums(ctx, max, sums, losses, lse);
+#else
+  on_cuda(ctx, "cross_entropy_from_sums");
+#endif
+  return cpu::cross_entropy_from_sums(ctx, max, sums, losses, lse);
+}
+
+void vocab_parallel_cross_entropy_backward(Context& ctx, const Tensor& grad_losses, const Tensor& logits,
+                                           const Tensor& labels, int64_t vocab_start, const Tensor& lse,
+                                           Tensor& grad_logits) {
+  ProfileScope profile(ctx, "vocab_parallel_cross_entropy_backward");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "vocab_parallel_cross_entropy_backward"))
+    return cuda::vocab_parallel_cross_entropy_backward(ctx, grad_losses, logits, labels, vocab_start, lse,
+                                                       grad_logits);
+#else
+  on_cuda(ctx, "vocab_parallel_cross_entropy_backward");
+#endif
+  return cpu::vocab_parallel_cross_entropy_backward(ctx, grad_losses, logits, labels, vocab_start, lse, grad_logits);
+}
+
 }  // namespace megatron::ops

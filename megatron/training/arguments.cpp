@@ -50,7 +50,6 @@ const char* const kNoEffectFlags[] = {
 const char* const kNoEffectOptions[] = {
     "--transformer-impl", "--attention-backend", "--data-impl",  "--ckpt-fully-parallel-save",
     "--wandb-exp-name",   "--wandb-save-dir",    "--eval-split", "--num-dataset-builder-threads",
-    "--ddp-bucket-size",
 };
 
 struct Parser {
@@ -137,6 +136,10 @@ struct Parser {
     opt(g, "--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size");
     opt(g, "--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "Pipeline-parallel size");
     opt(g, "--num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage, "Interleaved pipeline");
+    opt(g, "--num-virtual-stages-per-pipeline-rank", a.num_virtual_stages_per_pipeline_rank,
+        "Model chunks per pipeline rank (interleaved)");
+    opt(g, "--decoder-first-pipeline-num-layers", a.decoder_first_pipeline_num_layers, "Layers on the first stage");
+    opt(g, "--decoder-last-pipeline-num-layers", a.decoder_last_pipeline_num_layers, "Layers on the last stage");
     opt(g, "--context-parallel-size", a.context_parallel_size, "Context-parallel size");
     opt(g, "--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size");
     opt(g, "--expert-tensor-parallel-size", a.expert_tensor_parallel_size, "Expert tensor-parallel size");
@@ -144,7 +147,9 @@ struct Parser {
     flag(g, "--use-distributed-optimizer", a.use_distributed_optimizer, "Shard optimizer state over data parallel");
     flag(g, "--overlap-grad-reduce", a.overlap_grad_reduce, "Overlap the gradient reduction with backward");
     flag(g, "--overlap-param-gather", a.overlap_param_gather, "Overlap the parameter gather with forward");
-    opt(g, "--distributed-backend", a.distributed_backend, "nccl or gloo");
+    opt(g, "--ddp-bucket-size", a.ddp_bucket_size, "Gradient-reduction bucket size (elements)");
+    opt(g, "--nproc-per-node", a.nproc_per_node, "Start this many processes on this node (built-in launcher)");
+    opt(g, "--distributed-backend", a.distributed_backend, "nccl, gloo or mpi (the device decides here)");
     opt(g, "--distributed-timeout-minutes", a.distributed_timeout_minutes, "Collective timeout");
 
     g = "Batches";
@@ -350,8 +355,7 @@ void validate_args(Arguments& a) {
   a.data_parallel_size = a.world_size / model_parallel;
   MG_CHECK(a.expert_model_parallel_size == 1 && a.num_experts == 0,
            "mixture of experts (--num-experts, --expert-model-parallel-size) is not supported yet");
-  MG_CHECK(!a.sequence_parallel || a.tensor_model_parallel_size > 1,
-           "--sequence-parallel needs --tensor-model-parallel-size > 1");
+  if (a.sequence_parallel && a.tensor_model_parallel_size == 1) a.sequence_parallel = false;  // as Megatron
   MG_CHECK(!a.qk_layernorm, "--qk-layernorm is not supported yet");
   MG_CHECK(!a.apply_residual_connection_post_layernorm, "--apply-residual-connection-post-layernorm is not supported");
   MG_CHECK(a.fp8_format.empty(), "--fp8-format is not supported yet");
@@ -360,9 +364,31 @@ void validate_args(Arguments& a) {
   MG_CHECK(a.num_layers > 0, "--num-layers is required");
   MG_CHECK(a.hidden_size > 0, "--hidden-size is required");
   MG_CHECK(a.num_attention_heads > 0, "--num-attention-heads is required");
-  MG_CHECK(a.num_layers % a.pipeline_model_parallel_size == 0,
-           "--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({})", a.num_layers,
-           a.pipeline_model_parallel_size);
+  const int pp = a.pipeline_model_parallel_size;
+  MG_CHECK(pp >= 1, "--pipeline-model-parallel-size must be >= 1");
+  MG_CHECK(!(a.num_layers_per_virtual_pipeline_stage > 0 && a.num_virtual_stages_per_pipeline_rank > 0),
+           "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank");
+  if (a.num_layers_per_virtual_pipeline_stage > 0) {
+    MG_CHECK(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1");
+    MG_CHECK(a.num_layers % (pp * a.num_layers_per_virtual_pipeline_stage) == 0,
+             "--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({}) x "
+             "--num-layers-per-virtual-pipeline-stage ({})",
+             a.num_layers, pp, a.num_layers_per_virtual_pipeline_stage);
+    a.virtual_pipeline_model_parallel_size = a.num_layers / pp / a.num_layers_per_virtual_pipeline_stage;
+  } else if (a.num_virtual_stages_per_pipeline_rank > 0) {
+    MG_CHECK(pp > 1 || a.num_virtual_stages_per_pipeline_rank == 1,
+             "--num-virtual-stages-per-pipeline-rank needs --pipeline-model-parallel-size > 1");
+    a.virtual_pipeline_model_parallel_size = a.num_virtual_stages_per_pipeline_rank;
+  }
+  if (a.decoder_first_pipeline_num_layers == 0 && a.decoder_last_pipeline_num_layers == 0) {
+    MG_CHECK(a.num_layers % (pp * a.virtual_pipeline_model_parallel_size) == 0,
+             "--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({}){}", a.num_layers, pp,
+             a.virtual_pipeline_model_parallel_size > 1
+                 ? fmt::format(" x virtual stages per rank ({})", a.virtual_pipeline_model_parallel_size)
+                 : std::string());
+  }
+  MG_CHECK(!a.overlap_param_gather || a.use_distributed_optimizer,
+           "--overlap-param-gather needs --use-distributed-optimizer");
   if (a.use_rotary_position_embeddings) a.position_embedding_type = "rope";
   if (a.ffn_hidden_size == 0) {
     a.ffn_hidden_size = a.swiglu ? int((4.0 * a.hidden_size * 2.0 / 3.0) / 64.0) * 64 : 4 * a.hidden_size;
@@ -465,6 +491,11 @@ TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab
   c.recompute_method = a.recompute_method;
   c.recompute_num_layers = a.recompute_num_layers;
   c.tensor_model_parallel_size = a.tensor_model_parallel_size;
+  c.sequence_parallel = a.sequence_parallel;
+  c.pipeline_model_parallel_size = a.pipeline_model_parallel_size;
+  c.virtual_pipeline_model_parallel_size = a.virtual_pipeline_model_parallel_size;
+  c.decoder_first_pipeline_num_layers = a.decoder_first_pipeline_num_layers;
+  c.decoder_last_pipeline_num_layers = a.decoder_last_pipeline_num_layers;
   c.finalize();
   return c;
 }

@@ -51,6 +51,10 @@ struct Arguments {
   int tensor_model_parallel_size = 1;
   int pipeline_model_parallel_size = 1;
   int num_layers_per_virtual_pipeline_stage = 0;
+  int num_virtual_stages_per_pipeline_rank = 0;
+  int virtual_pipeline_model_parallel_size = 1;  // derived: model chunks per pipeline rank
+  int decoder_first_pipeline_num_layers = 0;
+  int decoder_last_pipeline_num_layers = 0;
   int context_parallel_size = 1;
   int expert_model_parallel_size = 1;
   int expert_tensor_parallel_size = 0;
@@ -58,10 +62,13 @@ struct Arguments {
   bool use_distributed_optimizer = false;
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
+  int64_t ddp_bucket_size = 0;  // elements; 0: Megatron's default
+  int nproc_per_node = 0;       // > 0: the built-in one-node launcher
   std::string distributed_backend = "nccl";
   int distributed_timeout_minutes = 10;
   int world_size = 1;          // from the launcher (1 for a single process)
   int data_parallel_size = 1;  // derived
+  int data_parallel_rank = 0;  // this process's (set by pretrain)
 
   // ---- batches
   int micro_batch_size = 0;

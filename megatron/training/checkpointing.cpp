@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -12,17 +13,40 @@
 #include <fstream>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/dist_checkpointing/sharded.h"
 
 namespace megatron {
 
 namespace fs = std::filesystem;
+using dist_checkpointing::ShardedTensor;
+using dist_checkpointing::ShardIndex;
+
+// A save's host snapshot: what this rank writes and, on the publishing rank (0), the metadata.
+struct Checkpointer::SaveJob {
+  fs::path save_dir;
+  std::string dir_name;       // "iter_0000100"
+  fs::path tmp_dir;           // Note [Atomic checkpoints]
+  std::string tracker_value;  // "100"
+  int rank = 0;               // the world rank: the files' suffix
+  bool create_tmp_dir = true; // single process: the writer creates it (several ranks: rank 0 before)
+  bool publish = true;        // rank 0: writes metadata.json, renames, updates the tracker
+  bool has_optim = false;     // the checkpoint has optim_rank* files (on any rank)
+  nlohmann::json metadata;    // without "tensors" (filled from the files when publishing)
+  std::vector<ShardedTensor> model_tensors, optim_tensors;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  uint64_t total_bytes = 0;   // of every rank's files, known after publishing
+  size_t num_files = 0;
+};
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 constexpr const char* kTracker = "latest_checkpointed_iteration.txt";
-constexpr const char* kModelFile = "model_rank00000.safetensors";
-constexpr const char* kOptimFile = "optim_rank00000.safetensors";
-constexpr int kFormatVersion = 1;
+constexpr const char* kModelStem = "model";
+constexpr const char* kOptimStem = "optim";
+// 1: one model_rank00000/optim_rank00000 pair without shard metadata; 2: shards of any layout.
+constexpr int kFormatVersion = 2;
 
 void fsync_path(const fs::path& p) {
   int fd = ::open(p.c_str(), O_RDONLY);
@@ -46,24 +70,19 @@ void write_text_atomically(const fs::path& path, const std::string& text) {
   fsync_path(path.parent_path().empty() ? fs::path(".") : path.parent_path());
 }
 
-// A host snapshot of everything a checkpoint writes, so an async save can run while training goes on.
-struct Snapshot {
-  fs::path save_dir;
-  std::string dir_name;
-  std::string tracker_value;
-  nlohmann::json metadata;
-  std::vector<std::pair<std::string, Tensor>> model_tensors;
-  std::vector<std::pair<std::string, Tensor>> optim_tensors;
-};
-
 Tensor host_copy(const Tensor& t) { return t.to(Device::cpu()); }
 
-nlohmann::json tensor_entry(const Tensor& t, const char* file) {
-  return {{"shape", t.shape()},
-          {"dtype", std::string(to_string(t.dtype()))},
-          {"shards",
-           nlohmann::json::array(
-               {{{"file", file}, {"offsets", std::vector<int64_t>(t.shape().size(), 0)}, {"shape", t.shape()}}})}};
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string bytes_str(uint64_t bytes) {
+  if (bytes >= uint64_t(1) << 30) return fmt::format("{:.2f} GB", double(bytes) / 1e9);
+  if (bytes >= uint64_t(1) << 20) return fmt::format("{:.1f} MB", double(bytes) / 1e6);
+  return fmt::format("{:.1f} kB", double(bytes) / 1e3);
+}
+
+void print_progress(const std::string& line) {
+  std::fputs((line + "\n").c_str(), stdout);
+  std::fflush(stdout);
 }
 
 // Note [Fault injection]: MEGATRON_FAULT_INJECT=kill-during-save:N sends this process SIGKILL in the
@@ -77,28 +96,69 @@ void maybe_inject_fault() {
   if (++saves == std::atoi(spec + prefix.size())) ::kill(::getpid(), SIGKILL);
 }
 
-void write_snapshot(const Snapshot& s) {
-  const fs::path final_dir = s.save_dir / s.dir_name;
-  const fs::path tmp_dir = s.save_dir / fmt::format("{}.tmp-{}", s.dir_name, ::getpid());
-  fs::remove_all(tmp_dir);
-  fs::create_directories(tmp_dir);
-  safetensors::write((tmp_dir / kModelFile).string(), s.model_tensors, {{"format", "megatron.cpp"}});
-  if (!s.optim_tensors.empty()) {
-    safetensors::write((tmp_dir / kOptimFile).string(), s.optim_tensors, {{"format", "megatron.cpp"}});
+// metadata.json's table of tensors: global shape, dtype and where each piece is, from the files.
+nlohmann::json tensor_table(const ShardIndex& index) {
+  nlohmann::json table = nlohmann::json::object();
+  for (const std::string& name : index.names()) {
+    const ShardIndex::Global& g = index.tensor(name);
+    nlohmann::json shards = nlohmann::json::array();
+    for (const ShardIndex::Piece& p : g.pieces) {
+      shards.push_back({{"file", fs::path(index.files()[p.file].path()).filename().string()},
+                        {"offsets", p.box.global_offset},
+                        {"shape", p.box.shape}});
+    }
+    table[name] = {{"shape", g.shape}, {"dtype", std::string(to_string(g.dtype))}, {"shards", std::move(shards)}};
   }
+  return table;
+}
+
+// This rank's files, into the temporary directory (any thread).
+void write_files(Checkpointer::SaveJob& job) {
+  if (job.create_tmp_dir) {
+    fs::remove_all(job.tmp_dir);
+    fs::create_directories(job.tmp_dir);
+  }
+  const safetensors::Metadata meta = {{"format", "megatron.cpp"}};
+  if (!job.model_tensors.empty())
+    dist_checkpointing::save_shards(job.tmp_dir.string(), kModelStem, job.rank, job.model_tensors, meta);
+  if (!job.optim_tensors.empty())
+    dist_checkpointing::save_shards(job.tmp_dir.string(), kOptimStem, job.rank, job.optim_tensors, meta);
   maybe_inject_fault();
-  write_text_atomically(tmp_dir / "metadata.json", s.metadata.dump(2));
-  fsync_path(tmp_dir);
+}
+
+// Rank 0, after every rank's files are on disk: metadata.json, the rename, the tracker.
+void publish(Checkpointer::SaveJob& job) {
+  const fs::path final_dir = job.save_dir / job.dir_name;
+  nlohmann::json meta = job.metadata;
+  ShardIndex model(job.tmp_dir.string(), kModelStem);
+  nlohmann::json tensors = tensor_table(model);
+  job.total_bytes = model.total_bytes();
+  job.num_files = model.files().size();
+  if (job.has_optim) {
+    ShardIndex optim(job.tmp_dir.string(), kOptimStem);
+    const nlohmann::json optim_tensors = tensor_table(optim);
+    for (const auto& [key, value] : optim_tensors.items()) tensors[key] = value;
+    job.total_bytes += optim.total_bytes();
+    job.num_files += optim.files().size();
+  }
+  meta["tensors"] = std::move(tensors);
+  write_text_atomically(job.tmp_dir / "metadata.json", meta.dump(2));
+  fsync_path(job.tmp_dir);
   if (fs::exists(final_dir)) {  // overwriting the same iteration: move the old one aside first
-    const fs::path old = s.save_dir / fmt::format("{}.old-{}", s.dir_name, ::getpid());
+    const fs::path old = job.save_dir / fmt::format("{}.old-{}", job.dir_name, ::getpid());
     fs::rename(final_dir, old);
-    fs::rename(tmp_dir, final_dir);
+    fs::rename(job.tmp_dir, final_dir);
     fs::remove_all(old);
   } else {
-    fs::rename(tmp_dir, final_dir);
+    fs::rename(job.tmp_dir, final_dir);
   }
-  fsync_path(s.save_dir);
-  write_text_atomically(s.save_dir / kTracker, s.tracker_value);
+  fsync_path(job.save_dir);
+  write_text_atomically(job.save_dir / kTracker, job.tracker_value);
+}
+
+void report_save(const Checkpointer::SaveJob& job) {
+  print_progress(fmt::format("  wrote checkpoint {} ({} in {} files) in {:.3f} s", (job.save_dir / job.dir_name).string(),
+                             bytes_str(job.total_bytes), job.num_files, seconds_since(job.start)));
 }
 
 const nlohmann::json& require(const nlohmann::json& j, const char* key, const fs::path& file) {
@@ -137,8 +197,9 @@ nlohmann::json read_metadata(const fs::path& dir) {
     MG_CHECK(false, "{} is not valid JSON ({}): the checkpoint is corrupt", meta.string(), e.what());
   }
   MG_CHECK(j.value("format", "") == "megatron.cpp", "{} is not a megatron.cpp checkpoint", meta.string());
-  MG_CHECK(j.value("version", 0) == kFormatVersion, "{} has format version {}, this build reads {}", meta.string(),
-           j.value("version", 0), kFormatVersion);
+  const int version = j.value("version", 0);
+  MG_CHECK(version >= 1 && version <= kFormatVersion, "{} has format version {}, this build reads 1 to {}",
+           meta.string(), version, kFormatVersion);
   return j;
 }
 
@@ -210,70 +271,204 @@ void apply_checkpoint_args(Arguments& a, const std::string& load_dir) {
   if (a.tokenizer_type.empty()) set("tokenizer_type", a.tokenizer_type);
 }
 
+Checkpointer::Checkpointer(const Arguments& args, const ParallelState* parallel) : args_(args), parallel_(parallel) {}
+
 Checkpointer::~Checkpointer() {
-  if (pending_.valid()) {
-    try {
-      pending_.get();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "error: background checkpoint save failed: %s\n", e.what());
+  if (!pending_.valid()) return;
+  try {
+    pending_.get();
+    if (distributed()) {
+      std::fprintf(stderr, "warning: checkpoint %s was written but not published: call finalize() before exiting\n",
+                   (job_->save_dir / job_->dir_name).c_str());
     }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: background checkpoint save failed: %s\n", e.what());
   }
 }
 
+bool Checkpointer::all_ok(Context& ctx, bool ok) const {
+  if (!distributed()) return ok;
+  Tensor flag = Tensor::from_floats({ok ? 0.0f : 1.0f}, {1}, DType::Float32, ctx.device());
+  parallel_->world().all_reduce(ctx, flag, ReduceOp::Max)->wait();
+  ctx.synchronize();
+  return flag.to_floats()[0] == 0.0f;
+}
+
+void Checkpointer::publish_collective(Context& ctx, SaveJob& job, std::exception_ptr write_error) {
+  const std::string where = (job.save_dir / job.dir_name).string();
+  auto discard = [&] {
+    if (!job.publish) return;
+    std::error_code ec;
+    fs::remove_all(job.tmp_dir, ec);
+  };
+  if (!all_ok(ctx, !write_error)) {
+    discard();
+    if (write_error) std::rethrow_exception(write_error);
+    MG_CHECK(false, "saving checkpoint {} failed on another rank (see its error); the previous checkpoint stays the "
+             "latest", where);
+  }
+  std::exception_ptr publish_error;
+  if (job.publish) {
+    try {
+      publish(job);
+    } catch (...) {
+      publish_error = std::current_exception();
+    }
+  }
+  if (!all_ok(ctx, !publish_error)) {
+    discard();
+    if (publish_error) std::rethrow_exception(publish_error);
+    MG_CHECK(false, "rank 0 could not publish checkpoint {} (see its error); the previous checkpoint stays the latest",
+             where);
+  }
+  if (job.publish) report_save(job);
+}
+
 void Checkpointer::finalize() {
-  if (pending_.valid()) pending_.get();
+  if (!pending_.valid()) return;
+  std::exception_ptr error;
+  try {
+    pending_.get();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  std::shared_ptr<SaveJob> job = std::move(job_);
+  if (distributed()) {
+    publish_collective(*pending_ctx_, *job, error);
+    return;
+  }
+  if (error) std::rethrow_exception(error);
+  report_save(*job);
 }
 
 void Checkpointer::save(Context& ctx, const GPTModel& model, const AdamOptimizer* optimizer,
                         const OptimizerParamScheduler* scheduler, const TrainingProgress& progress, bool release,
                         const nlohmann::json& extra) {
+  save(ctx, model.params().parameters(), optimizer, scheduler, progress, release, extra);
+}
+
+void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, const AdamOptimizer* optimizer,
+                        const OptimizerParamScheduler* scheduler, const TrainingProgress& progress, bool release,
+                        const nlohmann::json& extra) {
   MG_CHECK(!args_.save.empty(), "saving a checkpoint needs --save");
   finalize();  // one save in flight at a time
   ctx.synchronize();
-  Snapshot s;
-  s.save_dir = args_.save;
-  fs::create_directories(s.save_dir);
-  s.dir_name = checkpoint_dir_name(progress.iteration, release);
-  s.tracker_value = release ? "release" : std::to_string(progress.iteration);
-  nlohmann::json tensors = nlohmann::json::object();
-  for (const Parameter* p : model.params().parameters()) {
-    s.model_tensors.emplace_back(p->name, host_copy(p->data));
-    tensors[p->name] = tensor_entry(p->data, kModelFile);
+  auto job = std::make_shared<SaveJob>();
+  job->save_dir = args_.save;
+  job->dir_name = checkpoint_dir_name(progress.iteration, release);
+  job->tracker_value = release ? "release" : std::to_string(progress.iteration);
+  job->rank = rank();
+  job->publish = rank() == 0;
+
+  // Note [Checkpoint ownership].
+  const int tp_rank = distributed() ? parallel_->tp_rank() : 0;
+  const bool dp_writer = !distributed() || parallel_->dp_rank() == 0;
+  auto owned = [&](const Parameter& p) { return !p.shared_embedding_copy && !(p.tp_duplicate && tp_rank != 0); };
+  if (dp_writer) {
+    for (const Parameter* p : params) {
+      if (owned(*p)) job->model_tensors.push_back({p->name, host_copy(p->data), p->shard});
+    }
   }
-  nlohmann::json meta = {{"format", "megatron.cpp"},
-                         {"version", kFormatVersion},
-                         {"iteration", progress.iteration},
-                         {"consumed_train_samples", progress.consumed_train_samples},
-                         {"consumed_valid_samples", progress.consumed_valid_samples},
-                         {"floating_point_operations_so_far", progress.floating_point_operations_so_far},
-                         {"args", model_args_to_json(args_)}};
-  if (scheduler) meta["opt_param_scheduler"] = scheduler->state_dict();
-  if (optimizer && !args_.no_save_optim) {
-    meta["optimizer"] = optimizer->state_dict();
+  const bool save_optim = optimizer && !args_.no_save_optim;
+  job->has_optim = save_optim && !optimizer->parameters().empty();
+  if (save_optim) {
     for (const Parameter& p : optimizer->parameters()) {
-      const AdamParamState& st = optimizer->state(p.name);
+      if (!owned(p)) continue;  // the same on every rank of the data-parallel group
+      const AdamParamState st = optimizer->gather_state(ctx, p.name);
+      if (!dp_writer) continue;
       for (const auto& [suffix, t] : {std::pair<const char*, const Tensor*>{"master", &st.master},
                                       {"exp_avg", &st.exp_avg},
                                       {"exp_avg_sq", &st.exp_avg_sq}}) {
-        const std::string key = p.name + "." + suffix;
-        s.optim_tensors.emplace_back(key, host_copy(*t));
-        tensors[key] = tensor_entry(*t, kOptimFile);
+        job->optim_tensors.push_back({p.name + "." + suffix, host_copy(*t), p.shard});
       }
     }
   }
-  if (!args_.no_save_rng) meta["rng"] = {{"seed", ctx.rng().seed}, {"offset", ctx.rng().offset}};
-  for (const auto& [key, value] : extra.items()) meta[key] = value;
-  meta["tensors"] = std::move(tensors);
-  s.metadata = std::move(meta);
-  if (args_.async_save) {
-    pending_ = std::async(std::launch::async, [snap = std::move(s)] { write_snapshot(snap); });
-  } else {
-    write_snapshot(s);
+
+  if (job->publish) {
+    const ParallelState* ps = distributed() ? parallel_ : nullptr;
+    nlohmann::json meta = {{"format", "megatron.cpp"},
+                           {"version", kFormatVersion},
+                           {"iteration", progress.iteration},
+                           {"consumed_train_samples", progress.consumed_train_samples},
+                           {"consumed_valid_samples", progress.consumed_valid_samples},
+                           {"floating_point_operations_so_far", progress.floating_point_operations_so_far},
+                           {"args", model_args_to_json(args_)},
+                           {"parallel",
+                            {{"world_size", ps ? ps->world_size() : 1},
+                             {"tensor_model_parallel_size", ps ? ps->tp_size() : 1},
+                             {"pipeline_model_parallel_size", ps ? ps->pp_size() : 1},
+                             {"context_parallel_size", ps ? ps->cp_size() : 1},
+                             {"data_parallel_size", ps ? ps->dp_size() : 1},
+                             {"virtual_pipeline_model_parallel_size", ps ? ps->vpp_size() : 1},
+                             {"use_distributed_optimizer", args_.use_distributed_optimizer}}}};
+    if (scheduler) meta["opt_param_scheduler"] = scheduler->state_dict();
+    if (save_optim) meta["optimizer"] = optimizer->state_dict();
+    if (!args_.no_save_rng) meta["rng"] = {{"seed", ctx.rng().seed}, {"offset", ctx.rng().offset}};
+    for (const auto& [key, value] : extra.items()) meta[key] = value;
+    job->metadata = std::move(meta);
   }
+
+  if (!distributed()) {
+    job->tmp_dir = job->save_dir / fmt::format("{}.tmp-{}", job->dir_name, ::getpid());
+    fs::create_directories(job->save_dir);
+    auto write_and_publish = [job] {
+      write_files(*job);
+      publish(*job);
+    };
+    if (args_.async_save) {
+      pending_ = std::async(std::launch::async, write_and_publish);
+      job_ = std::move(job);
+    } else {
+      write_and_publish();
+      report_save(*job);
+    }
+    return;
+  }
+
+  // Several ranks (Note [Atomic checkpoints]): rank 0 makes the temporary directory, named by its pid.
+  Tensor pid = Tensor::from_floats({float(::getpid())}, {1}, DType::Float32, ctx.device());
+  parallel_->world().broadcast(ctx, pid, 0)->wait();
+  ctx.synchronize();
+  job->tmp_dir = job->save_dir / fmt::format("{}.tmp-{}", job->dir_name, int64_t(pid.to_floats()[0]));
+  job->create_tmp_dir = false;
+  std::exception_ptr error;
+  if (rank() == 0) {
+    try {
+      fs::create_directories(job->save_dir);
+      fs::remove_all(job->tmp_dir);
+      fs::create_directories(job->tmp_dir);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (!all_ok(ctx, !error)) {
+    if (error) std::rethrow_exception(error);
+    MG_CHECK(false, "rank 0 could not create checkpoint directory {} (see its error)", job->tmp_dir.string());
+  }
+  if (args_.async_save) {
+    pending_ = std::async(std::launch::async, [job] { write_files(*job); });
+    job_ = std::move(job);
+    pending_ctx_ = &ctx;
+    return;
+  }
+  std::exception_ptr write_error;
+  try {
+    write_files(*job);
+  } catch (...) {
+    write_error = std::current_exception();
+  }
+  publish_collective(ctx, *job, write_error);
 }
 
 std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::string& load_dir, GPTModel& model,
                                                    AdamOptimizer* optimizer, OptimizerParamScheduler* scheduler) {
+  return load(ctx, load_dir, model.params().parameters(), optimizer, scheduler);
+}
+
+std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::string& load_dir,
+                                                   const std::vector<Parameter*>& params, AdamOptimizer* optimizer,
+                                                   OptimizerParamScheduler* scheduler) {
+  const Clock::time_point start = Clock::now();
   auto latest = read_tracker(load_dir);
   if (!latest) {
     MG_CHECK(!args_.exit_on_missing_checkpoint, "--exit-on-missing-checkpoint: no checkpoint in {}", load_dir);
@@ -282,18 +477,19 @@ std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::stri
   const bool release = latest->first == "release";
   const fs::path dir = fs::path(load_dir) / latest->first;
   const nlohmann::json meta = read_metadata(dir);
-  const nlohmann::json& entries = require(meta, "tensors", dir / "metadata.json");
 
-  // Model weights: every parameter must be there with its shape (else: another model).
-  safetensors::File model_file((dir / kModelFile).string());
-  for (Parameter* p : model.params().parameters()) {
-    MG_CHECK(entries.contains(p->name), "checkpoint {} has no tensor '{}': it was saved from another model",
+  // Model weights: every parameter must be there with its global shape (else: another model).
+  uint64_t bytes = 0;
+  ShardIndex model_index(dir.string(), kModelStem);
+  for (Parameter* p : params) {
+    MG_CHECK(model_index.contains(p->name), "checkpoint {} has no tensor '{}': it was saved from another model",
              dir.string(), p->name);
-    const Shape shape = entries[p->name].at("shape").get<Shape>();
-    MG_CHECK(shape == p->data.shape(),
+    const Shape& shape = model_index.tensor(p->name).shape;
+    const Shape& want = p->shard.global_shape.empty() ? p->data.shape() : p->shard.global_shape;
+    MG_CHECK(shape == want,
              "checkpoint {} was saved from another model: tensor '{}' has shape {} there, {} in this model",
-             dir.string(), p->name, shape_str(shape), shape_str(p->data.shape()));
-    p->data.copy_from(model_file.read(p->name));
+             dir.string(), p->name, shape_str(shape), shape_str(want));
+    bytes += model_index.load_into(p->name, p->shard, p->data);
   }
 
   TrainingProgress progress;
@@ -307,12 +503,21 @@ std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::stri
   if (optimizer) {
     const bool load_optim = !finetune && !args_.no_load_optim && meta.contains("optimizer");
     if (load_optim) {
-      safetensors::File optim_file((dir / kOptimFile).string());
+      ShardIndex optim_index(dir.string(), kOptimStem);
       for (const Parameter& p : optimizer->parameters()) {
-        AdamParamState& st = optimizer->state(p.name);
-        st.master.copy_from(optim_file.read(p.name + ".master"));
-        st.exp_avg.copy_from(optim_file.read(p.name + ".exp_avg"));
-        st.exp_avg_sq.copy_from(optim_file.read(p.name + ".exp_avg_sq"));
+        AdamParamState st;
+        for (auto& [suffix, t] : {std::pair<const char*, Tensor*>{"master", &st.master},
+                                  {"exp_avg", &st.exp_avg},
+                                  {"exp_avg_sq", &st.exp_avg_sq}}) {
+          const std::string key = p.name + "." + suffix;
+          MG_CHECK(optim_index.contains(key),
+                   "checkpoint {} has no optimizer state '{}': it was saved from another model (--no-load-optim "
+                   "loads the weights alone)",
+                   dir.string(), key);
+          *t = Tensor::empty(p.data.shape(), DType::Float32, p.data.device());
+          bytes += optim_index.load_into(key, p.shard, *t);
+        }
+        optimizer->scatter_state(ctx, p.name, st);  // collective over data-parallel ranks, same order everywhere
       }
       optimizer->load_state_dict(meta.at("optimizer"));
       optimizer->copy_main_params_to_model_params();
@@ -324,8 +529,12 @@ std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::stri
     scheduler->load_state_dict(meta.at("opt_param_scheduler"));
   }
   if (!finetune && !args_.no_load_rng && meta.contains("rng")) {
-    ctx.rng().seed = meta["rng"].at("seed").get<uint64_t>();
+    if (!distributed()) ctx.rng().seed = meta["rng"].at("seed").get<uint64_t>();
     ctx.rng().offset = meta["rng"].at("offset").get<uint64_t>();
+  }
+  if (rank() == 0) {
+    print_progress(fmt::format("  read checkpoint {} ({} into rank 0) in {:.3f} s", dir.string(), bytes_str(bytes),
+                               seconds_since(start)));
   }
   return progress;
 }

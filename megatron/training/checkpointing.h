@@ -1,29 +1,57 @@
 // Checkpoints (Megatron's checkpointing.py conventions, our contents — DESIGN.md "Checkpoints"):
 //
 //   <save>/latest_checkpointed_iteration.txt   "100" (or "release" for a converted model)
-//   <save>/iter_0000100/metadata.json          format, iteration, consumed samples, model args,
-//                                              scheduler, optimizer and RNG state, and for every
-//                                              tensor its global shape, dtype and shards
-//   <save>/iter_0000100/model_rank00000.safetensors   model parameters (model dtype)
-//   <save>/iter_0000100/optim_rank00000.safetensors   fp32 masters and Adam moments
+//   <save>/iter_0000100/metadata.json          format, iteration, consumed samples, model args, the
+//                                              parallel layout that wrote it, scheduler, optimizer
+//                                              and RNG state, and for every tensor its global shape,
+//                                              dtype and shards (file, offsets, shape)
+//   <save>/iter_0000100/model_rank<R>.safetensors   this rank's pieces of the parameters (model dtype)
+//   <save>/iter_0000100/optim_rank<R>.safetensors   their fp32 masters and Adam moments
+// R is the world rank (five digits); the pieces' places in the global tensors are in each file's
+// metadata (Note [Sharded safetensors] in dist_checkpointing/sharded.h).
 //
-// Note [Atomic checkpoints]: a checkpoint is written into "<dir>.tmp-<pid>", every file fsynced,
-// the directory renamed into place and fsynced, and only then latest_checkpointed_iteration.txt
-// replaced (temp file + rename). A process killed at any point leaves the previous checkpoint as
-// the latest, intact; a leftover .tmp directory is never read. With --async-save the tensors are
-// copied to host memory first and written by a background thread while training goes on; the
-// tracker file is updated by that thread when the write is complete.
+// Note [Checkpoint ownership]: a rank writes a parameter (and its optimizer state) iff it is on
+// data-parallel rank 0, the parameter is not a tensor-parallel duplicate on tp rank > 0 (norm
+// weights, row-parallel biases), and it is not the last stage's copy of tied embeddings. So every
+// global element is written once. The optimizer state goes through AdamOptimizer::gather_state,
+// which every data-parallel rank calls for the same parameters in the same order (collective with
+// the distributed optimizer); only dp rank 0 writes what it returns. Loading is layout-free: every
+// rank opens all files of the checkpoint and fills its own parameters (ShardIndex::load_into with
+// the parameter's ShardSpec) and optimizer state (scatter_state) — from a checkpoint written by any
+// TP/PP/DP layout, single-process checkpoints of format 1 included.
+//
+// Note [Atomic checkpoints]: a checkpoint is written into "<dir>.tmp-<pid>" (the pid of rank 0),
+// every file fsynced, the directory renamed into place and fsynced, and only then
+// latest_checkpointed_iteration.txt replaced (temp file + rename). A process killed at any point
+// leaves the previous checkpoint as the latest, intact; a leftover .tmp directory is never read.
+// With several ranks: rank 0 creates the temporary directory; all ranks agree (all-reduce of an
+// error flag, which is also the barrier); every rank writes and fsyncs its files; all agree again;
+// rank 0 writes metadata.json (the tensor table read back from the files, which also checks that
+// they cover every tensor), renames and updates the tracker; all agree a last time. An error on any
+// rank fails the save on every rank, and nothing is published.
+// With --async-save the tensors are copied to host memory first and written by a background
+// thread while training goes on. In a single process that thread also publishes (renames and
+// updates the tracker); with several ranks the publication is collective, so it happens on the
+// main thread in finalize() (called by the next save() and at the end of training).
+//
+// RNG: a single process restores the checkpoint's (seed, offset); in a parallel run only the offset
+// (each rank's seed is derived from --seed and its ranks when it starts).
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <future>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/core/optimizer/optimizer_param_scheduler.h"
+#include "megatron/core/optimizer/parameter.h"
+#include "megatron/core/parallel_state.h"
 #include "megatron/training/arguments.h"
 
 namespace megatron {
@@ -46,27 +74,51 @@ void apply_checkpoint_args(Arguments& args, const std::string& load_dir);
 
 class Checkpointer {
  public:
-  explicit Checkpointer(const Arguments& args) : args_(args) {}
+  /// `parallel`: the run's process groups; null (or a world of one rank) for a single process.
+  /// With several ranks save(), finalize() and load() are collective over the world group.
+  explicit Checkpointer(const Arguments& args, const ParallelState* parallel = nullptr);
   ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
 
   /// Saves iteration `progress.iteration` under --save (synchronously, or in the background with
-  /// --async-save). `optimizer` may be null (--no-save-optim or a converted model).
-  /// `extra` is merged into metadata.json (e.g. the HF config of a converted model).
+  /// --async-save). `params`: this rank's parameters, all model chunks (each with its ShardSpec).
+  /// `optimizer` may be null (--no-save-optim or a converted model). `extra` is merged into
+  /// metadata.json (e.g. the HF config of a converted model).
+  void save(Context& ctx, const std::vector<Parameter*>& params, const AdamOptimizer* optimizer,
+            const OptimizerParamScheduler* scheduler, const TrainingProgress& progress, bool release = false,
+            const nlohmann::json& extra = nlohmann::json::object());
   void save(Context& ctx, const GPTModel& model, const AdamOptimizer* optimizer,
             const OptimizerParamScheduler* scheduler, const TrainingProgress& progress, bool release = false,
             const nlohmann::json& extra = nlohmann::json::object());
-  /// Waits for a background save and publishes it; rethrows its error.
+  /// Waits for a background save and publishes it (collectively with several ranks, on the context
+  /// of that save); rethrows its error.
   void finalize();
   bool save_in_flight() const { return pending_.valid(); }
 
-  /// Loads the latest checkpoint under `load_dir` into the model (and optimizer, scheduler, RNG
-  /// unless disabled by the flags). Returns nullopt when there is no checkpoint there.
+  /// Loads the latest checkpoint under `load_dir` into `params` (this rank's parameters, any
+  /// layout) and the optimizer, scheduler and RNG unless disabled by the flags. Returns nullopt
+  /// when there is no checkpoint there.
+  std::optional<TrainingProgress> load(Context& ctx, const std::string& load_dir, const std::vector<Parameter*>& params,
+                                       AdamOptimizer* optimizer, OptimizerParamScheduler* scheduler);
   std::optional<TrainingProgress> load(Context& ctx, const std::string& load_dir, GPTModel& model,
                                        AdamOptimizer* optimizer, OptimizerParamScheduler* scheduler);
 
+  struct SaveJob;  // a save's host snapshot and its progress (checkpointing.cpp)
+
  private:
+  bool distributed() const { return parallel_ != nullptr && parallel_->world_size() > 1; }
+  int rank() const { return distributed() ? parallel_->rank() : 0; }
+  /// With several ranks: true on every rank iff `ok` on every rank (all-reduce; also a barrier).
+  bool all_ok(Context& ctx, bool ok) const;
+  /// The collective end of a save: agree on the writes, rank 0 publishes, agree on that.
+  void publish_collective(Context& ctx, SaveJob& job, std::exception_ptr write_error);
+
   const Arguments& args_;
+  const ParallelState* parallel_;
   std::future<void> pending_;
+  std::shared_ptr<SaveJob> job_;  // of the save in flight
+  Context* pending_ctx_ = nullptr;
 };
 
 /// Writes a model alone as a checkpoint directory (used by tools/convert_checkpoint for "release").

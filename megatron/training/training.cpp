@@ -4,7 +4,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
+#include "megatron/core/comm/communicator.h"
+#include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/core/optimizer/optimizer_param_scheduler.h"
 #include "megatron/kernels/ops.h"
@@ -23,7 +26,12 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Megatron prints from one rank (print_rank_last for the iteration log): here the last rank prints
+// everything, the others stay quiet unless they have an error to report.
+bool g_printing_rank = true;
+
 void print_line(const std::string& s) {
+  if (!g_printing_rank) return;
   std::fputs(s.c_str(), stdout);
   std::fputc('\n', stdout);
   std::fflush(stdout);
@@ -105,7 +113,9 @@ struct Trainer {
   Arguments& args;
   const PretrainCallbacks& callbacks;
   Context& ctx;
-  GPTModel& model;
+  ParallelState& ps;
+  std::vector<std::unique_ptr<GPTModel>>& chunks;
+  DistributedDataParallel& ddp;
   AdamOptimizer& optimizer;
   OptimizerParamScheduler& scheduler;
   Checkpointer& checkpointer;
@@ -116,6 +126,7 @@ struct Trainer {
   Clock::time_point program_start;
   Timers timers{args.timing_log_level};
   SignalHandler* signals = nullptr;
+  std::FILE* loss_log = nullptr;
 
   // Interval accumulators (Megatron's total_loss_dict).
   double interval_loss = 0;
@@ -125,6 +136,35 @@ struct Trainer {
   bool reported_memory = false;
 
   float loss_scale() const { return optimizer.loss_scale(); }
+  const GPTModel& model() const { return *chunks.front(); }
+
+  std::vector<const GPTModel*> chunk_ptrs() const {
+    std::vector<const GPTModel*> v;
+    for (const auto& c : chunks) v.push_back(c.get());
+    return v;
+  }
+  std::vector<Parameter*> all_params() const {
+    std::vector<Parameter*> v;
+    for (const auto& c : chunks)
+      for (Parameter* p : c->params().parameters()) v.push_back(p);
+    return v;
+  }
+  ForwardBackwardArgs fb_args(float scale, bool forward_only) const {
+    ForwardBackwardArgs a;
+    a.num_microbatches = int(microbatches.num_microbatches());
+    a.micro_batch_size = args.micro_batch_size;
+    a.seq_length = args.seq_length;
+    a.loss_scale = scale;
+    a.forward_only = forward_only;
+    return a;
+  }
+  /// Whether `flag` is set on any rank (Megatron all-reduces its exit conditions).
+  bool any_rank(bool flag) {
+    if (ps.world_size() == 1) return flag;
+    Tensor t = Tensor::from_ints({flag ? 1 : 0}, {1}, DType::Int32, ctx.device());
+    ps.world().all_reduce(ctx, t, ReduceOp::Max)->wait();
+    return t.to(Device::cpu()).data<int32_t>()[0] != 0;
+  }
 
   void apply_schedule() {
     ScheduledValues v = scheduler.values();
@@ -134,10 +174,12 @@ struct Trainer {
 
   // One iteration: all microbatches of the global batch, then the optimizer.
   OptimizerStepResult train_step(double& lm_loss) {
-    model.params().zero_grad();
+    ddp.zero_grad(ctx);
+    ddp.finish_param_sync(ctx);  // --overlap-param-gather: the previous step's all-gathers
     timers.start("forward-backward", 1);
-    LossSums sums = forward_backward_no_pipelining(ctx, model, callbacks.forward_step, data.train,
-                                                   microbatches.num_microbatches(), loss_scale(), false);
+    LossSums sums = forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step, data.train,
+                                     fb_args(loss_scale(), false), &ddp);
+    finalize_model_grads(ctx, ddp);
     timers.stop("forward-backward");
     timers.start("optimizer", 1);
     OptimizerStepResult r = optimizer.step(ctx);
@@ -150,11 +192,7 @@ struct Trainer {
     return r;
   }
 
-  double params_norm() {
-    double sq = 0;
-    for (const Parameter& p : optimizer.parameters()) sq += ops::grad_stats(ctx, optimizer.state(p.name).master).sum_sq;
-    return std::sqrt(sq);
-  }
+  double params_norm() { return optimizer.params_norm(ctx); }
 
   void log(const OptimizerStepResult& r, int64_t train_iters) {
     const int64_t iterations = interval_advanced + interval_skipped;
@@ -165,7 +203,7 @@ struct Trainer {
     f.train_iters = train_iters;
     f.consumed_samples = progress.consumed_train_samples;
     f.elapsed_ms_per_iteration = elapsed_ms;
-    const double flops = num_floating_point_operations(args, model.config().padded_vocab_size, gbs);
+    const double flops = num_floating_point_operations(args, model().config().padded_vocab_size, gbs);
     if (args.log_throughput) {
       f.tflops_per_gpu = flops / (elapsed_ms / 1000.0 * 1e12 * args.world_size);
       f.tokens_per_sec_per_gpu = double(gbs) * args.seq_length / (elapsed_ms / 1000.0) / args.world_size;
@@ -184,7 +222,7 @@ struct Trainer {
     print_line(format_iteration_line(f));
     if (!reported_memory) {
       print_line(format_theoretical_memory(
-          theoretical_memory(args, model.config().padded_vocab_size, microbatches.num_microbatches())));
+          theoretical_memory(args, model().config().padded_vocab_size, microbatches.num_microbatches())));
       print_line(memory_report(ctx.device(), progress.iteration));
       reported_memory = true;
     }
@@ -227,9 +265,9 @@ struct Trainer {
   void evaluate(const std::string& prefix, BatchIterator& iterator, bool is_test) {
     if (!iterator || args.eval_iters <= 0) return;
     LossSums total;
+    ddp.finish_param_sync(ctx);
     for (int64_t k = 0; k < args.eval_iters; ++k) {
-      LossSums s = forward_backward_no_pipelining(ctx, model, callbacks.forward_step, iterator,
-                                                  microbatches.num_microbatches(), 1.0f, true);
+      LossSums s = forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step, iterator, fb_args(1.0f, true));
       total.loss_sum += s.loss_sum;
       total.num_tokens += s.num_tokens;
       if (!is_test) progress.consumed_valid_samples += microbatches.current_global_batch_size();
@@ -250,7 +288,8 @@ struct Trainer {
   void save() {
     if (args.save.empty()) return;
     timers.start("save-checkpoint", 0);
-    checkpointer.save(ctx, model, args.no_save_optim ? nullptr : &optimizer, &scheduler, progress);
+    ddp.finish_param_sync(ctx);
+    checkpointer.save(ctx, all_params(), args.no_save_optim ? nullptr : &optimizer, &scheduler, progress);
     timers.stop("save-checkpoint");
     const double ms = timers.elapsed_ms("save-checkpoint", /*reset=*/false);
     print_line(fmt::format("  {} checkpoint at iteration {:7d} to {} in {:.1f} ms",
@@ -259,7 +298,7 @@ struct Trainer {
 
   // Megatron's checkpoint_and_decide_exit. Returns true when training must stop now.
   bool checkpoint_and_decide_exit() {
-    if (signals && signals->signal_received()) {
+    if (any_rank(signals && signals->signal_received())) {
       save();
       print_line(fmt::format("{} exiting program after receiving SIGTERM.", timestamp_now()));
       return true;
@@ -271,7 +310,7 @@ struct Trainer {
     }
     if (args.exit_duration_in_mins > 0) {
       const double minutes = seconds_since(program_start) / 60.0;
-      if (minutes > args.exit_duration_in_mins) {
+      if (any_rank(minutes > args.exit_duration_in_mins)) {
         if (!saved) save();
         print_line(fmt::format("{} exiting program after {:.3f} minutes", timestamp_now(), minutes));
         return true;
@@ -300,8 +339,13 @@ struct Trainer {
       }
       progress.iteration += 1;
       progress.consumed_train_samples += microbatches.current_global_batch_size();
+      if (loss_log) {  // MEGATRON_LOSS_LOG: every iteration's loss in full precision (tests)
+        std::fprintf(loss_log, "{\"iteration\": %lld, \"lm_loss\": %.17g, \"grad_norm\": %.17g}\n",
+                     static_cast<long long>(progress.iteration), lm_loss, r.grad_norm.value_or(0.0));
+        std::fflush(loss_log);
+      }
       progress.floating_point_operations_so_far += num_floating_point_operations(
-          args, model.config().padded_vocab_size, microbatches.current_global_batch_size());
+          args, model().config().padded_vocab_size, microbatches.current_global_batch_size());
       if (r.update_successful) {
         interval_advanced += 1;
         interval_loss += lm_loss;
@@ -322,21 +366,35 @@ struct Trainer {
 
 }  // namespace
 
-Device select_device(const std::string& requested) {
+Device select_device(const std::string& requested, int local_rank) {
   const bool gpu = ops::has_cuda_kernels() && cuda_device_count() > 0;
   if (requested == "cpu") return Device::cpu();
   if (requested == "cuda") {
     MG_CHECK(ops::has_cuda_kernels(), "--device cuda: this build has no CUDA kernels; rebuild with -DMEGATRON_CUDA=ON");
     MG_CHECK(cuda_device_count() > 0, "--device cuda: no GPU is visible to this process");
-    return Device::cuda(0);
+  } else if (!gpu) {
+    return Device::cpu();
   }
-  return gpu ? Device::cuda(0) : Device::cpu();
+  return Device::cuda(local_rank % cuda_device_count());  // one process per GPU
 }
 
 int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_point program_start) {
+  const LaunchInfo launch = detect_launch();
+  args.world_size = launch.world_size;
   if (args.use_checkpoint_args && !args.load.empty()) apply_checkpoint_args(args, args.load);
   validate_args(args);
-  const Device device = select_device(args.device);
+  MG_CHECK(args.context_parallel_size == 1, "--context-parallel-size {}: context parallelism is not supported yet",
+           args.context_parallel_size);
+  const Device device = select_device(args.device, launch.local_rank);
+  ParallelConfig layout;
+  layout.tensor_model_parallel_size = args.tensor_model_parallel_size;
+  layout.pipeline_model_parallel_size = args.pipeline_model_parallel_size;
+  layout.context_parallel_size = args.context_parallel_size;
+  layout.virtual_pipeline_model_parallel_size = args.virtual_pipeline_model_parallel_size;
+  layout.sequence_parallel = args.sequence_parallel;
+  ParallelState ps(init_world(launch, device, std::chrono::minutes(args.distributed_timeout_minutes)), layout);
+  g_printing_rank = ps.rank() == ps.world_size() - 1;
+  args.data_parallel_rank = ps.dp_rank();
   Context ctx(device, uint64_t(args.seed));
 
   std::unique_ptr<Tokenizer> tokenizer;
@@ -348,21 +406,48 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   TransformerConfig config = transformer_config_from_args(args, tokenizer->vocab_size());
   print_line(fmt::format(" > padded vocab (size: {}) with {} dummy tokens (new size: {})", tokenizer->vocab_size(),
                          config.padded_vocab_size - tokenizer->vocab_size(), config.padded_vocab_size));
-  GPTModel model(config, device);
-  model.init_weights(uint64_t(args.seed));
-  print_line(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {}",
-                         model.params().numel()));
-  print_line(fmt::format(" > running on {}", device.str()));
+  DDPConfig ddp_config;
+  ddp_config.overlap_grad_reduce = args.overlap_grad_reduce;
+  ddp_config.use_distributed_optimizer = args.use_distributed_optimizer;
+  ddp_config.overlap_param_gather = args.overlap_param_gather;
+  if (args.ddp_bucket_size > 0) ddp_config.bucket_size = args.ddp_bucket_size;
+  std::vector<std::unique_ptr<GPTModel>> chunks;
+  int64_t num_params = 0;
+  for (int v = 0; v < ps.vpp_size(); ++v) {
+    chunks.push_back(std::make_unique<GPTModel>(config, device, &ps, v, ddp_config));
+    chunks.back()->init_weights(uint64_t(args.seed));
+    num_params += chunks.back()->params().numel();
+  }
+  if (ps.dp_rank() == 0) {  // as Megatron, every model-parallel rank reports its share
+    std::printf(" > number of parameters on (tensor, pipeline) model parallel rank (%d, %d): %lld\n", ps.tp_rank(),
+                ps.pp_rank(), static_cast<long long>(num_params));
+    std::fflush(stdout);
+  }
+  print_line(fmt::format(" > running on {}{}", device.str(),
+                         ps.world_size() > 1 ? fmt::format(" ({} ranks: tp {}, pp {}, dp {}{})", ps.world_size(),
+                                                           ps.tp_size(), ps.pp_size(), ps.dp_size(),
+                                                           ps.vpp_size() > 1 ? fmt::format(", vpp {}", ps.vpp_size())
+                                                                             : std::string())
+                                             : std::string()));
 
-  std::vector<Parameter> params;
-  for (Parameter* p : model.params().parameters()) params.push_back(*p);
-  AdamOptimizer optimizer(params, optimizer_config_from_args(args));
-  optimizer.set_grad_buffer(model.params().grad_buffer());
+  std::vector<ParamAndGradBuffer*> buffers;
+  for (auto& c : chunks) buffers.push_back(&c->params());
+  DistributedDataParallel ddp(ps, buffers, ddp_config);
+  for (auto& c : chunks) {
+    // Tied word embeddings on one stage accumulate twice per microbatch (output layer, embedding).
+    if (c->pre_process() && c->post_process() && config.share_embeddings_and_output_weights) {
+      ddp.set_expected_accumulations(c->params().find("embedding.word_embeddings.weight"), 2);
+    }
+  }
+  AdamOptimizer optimizer(ddp.parameters(), optimizer_config_from_args(args), ddp);
   OptimizerParamScheduler scheduler(scheduler_config_from_args(args));
-  Checkpointer checkpointer(args);
+  Checkpointer checkpointer(args, &ps);
   TrainingProgress progress;
   if (!args.load.empty()) {
-    auto loaded = checkpointer.load(ctx, args.load, model, &optimizer, &scheduler);
+    std::vector<Parameter*> all;
+    for (auto& c : chunks)
+      for (Parameter* p : c->params().parameters()) all.push_back(p);
+    auto loaded = checkpointer.load(ctx, args.load, all, &optimizer, &scheduler);
     if (loaded) {
       progress = *loaded;
       print_line(
@@ -380,19 +465,34 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   NumMicroBatchesCalculator microbatches(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
                                          args.rampup_batch_size);
   microbatches.update(progress.consumed_train_samples);
-  DataIterators data =
-      callbacks.data_iterators(args, tokenizer.get(), progress.consumed_train_samples, progress.consumed_valid_samples);
+  // Rank 0 builds (or finds) the dataset index caches first; the others then read them (Megatron).
+  DataIterators data;
+  if (ps.rank() == 0) {
+    data = callbacks.data_iterators(args, tokenizer.get(), progress.consumed_train_samples,
+                                    progress.consumed_valid_samples);
+  }
+  ps.world().barrier(ctx);
+  if (ps.rank() != 0) {
+    data = callbacks.data_iterators(args, tokenizer.get(), progress.consumed_train_samples,
+                                    progress.consumed_valid_samples);
+  }
   std::unique_ptr<TensorBoardWriter> tb;
-  if (!args.tensorboard_dir.empty()) tb = std::make_unique<TensorBoardWriter>(args.tensorboard_dir);
+  if (!args.tensorboard_dir.empty() && g_printing_rank) tb = std::make_unique<TensorBoardWriter>(args.tensorboard_dir);
   std::unique_ptr<SignalHandler> signals;
   if (args.exit_signal_handler) signals = std::make_unique<SignalHandler>();
   print_line(fmt::format("time to initialize megatron (seconds): {:.3f}", seconds_since(program_start)));
   print_line(fmt::format("{} before the start of training step", timestamp_now()));
 
   const int64_t train_iters = args.train_iters > 0 ? args.train_iters : args.train_samples / args.global_batch_size;
-  Trainer trainer{args,         callbacks,    ctx,  model,    optimizer, scheduler,
-                  checkpointer, microbatches, data, tb.get(), progress,  program_start};
+  Trainer trainer{args,         callbacks, ctx,      ps,   chunks,   ddp,      optimizer,
+                  scheduler,    checkpointer, microbatches, data, tb.get(), progress, program_start};
   trainer.signals = signals.get();
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> loss_log(nullptr, &std::fclose);
+  if (const char* path = std::getenv("MEGATRON_LOSS_LOG"); path && *path && g_printing_rank) {
+    loss_log.reset(std::fopen(path, "a"));
+    MG_CHECK(loss_log != nullptr, "MEGATRON_LOSS_LOG={}: cannot open it for appending", path);
+    trainer.loss_log = loss_log.get();
+  }
   bool exited = false;
   const int64_t start_iteration = progress.iteration;
   if (!args.skip_train) {

@@ -30,7 +30,8 @@ struct PretrainCallbacks {
 /// the user's mistakes (the binary prints them as one line).
 int pretrain(Arguments args, const PretrainCallbacks& callbacks, std::chrono::steady_clock::time_point program_start);
 
-/// Selects the device --device asks for ("auto": the GPU when this build and machine have one).
-Device select_device(const std::string& requested);
+/// Selects the device --device asks for ("auto": the GPU when this build and machine have one);
+/// with several processes per node, GPU local_rank (modulo the visible GPUs).
+Device select_device(const std::string& requested, int local_rank = 0);
 
 }  // namespace megatron

@@ -1,6 +1,9 @@
 // Checkpoints end to end: exact resume (data order, RNG, optimizer, schedule), async save equals
-// sync save, atomicity under a kill during a save, and the errors for another model's or a
-// corrupt checkpoint.
+// sync save, atomicity under a kill during a save, resume from a checkpoint of the format before
+// sharding, and the errors for another model's or a corrupt checkpoint.
+#include <nlohmann/json.hpp>
+
+#include "megatron/core/dist_checkpointing/safetensors.h"
 #include "tests/functional/run_util.h"
 
 namespace megatron::testing {
@@ -64,6 +67,42 @@ TEST(Checkpoint, KillDuringSaveLeavesThePreviousCheckpoint) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("at iteration 5"), std::string::npos) << resumed.output;
   EXPECT_EQ(field_values(resumed.output, "lm loss").size(), 5u);
+}
+
+TEST(Checkpoint, Format1CheckpointResumesLikeTheCurrentFormat) {
+  ScratchDir dir("format1");
+  RunResult first =
+      run(concat({bin("pretrain_gpt")},
+                 concat(resume_flags(8), {"--save", "ckpt", "--save-interval", "4", "--exit-interval", "4"})),
+          dir.path);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("wrote checkpoint ckpt/iter_0000004"), std::string::npos) << first.output;
+  fs::copy(dir.path / "ckpt", dir.path / "old", fs::copy_options::recursive);
+  // Rewrite the copy as the single-process format 1 wrote it: no shard metadata, version 1.
+  const fs::path iter = dir.path / "old/iter_0000004";
+  for (const char* file : {"model_rank00000.safetensors", "optim_rank00000.safetensors"}) {
+    safetensors::File f((iter / file).string());
+    EXPECT_TRUE(f.metadata().count("shards")) << file;
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (const std::string& n : f.names()) tensors.emplace_back(n, f.read(n));
+    safetensors::write((iter / file).string(), tensors, {{"format", "megatron.cpp"}});
+  }
+  nlohmann::json meta = nlohmann::json::parse(read_file(iter / "metadata.json"));
+  EXPECT_EQ(meta["version"], 2);
+  EXPECT_EQ(meta["parallel"]["tensor_model_parallel_size"], 1);
+  meta["version"] = 1;
+  meta.erase("parallel");
+  std::ofstream(iter / "metadata.json") << meta.dump(2);
+
+  RunResult current = run(concat({bin("pretrain_gpt")}, concat(resume_flags(8), {"--load", "ckpt"})), dir.path);
+  RunResult old = run(concat({bin("pretrain_gpt")}, concat(resume_flags(8), {"--load", "old"})), dir.path);
+  ASSERT_EQ(current.exit_code, 0) << current.output;
+  ASSERT_EQ(old.exit_code, 0) << old.output;
+  EXPECT_NE(old.output.find("read checkpoint old/iter_0000004"), std::string::npos) << old.output;
+  for (const char* field : {"lm loss", "learning rate", "grad norm", "consumed samples"}) {
+    EXPECT_EQ(field_values(current.output, field).size(), 4u) << field;
+    EXPECT_EQ(field_values(current.output, field), field_values(old.output, field)) << field;
+  }
 }
 
 TEST(Checkpoint, AnotherModelOrACorruptFileIsAClearError) {

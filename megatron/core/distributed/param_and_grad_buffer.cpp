@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "megatron/runtime/philox.h"
 
@@ -14,7 +15,14 @@ uint64_t name_hash(const std::string& s) {
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
   return h;
 }
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 }  // namespace
+
+int64_t effective_bucket_size(const DDPConfig& config, int dp_size) {
+  if (config.bucket_size) return *config.bucket_size;
+  return config.overlap_grad_reduce ? std::max<int64_t>(40000000, int64_t(1000000) * dp_size) : 0;
+}
 
 Parameter* ParamAndGradBuffer::add(const std::string& name, const Shape& shape, bool no_weight_decay, ParamInit init) {
   return add(name, unsharded(shape), no_weight_decay, init);
@@ -28,26 +36,79 @@ Parameter* ParamAndGradBuffer::add(const std::string& name, const ShardSpec& spe
   param.name = name;
   param.no_weight_decay = no_weight_decay;
   param.shard = spec;
-  entries_.push_back(Entry{param, local_shape(spec), init});
+  entries_.push_back(Entry{param, local_shape(spec), init, {}});
   Parameter* p = &entries_.back().param;
   params_.push_back(p);
   by_name_[name] = p;
+  entry_of_[p] = &entries_.back();
   return p;
 }
 
-void ParamAndGradBuffer::allocate() {
+void ParamAndGradBuffer::allocate(const DDPConfig& config, int dp_size) {
   MG_ASSERT(!allocated(), "buffer allocated twice");
+  MG_CHECK(dp_size >= 1, "data-parallel size {} must be >= 1", dp_size);
+  MG_CHECK(!config.bucket_size || *config.bucket_size >= 0, "--ddp-bucket-size {} must be >= 0", *config.bucket_size);
+  config_ = config;
+  dp_size_ = dp_size;
+  const bool dist_opt = config.use_distributed_optimizer;
+  const int64_t bucket_size = effective_bucket_size(config, dp_size);  // 0: one bucket
+  const int64_t bucket_multiple = dist_opt ? std::lcm(int64_t(dp_size), int64_t(128)) : 1;
+  const int64_t param_alignment = dist_opt ? 64 : 1;
+  auto own_bucket = [&](const Parameter& p) {
+    return dist_opt && (p.shared_embedding_copy || p.in_embedding_group);
+  };
+
+  // Note [Buckets and padding]: the layout first, in reverse registration order (backward order).
+  struct Cut {
+    int64_t start;
+    std::vector<Entry*> entries;
+  };
+  std::vector<Cut> cuts{{0, {}}};
   numel_ = 0;
-  for (const Entry& e : entries_) numel_ += shape_numel(e.shape);
-  param_buffer_ = Tensor::zeros({numel_}, param_dtype_, device_);  // init_weights or a checkpoint fills it
-  grad_buffer_ = Tensor::zeros({numel_}, DType::Float32, device_);
   int64_t offset = 0;
-  for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {  // reverse: backward order
-    int64_t n = shape_numel(it->shape);
-    it->param.data = param_buffer_.flat_slice(offset, n).view(it->shape);
-    it->param.main_grad = grad_buffer_.flat_slice(offset, n).view(it->shape);
+  auto close_bucket = [&](int64_t end) {
+    const int64_t padded = cuts.back().start + round_up(end - cuts.back().start, bucket_multiple);
+    cuts.push_back({padded, {}});
+    return padded;
+  };
+  for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
+    const int64_t n = shape_numel(it->shape);
+    numel_ += n;
+    if (own_bucket(it->param) && !cuts.back().entries.empty()) offset = close_bucket(offset);
+    offset = cuts.back().start + round_up(offset - cuts.back().start, param_alignment);
+    it->location = Location{offset, int(cuts.size()) - 1};
+    cuts.back().entries.push_back(&*it);
     offset += n;
+    if ((bucket_size > 0 && offset - cuts.back().start >= bucket_size) || own_bucket(it->param)) offset = close_bucket(offset);
   }
+  if (!cuts.back().entries.empty()) offset = close_bucket(offset);
+  cuts.pop_back();  // the empty bucket after the last cut
+  const int64_t total = offset;
+
+  param_buffer_ = Tensor::zeros({total}, param_dtype_, device_);  // init_weights or a checkpoint fills it
+  grad_buffer_ = Tensor::zeros({total}, DType::Float32, device_);
+  buckets_.clear();
+  for (size_t b = 0; b < cuts.size(); ++b) {
+    Bucket bucket;
+    bucket.start = cuts[b].start;
+    bucket.end = b + 1 < cuts.size() ? cuts[b + 1].start : total;
+    bucket.param_data = param_buffer_.flat_slice(bucket.start, bucket.numel());
+    bucket.grad_data = grad_buffer_.flat_slice(bucket.start, bucket.numel());
+    for (Entry* e : cuts[b].entries) {
+      const int64_t n = shape_numel(e->shape);
+      e->param.data = param_buffer_.flat_slice(e->location.offset, n).view(e->shape);
+      e->param.main_grad = grad_buffer_.flat_slice(e->location.offset, n).view(e->shape);
+      bucket.params.push_back(&e->param);
+    }
+    buckets_.push_back(std::move(bucket));
+  }
+}
+
+ParamAndGradBuffer::Location ParamAndGradBuffer::location(const Parameter* p) const {
+  MG_ASSERT(allocated(), "location of a parameter before allocation");
+  auto it = entry_of_.find(p);
+  MG_ASSERT(it != entry_of_.end(), "parameter {} is not in this buffer", p ? p->name : "(null)");
+  return it->second->location;
 }
 
 void ParamAndGradBuffer::init_weights(uint64_t seed, float std, int num_layers, bool zero_centered_gamma) {

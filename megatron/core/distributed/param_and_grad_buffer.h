@@ -5,7 +5,20 @@
 //
 // Modules register their parameters while they are built (add()), and keep the returned pointers;
 // allocate() then creates the buffers and points every Parameter at its views.
+//
+// Note [Buckets and padding] (Megatron's _ParamAndGradBuffer): allocate(config, dp) cuts the layout
+// into buckets at parameter boundaries — a bucket closes once it holds >= bucket_size elements, so
+// it may exceed the size by its last parameter. With the distributed optimizer:
+//   - each parameter starts at a multiple of 64 elements (aligned views for the kernels);
+//   - each bucket is padded to a multiple of lcm(dp, 128) elements, so every data-parallel rank owns
+//     an equal contiguous shard of every bucket, 128-element aligned when dp divides 128;
+//   - a parameter of the tied embeddings (shared_embedding_copy / in_embedding_group) gets a bucket
+//     of its own: the first and last pipeline stages then shard it identically, so the
+//     embedding-group all-reduce after the data-parallel reduce-scatter is right on the owned shard.
+// Padding is zero in both buffers and belongs to no parameter.
 #pragma once
+
+#include <optional>
 
 #include <deque>
 #include <string>
@@ -20,6 +33,34 @@ namespace megatron {
 /// How a parameter is initialised (Megatron's init_method / output_layer_init_method, zeros, ones).
 enum class ParamInit { Normal, ScaledNormal, Zeros, Ones };
 
+/// Megatron's DistributedDataParallelConfig (the part this build has).
+struct DDPConfig {
+  /// Start a bucket's reduction during the last microbatch's backward, as soon as its gradients are
+  /// complete (GradHook), instead of all at once in finish_grad_sync().
+  bool overlap_grad_reduce = false;
+  /// Distributed optimizer: the all-gather of updated parameters runs asynchronously after the step
+  /// and is waited for before the next forward (DistributedDataParallel::finish_param_sync).
+  bool overlap_param_gather = false;
+  /// Shard the optimizer state over data-parallel ranks: reduce-scatter instead of all-reduce.
+  bool use_distributed_optimizer = false;
+  /// Bucket size in elements. Unset: Megatron's default — max(40M, 1M·dp) with overlap_grad_reduce,
+  /// else one bucket. Megatron ignores --ddp-bucket-size without --overlap-grad-reduce; map the flag
+  /// only when it is set. A value is always honoured here (tests cut small buckets).
+  std::optional<int64_t> bucket_size;
+};
+
+/// The bucket size allocate() uses: config.bucket_size, else Megatron's default (0: one bucket).
+int64_t effective_bucket_size(const DDPConfig& config, int dp_size);
+
+/// A contiguous range of both buffers whose gradients are reduced by one collective.
+struct Bucket {
+  int64_t start = 0, end = 0;      // [start, end) in the buffers, padding included
+  std::vector<Parameter*> params;  // in layout order (reverse registration order)
+  Tensor param_data;               // views of the range, 1-D
+  Tensor grad_data;
+  int64_t numel() const { return end - start; }
+};
+
 class ParamAndGradBuffer {
  public:
   ParamAndGradBuffer(DType param_dtype, Device device) : param_dtype_(param_dtype), device_(device) {}
@@ -31,7 +72,9 @@ class ParamAndGradBuffer {
   /// Registers a tensor-parallel shard: the local shape is local_shape(spec), and initialisation
   /// gives it the values of its piece of the full tensor.
   Parameter* add(const std::string& name, const ShardSpec& spec, bool no_weight_decay, ParamInit init);
-  void allocate();
+  /// Creates the buffers and buckets (Note [Buckets and padding]); `dp_size` is the number of ranks
+  /// that reduce gradients together (data × context parallel).
+  void allocate(const DDPConfig& config = {}, int dp_size = 1);
   bool allocated() const { return param_buffer_.defined(); }
 
   /// Initialises every parameter as Megatron does: normal(0, std) weights, normal(0, std/sqrt(2L))
@@ -46,19 +89,35 @@ class ParamAndGradBuffer {
   Parameter* find(const std::string& name) const;
   const Tensor& param_buffer() const { return param_buffer_; }
   const Tensor& grad_buffer() const { return grad_buffer_; }
+  /// Elements of all parameters (the buffers may be longer by the padding).
   int64_t numel() const { return numel_; }
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  /// Where a parameter of this buffer lies: its first element's offset in the buffers and its bucket.
+  struct Location {
+    int64_t offset = 0;
+    int bucket = 0;
+  };
+  Location location(const Parameter* p) const;
+  const DDPConfig& ddp_config() const { return config_; }
+  int dp_size() const { return dp_size_; }
 
  private:
   struct Entry {
     Parameter param;
     Shape shape;
     ParamInit init;
+    Location location;
   };
   DType param_dtype_;
   Device device_;
   std::deque<Entry> entries_;  // stable addresses
   std::vector<Parameter*> params_;
   std::unordered_map<std::string, Parameter*> by_name_;
+  std::unordered_map<const Parameter*, Entry*> entry_of_;
+  std::vector<Bucket> buckets_;
+  DDPConfig config_;
+  int dp_size_ = 1;
   Tensor param_buffer_;
   Tensor grad_buffer_;
   int64_t numel_ = 0;

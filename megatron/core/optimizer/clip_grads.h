@@ -5,12 +5,17 @@
 #include <cstdint>
 #include <vector>
 
+#include "megatron/core/comm/communicator.h"
 #include "megatron/kernels/ops.h"
 
 namespace megatron {
 
 /// ops::grad_stats summed over the tensors (undefined tensors are skipped).
 GradStats grad_stats_fp32(Context& ctx, const std::vector<Tensor>& grads);
+
+/// `local` summed over the ranks of `group` (all-gathered, then added in rank order in double: every
+/// rank gets the same bits). Collective; a one-rank group returns `local`.
+GradStats all_reduce_grad_stats(Context& ctx, Communicator& group, const GradStats& local);
 
 /// The L2 norm described by `stats`, times `scale` (e.g. 1/loss_scale for still-scaled grads).
 /// inf or nan when a gradient is.

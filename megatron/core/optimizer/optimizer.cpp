@@ -1,7 +1,12 @@
 // The mixed-precision Adam optimizer (optimizer.h): masters, param groups, loss-scale skipping,
-// clipping folded into the Adam kernel's grad_scale.
+// clipping folded into the Adam kernel's grad_scale; the distributed optimizer's shards and the
+// cross-rank grad statistics.
 #include "megatron/core/optimizer/optimizer.h"
 
+#include <algorithm>
+#include <cmath>
+
+#include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/optimizer/clip_grads.h"
 #include "megatron/kernels/ops.h"
 
@@ -38,6 +43,57 @@ std::unique_ptr<GradScaler> make_grad_scaler(const OptimizerConfig& c) {
 
 AdamOptimizer::AdamOptimizer(std::vector<Parameter> params, const OptimizerConfig& config)
     : config_(config), params_(std::move(params)), lr_(config.lr), weight_decay_(config.weight_decay) {
+  for (const Parameter& p : params_) {
+    shard_start_.push_back(0);
+    shard_count_.push_back(p.data.defined() ? p.data.numel() : 0);
+    counted_.push_back(true);
+  }
+  init_states();
+}
+
+AdamOptimizer::AdamOptimizer(std::vector<Parameter> params, const OptimizerConfig& config,
+                             DistributedDataParallel& ddp)
+    : config_(config), params_(std::move(params)), lr_(config.lr), weight_decay_(config.weight_decay), ddp_(&ddp) {
+  distributed_ = ddp.config().use_distributed_optimizer;
+  const ParallelState& ps = ddp.parallel_state();
+  // Note [Counting gradients once]: which gradient elements this rank counts, as coalesced views of
+  // the chunks' grad buffers (one grad_stats pass per contiguous run).
+  struct Piece {
+    int chunk;
+    int64_t offset, count;
+  };
+  std::vector<Piece> pieces;
+  for (const Parameter& p : params_) {
+    const Parameter* model = ddp.find(p.name);
+    MG_CHECK(model && p.data.defined() && model->data.raw_data() == p.data.raw_data(),
+             "optimizer: parameter '{}' is not a parameter of the data-parallel model chunks", p.name);
+    const ParamShard sh = ddp.owned_shard(p.name);
+    shard_start_.push_back(distributed_ ? sh.start : 0);
+    shard_count_.push_back(distributed_ ? sh.count : p.data.numel());
+    counted_.push_back(!p.shared_embedding_copy && (!p.tp_duplicate || ps.tp_rank() == 0));
+    if (!counted_.back() || shard_count_.back() == 0) continue;
+    const Tensor g = p.main_grad.flat_slice(shard_start_.back(), shard_count_.back());
+    for (int c = 0; c < ddp.num_chunks(); ++c) {
+      const Tensor& buf = ddp.chunk(c).grad_buffer();
+      if (buf.storage() != g.storage()) continue;
+      const auto bytes = static_cast<const char*>(g.raw_data()) - static_cast<const char*>(buf.raw_data());
+      pieces.push_back(Piece{c, int64_t(bytes / int64_t(sizeof(float))), g.numel()});
+    }
+    MG_ASSERT(!pieces.empty() && pieces.back().count == g.numel(), "main_grad of {} is not in its grad buffer", p.name);
+  }
+  std::sort(pieces.begin(), pieces.end(),
+            [](const Piece& a, const Piece& b) { return a.chunk != b.chunk ? a.chunk < b.chunk : a.offset < b.offset; });
+  for (size_t i = 0; i < pieces.size();) {
+    size_t j = i + 1;
+    int64_t end = pieces[i].offset + pieces[i].count;
+    while (j < pieces.size() && pieces[j].chunk == pieces[i].chunk && pieces[j].offset == end) end += pieces[j++].count;
+    stat_grads_.push_back(ddp.chunk(pieces[i].chunk).grad_buffer().flat_slice(pieces[i].offset, end - pieces[i].offset));
+    i = j;
+  }
+  init_states();
+}
+
+void AdamOptimizer::init_states() {
   validate(config_);
   const DType half = config_.fp16 ? DType::Float16 : config_.bf16 ? DType::BFloat16 : DType::Float32;
   states_.reserve(params_.size());
@@ -54,25 +110,39 @@ AdamOptimizer::AdamOptimizer(std::vector<Parameter> params, const OptimizerConfi
              p.main_grad.defined() ? p.main_grad.str() : "none");
     MG_CHECK(p.main_grad.device() == p.data.device(), "optimizer: parameter '{}' is on {} but its main_grad on {}",
              p.name, p.data.device().str(), p.main_grad.device().str());
+    const Tensor model = model_shard(i);
     AdamParamState s;
-    s.master = p.data.dtype() == DType::Float32 ? p.data : p.data.to(DType::Float32);
-    s.exp_avg = Tensor::zeros(p.data.shape(), DType::Float32, p.data.device());
-    s.exp_avg_sq = Tensor::zeros(p.data.shape(), DType::Float32, p.data.device());
+    s.master = p.data.dtype() == DType::Float32 ? model : model.to(DType::Float32);
+    s.exp_avg = Tensor::zeros(model.shape(), DType::Float32, p.data.device());
+    s.exp_avg_sq = Tensor::zeros(model.shape(), DType::Float32, p.data.device());
     states_.push_back(std::move(s));
   }
   scaler_ = make_grad_scaler(config_);
 }
 
+Tensor AdamOptimizer::model_shard(size_t i) const {
+  const Parameter& p = params_[i];
+  return distributed_ ? p.data.flat_slice(shard_start_[i], shard_count_[i]) : p.data;
+}
+
+GradStats AdamOptimizer::reduce_stats(Context& ctx, const GradStats& local) const {
+  if (!ddp_) return local;
+  const ParallelState& ps = ddp_->parallel_state();
+  return all_reduce_grad_stats(ctx, distributed_ ? ps.world() : ps.model(), local);
+}
+
 OptimizerStepResult AdamOptimizer::step(Context& ctx) {
   OptimizerStepResult result;
   std::vector<Tensor> grads;
-  if (grad_buffer_.defined()) {
+  if (ddp_) {
+    grads = stat_grads_;
+  } else if (grad_buffer_.defined()) {
     grads.push_back(grad_buffer_);
   } else {
     grads.reserve(params_.size());
     for (const Parameter& p : params_) grads.push_back(p.main_grad);
   }
-  const GradStats stats = grad_stats_fp32(ctx, grads);
+  const GradStats stats = reduce_stats(ctx, grad_stats_fp32(ctx, grads));
 
   // Unscale and check for inf/nan (Megatron reads inv_scale before updating the scaler).
   double inv_scale = 1.0;
@@ -104,10 +174,13 @@ OptimizerStepResult AdamOptimizer::step(Context& ctx) {
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = params_[i];
     AdamParamState& s = states_[i];
+    if (shard_count_[i] == 0) continue;
     hp.weight_decay = p.no_weight_decay ? 0.0f : float(weight_decay_);
-    Tensor model_param = p.data.dtype() == DType::Float32 ? Tensor() : p.data;
-    ops::adamw_step(ctx, s.master, p.main_grad, s.exp_avg, s.exp_avg_sq, hp, model_param);
+    Tensor model_param = p.data.dtype() == DType::Float32 ? Tensor() : model_shard(i);
+    const Tensor grad = distributed_ ? p.main_grad.flat_slice(shard_start_[i], shard_count_[i]) : p.main_grad;
+    ops::adamw_step(ctx, s.master, grad, s.exp_avg, s.exp_avg_sq, hp, model_param);
   }
+  if (distributed_) ddp_->start_param_sync(ctx);
   result.update_successful = true;
   return result;
 }
@@ -121,23 +194,90 @@ size_t AdamOptimizer::index_of(const std::string& name) const {
 AdamParamState& AdamOptimizer::state(const std::string& name) { return states_[index_of(name)]; }
 const AdamParamState& AdamOptimizer::state(const std::string& name) const { return states_[index_of(name)]; }
 
-AdamParamState AdamOptimizer::gather_state(Context& ctx, const std::string& name) const { return state(name); }
+AdamParamState AdamOptimizer::gather_state(Context& ctx, const std::string& name) const {
+  const size_t i = index_of(name);
+  if (!distributed_) return states_[i];
+  // Every rank sends its piece of the three tensors, padded to the longest piece, in one all-gather.
+  Communicator& group = ddp_->data_parallel_group();
+  const Parameter& p = params_[i];
+  const Device device = p.data.device();
+  std::vector<ParamShard> pieces;
+  int64_t k = 0;
+  for (int r = 0; r < group.size(); ++r) {
+    pieces.push_back(ddp_->shard(name, r));
+    k = std::max(k, pieces.back().count);
+  }
+  const AdamParamState& s = states_[i];
+  Tensor mine = Tensor::zeros({3 * k}, DType::Float32, device);
+  const int64_t n = shard_count_[i];
+  if (n > 0) {
+    mine.flat_slice(0, n).copy_from(s.master);
+    mine.flat_slice(k, n).copy_from(s.exp_avg);
+    mine.flat_slice(2 * k, n).copy_from(s.exp_avg_sq);
+  }
+  Tensor all = Tensor::empty({3 * k * group.size()}, DType::Float32, device);
+  group.all_gather(ctx, mine, all)->wait();
+  AdamParamState out;
+  out.master = Tensor::empty(p.data.shape(), DType::Float32, device);
+  out.exp_avg = Tensor::empty(p.data.shape(), DType::Float32, device);
+  out.exp_avg_sq = Tensor::empty(p.data.shape(), DType::Float32, device);
+  for (int r = 0; r < group.size(); ++r) {
+    const ParamShard& pc = pieces[size_t(r)];
+    if (pc.count == 0) continue;
+    const int64_t base = 3 * k * r;
+    out.master.flat_slice(pc.start, pc.count).copy_from(all.flat_slice(base, pc.count));
+    out.exp_avg.flat_slice(pc.start, pc.count).copy_from(all.flat_slice(base + k, pc.count));
+    out.exp_avg_sq.flat_slice(pc.start, pc.count).copy_from(all.flat_slice(base + 2 * k, pc.count));
+  }
+  return out;
+}
 
 void AdamOptimizer::scatter_state(Context& ctx, const std::string& name, const AdamParamState& in) {
-  AdamParamState& s = state(name);
-  s.master.copy_from(in.master);
-  s.exp_avg.copy_from(in.exp_avg);
-  s.exp_avg_sq.copy_from(in.exp_avg_sq);
+  const size_t i = index_of(name);
+  AdamParamState& s = states_[i];
+  const int64_t numel = params_[i].data.numel();
+  MG_CHECK(in.master.numel() == numel && in.exp_avg.numel() == numel && in.exp_avg_sq.numel() == numel,
+           "optimizer state of '{}' has {}/{}/{} elements, the parameter {}", name, in.master.numel(),
+           in.exp_avg.numel(), in.exp_avg_sq.numel(), numel);
+  if (shard_count_[i] == 0) return;
+  auto own = [&](const Tensor& t) { return distributed_ ? t.flat_slice(shard_start_[i], shard_count_[i]) : t; };
+  s.master.copy_from(own(in.master));
+  s.exp_avg.copy_from(own(in.exp_avg));
+  s.exp_avg_sq.copy_from(own(in.exp_avg_sq));
 }
 
 void AdamOptimizer::reload_model_params() {
   for (size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].data.dtype() != DType::Float32) states_[i].master.copy_from(params_[i].data);
+    if (params_[i].data.dtype() != DType::Float32 && shard_count_[i] > 0) states_[i].master.copy_from(model_shard(i));
 }
 
 void AdamOptimizer::copy_main_params_to_model_params() {
+  MG_CHECK(!distributed_,
+           "copy_main_params_to_model_params with the distributed optimizer all-gathers the parameters: pass the "
+           "Context");
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].data.dtype() != DType::Float32) params_[i].data.copy_from(states_[i].master);
+}
+
+void AdamOptimizer::copy_main_params_to_model_params(Context& ctx) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].data.dtype() == DType::Float32 || shard_count_[i] == 0) continue;
+    Tensor model = model_shard(i);
+    model.copy_from(states_[i].master);
+  }
+  if (distributed_) {
+    ddp_->start_param_sync(ctx);
+    ddp_->finish_param_sync(ctx);
+  }
+}
+
+double AdamOptimizer::params_norm(Context& ctx) const {
+  GradStats local;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!counted_[i] || shard_count_[i] == 0) continue;
+    local.sum_sq += ops::grad_stats(ctx, states_[i].master).sum_sq;
+  }
+  return std::sqrt(reduce_stats(ctx, local).sum_sq);
 }
 
 nlohmann::json AdamOptimizer::state_dict() const {

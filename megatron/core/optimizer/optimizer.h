@@ -11,6 +11,19 @@
 // The main grads are read, never modified (unscaling and clipping are folded into grad_scale);
 // zeroing them is the caller's job. Param groups: parameters with no_weight_decay get weight decay
 // 0 (Megatron's wd_mult 0), the others the scheduled weight decay.
+//
+// Parallel training (constructed over a DistributedDataParallel):
+//   - Note [Counting gradients once] (Megatron's param_is_not_shared and
+//     param_is_not_tensor_parallel_duplicate): the grad statistics — Σg², inf/nan, zeros — and the
+//     parameter norm count every element of the full model exactly once: shared_embedding_copy
+//     parameters never, tp_duplicate parameters on tensor-parallel rank 0 only, and with the
+//     distributed optimizer only the elements of this rank's shard. They are summed over the
+//     model-parallel group (tp × pp), or over the world with the distributed optimizer (Megatron's
+//     grad-stats group), so every rank sees the same norm and the same found-inf and skips together.
+//   - Distributed optimizer (Megatron's DistributedOptimizer): masters and moments exist only for
+//     this rank's shard of every bucket, per parameter as a flat slice (state(name) is that 1-D
+//     slice; for fp32 parameters the master is a view of the model parameter). step() updates the
+//     shards and ends with ddp.start_param_sync(), the all-gather of the updated parameters.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +36,7 @@
 
 #include "megatron/core/optimizer/grad_scaler.h"
 #include "megatron/core/optimizer/parameter.h"
+#include "megatron/kernels/ops.h"
 #include "megatron/runtime/context.h"
 
 namespace megatron {
@@ -60,11 +74,16 @@ struct AdamParamState {
   Tensor exp_avg_sq;
 };
 
+class DistributedDataParallel;
+
 class AdamOptimizer {
  public:
   /// Takes the parameters (their tensors are shared, not copied) and allocates the fp32 masters
   /// (initialised from the model's values) and zero Adam moments on each parameter's device.
   AdamOptimizer(std::vector<Parameter> params, const OptimizerConfig& config);
+  /// Parallel training over ddp's model chunks: `params` are theirs (ddp.parameters()); see the
+  /// notes above. `ddp` must outlive the optimizer.
+  AdamOptimizer(std::vector<Parameter> params, const OptimizerConfig& config, DistributedDataParallel& ddp);
 
   OptimizerStepResult step(Context& ctx);
   /// The contiguous fp32 buffer all the main grads are views of (the model's ParamAndGradBuffer):
@@ -87,7 +106,10 @@ class AdamOptimizer {
   const OptimizerConfig& config() const { return config_; }
 
   const std::vector<Parameter>& parameters() const { return params_; }
-  /// The Adam state of the parameter of that name (a user error if there is none).
+  /// Whether the state is sharded over data-parallel ranks (the distributed optimizer).
+  bool distributed() const { return distributed_; }
+  /// The Adam state of the parameter of that name (a user error if there is none); with the
+  /// distributed optimizer this rank's 1-D shard of it (possibly empty: see shard_of).
   AdamParamState& state(const std::string& name);
   const AdamParamState& state(const std::string& name) const;
 
@@ -102,7 +124,14 @@ class AdamOptimizer {
   /// optimizer state).
   void reload_model_params();
   /// Copies the fp32 masters into the model's parameters (after loading masters from a checkpoint).
+  /// With the distributed optimizer this is collective (the shards are all-gathered) and needs the
+  /// Context overload.
   void copy_main_params_to_model_params();
+  void copy_main_params_to_model_params(Context& ctx);
+
+  /// The L2 norm of the fp32 masters over the whole model (Megatron's calc_params_l2_norm; Note
+  /// [Counting gradients once]). Collective in parallel training.
+  double params_norm(Context& ctx) const;
 
   /// The non-tensor state: {"step", "lr", "weight_decay", "grad_scaler"}. Tensors go through state().
   nlohmann::json state_dict() const;
@@ -110,6 +139,11 @@ class AdamOptimizer {
 
  private:
   size_t index_of(const std::string& name) const;
+  void init_states();
+  /// The elements of parameter i this rank updates: all of it, or its shard as a flat slice.
+  Tensor model_shard(size_t i) const;
+  /// Σ over the elements this rank counts, reduced over the grad-stats group.
+  GradStats reduce_stats(Context& ctx, const GradStats& local) const;
 
   OptimizerConfig config_;
   std::vector<Parameter> params_;
@@ -120,6 +154,12 @@ class AdamOptimizer {
   double weight_decay_;
   int64_t step_count_ = 0;
   Tensor grad_buffer_;
+  // Parallel training.
+  DistributedDataParallel* ddp_ = nullptr;
+  bool distributed_ = false;
+  std::vector<int64_t> shard_start_, shard_count_;  // per parameter: its elements held here
+  std::vector<bool> counted_;                        // per parameter: counted in norms here
+  std::vector<Tensor> stat_grads_;                   // the counted gradient elements, coalesced
 };
 
 }  // namespace megatron

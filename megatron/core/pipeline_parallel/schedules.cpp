@@ -1,30 +1,97 @@
 #include "megatron/core/pipeline_parallel/schedules.h"
 
+#include <cstring>
+
+#include "megatron/core/distributed/distributed_data_parallel.h"
+#include "megatron/core/pipeline_parallel/pipeline_schedules.h"
 #include "megatron/kernels/ops.h"
 
 namespace megatron {
 
-LossSums forward_backward_no_pipelining(Context& ctx, const GPTModel& model, const ForwardStepFunc& forward_step,
-                                        BatchIterator& data, int num_microbatches, float loss_scale,
-                                        bool forward_only) {
+LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+                          const ForwardStepFunc& forward_step, BatchIterator& data, const ForwardBackwardArgs& args,
+                          DistributedDataParallel* ddp) {
+  MG_ASSERT(!chunks.empty());
+  const int num_mb = args.num_microbatches;
+  const int dp = ps ? ps->dp_size() : 1, dp_rank = ps ? ps->dp_rank() : 0;
+  std::vector<MicroBatch> batches;
+  batches.reserve(size_t(num_mb));
+  for (int i = 0; i < num_mb; ++i) batches.push_back(data());
+
+  const uint64_t rng_base = ctx.rng().offset;
+  const uint64_t streams = chunks[0]->random_streams_per_microbatch();
+  std::vector<std::vector<GPTModel::Stash>> stashes(chunks.size(), std::vector<GPTModel::Stash>(size_t(num_mb)));
+  std::vector<Tensor> grad_losses(static_cast<size_t>(num_mb));
   LossSums total;
   Tensor sums = Tensor::empty({2}, DType::Float32, ctx.device());
-  for (int mb = 0; mb < num_microbatches; ++mb) {
-    GPTModel::Stash stash;
-    ForwardOutput out = forward_step(ctx, data, model, stash);
-    Tensor losses = out.losses.view({-1});
+
+  PipelineStepFuncs f;
+  f.forward = [&](Context& c, int chunk, int mb, const Tensor& input) -> Tensor {
+    const GPTModel& model = *chunks[size_t(chunk)];
+    c.rng().offset = rng_base + uint64_t(mb * dp + dp_rank) * streams;
+    GPTModel::Stash& stash = stashes[size_t(chunk)][size_t(mb)];
+    ForwardOutput out = forward_step(c, batches[size_t(mb)], model, input, stash);
+    if (args.forward_only) stash = GPTModel::Stash{};
+    if (!model.post_process()) return out.output;
+    Tensor losses = out.output.view({-1});
     Tensor mask = out.loss_mask.defined() ? out.loss_mask.view({-1}) : Tensor();
-    ops::masked_loss_sums(ctx, losses, mask, sums);
-    std::vector<float> host = sums.to_floats();
+    ops::masked_loss_sums(c, losses, mask, sums);
+    const std::vector<float> host = sums.to_floats();
     total.loss_sum += host[0];
     total.num_tokens += host[1];
-    if (forward_only) continue;
-    // Megatron (calculate_per_token_loss off): each microbatch contributes its mean over its own
-    // unmasked tokens, divided by the number of microbatches; the loss scale multiplies it (fp16).
-    const float scale = host[1] > 0 ? loss_scale / (host[1] * float(num_microbatches)) : 0.0f;
-    Tensor grad = Tensor::empty({losses.numel()}, DType::Float32, ctx.device());
-    ops::masked_loss_backward(ctx, mask, scale, grad);
-    model.backward(ctx, grad.view(out.losses.shape()), stash);
+    if (!args.forward_only) {
+      const float scale = host[1] > 0 ? args.loss_scale / (host[1] * float(num_mb)) : 0.0f;
+      Tensor grad = Tensor::empty({losses.numel()}, DType::Float32, c.device());
+      ops::masked_loss_backward(c, mask, scale, grad);
+      grad_losses[size_t(mb)] = grad.view(out.output.shape());
+    }
+    return Tensor();
+  };
+  f.backward = [&](Context& c, int chunk, int mb, const Tensor& output_grad, bool last_for_chunk) -> Tensor {
+    const GPTModel& model = *chunks[size_t(chunk)];
+    if (ddp) ddp->set_grad_sync(chunk, last_for_chunk);
+    const Tensor& grad = model.post_process() ? grad_losses[size_t(mb)] : output_grad;
+    Tensor grad_input = model.backward_step(c, grad, stashes[size_t(chunk)][size_t(mb)]);
+    if (model.post_process()) grad_losses[size_t(mb)] = Tensor();
+    return grad_input;
+  };
+
+  if (!ps || ps->pp_size() == 1) {
+    MG_ASSERT(chunks.size() == 1, "{} model chunks without pipeline parallelism", chunks.size());
+    for (int mb = 0; mb < num_mb; ++mb) {
+      f.forward(ctx, 0, mb, Tensor());
+      if (!args.forward_only) f.backward(ctx, 0, mb, Tensor(), mb == num_mb - 1);
+      stashes[0][size_t(mb)] = GPTModel::Stash{};
+    }
+  } else {
+    const Shape shape = chunks[0]->stage_activation_shape(args.micro_batch_size, args.seq_length);
+    const DType dtype = chunks[0]->config().params_dtype;
+    if (ps->vpp_size() > 1) {
+      forward_backward_pipelining_with_interleaving(ctx, *ps, f, num_mb, shape, dtype, args.forward_only);
+    } else {
+      forward_backward_pipelining_without_interleaving(ctx, *ps, f, num_mb, shape, dtype, args.forward_only);
+    }
+    ps->set_virtual_pipeline_rank(0);
+  }
+  ctx.rng().offset = rng_base + uint64_t(num_mb) * uint64_t(dp) * streams;
+
+  // The lm loss over the whole global batch: the last stage's sums over the data-parallel ranks.
+  if (ps && ps->dp_size() > 1 && chunks.back()->post_process()) {
+    // Gathered as bit patterns and summed here in rank order: exact doubles, the same on every rank.
+    Communicator& group = ps->data();
+    Tensor mine = Tensor::empty({2}, DType::Int64);
+    std::memcpy(mine.data<int64_t>(), &total.loss_sum, sizeof(double));
+    std::memcpy(mine.data<int64_t>() + 1, &total.num_tokens, sizeof(double));
+    Tensor all = Tensor::empty({2 * group.size()}, DType::Int64, ctx.device());
+    group.all_gather(ctx, mine.to(ctx.device()), all)->wait();
+    const Tensor host = all.to(Device::cpu());
+    total = LossSums{};
+    for (int r = 0; r < group.size(); ++r) {
+      double v[2];
+      std::memcpy(v, host.data<int64_t>() + 2 * r, sizeof(v));
+      total.loss_sum += v[0];
+      total.num_tokens += v[1];
+    }
   }
   return total;
 }

@@ -1,14 +1,28 @@
-// Pipeline schedules as plain functions over callbacks (Megatron's get_forward_backward_func).
-// Without pipeline parallelism: forward_backward_no_pipelining runs the microbatches of one global
-// batch one after another, each forward immediately followed by its backward, gradients
-// accumulating in the fp32 grad buffer. The parallel issue adds 1F1B and interleaved 1F1B beside it.
+// One training (or evaluation) step's forward and backward passes over this rank's model chunks —
+// Megatron's get_forward_backward_func() and the loss handling of its forward_step/loss_func:
+//   - PP = 1: no pipelining: each microbatch's forward followed by its backward;
+//   - PP > 1: 1F1B, or interleaved 1F1B with several model chunks per rank (pipeline_schedules.h).
+// Gradients accumulate in the fp32 grad buffers; with a DistributedDataParallel the gradient
+// reduction is enabled for each chunk's last microbatch only (Megatron's no_sync), so overlapped
+// buckets start during that backward.
+//
+// Losses: on the last stage each microbatch contributes its mean over its unmasked tokens, divided
+// by the number of microbatches and multiplied by the loss scale (Megatron with
+// calculate_per_token_loss off); the data-parallel mean is the DDP's 1/dp scaling.
+//
+// Random streams: microbatch j of data-parallel rank r is microbatch j·dp + r of the global batch
+// (Megatron's sampler), and it draws the random offsets that microbatch draws in the single-process
+// run, so dropout masks do not depend on the data-parallel or pipeline layout.
 #pragma once
 
 #include <functional>
+#include <vector>
 
 #include "megatron/core/models/gpt/gpt_model.h"
 
 namespace megatron {
+
+class DistributedDataParallel;
 
 /// One microbatch as the data loader gives it (host tensors, [micro batch, seq]).
 struct MicroBatch {
@@ -20,25 +34,38 @@ struct MicroBatch {
 
 /// What forward_step returns (Megatron: output tensor and the loss function's mask).
 struct ForwardOutput {
-  Tensor losses;     // per-token losses [b, s] fp32
-  Tensor loss_mask;  // [b, s] fp32 (undefined: every token counts)
+  Tensor output;     // per-token losses [b, s] fp32 on the last stage, else the activations to send
+  Tensor loss_mask;  // [b, s] fp32 (undefined: every token counts); read on the last stage only
 };
 
 /// A data iterator: each call returns the next microbatch.
 using BatchIterator = std::function<MicroBatch()>;
 
-/// Megatron's forward_step_func: takes the next microbatch from the iterator and runs the forward.
-using ForwardStepFunc = std::function<ForwardOutput(Context&, BatchIterator&, const GPTModel&, GPTModel::Stash&)>;
+/// Megatron's forward_step_func for one model chunk: `input` is the previous stage's output
+/// (undefined on the first stage). Runs model.forward_step.
+using ForwardStepFunc =
+    std::function<ForwardOutput(Context&, const MicroBatch&, const GPTModel&, const Tensor& input, GPTModel::Stash&)>;
 
-/// Σ loss·mask and Σ mask over the microbatches of one step (the reported lm loss is their ratio).
+/// Σ loss·mask and Σ mask over the microbatches of one step (the reported lm loss is their ratio);
+/// meaningful on the last pipeline stage only, summed over the data-parallel ranks.
 struct LossSums {
   double loss_sum = 0.0;
   double num_tokens = 0.0;
 };
 
-/// Runs `num_microbatches` microbatches. Unless forward_only, backpropagates each microbatch's mean
-/// loss (over its unmasked tokens) divided by num_microbatches and multiplied by `loss_scale`.
-LossSums forward_backward_no_pipelining(Context& ctx, const GPTModel& model, const ForwardStepFunc& forward_step,
-                                        BatchIterator& data, int num_microbatches, float loss_scale, bool forward_only);
+struct ForwardBackwardArgs {
+  int num_microbatches = 1;  // this data-parallel rank's
+  int64_t micro_batch_size = 1;
+  int64_t seq_length = 0;
+  float loss_scale = 1.0f;
+  bool forward_only = false;
+};
+
+/// Runs one step's microbatches through this rank's model chunks (`chunks`, in virtual-stage order)
+/// with the schedule the layout calls for. Every rank pulls num_microbatches batches from `data`.
+/// `ps` null: one process. `ddp` may be null (no gradient reduction).
+LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+                          const ForwardStepFunc& forward_step, BatchIterator& data, const ForwardBackwardArgs& args,
+                          DistributedDataParallel* ddp = nullptr);
 
 }  // namespace megatron

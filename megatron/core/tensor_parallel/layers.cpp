@@ -1,28 +1,89 @@
 #include "megatron/core/tensor_parallel/layers.h"
 
+#include "megatron/core/tensor_parallel/mappings.h"
 #include "megatron/kernels/ops.h"
 
 namespace megatron {
 
-Linear::Linear(ParamAndGradBuffer& params, const std::string& prefix, int64_t in_features, int64_t out_features,
-               bool bias, ParamInit weight_init) {
-  weight_ = params.add(prefix + ".weight", {out_features, in_features}, /*no_weight_decay=*/false, weight_init);
-  if (bias) bias_ = params.add(prefix + ".bias", {out_features}, /*no_weight_decay=*/true, ParamInit::Zeros);
+ShardSpec tp_shard(const Shape& shape, int dim, const ParallelState* ps, int chunks) {
+  ShardSpec s = unsharded(shape);
+  const int tp = ps ? ps->tp_size() : 1;
+  if (dim < 0 || tp == 1) return s;
+  MG_CHECK(shape[size_t(dim)] % (int64_t(tp) * chunks) == 0,
+           "a dimension of size {} does not split over --tensor-model-parallel-size {}{}", shape[size_t(dim)], tp,
+           chunks > 1 ? fmt::format(" in {} blocks", chunks) : std::string());
+  s.partition_dim = dim;
+  s.rank = ps->tp_rank();
+  s.size = tp;
+  s.chunks = chunks;
+  return s;
 }
 
-Linear::Linear(Parameter* shared_weight) : weight_(shared_weight) {}
+Linear::Linear(ParamAndGradBuffer& params, const std::string& prefix, int64_t in_features, int64_t out_features,
+               bool bias, ParamInit weight_init, ParallelMode mode, const ParallelState* ps, int chunks)
+    : mode_(mode), ps_(ps) {
+  const bool tp = ps && ps->tp_size() > 1;
+  const int weight_dim = mode == ParallelMode::Column ? 0 : mode == ParallelMode::Row ? 1 : -1;
+  weight_ = params.add(prefix + ".weight", tp_shard({out_features, in_features}, weight_dim, ps, chunks),
+                       /*no_weight_decay=*/false, weight_init);
+  if (bias) {
+    bias_ = params.add(prefix + ".bias",
+                       tp_shard({out_features}, mode == ParallelMode::Column ? 0 : -1, ps,
+                                mode == ParallelMode::Column ? chunks : 1),
+                       /*no_weight_decay=*/true, ParamInit::Zeros);
+    bias_->tp_duplicate = tp && mode != ParallelMode::Column;
+  }
+}
+
+Linear::Linear(Parameter* shared_weight, ParallelMode mode, const ParallelState* ps)
+    : weight_(shared_weight), mode_(mode), ps_(ps) {}
 
 Tensor Linear::forward(Context& ctx, const Tensor& x) const {
+  Communicator* tp = tp_group();
+  if (mode_ == ParallelMode::Column && tp && sequence_parallel()) {
+    Tensor x_full = tensor_parallel::all_gather_sequence(ctx, *tp, x);
+    Tensor y = Tensor::empty({x_full.size(0), out_features()}, x.dtype(), ctx.device());
+    ops::linear_forward(ctx, x_full, weight_->data, bias_ ? bias_->data : Tensor(), y);
+    return y;
+  }
   Tensor y = Tensor::empty({x.size(0), out_features()}, x.dtype(), ctx.device());
+  if (mode_ == ParallelMode::Row && tp) {
+    ops::linear_forward(ctx, x, weight_->data, bias_ && tp->rank() == 0 ? bias_->data : Tensor(), y);
+    if (sequence_parallel()) return tensor_parallel::reduce_scatter_sequence(ctx, *tp, y);
+    tensor_parallel::all_reduce_(ctx, *tp, y);
+    return y;
+  }
   ops::linear_forward(ctx, x, weight_->data, bias_ ? bias_->data : Tensor(), y);
   return y;
 }
 
 Tensor Linear::backward(Context& ctx, const Tensor& grad_out, const Tensor& x, bool need_grad_in) const {
-  Tensor grad_in = need_grad_in ? Tensor::empty(x.shape(), x.dtype(), ctx.device()) : Tensor();
+  Communicator* tp = tp_group();
   Tensor no_grad;
-  ops::linear_backward(ctx, grad_out, x, weight_->data, grad_in, weight_->main_grad,
-                       bias_ ? bias_->main_grad : no_grad);
+  Tensor& bias_grad = bias_ ? bias_->main_grad : no_grad;
+  Tensor grad_in;
+  if (mode_ == ParallelMode::Column && tp) {
+    const Tensor x_full = sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, x) : x;
+    Tensor grad_full = need_grad_in ? Tensor::empty(x_full.shape(), x.dtype(), ctx.device()) : Tensor();
+    ops::linear_backward(ctx, grad_out, x_full, weight_->data, grad_full, weight_->main_grad, bias_grad);
+    if (need_grad_in) {
+      if (sequence_parallel()) {
+        grad_in = tensor_parallel::reduce_scatter_sequence(ctx, *tp, grad_full);
+      } else {
+        tensor_parallel::all_reduce_(ctx, *tp, grad_full);
+        grad_in = grad_full;
+      }
+    }
+  } else if (mode_ == ParallelMode::Row && tp) {
+    const Tensor g = sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, grad_out) : grad_out;
+    grad_in = need_grad_in ? Tensor::empty(x.shape(), x.dtype(), ctx.device()) : Tensor();
+    ops::linear_backward(ctx, g, x, weight_->data, grad_in, weight_->main_grad, bias_grad);
+  } else {
+    grad_in = need_grad_in ? Tensor::empty(x.shape(), x.dtype(), ctx.device()) : Tensor();
+    ops::linear_backward(ctx, grad_out, x, weight_->data, grad_in, weight_->main_grad, bias_grad);
+  }
+  notify_grad_accumulated(ctx, weight_);
+  notify_grad_accumulated(ctx, bias_);
   return grad_in;
 }
 

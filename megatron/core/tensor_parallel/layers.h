@@ -1,35 +1,61 @@
-// Linear layers: y = x·Wᵀ + b with W [out, in] (Megatron's ColumnParallelLinear / RowParallelLinear).
-// At tensor-parallel size 1 the two are the same computation; the parallel issue adds the column
-// (output-split) and row (input-split) partitioning and their communication here.
-// The weight gradient accumulates into the fp32 main_grad (gradient-accumulation fusion).
+// Linear layers: y = x·Wᵀ + b with W [out, in] — Megatron's ColumnParallelLinear and
+// RowParallelLinear. The weight gradient accumulates into the fp32 main_grad (gradient-accumulation
+// fusion); after each accumulation the parameter's grad hook is told (data-parallel overlap).
+//
+//   Column (W split along out): x [N, in] -> y [N, out/tp]; no output gather (Megatron's
+//     gather_output=False). Without sequence parallelism x is the same on every rank and its
+//     gradient is all-reduced (copy_to_tensor_model_parallel_region); with it, x is this rank's
+//     [N/tp, in] sequence shard, all-gathered for the GEMM (and again in backward, as Megatron does,
+//     instead of keeping the gathered copy), and the input gradient is reduce-scattered.
+//   Row (W split along in): x [N, in/tp] -> y [N, out] all-reduced (or [N/tp, out] reduce-scattered
+//     with sequence parallelism); the bias is added once, by tensor-parallel rank 0, before the
+//     reduction, so every rank computes its whole gradient (tp_duplicate).
+//   None: the single-device layer.
+// N is the flattened [s, b] sequence-first dimension, so sequence shards are contiguous row blocks.
 #pragma once
 
 #include <string>
 
 #include "megatron/core/distributed/param_and_grad_buffer.h"
+#include "megatron/core/parallel_state.h"
 #include "megatron/runtime/context.h"
 
 namespace megatron {
 
+enum class ParallelMode { None, Column, Row };
+
 class Linear {
  public:
-  /// Registers "<prefix>.weight" [out, in] (and "<prefix>.bias" [out] when `bias`).
+  /// Registers "<prefix>.weight" (and "<prefix>.bias" when `bias`), sharded by `mode` over the
+  /// tensor-parallel group of `ps` (null or TP 1: unsharded). `chunks`: the output dimension holds
+  /// that many blocks each split over the ranks (SwiGLU's [gate; up]).
   Linear(ParamAndGradBuffer& params, const std::string& prefix, int64_t in_features, int64_t out_features, bool bias,
-         ParamInit weight_init);
-  /// Uses an existing weight (tied output layer); no bias.
-  explicit Linear(Parameter* shared_weight);
+         ParamInit weight_init, ParallelMode mode = ParallelMode::None, const ParallelState* ps = nullptr,
+         int chunks = 1);
+  /// A column-parallel layer on an existing weight (the tied output layer); no bias.
+  Linear(Parameter* shared_weight, ParallelMode mode = ParallelMode::None, const ParallelState* ps = nullptr);
 
-  /// x [N, in] -> [N, out]. The caller keeps x for backward.
+  /// Forward as described above. The caller keeps x (as given) for backward.
   Tensor forward(Context& ctx, const Tensor& x) const;
-  /// Returns grad_in [N, in] (undefined when !need_grad_in); accumulates the parameter gradients.
+  /// Returns grad_in shaped like x (undefined when !need_grad_in); accumulates the parameter gradients.
   Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& x, bool need_grad_in = true) const;
 
   const Parameter* weight() const { return weight_; }
+  /// Local output features (out/tp for a column-parallel layer).
   int64_t out_features() const { return weight_->data.size(0); }
 
  private:
+  Communicator* tp_group() const { return ps_ && ps_->tp_size() > 1 ? &ps_->tensor() : nullptr; }
+  bool sequence_parallel() const { return ps_ && ps_->tp_size() > 1 && ps_->sequence_parallel(); }
+
   Parameter* weight_;
   Parameter* bias_ = nullptr;
+  ParallelMode mode_ = ParallelMode::None;
+  const ParallelState* ps_ = nullptr;
 };
+
+/// The ShardSpec of a tensor-parallel parameter of global shape `shape` split along `dim` (-1:
+/// unsharded) over `ps`'s tensor-parallel group.
+ShardSpec tp_shard(const Shape& shape, int dim, const ParallelState* ps, int chunks = 1);
 
 }  // namespace megatron

@@ -2,25 +2,28 @@
 
 #include <cmath>
 
+#include "megatron/core/tensor_parallel/random.h"
 #include "megatron/kernels/ops.h"
 
 namespace megatron {
 
-SelfAttention::SelfAttention(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix)
-    : nq_(config.num_attention_heads),
-      ng_(config.num_query_groups),
+SelfAttention::SelfAttention(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
+                             const ParallelState* ps)
+    : nq_(config.num_attention_heads / (ps ? ps->tp_size() : 1)),
+      ng_(config.num_query_groups / (ps ? ps->tp_size() : 1)),
       d_(config.kv_channels),
       softmax_scale_(1.0f / std::sqrt(float(config.kv_channels))),
       dropout_p_(config.attention_dropout),
       rope_interleaved_(config.rotary_interleaved),
+      ps_(ps),
       linear_qkv_(params, prefix + ".linear_qkv", config.hidden_size,
                   config.query_projection_size() + 2 * config.kv_projection_size(),
-                  config.add_bias_linear || config.add_qkv_bias, ParamInit::Normal),
+                  config.add_bias_linear || config.add_qkv_bias, ParamInit::Normal, ParallelMode::Column, ps),
       linear_proj_(params, prefix + ".linear_proj", config.query_projection_size(), config.hidden_size,
-                   config.add_bias_linear, ParamInit::ScaledNormal) {}
+                   config.add_bias_linear, ParamInit::ScaledNormal, ParallelMode::Row, ps) {}
 
 void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const {
-  const int64_t s = saved.x.size(0), b = saved.x.size(1);
+  const int64_t s = saved.qkv.size(0), b = saved.qkv.size(1);
   const DType dt = saved.x.dtype();
   Tensor q = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
   Tensor k = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
@@ -32,19 +35,22 @@ void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved
   }
   saved.context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
   saved.lse = Tensor::empty({b, nq_, s}, DType::Float32, ctx.device());
-  ops::attention_forward(ctx, q, k, v, softmax_scale_, dropout_p_, ctx.rng().seed, saved.dropout_offset, saved.context,
-                         saved.lse);
+  ops::attention_forward(ctx, q, k, v, softmax_scale_, dropout_p_, tensor_parallel::region_seed(ctx, ps_, true),
+                         saved.dropout_offset, saved.context, saved.lse);
   saved.q = q, saved.k = k, saved.v = v;
 }
 
 Tensor SelfAttention::forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t dropout_offset,
                               bool keep_core, Saved& saved) const {
-  const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
+  // Under sequence parallelism x is this rank's [s/tp, b, h] shard; the QKV projection gathers the
+  // whole sequence and the output projection scatters it again.
+  const int64_t b = x.size(1), h = x.size(2);
   saved.x = x;
   saved.dropout_offset = dropout_offset;
-  saved.qkv = linear_qkv_.forward(ctx, x.view({s * b, h})).view({s, b, -1});
+  saved.qkv = linear_qkv_.forward(ctx, x.view({-1, h})).view({-1, b, linear_qkv_.out_features()});
+  const int64_t s = saved.qkv.size(0);
   core_forward(ctx, freqs, saved);
-  Tensor out = linear_proj_.forward(ctx, saved.context.view({s * b, nq_ * d_})).view({s, b, h});
+  Tensor out = linear_proj_.forward(ctx, saved.context.view({s * b, nq_ * d_})).view({-1, b, h});
   // Backward needs the QKV projection's output only to recompute the core attention.
   if (keep_core) {
     saved.qkv = Tensor();
@@ -55,22 +61,24 @@ Tensor SelfAttention::forward(Context& ctx, const Tensor& x, const Tensor& freqs
 }
 
 Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const {
-  const int64_t s = saved.x.size(0), b = saved.x.size(1), h = saved.x.size(2);
+  const int64_t b = saved.x.size(1), h = saved.x.size(2);
   if (!saved.context.defined()) core_forward(ctx, freqs, saved);  // Note [Selective recomputation]
-  Tensor grad_context = linear_proj_.backward(ctx, grad_out.view({s * b, h}), saved.context.view({s * b, nq_ * d_}));
+  const int64_t s = saved.context.size(0);
+  Tensor grad_context = linear_proj_.backward(ctx, grad_out.view({-1, h}), saved.context.view({s * b, nq_ * d_}));
   const DType dt = saved.x.dtype();
   Tensor gq = Tensor::empty(saved.q.shape(), dt, ctx.device());
   Tensor gk = Tensor::empty(saved.k.shape(), dt, ctx.device());
   Tensor gv = Tensor::empty(saved.v.shape(), dt, ctx.device());
   ops::attention_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.q, saved.k, saved.v, saved.context, saved.lse,
-                          softmax_scale_, dropout_p_, ctx.rng().seed, saved.dropout_offset, gq, gk, gv);
+                          softmax_scale_, dropout_p_, tensor_parallel::region_seed(ctx, ps_, true),
+                          saved.dropout_offset, gq, gk, gv);
   if (freqs.defined()) {
     ops::rope_backward(ctx, gq, freqs, rope_interleaved_, gq);
     ops::rope_backward(ctx, gk, freqs, rope_interleaved_, gk);
   }
   Tensor grad_qkv = Tensor::empty({s, b, (nq_ + 2 * ng_) * d_}, dt, ctx.device());
   ops::qkv_split_backward(ctx, gq, gk, gv, grad_qkv);
-  return linear_qkv_.backward(ctx, grad_qkv.view({s * b, -1}), saved.x.view({s * b, h})).view({s, b, h});
+  return linear_qkv_.backward(ctx, grad_qkv.view({s * b, -1}), saved.x.view({-1, h})).view({-1, b, h});
 }
 
 // ---- inference ---------------------------------------------------------------------------------

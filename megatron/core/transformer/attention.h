@@ -17,7 +17,10 @@ namespace megatron {
 
 class SelfAttention {
  public:
-  SelfAttention(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix);
+  /// With tensor parallelism this rank holds num_attention_heads/tp heads and num_query_groups/tp
+  /// groups: linear_qkv is column-parallel, linear_proj row-parallel.
+  SelfAttention(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
+                const ParallelState* ps = nullptr);
 
   struct Saved {
     Tensor x;                      // input [s, b, h]
@@ -45,6 +48,7 @@ class SelfAttention {
   float softmax_scale_;
   float dropout_p_;
   bool rope_interleaved_;
+  const ParallelState* ps_;
   Linear linear_qkv_;
   Linear linear_proj_;
 };

@@ -4,14 +4,16 @@
 
 namespace megatron {
 
-MLP::MLP(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix)
+MLP::MLP(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
+         const ParallelState* ps)
     : swiglu_(config.gated_linear_unit),
-      ffn_(config.ffn_hidden_size),
+      ffn_(config.ffn_hidden_size / (ps ? ps->tp_size() : 1)),
       linear_fc1_(params, prefix + ".linear_fc1", config.hidden_size,
                   config.gated_linear_unit ? 2 * int64_t(config.ffn_hidden_size) : config.ffn_hidden_size,
-                  config.add_bias_linear, ParamInit::Normal),
+                  config.add_bias_linear, ParamInit::Normal, ParallelMode::Column, ps,
+                  config.gated_linear_unit ? 2 : 1),
       linear_fc2_(params, prefix + ".linear_fc2", config.ffn_hidden_size, config.hidden_size, config.add_bias_linear,
-                  ParamInit::ScaledNormal) {}
+                  ParamInit::ScaledNormal, ParallelMode::Row, ps) {}
 
 Tensor MLP::activation(Context& ctx, const Tensor& fc1) const {
   Tensor act = Tensor::empty({fc1.size(0), ffn_}, fc1.dtype(), ctx.device());

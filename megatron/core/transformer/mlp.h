@@ -11,7 +11,10 @@ namespace megatron {
 
 class MLP {
  public:
-  MLP(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix);
+  /// With tensor parallelism fc1 is column-parallel (SwiGLU: [gate; up] blocks split separately) and
+  /// fc2 row-parallel; this rank holds ffn/tp of the intermediate features.
+  MLP(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
+      const ParallelState* ps = nullptr);
 
   struct Saved {
     Tensor x;    // input [N, h]

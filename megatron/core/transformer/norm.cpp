@@ -4,13 +4,20 @@
 
 namespace megatron {
 
-Norm::Norm(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix)
+Norm::Norm(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
+           const ParallelState* ps)
     : rms_(config.use_rmsnorm()),
       zero_centered_gamma_(config.layernorm_zero_centered_gamma),
       eps_(config.layernorm_epsilon) {
   const Shape shape{config.hidden_size};
   weight_ = params.add(prefix + ".weight", shape, /*no_weight_decay=*/true, ParamInit::Ones);
   if (!rms_) bias_ = params.add(prefix + ".bias", shape, /*no_weight_decay=*/true, ParamInit::Zeros);
+  const bool tp = ps && ps->tp_size() > 1;
+  for (Parameter* p : {weight_, bias_}) {
+    if (!p) continue;
+    p->tp_duplicate = tp;
+    p->sequence_parallel = tp && ps->sequence_parallel();
+  }
 }
 
 Tensor Norm::forward(Context& ctx, const Tensor& x, Saved& saved) const {
@@ -35,6 +42,8 @@ Tensor Norm::backward(Context& ctx, const Tensor& grad_out, const Saved& saved) 
     ops::layernorm_backward(ctx, grad_out, saved.x, weight_->data, saved.mean, saved.rstd, zero_centered_gamma_,
                             grad_in, weight_->main_grad, bias_->main_grad);
   }
+  notify_grad_accumulated(ctx, weight_);
+  notify_grad_accumulated(ctx, bias_);
   return grad_in;
 }
 

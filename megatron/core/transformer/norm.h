@@ -5,6 +5,7 @@
 #include <string>
 
 #include "megatron/core/distributed/param_and_grad_buffer.h"
+#include "megatron/core/parallel_state.h"
 #include "megatron/core/transformer/transformer_config.h"
 #include "megatron/runtime/context.h"
 
@@ -12,7 +13,10 @@ namespace megatron {
 
 class Norm {
  public:
-  Norm(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix);
+  /// With tensor parallelism the weights are duplicated on every tensor-parallel rank; with
+  /// sequence parallelism their gradients are partial sums (all-reduced over the group later).
+  Norm(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
+       const ParallelState* ps = nullptr);
 
   struct Saved {
     Tensor x;     // input [N, h]

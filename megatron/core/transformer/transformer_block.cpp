@@ -5,52 +5,59 @@
 namespace megatron {
 
 namespace {
-std::vector<TransformerBlock::Segment> plan_segments(const TransformerConfig& c) {
+// Segments over the local layers (Megatron applies the recompute settings per pipeline stage).
+std::vector<TransformerBlock::Segment> plan_segments(const TransformerConfig& c, int n) {
   std::vector<TransformerBlock::Segment> segs;
   const bool full = c.recompute_granularity == "full";
   if (full && c.recompute_method == "uniform") {
-    for (int i = 0; i < c.num_layers; i += c.recompute_num_layers) {
-      segs.push_back({i, std::min(i + c.recompute_num_layers, c.num_layers), true});
+    for (int i = 0; i < n; i += c.recompute_num_layers) {
+      segs.push_back({i, std::min(i + c.recompute_num_layers, n), true});
     }
     return segs;
   }
-  for (int i = 0; i < c.num_layers; ++i) segs.push_back({i, i + 1, full && i < c.recompute_num_layers});
+  for (int i = 0; i < n; ++i) segs.push_back({i, i + 1, full && i < c.recompute_num_layers});
   return segs;
 }
 
+LayerRange resolve(const TransformerConfig& c, LayerRange r) { return r.count > 0 ? r : LayerRange{0, c.num_layers}; }
+
 // Builds the layers before the final norm so parameters register in Megatron's order.
 std::vector<std::unique_ptr<TransformerLayer>> build_layers(const TransformerConfig& c, ParamAndGradBuffer& params,
-                                                            const std::string& prefix) {
+                                                            const std::string& prefix, const ParallelState* ps,
+                                                            LayerRange r) {
   std::vector<std::unique_ptr<TransformerLayer>> layers;
-  for (int i = 0; i < c.num_layers; ++i) {
-    layers.push_back(std::make_unique<TransformerLayer>(c, params, fmt::format("{}.layers.{}", prefix, i)));
+  for (int i = r.first; i < r.first + r.count; ++i) {
+    layers.push_back(std::make_unique<TransformerLayer>(c, params, fmt::format("{}.layers.{}", prefix, i), ps));
   }
   return layers;
 }
 }  // namespace
 
 TransformerBlock::TransformerBlock(const TransformerConfig& config, ParamAndGradBuffer& params,
-                                   const std::string& prefix)
+                                   const std::string& prefix, const ParallelState* ps, LayerRange range,
+                                   bool final_norm)
     : selective_(config.recompute_granularity == "selective"),
-      segments_(plan_segments(config)),
-      layers_(build_layers(config, params, prefix)),
-      final_layernorm_(config, params, prefix + ".final_layernorm") {}
+      segments_(plan_segments(config, resolve(config, range).count)),
+      first_layer_(resolve(config, range).first),
+      layers_(build_layers(config, params, prefix, ps, resolve(config, range))) {
+  if (final_norm) final_layernorm_ = std::make_unique<Norm>(config, params, prefix + ".final_layernorm", ps);
+}
 
 Tensor TransformerBlock::run_segment(Context& ctx, const Segment& seg, const Tensor& x, const Tensor& freqs,
                                      Saved& saved, bool keep) const {
   Tensor h = x;
   for (int i = seg.begin; i < seg.end; ++i) {
     TransformerLayer::Saved layer_saved;
-    uint64_t base = saved.rng_base + uint64_t(i) * TransformerLayer::kRandomStreams;
+    uint64_t base = saved.rng_base + uint64_t(first_layer_ + i) * TransformerLayer::kRandomStreams;
     h = layers_[size_t(i)]->forward(ctx, h, freqs, base, /*keep_core_attention=*/!selective_, layer_saved);
     if (keep) saved.layers[size_t(i)] = std::move(layer_saved);
   }
   return h;
 }
 
-Tensor TransformerBlock::forward(Context& ctx, const Tensor& x, const Tensor& freqs, Saved& saved) const {
-  saved.rng_base = ctx.rng().offset;
-  ctx.rng().offset += layers_.size() * TransformerLayer::kRandomStreams;
+Tensor TransformerBlock::forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t rng_base,
+                                 Saved& saved) const {
+  saved.rng_base = rng_base;
   saved.layers.assign(layers_.size(), TransformerLayer::Saved{});
   saved.segment_inputs.clear();
   Tensor h = x;
@@ -58,13 +65,16 @@ Tensor TransformerBlock::forward(Context& ctx, const Tensor& x, const Tensor& fr
     saved.segment_inputs.push_back(seg.recompute ? h : Tensor());
     h = run_segment(ctx, seg, h, freqs, saved, /*keep=*/!seg.recompute);
   }
+  if (!final_layernorm_) return h;
   const int64_t s = h.size(0), b = h.size(1), hid = h.size(2);
-  return final_layernorm_.forward(ctx, h.view({s * b, hid}), saved.final_norm).view({s, b, hid});
+  return final_layernorm_->forward(ctx, h.view({s * b, hid}), saved.final_norm).view({s, b, hid});
 }
 
 Tensor TransformerBlock::backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const {
   const int64_t s = grad_out.size(0), b = grad_out.size(1), hid = grad_out.size(2);
-  Tensor g = final_layernorm_.backward(ctx, grad_out.view({s * b, hid}), saved.final_norm).view({s, b, hid});
+  Tensor g = final_layernorm_
+                 ? final_layernorm_->backward(ctx, grad_out.view({s * b, hid}), saved.final_norm).view({s, b, hid})
+                 : grad_out;
   saved.final_norm = Norm::Saved{};
   for (size_t k = segments_.size(); k-- > 0;) {
     const Segment& seg = segments_[k];
@@ -90,7 +100,8 @@ Tensor TransformerBlock::forward_inference(Context& ctx, const Tensor& x, const 
   }
   const int64_t s = h.size(0), b = h.size(1), hid = h.size(2);
   Norm::Saved final_norm;
-  return final_layernorm_.forward(ctx, h.view({s * b, hid}), final_norm).view({s, b, hid});
+  MG_ASSERT(final_layernorm_, "inference needs the whole decoder");
+  return final_layernorm_->forward(ctx, h.view({s * b, hid}), final_norm).view({s, b, hid});
 }
 
 }  // namespace megatron

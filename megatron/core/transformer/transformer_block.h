@@ -18,7 +18,10 @@ namespace megatron {
 
 class TransformerBlock {
  public:
-  TransformerBlock(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix);
+  /// The layers `range` of the decoder (all of them by default; a pipeline stage's chunk otherwise),
+  /// named by their global index, and the final norm when `final_norm` (the last stage).
+  TransformerBlock(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
+                   const ParallelState* ps = nullptr, LayerRange range = {}, bool final_norm = true);
 
   struct Segment {
     int begin = 0, end = 0;  // layers [begin, end)
@@ -31,8 +34,9 @@ class TransformerBlock {
     Norm::Saved final_norm;
   };
 
-  /// x [s, b, h] -> final-normed hidden states [s, b, h].
-  Tensor forward(Context& ctx, const Tensor& x, const Tensor& freqs, Saved& saved) const;
+  /// x [s, b, h] -> final-normed hidden states [s, b, h] (not normed without the final norm).
+  /// Global layer i draws its random streams at rng_base + i·TransformerLayer::kRandomStreams.
+  Tensor forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t rng_base, Saved& saved) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
   const std::vector<Segment>& segments() const { return segments_; }
 
@@ -47,8 +51,9 @@ class TransformerBlock {
 
   bool selective_;
   std::vector<Segment> segments_;
+  int first_layer_;  // global index of layers_[0]
   std::vector<std::unique_ptr<TransformerLayer>> layers_;
-  Norm final_layernorm_;
+  std::unique_ptr<Norm> final_layernorm_;
 };
 
 }  // namespace megatron

@@ -1,5 +1,7 @@
 #include "megatron/core/transformer/transformer_config.h"
 
+#include <fmt/format.h>
+
 #include "megatron/runtime/check.h"
 
 namespace megatron {
@@ -71,7 +73,47 @@ void TransformerConfig::finalize() {
     MG_CHECK(recompute_num_layers >= 1 && recompute_num_layers <= num_layers,
              "--recompute-num-layers ({}) must be between 1 and --num-layers ({})", recompute_num_layers, num_layers);
   }
+  const int tp = tensor_model_parallel_size, pp = pipeline_model_parallel_size,
+            vpp = virtual_pipeline_model_parallel_size;
+  MG_CHECK(ffn_hidden_size % tp == 0, "--ffn-hidden-size ({}) must be divisible by --tensor-model-parallel-size ({})",
+           ffn_hidden_size, tp);
+  MG_CHECK(pp >= 1 && vpp >= 1, "pipeline sizes must be positive");
+  const int first = decoder_first_pipeline_num_layers, last = decoder_last_pipeline_num_layers;
+  if (first > 0 || last > 0) {
+    MG_CHECK(vpp == 1, "--decoder-first/last-pipeline-num-layers are not supported with virtual pipeline stages");
+    MG_CHECK(pp > 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1");
+    const int middle = num_layers - first - last;
+    const int middle_stages = pp - (first > 0) - (last > 0);
+    MG_CHECK(first >= 0 && last >= 0 && middle >= 0 && (middle_stages == 0 ? middle == 0 : middle % middle_stages == 0),
+             "--num-layers ({}) minus --decoder-first-pipeline-num-layers ({}) and --decoder-last-pipeline-num-layers "
+             "({}) must split evenly over the other {} pipeline stages",
+             num_layers, first, last, middle_stages);
+  } else {
+    MG_CHECK(num_layers % (pp * vpp) == 0,
+             "--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({}){}", num_layers, pp,
+             vpp > 1 ? fmt::format(" x the virtual pipeline size ({}; --num-layers-per-virtual-pipeline-stage)", vpp)
+                     : std::string());
+  }
   padded_vocab_size = megatron::padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size);
+}
+
+LayerRange pipeline_layer_range(const TransformerConfig& c, int pp_rank, int vp_stage) {
+  const int pp = c.pipeline_model_parallel_size, vpp = c.virtual_pipeline_model_parallel_size;
+  const int first = c.decoder_first_pipeline_num_layers, last = c.decoder_last_pipeline_num_layers;
+  if (first > 0 || last > 0) {
+    const int middle_stages = pp - (first > 0) - (last > 0);
+    const int per_middle = middle_stages ? (c.num_layers - first - last) / middle_stages : 0;
+    auto count_of = [&](int r) {
+      if (r == 0 && first > 0) return first;
+      if (r == pp - 1 && last > 0) return last;
+      return per_middle;
+    };
+    int offset = 0;
+    for (int r = 0; r < pp_rank; ++r) offset += count_of(r);
+    return {offset, count_of(pp_rank)};
+  }
+  const int per_chunk = c.num_layers / (pp * vpp);
+  return {vp_stage * (c.num_layers / vpp) + pp_rank * per_chunk, per_chunk};
 }
 
 }  // namespace megatron

@@ -53,8 +53,13 @@ struct TransformerConfig {
   std::string recompute_method;       // uniform | block (with full)
   int recompute_num_layers = 0;
 
-  // ---- parallelism (layout fields; the parallel issue fills in their use)
+  // ---- parallelism (the layout; the ranks come from ParallelState)
   int tensor_model_parallel_size = 1;
+  bool sequence_parallel = false;
+  int pipeline_model_parallel_size = 1;
+  int virtual_pipeline_model_parallel_size = 1;  // model chunks per pipeline rank (interleaved 1F1B)
+  int decoder_first_pipeline_num_layers = 0;     // 0: even split
+  int decoder_last_pipeline_num_layers = 0;
 
   /// Fills derived values and validates; throws megatron::Error naming the flag at fault.
   void finalize();
@@ -65,6 +70,15 @@ struct TransformerConfig {
   bool use_learned_positions() const { return position_embedding_type == "learned_absolute"; }
   bool use_rmsnorm() const { return normalization == "RMSNorm"; }
 };
+
+/// The decoder layers [first, first + count) of pipeline rank `pp_rank`'s model chunk `vp_stage`
+/// (Megatron's layer offsets: with V chunks per rank, chunk v of rank p holds the layers
+/// v·L/V + p·L/(V·P) onward; uneven first/last stages take their --decoder-*-pipeline-num-layers and
+/// the middle stages split the rest evenly).
+struct LayerRange {
+  int first = 0, count = 0;
+};
+LayerRange pipeline_layer_range(const TransformerConfig& config, int pp_rank, int vp_stage);
 
 /// Megatron's _vocab_size_with_padding: the smallest multiple of divisible_by * tp >= vocab_size.
 int padded_vocab_size(int vocab_size, int make_vocab_size_divisible_by, int tensor_model_parallel_size);

@@ -3,6 +3,8 @@
 //   h2 = pre_mlp_layernorm(x2); out = x2 + dropout(mlp(h2))
 // Each layer draws three random streams per forward (attention dropout, two hidden dropouts) at
 // consecutive offsets from a base recorded in its Saved, so recomputation replays them exactly.
+// Under sequence parallelism x is this rank's sequence shard [s/tp, b, h]; the norms, dropouts and
+// residuals work on the shard, the attention and MLP gather and scatter the sequence.
 #pragma once
 
 #include <string>
@@ -17,7 +19,8 @@ class TransformerLayer {
  public:
   static constexpr uint64_t kRandomStreams = 3;
 
-  TransformerLayer(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix);
+  TransformerLayer(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
+                   const ParallelState* ps = nullptr);
 
   struct Saved {
     Norm::Saved input_norm;
@@ -38,6 +41,8 @@ class TransformerLayer {
 
  private:
   float hidden_dropout_;
+  bool sequence_parallel_;
+  const ParallelState* ps_;
   Norm input_layernorm_;
   SelfAttention self_attention_;
   Norm pre_mlp_layernorm_;

@@ -13,76 +13,171 @@ TransformerConfig finalized(TransformerConfig c) {
 }
 }  // namespace
 
-GPTModel::GPTModel(TransformerConfig config, Device device)
+GPTModel::GPTModel(TransformerConfig config, Device device, const ParallelState* ps, int vp_stage,
+                   const DDPConfig& ddp)
     : config_(finalized(std::move(config))),
+      ps_(ps),
       params_(std::make_unique<ParamAndGradBuffer>(config_.params_dtype, device)) {
-  embedding_ = std::make_unique<LanguageModelEmbedding>(config_, *params_, "embedding");
-  if (config_.use_rope()) rotary_.emplace(config_);
-  decoder_ = std::make_unique<TransformerBlock>(config_, *params_, "decoder");
-  if (config_.share_embeddings_and_output_weights) {
-    output_layer_ = std::make_unique<Linear>(embedding_->word_embeddings());
-  } else {
-    output_layer_ = std::make_unique<Linear>(*params_, "output_layer", config_.hidden_size, config_.padded_vocab_size,
-                                             /*bias=*/false, ParamInit::Normal);
+  if (ps_) {
+    MG_ASSERT(config_.tensor_model_parallel_size == ps_->tp_size() &&
+                  config_.pipeline_model_parallel_size == ps_->pp_size() &&
+                  config_.virtual_pipeline_model_parallel_size == ps_->vpp_size(),
+              "the model config's layout (tp {}, pp {}, vpp {}) differs from the parallel state's ({})",
+              config_.tensor_model_parallel_size, config_.pipeline_model_parallel_size,
+              config_.virtual_pipeline_model_parallel_size, ps_->describe());
+    MG_ASSERT(vp_stage >= 0 && vp_stage < ps_->vpp_size(), "model chunk {} of {}", vp_stage, ps_->vpp_size());
+    pre_process_ = ps_->pp_rank() == 0 && vp_stage == 0;
+    post_process_ = ps_->pp_rank() == ps_->pp_size() - 1 && vp_stage == ps_->vpp_size() - 1;
   }
-  params_->allocate();
+  const LayerRange layers =
+      ps_ ? pipeline_layer_range(config_, ps_->pp_rank(), vp_stage) : LayerRange{0, config_.num_layers};
+  if (pre_process_) embedding_ = std::make_unique<LanguageModelEmbedding>(config_, *params_, "embedding", ps_);
+  if (config_.use_rope()) rotary_.emplace(config_);
+  decoder_ = std::make_unique<TransformerBlock>(config_, *params_, "decoder", ps_, layers, post_process_);
+  if (post_process_) {
+    if (!config_.share_embeddings_and_output_weights) {
+      output_layer_ = std::make_unique<Linear>(*params_, "output_layer", config_.hidden_size,
+                                               config_.padded_vocab_size, /*bias=*/false, ParamInit::Normal,
+                                               ParallelMode::Column, ps_);
+    } else if (pre_process_) {
+      output_layer_ = std::make_unique<Linear>(embedding_->word_embeddings(), ParallelMode::Column, ps_);
+    } else {
+      Parameter* copy = params_->add("embedding.word_embeddings.weight",
+                                     tp_shard({config_.padded_vocab_size, config_.hidden_size}, 0, ps_),
+                                     /*no_weight_decay=*/false, ParamInit::Normal);
+      copy->shared_embedding_copy = true;
+      output_layer_ = std::make_unique<Linear>(copy, ParallelMode::Column, ps_);
+    }
+  }
+  if (pre_process_ && !post_process_ && config_.share_embeddings_and_output_weights) {
+    embedding_->word_embeddings()->in_embedding_group = true;
+  }
+  params_->allocate(ddp, ps_ ? ps_->data_context().size() : 1);
 }
 
 void GPTModel::init_weights(uint64_t seed) {
   params_->init_weights(seed, config_.init_method_std, config_.num_layers, config_.layernorm_zero_centered_gamma);
 }
 
-void GPTModel::forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, Stash& stash) const {
-  MG_ASSERT(tokens.dim() == 2, "tokens {}", shape_str(tokens.shape()));
-  const int64_t b = tokens.size(0), s = tokens.size(1), h = config_.hidden_size, v = config_.padded_vocab_size;
-  if (config_.use_learned_positions()) {
-    MG_CHECK(s <= config_.max_position_embeddings, "sequence length {} exceeds --max-position-embeddings {}", s,
-             config_.max_position_embeddings);
+uint64_t GPTModel::random_streams_per_microbatch() const {
+  return 1 + uint64_t(config_.num_layers) * TransformerLayer::kRandomStreams;
+}
+
+Shape GPTModel::stage_activation_shape(int64_t micro_batch, int64_t seq_length) const {
+  const int64_t tp = tp_group() && ps_->sequence_parallel() ? ps_->tp_size() : 1;
+  return {seq_length / tp, micro_batch, config_.hidden_size};
+}
+
+void GPTModel::forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& input,
+                                 Stash& stash) const {
+  const int64_t h = config_.hidden_size;
+  Tensor x;
+  int64_t s = 0, b = 0;
+  if (pre_process_) {
+    MG_ASSERT(tokens.dim() == 2, "tokens {}", shape_str(tokens.shape()));
+    b = tokens.size(0), s = tokens.size(1);
+    if (config_.use_learned_positions()) {
+      MG_CHECK(s <= config_.max_position_embeddings, "sequence length {} exceeds --max-position-embeddings {}", s,
+               config_.max_position_embeddings);
+    }
+    Tensor positions = position_ids.defined() ? position_ids : default_position_ids(b, s);
+    if (positions.device() != tokens.device()) positions = positions.to(tokens.device());
+    x = embedding_->forward(ctx, tokens, positions, stash.rng_base, stash.embedding);
+  } else {
+    MG_ASSERT(input.defined() && input.dim() == 3, "a pipeline stage after the first needs its input activations");
+    x = input;
+    b = input.size(1);
+    s = input.size(0) * (tp_group() && ps_->sequence_parallel() ? ps_->tp_size() : 1);
   }
-  Tensor positions = position_ids.defined() ? position_ids : default_position_ids(b, s);
-  if (positions.device() != tokens.device()) positions = positions.to(tokens.device());
-  Tensor x = embedding_->forward(ctx, tokens, positions, stash.embedding);
   if (rotary_) stash.freqs = rotary_->freqs(ctx, s);
-  stash.hidden = decoder_->forward(ctx, x, stash.freqs, stash.decoder);
-  stash.logits = output_layer_->forward(ctx, stash.hidden.view({s * b, h})).view({s, b, v});
+  stash.hidden = decoder_->forward(ctx, x, stash.freqs, stash.rng_base + 1, stash.decoder);
+  if (post_process_) {
+    stash.logits = output_layer_->forward(ctx, stash.hidden.view({-1, h})).view({s, b, output_layer_->out_features()});
+  }
 }
 
 Tensor GPTModel::forward_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids) const {
+  MG_CHECK(pre_process_ && post_process_ && !tp_group(), "full-sequence logits need the whole model on one rank");
   Stash stash;
-  forward_to_logits(ctx, tokens, position_ids, stash);
+  stash.rng_base = ctx.rng().offset;
+  forward_to_logits(ctx, tokens, position_ids, Tensor(), stash);
   return stash.logits;
 }
 
 Tensor GPTModel::forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
                          Stash& stash) const {
-  MG_ASSERT(labels.shape() == tokens.shape(), "tokens {} labels {}", shape_str(tokens.shape()),
-            shape_str(labels.shape()));
-  const int64_t b = tokens.size(0), s = tokens.size(1), v = config_.padded_vocab_size;
-  forward_to_logits(ctx, tokens, position_ids, stash);
+  MG_ASSERT(pre_process_ && post_process_, "forward() runs a whole model; a pipeline stage uses forward_step()");
+  return forward_step(ctx, tokens, position_ids, labels, Tensor(), stash);
+}
+
+Tensor GPTModel::forward_step(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
+                              const Tensor& input, Stash& stash) const {
+  stash.rng_base = ctx.rng().offset;
+  ctx.rng().offset += random_streams_per_microbatch();
+  forward_to_logits(ctx, tokens, position_ids, input, stash);
+  if (!post_process_) {
+    Tensor out = stash.hidden;
+    stash.hidden = Tensor();
+    return out;
+  }
+  MG_ASSERT(labels.dim() == 2, "labels {}", shape_str(labels.shape()));
+  const int64_t b = labels.size(0), s = labels.size(1), vl = output_layer_->out_features();
   stash.labels = Tensor::empty({s, b}, labels.dtype(), ctx.device());
-  ops::transpose_01(ctx, labels, stash.labels);
+  ops::transpose_01(ctx, labels.device() == ctx.device() ? labels : labels.to(ctx.device()), stash.labels);
   Tensor losses_sb = Tensor::empty({s * b}, DType::Float32, ctx.device());
   stash.lse = Tensor::empty({s * b}, DType::Float32, ctx.device());
-  ops::cross_entropy_forward(ctx, stash.logits.view({s * b, v}), stash.labels.view({s * b}), losses_sb, stash.lse);
+  Tensor logits = stash.logits.view({s * b, vl});
+  if (Communicator* tp = tp_group()) {
+    // Megatron's _VocabParallelCrossEntropy: the row max, then Σexp and the target logit, each
+    // reduced over the vocabulary shards.
+    Tensor max = Tensor::empty({s * b}, DType::Float32, ctx.device());
+    ops::cross_entropy_local_max(ctx, logits, max);
+    tp->all_reduce(ctx, max, ReduceOp::Max)->wait();
+    Tensor sums = Tensor::empty({2, s * b}, DType::Float32, ctx.device());
+    ops::cross_entropy_local_sums(ctx, logits, stash.labels.view({s * b}), vl * tp->rank(), max, sums);
+    tp->all_reduce(ctx, sums, ReduceOp::Sum)->wait();
+    ops::cross_entropy_from_sums(ctx, max, sums, losses_sb, stash.lse);
+  } else {
+    ops::cross_entropy_forward(ctx, logits, stash.labels.view({s * b}), losses_sb, stash.lse);
+  }
   Tensor losses = Tensor::empty({b, s}, DType::Float32, ctx.device());
   ops::transpose_01(ctx, losses_sb.view({s, b}), losses);
   return losses;
 }
 
 void GPTModel::backward(Context& ctx, const Tensor& grad_losses, Stash& stash) const {
-  const int64_t b = grad_losses.size(0), s = grad_losses.size(1), h = config_.hidden_size,
-                v = config_.padded_vocab_size;
-  Tensor grad_losses_sb = Tensor::empty({s, b}, DType::Float32, ctx.device());
-  ops::transpose_01(ctx, grad_losses, grad_losses_sb);
-  // The fused cross-entropy backward turns the logits into their own gradient in place.
-  Tensor grad_logits = stash.logits.view({s * b, v});
-  ops::cross_entropy_backward(ctx, grad_losses_sb.view({s * b}), grad_logits, stash.labels.view({s * b}), stash.lse,
-                              grad_logits);
-  Tensor grad_hidden = output_layer_->backward(ctx, grad_logits, stash.hidden.view({s * b, h})).view({s, b, h});
-  stash.logits = stash.hidden = stash.lse = Tensor();
+  backward_step(ctx, grad_losses, stash);
+}
+
+Tensor GPTModel::backward_step(Context& ctx, const Tensor& output_grad, Stash& stash) const {
+  const int64_t h = config_.hidden_size;
+  Tensor grad_hidden;
+  if (post_process_) {
+    const int64_t b = output_grad.size(0), s = output_grad.size(1), vl = output_layer_->out_features();
+    Tensor grad_losses_sb = Tensor::empty({s, b}, DType::Float32, ctx.device());
+    ops::transpose_01(ctx, output_grad, grad_losses_sb);
+    // The fused cross-entropy backward turns the logits into their own gradient in place.
+    Tensor grad_logits = stash.logits.view({s * b, vl});
+    if (Communicator* tp = tp_group()) {
+      ops::vocab_parallel_cross_entropy_backward(ctx, grad_losses_sb.view({s * b}), grad_logits,
+                                                 stash.labels.view({s * b}), vl * tp->rank(), stash.lse, grad_logits);
+    } else {
+      ops::cross_entropy_backward(ctx, grad_losses_sb.view({s * b}), grad_logits, stash.labels.view({s * b}),
+                                  stash.lse, grad_logits);
+    }
+    grad_hidden = output_layer_->backward(ctx, grad_logits, stash.hidden.view({-1, h}))
+                      .view({-1, b, h});
+    stash.logits = stash.hidden = stash.lse = Tensor();
+  } else {
+    grad_hidden = output_grad;
+  }
   Tensor grad_x = decoder_->backward(ctx, grad_hidden, stash.freqs, stash.decoder);
-  embedding_->backward(ctx, grad_x, stash.embedding);
+  if (pre_process_) {
+    embedding_->backward(ctx, grad_x, stash.embedding);
+    grad_x = Tensor();
+  }
   stash = Stash{};
+  return grad_x;
 }
 
 // ---- inference -----------------------------------------------------------------------------------
@@ -95,6 +190,7 @@ Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std
            slots.size(), starts.size());
   MG_CHECK(config_.hidden_dropout == 0.0f && config_.attention_dropout == 0.0f,
            "inference needs a model built with hidden and attention dropout 0");
+  MG_CHECK(pre_process_ && post_process_ && !tp_group(), "inference needs the whole model on one rank");
   std::vector<int64_t> positions(size_t(b * s));
   int64_t max_position = 0;
   for (int64_t i = 0; i < b; ++i) {
@@ -109,7 +205,7 @@ Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std
   }
   Tensor position_ids = Tensor::from_ints(positions, {b, s}, DType::Int64, tokens.device());
   LanguageModelEmbedding::Saved embedding_saved;
-  Tensor x = embedding_->forward(ctx, tokens, position_ids, embedding_saved);
+  Tensor x = embedding_->forward(ctx, tokens, position_ids, 0, embedding_saved);
   Tensor freqs;
   if (rotary_) {  // row j·b + i: the angles of sequence i's position starts[i] + j
     std::vector<float> table = rotary_->freqs(ctx, max_position + 1).to_floats();

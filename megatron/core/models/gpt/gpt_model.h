@@ -6,6 +6,19 @@
 // forward() keeps what backward needs in a per-microbatch Stash, so pipeline schedules can hold
 // several microbatches in flight; backward() accumulates every parameter gradient into the fp32
 // grad buffer.
+//
+// Parallelism: built with a ParallelState, a GPTModel is this rank's model chunk — its
+// tensor-parallel shard of the layers pipeline_layer_range(config, pp_rank, vp_stage), with the
+// embedding on the first stage (pre_process) and the final norm, output layer and the
+// vocab-parallel cross entropy on the last (post_process). forward_step/backward_step take and give
+// the activations exchanged between stages ([s, b, h], or [s/tp, b, h] under sequence parallelism).
+// With tied embeddings on more than one stage, the last stage holds its own copy of the word
+// embeddings under the same name (shared_embedding_copy): same initial values, gradients
+// all-reduced with the first stage's (the embedding group), saved once.
+//
+// Random streams: one microbatch draws 1 + 3·num_layers consecutive offsets from ctx.rng().offset
+// (the embedding dropout, then three per layer by global layer index) and advances the offset by
+// that much, on every stage, so each stage's masks are the single-process run's.
 #pragma once
 
 #include <memory>
@@ -22,9 +35,12 @@ class GPTModel {
  public:
   /// Builds the modules, registers and allocates the parameters on `device` (not initialised:
   /// call init_weights or load a checkpoint). Calls config.finalize() first.
-  GPTModel(TransformerConfig config, Device device = Device::cpu());
+  /// `ddp`: the bucket layout of the parameter buffers (DistributedDataParallel's config).
+  GPTModel(TransformerConfig config, Device device = Device::cpu(), const ParallelState* ps = nullptr,
+           int vp_stage = 0, const DDPConfig& ddp = {});
 
   struct Stash {
+    uint64_t rng_base = 0;
     LanguageModelEmbedding::Saved embedding;
     TransformerBlock::Saved decoder;
     Tensor freqs;   // rotary angles [s, r/2] (RoPE only)
@@ -43,6 +59,21 @@ class GPTModel {
   /// grad_losses [b, s] fp32 (d loss / d per-token loss). Accumulates into the parameters' main_grad.
   void backward(Context& ctx, const Tensor& grad_losses, Stash& stash) const;
 
+  /// One pipeline stage: the first stage reads tokens/position_ids, the others `input` (the previous
+  /// stage's output). Returns the per-token losses [b, s] on the last stage (labels needed there),
+  /// else the activations to send on.
+  Tensor forward_step(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
+                      const Tensor& input, Stash& stash) const;
+  /// output_grad: grad_losses [b, s] on the last stage, else the gradient of this stage's output.
+  /// Returns the gradient of `input` (undefined on the first stage).
+  Tensor backward_step(Context& ctx, const Tensor& output_grad, Stash& stash) const;
+  bool pre_process() const { return pre_process_; }
+  bool post_process() const { return post_process_; }
+  /// The shape of the activations this chunk exchanges for a [b, s] microbatch.
+  Shape stage_activation_shape(int64_t micro_batch, int64_t seq_length) const;
+  /// Random offsets one microbatch uses (the same on every stage).
+  uint64_t random_streams_per_microbatch() const;
+
   // ---- inference with a KV cache (megatron/core/inference) ----
   /// tokens [b, s] (int) are the next s tokens of b sequences: sequence i lives in cache slot
   /// slots[i] and its new tokens sit at positions starts[i] .. starts[i]+s-1 (right padding: a
@@ -59,14 +90,18 @@ class GPTModel {
 
  private:
   TransformerConfig config_;
+  const ParallelState* ps_ = nullptr;  // null: single device
+  bool pre_process_ = true, post_process_ = true;
   std::unique_ptr<ParamAndGradBuffer> params_;
   std::unique_ptr<LanguageModelEmbedding> embedding_;
   std::optional<RotaryEmbedding> rotary_;
   std::unique_ptr<TransformerBlock> decoder_;
   std::unique_ptr<Linear> output_layer_;
 
-  // Embedding -> decoder -> output layer; fills the stash's activations and logits.
-  void forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, Stash& stash) const;
+  // Embedding (or input) -> decoder -> output layer; fills the stash's activations and logits.
+  void forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& input,
+                         Stash& stash) const;
+  Communicator* tp_group() const { return ps_ && ps_->tp_size() > 1 ? &ps_->tensor() : nullptr; }
 };
 
 /// position_ids [b, s] = 0..s-1 for every sequence (int64, host).

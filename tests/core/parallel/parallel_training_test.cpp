@@ -1,0 +1,234 @@
+// Every parallel layout gives the single-process result: pretrain_gpt under mpirun with tensor,
+// sequence, pipeline (1F1B and interleaved), data parallelism and the distributed optimizer, against
+// one process — every iteration's loss and the final weights within 1e-6 (fp32), and checkpoints
+// saved by one layout and resumed by another continuing with the same losses.
+//
+// The runs use mock data (--vocab-size 1000 pads to 1024 for TP 1, 2 and 4 alike), 8 layers (so
+// PP 4 with 2 virtual stages divides), a global batch of 16 in microbatches of 2 (8 microbatches per
+// step at DP 1, 4 at DP 2) and 5 iterations.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "megatron/core/dist_checkpointing/sharded.h"
+#include "tests/functional/run_util.h"
+
+namespace megatron::testing {
+namespace {
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<double> grad_norms;
+  std::string output;
+};
+
+const std::vector<std::string> kGpt = {
+    "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+    "--weight-decay", "0.1", "--clip-grad", "1.0", "--vocab-size", "1000", "--mock-data",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0",
+    "--seed", "1234", "--device", "cpu", "--split", "100,0,0"};
+
+// Llama-style: RoPE, RMSNorm, SwiGLU (fc1 split in two blocks), GQA, no biases, untied output.
+const std::vector<std::string> kLlama = {
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+    "--num-query-groups", "2", "--ffn-hidden-size", "96", "--swiglu", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size",
+    "16", "--lr", "1e-3", "--vocab-size", "1000", "--mock-data", "--hidden-dropout", "0", "--attention-dropout",
+    "0", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--device", "cpu", "--split", "100,0,0"};
+
+std::vector<std::string> concat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// Runs pretrain_gpt on `np` ranks (np 1: directly, no launcher) and reads its loss log.
+Run train(const fs::path& dir, const std::string& name, int np, const std::vector<std::string>& args) {
+  const fs::path log = dir / (name + ".jsonl");
+  std::vector<std::string> argv;
+  if (np > 1) {
+    argv = {"mpirun", "-np", std::to_string(np), "--oversubscribe", "--mca", "mpi_yield_when_idle", "1"};
+    if (::geteuid() == 0) argv.push_back("--allow-run-as-root");
+  }
+  argv.push_back(bin("pretrain_gpt"));
+  argv.insert(argv.end(), args.begin(), args.end());
+  RunResult r = run(argv, dir, "MEGATRON_LOSS_LOG=" + shell_quote(log.string()) + " OMP_NUM_THREADS=1");
+  EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
+  Run out;
+  out.output = r.output;
+  std::ifstream in(log);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    out.losses.push_back(j.at("lm_loss").get<double>());
+    out.grad_norms.push_back(j.at("grad_norm").get<double>());
+  }
+  return out;
+}
+
+void expect_close(const std::vector<double>& got, const std::vector<double>& want, const std::string& what,
+                  size_t offset = 0) {
+  ASSERT_EQ(got.size() + offset, want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i + offset], 1e-6 * std::abs(want[i + offset]))
+        << what << " at iteration " << i + offset + 1;
+  }
+}
+
+// Every model tensor of two checkpoints (any layouts) agrees within 1e-6 of its norm.
+void expect_same_weights(const fs::path& a, const fs::path& b, const std::string& what) {
+  auto latest = [](const fs::path& d) {
+    std::string it = read_file(d / "latest_checkpointed_iteration.txt");
+    while (!it.empty() && std::isspace(static_cast<unsigned char>(it.back()))) it.pop_back();
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "iter_%07d", std::stoi(it));
+    return d / buf;
+  };
+  dist_checkpointing::ShardIndex ia(latest(a).string(), "model"), ib(latest(b).string(), "model");
+  ASSERT_EQ(ia.names(), ib.names()) << what;
+  for (const std::string& name : ia.names()) {
+    const Shape shape = ia.tensor(name).shape;
+    Tensor ta = Tensor::empty(shape, DType::Float32), tb = Tensor::empty(shape, DType::Float32);
+    ia.load_into(name, ShardSpec{}, ta);
+    ib.load_into(name, ShardSpec{}, tb);
+    const std::vector<float> va = ta.to_floats(), vb = tb.to_floats();
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < va.size(); ++i) {
+      diff += double(va[i] - vb[i]) * double(va[i] - vb[i]);
+      norm += double(vb[i]) * double(vb[i]);
+    }
+    EXPECT_LE(std::sqrt(diff), 1e-6 * std::sqrt(norm) + 1e-12) << what << ": " << name;
+  }
+}
+
+struct Layout {
+  std::string name;
+  int np;
+  std::vector<std::string> flags;
+};
+
+class ParallelTraining : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new ScratchDir("parallel_training");
+    gpt_ = new Run(train(dir_->path, "gpt_single", 1,
+                         concat(kGpt, {"--train-iters", "5", "--save", (dir_->path / "gpt_single").string()})));
+    llama_ = new Run(train(dir_->path, "llama_single", 1,
+                           concat(kLlama, {"--train-iters", "5", "--save", (dir_->path / "llama_single").string()})));
+  }
+  static void TearDownTestSuite() {
+    delete gpt_;
+    delete llama_;
+    delete dir_;
+  }
+
+  // Trains `layout` for 5 iterations and compares with the single-process run.
+  void check(const std::vector<std::string>& model, const Run& single, const std::string& single_dir,
+             const Layout& layout) {
+    ASSERT_EQ(single.losses.size(), 5u) << single.output;
+    const fs::path save = dir_->path / layout.name;
+    Run r = train(dir_->path, layout.name, layout.np,
+                  concat(concat(model, layout.flags), {"--train-iters", "5", "--save", save.string()}));
+    expect_close(r.losses, single.losses, layout.name + " loss");
+    expect_close(r.grad_norms, single.grad_norms, layout.name + " grad norm");
+    expect_same_weights(save, dir_->path / single_dir, layout.name);
+  }
+
+  static ScratchDir* dir_;
+  static Run* gpt_;
+  static Run* llama_;
+};
+ScratchDir* ParallelTraining::dir_ = nullptr;
+Run* ParallelTraining::gpt_ = nullptr;
+Run* ParallelTraining::llama_ = nullptr;
+
+const std::vector<std::string> kTP = {"--tensor-model-parallel-size"};
+
+#define LAYOUT_TEST(test_name, np, ...)                                                           \
+  TEST_F(ParallelTraining, test_name) {                                                           \
+    check(kGpt, *gpt_, "gpt_single", Layout{#test_name, np, std::vector<std::string>{__VA_ARGS__}}); \
+  }
+
+LAYOUT_TEST(TP2, 2, "--tensor-model-parallel-size", "2")
+LAYOUT_TEST(TP4, 4, "--tensor-model-parallel-size", "4")
+LAYOUT_TEST(TP2SequenceParallel, 2, "--tensor-model-parallel-size", "2", "--sequence-parallel")
+LAYOUT_TEST(PP2, 2, "--pipeline-model-parallel-size", "2")
+LAYOUT_TEST(PP4, 4, "--pipeline-model-parallel-size", "4")
+LAYOUT_TEST(PP4Uneven, 4, "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
+            "--decoder-last-pipeline-num-layers", "3")
+LAYOUT_TEST(PP2Interleaved, 2, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2")
+LAYOUT_TEST(DP2, 2)
+LAYOUT_TEST(DP2DistributedOptimizer, 2, "--use-distributed-optimizer")
+LAYOUT_TEST(DP2OverlapBuckets, 2, "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+            "--ddp-bucket-size", "20000")
+LAYOUT_TEST(TP2PP2, 4, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+LAYOUT_TEST(TP2PP2DP2SequenceParallelDistOpt, 8, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+            "2", "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce")
+LAYOUT_TEST(TP4PP2, 8, "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2")
+LAYOUT_TEST(TP2PP4, 8, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4")
+LAYOUT_TEST(TP4DP2SequenceParallel, 8, "--tensor-model-parallel-size", "4", "--sequence-parallel",
+            "--use-distributed-optimizer", "--overlap-param-gather")
+LAYOUT_TEST(PP4DP2Interleaved, 8, "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage",
+            "1", "--use-distributed-optimizer")
+LAYOUT_TEST(PP2DP2, 4, "--pipeline-model-parallel-size", "2")
+LAYOUT_TEST(TP2DP2, 4, "--tensor-model-parallel-size", "2")
+
+TEST_F(ParallelTraining, LlamaTP2PP2SequenceParallel) {
+  check(kLlama, *llama_, "llama_single",
+        Layout{"llama_tp2pp2sp", 4,
+               {"--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"}});
+}
+
+TEST_F(ParallelTraining, LlamaTP2DP2DistributedOptimizer) {
+  check(kLlama, *llama_, "llama_single",
+        Layout{"llama_tp2dp2", 4, {"--tensor-model-parallel-size", "2", "--use-distributed-optimizer"}});
+}
+
+// Dropout masks do not depend on the data-parallel or pipeline layout (schedules.h).
+TEST_F(ParallelTraining, DropoutMatchesAcrossDataAndPipelineParallel) {
+  std::vector<std::string> model = kGpt;
+  for (size_t i = 0; i + 1 < model.size(); ++i) {
+    if (model[i] == "--hidden-dropout" || model[i] == "--attention-dropout") model[i + 1] = "0.1";
+  }
+  Run single = train(dir_->path, "dropout_single", 1,
+                     concat(model, {"--train-iters", "5", "--save", (dir_->path / "dropout_single").string()}));
+  check(model, single, "dropout_single",
+        Layout{"dropout_pp2dp2", 4, {"--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"}});
+}
+
+// A checkpoint saved by one layout resumes under another with the single run's losses.
+TEST_F(ParallelTraining, CheckpointsReshardAcrossLayouts) {
+  struct Case {
+    std::string name;
+    int np_save;
+    std::vector<std::string> save_flags;
+    int np_load;
+    std::vector<std::string> load_flags;
+  };
+  const std::vector<Case> cases = {
+      {"tp2pp2_to_single", 4, {"--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"}, 1, {}},
+      {"single_to_tp4dp2_distopt", 1, {}, 8,
+       {"--tensor-model-parallel-size", "4", "--use-distributed-optimizer"}},
+      {"dp2_distopt_to_pp2_interleaved", 2, {"--use-distributed-optimizer"}, 2,
+       {"--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"}},
+      {"tp2sp_to_tp4pp2", 2, {"--tensor-model-parallel-size", "2", "--sequence-parallel"}, 8,
+       {"--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"}},
+  };
+  for (const Case& c : cases) {
+    const fs::path ckpt = dir_->path / ("reshard_" + c.name);
+    train(dir_->path, c.name + "_save", c.np_save,
+          concat(concat(kGpt, c.save_flags), {"--train-iters", "3", "--save", ckpt.string()}));
+    Run resumed = train(dir_->path, c.name + "_load", c.np_load,
+                        concat(concat(kGpt, c.load_flags),
+                               {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
+    expect_close(resumed.losses, gpt_->losses, c.name, 3);
+    expect_same_weights(ckpt, dir_->path / "gpt_single", c.name);
+  }
+}
+
+}  // namespace
+}  // namespace megatron::testing
