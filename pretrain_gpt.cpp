@@ -97,9 +97,11 @@ int main(int argc, char** argv) {
     return pretrain(*args, callbacks, program_start);
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
+    abort_job(1);  // the other ranks would wait for this one until their timeout
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
+    abort_job(2);
     return 2;
   }
 }

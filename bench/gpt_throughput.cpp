@@ -30,12 +30,15 @@ struct Preset {
   float rotary_base = 10000.0f;
 };
 const std::map<std::string, Preset> kPresets = {
-    {"gpt2-124M", {12, 768, 12, 1024, 32}}, {"gpt2-350M", {24, 1024, 16, 1024, 16}},
-    {"gpt-1.3B", {24, 2048, 16, 2048, 8}},  {"gpt2-1.5B", {48, 1600, 25, 1024, 8}},
+    {"gpt2-124M", {12, 768, 12, 1024, 32}},
+    {"gpt2-350M", {24, 1024, 16, 1024, 16}},
+    {"gpt-1.3B", {24, 2048, 16, 2048, 8}},
+    {"gpt2-1.5B", {48, 1600, 25, 1024, 8}},
     {"gpt-2.7B", {32, 2560, 32, 2048, 8}},
     // Llama-3.2-1B-like (untied output layer), as bench/pytorch_reference.py --preset llama-1B.
     {"llama-1B", {16, 2048, 32, 4096, 2, true, 8, 8192, 128256, 500000.0f}},
     {"tiny", {2, 128, 4, 128, 4}},
+    {"llama-tiny", {2, 128, 4, 128, 4, true, 2, 256, 0, 500000.0f}},
 };
 }  // namespace
 
@@ -171,11 +174,13 @@ int main(int argc, char** argv) {
     std::printf(
         "%s\n",
         fmt::format("{{\"bench\": \"gpt_throughput\", \"impl\": \"megatron.cpp\", \"preset\": \"{}\", "
-                    "\"device\": \"{}\", \"dtype\": \"{}\", \"params\": {}, \"tokens_per_s\": {:.1f}, "
+                    "\"device\": \"{}\", \"dtype\": \"{}\", \"seq\": {}, \"mbs\": {}, \"vocab\": {}, \"params\": {}, "
+                    "\"tokens_per_s\": {:.1f}, "
                     "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
                     "\"loss\": {:.4f}}}",
-                    preset, ctx.device().str(), dtype, model.params().numel(), tokens_per_step / median,
-                    flops / median / 1e12, flops / median / 989e12, median * 1e3, double(m.peak_allocated) / 1e9, loss)
+                    preset, ctx.device().str(), dtype, p.seq, p.mbs, config.padded_vocab_size, model.params().numel(),
+                    tokens_per_step / median, flops / median / 1e12, flops / median / 989e12, median * 1e3,
+                    double(m.peak_allocated) / 1e9, loss)
             .c_str());
     return 0;
   } catch (const std::exception& e) {

@@ -5,7 +5,7 @@
 # bench/stage_gpu.sh). Usage: bench/run_gpu.sh [tests|train|bench|all] [presets...]
 set -uo pipefail
 what=${1:-all}; shift || true
-PRESETS=${*:-gpt2-124M gpt-1.3B}
+PRESETS=${*:-gpt2-124M gpt-1.3B llama-1B}
 source .device/env.sh
 export LD_LIBRARY_PATH=$PWD/.device/lib:$LD_LIBRARY_PATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -49,8 +49,24 @@ if [[ $what == infer || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   echo "== throughput: ours vs PyTorch (same GPU, same call)"
+  # One ratio line per preset: ours / PyTorch for each mode, tokens/s (the bar: >= 1 against compile) and peak
+  # memory (<= 1); shapes_match says both ran the same seq, micro-batch and padded vocabulary.
+  RATIO='import json, sys
+rows = lambda f: [json.loads(l) for l in open(f) if l.startswith("{")]
+ours = [r for r in rows(sys.argv[2]) if r.get("bench") == "gpt_throughput"]
+out = {"bench": "ratio", "preset": sys.argv[1]}
+for r in rows(sys.argv[3]) if ours else []:
+    o = ours[-1]; m = r["system"]
+    out["tokens_per_s_vs_" + m] = round(o["tokens_per_s"] / r["tokens_per_s"], 3)
+    out["peak_mem_vs_" + m] = round(o["peak_mem_gb"] * 1e9 / (r["peak_mem_GiB"] * 2**30), 3)
+    out["shapes_match"] = all(o.get(k) == r[k] for k in ("seq", "mbs", "vocab"))
+if len(out) == 2: out["error"] = "no result from ours or from the reference"
+print(json.dumps(out))'
   for p in $PRESETS; do
-    timeout 300 $B/gpt_throughput --preset "$p" --device cuda --dtype bf16 --steps 10 --warmup 3 2>&1 | tee -a "$OUT/bench.jsonl"
-    timeout 150 python3 .device/pytorch_gpt_reference.py --preset "$p" 2>&1 | grep '^{' | tee -a "$OUT/bench.jsonl"
+    rt=150; [[ $p == llama-* ]] && rt=300  # compiling the seq-4096 Llama takes longer
+    timeout 300 $B/gpt_throughput --preset "$p" --device cuda --dtype bf16 --steps 10 --warmup 3 2>&1 | tee "$OUT/ours_$p.txt"
+    timeout $rt python3 .device/pytorch_reference.py --preset "$p" 2>&1 | grep '^{' | tee "$OUT/ref_$p.jsonl"
+    cat "$OUT/ours_$p.txt" "$OUT/ref_$p.jsonl" >> "$OUT/bench.jsonl"
+    python3 -c "$RATIO" "$p" "$OUT/ours_$p.txt" "$OUT/ref_$p.jsonl" | tee -a "$OUT/bench.jsonl"
   done
 fi

@@ -13,5 +13,10 @@ cp build-gpu/tests/gpu_tests build-gpu/tests/golden_tests build-gpu/bin/pretrain
 # library (e.g. Ubuntu's) differs from the headers we built against.
 mkdir -p .device/lib
 cp -L "$(ldd build-gpu/bin/pretrain_gpt | awk '/libsentencepiece/ {print $3}')" .device/lib/
+# OpenMPI's libraries travel too (the GPU machine may have no OpenMPI): the binaries link libmpi,
+# but a single-process run never calls MPI_Init, so the libraries alone let them start.
+ldd build-gpu/bin/pretrain_gpt | awk '/libmpi|libopen-(rte|pal)|libpmix|libhwloc|libevent/ {print $3}' |
+  xargs -r cp -L -t .device/lib/
 cp ../shared/gpu/env.sh ../shared/bench/pytorch_gpt_reference.py .device/ 2>/dev/null || true
+cp bench/pytorch_reference.py .device/  # GPT presets as pytorch_gpt_reference.py, plus llama-1B
 du -sh .device

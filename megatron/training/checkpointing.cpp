@@ -33,9 +33,11 @@ struct Checkpointer::SaveJob {
   bool has_optim = false;     // the checkpoint has optim_rank* files (on any rank)
   nlohmann::json metadata;    // without "tensors" (filled from the files when publishing)
   std::vector<ShardedTensor> model_tensors, optim_tensors;
+  bool async = false;         // written on a background thread
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   uint64_t total_bytes = 0;   // of every rank's files, known after publishing
   size_t num_files = 0;
+  double seconds = 0;         // from the snapshot to the publication
 };
 
 namespace {
@@ -96,6 +98,17 @@ void maybe_inject_fault() {
   if (++saves == std::atoi(spec + prefix.size())) ::kill(::getpid(), SIGKILL);
 }
 
+// A vocabulary-sized tensor whose rows differ: the padding (a multiple of
+// --make-vocab-size-divisible-by x TP) changed with the tensor-parallel size.
+std::string vocabulary_hint(const std::string& name, const Shape& saved, const Shape& here) {
+  const bool vocab = name.find("word_embeddings") != std::string::npos || name == "output_layer.weight";
+  if (!vocab || saved.size() != 2 || here.size() != 2 || saved[1] != here[1]) return "";
+  return fmt::format(" (the padded vocabulary is a multiple of --make-vocab-size-divisible-by x "
+                     "--tensor-model-parallel-size: choose --make-vocab-size-divisible-by so that it is {} rows "
+                     "again)",
+                     saved[0]);
+}
+
 // metadata.json's table of tensors: global shape, dtype and where each piece is, from the files.
 nlohmann::json tensor_table(const ShardIndex& index) {
   nlohmann::json table = nlohmann::json::object();
@@ -154,11 +167,13 @@ void publish(Checkpointer::SaveJob& job) {
   }
   fsync_path(job.save_dir);
   write_text_atomically(job.save_dir / kTracker, job.tracker_value);
+  job.seconds = seconds_since(job.start);
 }
 
 void report_save(const Checkpointer::SaveJob& job) {
-  print_progress(fmt::format("  wrote checkpoint {} ({} in {} files) in {:.3f} s", (job.save_dir / job.dir_name).string(),
-                             bytes_str(job.total_bytes), job.num_files, seconds_since(job.start)));
+  print_progress(fmt::format("  wrote checkpoint {} ({} in {} files) {} {:.3f} s", (job.save_dir / job.dir_name).string(),
+                             bytes_str(job.total_bytes), job.num_files,
+                             job.async ? "in the background, published after" : "in", job.seconds));
 }
 
 const nlohmann::json& require(const nlohmann::json& j, const char* key, const fs::path& file) {
@@ -359,6 +374,7 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
   job->tracker_value = release ? "release" : std::to_string(progress.iteration);
   job->rank = rank();
   job->publish = rank() == 0;
+  job->async = args_.async_save;
 
   // Note [Checkpoint ownership].
   const int tp_rank = distributed() ? parallel_->tp_rank() : 0;
@@ -487,8 +503,8 @@ std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::stri
     const Shape& shape = model_index.tensor(p->name).shape;
     const Shape& want = p->shard.global_shape.empty() ? p->data.shape() : p->shard.global_shape;
     MG_CHECK(shape == want,
-             "checkpoint {} was saved from another model: tensor '{}' has shape {} there, {} in this model",
-             dir.string(), p->name, shape_str(shape), shape_str(want));
+             "checkpoint {} was saved from another model: tensor '{}' has shape {} there, {} in this model{}",
+             dir.string(), p->name, shape_str(shape), shape_str(want), vocabulary_hint(p->name, shape, want));
     bytes += model_index.load_into(p->name, p->shard, p->data);
   }
 
@@ -520,7 +536,7 @@ std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::stri
         optimizer->scatter_state(ctx, p.name, st);  // collective over data-parallel ranks, same order everywhere
       }
       optimizer->load_state_dict(meta.at("optimizer"));
-      optimizer->copy_main_params_to_model_params();
+      optimizer->copy_main_params_to_model_params(ctx);  // collective with the distributed optimizer
     } else {
       optimizer->reload_model_params();
     }

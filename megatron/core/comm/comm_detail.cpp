@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -84,6 +85,22 @@ void check_reducible(const Communicator& g, const char* op, DType dtype) {
             dtype == DType::Int64;
   MG_CHECK(ok, "{} on {}: cannot reduce {} tensors (fp32, bf16, fp16, int32 and int64 can be reduced)", op,
            describe_group(g), to_string(dtype));
+}
+
+bool poll_until(std::chrono::steady_clock::time_point deadline, const std::function<bool()>& done) {
+  // MPI and CUDA progress only when polled; back off so a long wait does not take a core from the
+  // rank's other threads (OpenMPI's own waits spin).
+  auto pause = std::chrono::microseconds(0);
+  for (int polls = 0;; ++polls) {
+    if (done()) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return done();
+    if (polls < 100) {
+      std::this_thread::yield();
+    } else {
+      pause = std::min(std::chrono::microseconds(1000), pause + std::chrono::microseconds(10));
+      std::this_thread::sleep_for(pause);
+    }
+  }
 }
 
 namespace {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -39,5 +40,22 @@ void check_reducible(const Communicator& g, const char* op, DType dtype);
 /// dst[i] = srcs[0][i] op srcs[1][i] op ... in that order (rank order), all of `dtype`; bf16/fp16
 /// accumulate in fp32 and round once. dst may alias srcs[0] only.
 void reduce_in_order(DType dtype, ReduceOp op, void* dst, const std::vector<const void*>& srcs, size_t n);
+
+/// Polls `done` until it returns true (yielding, then sleeping up to 1 ms between polls); false
+/// when `deadline` passes first.
+bool poll_until(std::chrono::steady_clock::time_point deadline, const std::function<bool()>& done);
+
+// ---- backends' constructors (launch.cpp builds the world from them) ----
+/// MPI's world (initialises MPI with MPI_THREAD_MULTIPLE on first use; MPI_Finalize at exit).
+std::unique_ptr<Communicator> make_mpi_world(std::chrono::milliseconds timeout);
+#ifdef MEGATRON_WITH_CUDA
+/// The NCCL world on `device`: `unique_id` (ncclUniqueId's bytes) is the same on every rank.
+std::unique_ptr<Communicator> make_nccl_world(int rank, int size, Device device, const std::vector<char>& unique_id,
+                                              std::chrono::milliseconds timeout);
+/// sizeof(ncclUniqueId) (NCCL_UNIQUE_ID_BYTES; checked in nccl_communicator.cpp).
+constexpr size_t kNcclUniqueIdBytes = 128;
+/// A fresh ncclUniqueId's bytes (rank 0 creates it; the others receive it).
+std::vector<char> nccl_unique_id();
+#endif
 
 }  // namespace megatron::comm_detail

@@ -116,6 +116,11 @@ std::unique_ptr<Communicator> init_world(const LaunchInfo& launch, Device device
 /// `mpirun -np N` instead.
 int launch_local_workers(int argc, char** argv, int nproc, bool cpu);
 
+/// Ends every process of the job after an error on this rank (MPI_Abort under MPI), so the other
+/// ranks do not wait for it until their timeout; a no-op when no MPI job is running (a single
+/// process, or torchrun-style ranks, whose peers see the failure as a timeout naming the group).
+void abort_job(int exit_code);
+
 /// A group of `size` ranks that are threads of this process (tests): returns one communicator per
 /// rank; each must be used from its own thread. Backend "local", CPU tensors.
 std::vector<std::unique_ptr<Communicator>> make_local_group(int size, const std::string& name = "world");

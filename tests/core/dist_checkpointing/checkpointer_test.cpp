@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -21,6 +22,8 @@
 #include <vector>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/distributed/distributed_data_parallel.h"
+#include "megatron/core/distributed/param_and_grad_buffer.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -351,6 +354,75 @@ TEST_F(CheckpointerLayouts, PipelineStagesSaveTheirOwnLayersAndLoadIntoOneStage)
       /*pp=*/2);
 }
 
+// With the distributed optimizer each data-parallel rank holds a flat shard of the Adam state;
+// gather_state assembles it for the writer and scatter_state keeps the reader's shard, so a
+// checkpoint moves between DP sizes and to and from the plain optimizer.
+TEST_F(CheckpointerLayouts, DistributedOptimizerStateMovesBetweenDataParallelSizes) {
+  struct DdpRank {
+    ParamAndGradBuffer buf{DType::BFloat16, Device::cpu()};
+    std::unique_ptr<DistributedDataParallel> ddp;
+    std::unique_ptr<AdamOptimizer> optimizer;
+    DdpRank(ParallelState& ps, bool fill) {
+      DDPConfig cfg;
+      cfg.use_distributed_optimizer = true;
+      cfg.bucket_size = 20;
+      buf.add("a.weight", {7, 5}, false, ParamInit::Normal);
+      buf.add("a.bias", {7}, true, ParamInit::Normal);
+      buf.add("b.weight", {3, 11}, false, ParamInit::Normal);
+      buf.allocate(cfg, ps.dp_size());
+      buf.init_weights(fill ? 1234 : 99, 0.5f, 2, false);
+      ddp = std::make_unique<DistributedDataParallel>(ps, std::vector<ParamAndGradBuffer*>{&buf}, cfg);
+      OptimizerConfig oc;
+      oc.bf16 = true;
+      oc.lr = 1e-3;
+      optimizer = std::make_unique<AdamOptimizer>(ddp->parameters(), oc, *ddp);
+    }
+    // The full state every rank agrees on: masters are the weights, moments from the name.
+    static AdamParamState full_state(const Parameter& p) {
+      const std::vector<float> w = p.data.to_floats();
+      return {Tensor::from_floats(w, p.data.shape()),
+              Tensor::from_floats(global_values(p.name, kExpAvg, p.data.shape()), p.data.shape()),
+              Tensor::from_floats(global_values(p.name, kExpAvgSq, p.data.shape()), p.data.shape())};
+    }
+  };
+  std::map<std::string, std::vector<float>> weights;
+  std::mutex mu;
+  run_ranks(2, 1, [&](ParallelState& ps) {
+    DdpRank r(ps, true);
+    Context ctx;
+    ctx.rng().offset = 4096;
+    for (Parameter* p : r.buf.parameters()) r.optimizer->scatter_state(ctx, p->name, DdpRank::full_state(*p));
+    if (ps.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      for (Parameter* p : r.buf.parameters()) weights[p->name] = p->data.to_floats();
+    }
+    Checkpointer ck(args_, &ps);
+    ck.save(ctx, r.buf.parameters(), r.optimizer.get(), nullptr, TrainingProgress{2, 20, 0, 0});
+  });
+  // Only dp rank 0 wrote, the whole state.
+  EXPECT_FALSE(fs::exists(dir_ / "ckpt/iter_0000002/optim_rank00001.safetensors"));
+  safetensors::File optim((dir_ / "ckpt/iter_0000002/optim_rank00000.safetensors").string());
+  EXPECT_EQ(optim.entry("a.weight.exp_avg").shape, (Shape{7, 5}));
+
+  for (int dp : {4, 1}) {
+    run_ranks(dp, 1, [&](ParallelState& ps) {
+      DdpRank r(ps, false);
+      Context ctx;
+      Checkpointer ck(args_, &ps);
+      ASSERT_TRUE(ck.load(ctx, args_.save, r.buf.parameters(), r.optimizer.get(), nullptr).has_value());
+      for (Parameter* p : r.buf.parameters()) {
+        EXPECT_EQ(p->data.to_floats(), weights.at(p->name)) << "dp " << dp << ": " << p->name;
+        const AdamParamState got = r.optimizer->gather_state(ctx, p->name);
+        EXPECT_EQ(got.master.to_floats(), weights.at(p->name)) << "dp " << dp << ": master of " << p->name;
+        EXPECT_EQ(got.exp_avg.to_floats(), global_values(p->name, kExpAvg, p->data.shape()))
+            << "dp " << dp << ": exp_avg of " << p->name;
+        EXPECT_EQ(got.exp_avg_sq.to_floats(), global_values(p->name, kExpAvgSq, p->data.shape()))
+            << "dp " << dp << ": exp_avg_sq of " << p->name;
+      }
+    });
+  }
+}
+
 TEST_F(CheckpointerLayouts, AnotherModelIsAnErrorOnEveryRank) {
   save(/*world=*/2, /*tp=*/2, 2);
   std::mutex mu;
@@ -367,6 +439,19 @@ TEST_F(CheckpointerLayouts, AnotherModelIsAnErrorOnEveryRank) {
     }
   });
   ASSERT_EQ(messages.size(), 2u);
+  // A vocabulary padded for another tensor-parallel size says which flag restores it.
+  RankModel vocab(1, 0, false,
+                  {{"embedding.word_embeddings.weight", {12, 4}, 0, 1, false}});
+  Context ctx;
+  Checkpointer ck(args_);
+  try {
+    ck.load(ctx, args_.save, vocab.ptrs, nullptr, nullptr);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("[8, 4] there, [12, 4] in this model"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--make-vocab-size-divisible-by so that it is 8 rows"), std::string::npos) << msg;
+  }
   for (const std::string& msg : messages) {
     for (const char* word :
          {"saved from another model", "decoder.layers.0.mlp.linear_fc2.weight", "[4, 8] there", "[4, 10] in this model"})

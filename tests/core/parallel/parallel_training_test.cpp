@@ -18,7 +18,7 @@
 namespace megatron::testing {
 namespace {
 
-struct Run {
+struct TrainRun {
   std::vector<double> losses;
   std::vector<double> grad_norms;
   std::string output;
@@ -30,7 +30,7 @@ const std::vector<std::string> kGpt = {
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--vocab-size", "1000", "--mock-data",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0",
-    "--seed", "1234", "--device", "cpu", "--split", "100,0,0"};
+    "--seed", "1234", "--device", "cpu", "--split", "100,0,0", "--adam-eps", "1e-4"};
 
 // Llama-style: RoPE, RMSNorm, SwiGLU (fc1 split in two blocks), GQA, no biases, untied output.
 const std::vector<std::string> kLlama = {
@@ -39,7 +39,8 @@ const std::vector<std::string> kLlama = {
     "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
     "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size",
     "16", "--lr", "1e-3", "--vocab-size", "1000", "--mock-data", "--hidden-dropout", "0", "--attention-dropout",
-    "0", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--device", "cpu", "--split", "100,0,0"};
+    "0", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--device", "cpu", "--split", "100,0,0",
+    "--adam-eps", "1e-4"};
 
 std::vector<std::string> concat(std::vector<std::string> a, const std::vector<std::string>& b) {
   a.insert(a.end(), b.begin(), b.end());
@@ -47,7 +48,7 @@ std::vector<std::string> concat(std::vector<std::string> a, const std::vector<st
 }
 
 // Runs pretrain_gpt on `np` ranks (np 1: directly, no launcher) and reads its loss log.
-Run train(const fs::path& dir, const std::string& name, int np, const std::vector<std::string>& args) {
+TrainRun train(const fs::path& dir, const std::string& name, int np, const std::vector<std::string>& args) {
   const fs::path log = dir / (name + ".jsonl");
   std::vector<std::string> argv;
   if (np > 1) {
@@ -58,7 +59,7 @@ Run train(const fs::path& dir, const std::string& name, int np, const std::vecto
   argv.insert(argv.end(), args.begin(), args.end());
   RunResult r = run(argv, dir, "MEGATRON_LOSS_LOG=" + shell_quote(log.string()) + " OMP_NUM_THREADS=1");
   EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
-  Run out;
+  TrainRun out;
   out.output = r.output;
   std::ifstream in(log);
   std::string line;
@@ -79,7 +80,9 @@ void expect_close(const std::vector<double>& got, const std::vector<double>& wan
   }
 }
 
-// Every model tensor of two checkpoints (any layouts) agrees within 1e-6 of its norm.
+// The weights of two checkpoints (any layouts): the whole model within 1e-6 of its norm, every tensor
+// within 1e-5 of its own (Note [Comparing weights across layouts] in
+// tests/core/models/gpt_parallel_test.cpp, which is also why the runs use --adam-eps 1e-4).
 void expect_same_weights(const fs::path& a, const fs::path& b, const std::string& what) {
   auto latest = [](const fs::path& d) {
     std::string it = read_file(d / "latest_checkpointed_iteration.txt");
@@ -90,6 +93,7 @@ void expect_same_weights(const fs::path& a, const fs::path& b, const std::string
   };
   dist_checkpointing::ShardIndex ia(latest(a).string(), "model"), ib(latest(b).string(), "model");
   ASSERT_EQ(ia.names(), ib.names()) << what;
+  double total_diff = 0, total_norm = 0;
   for (const std::string& name : ia.names()) {
     const Shape shape = ia.tensor(name).shape;
     Tensor ta = Tensor::empty(shape, DType::Float32), tb = Tensor::empty(shape, DType::Float32);
@@ -101,8 +105,11 @@ void expect_same_weights(const fs::path& a, const fs::path& b, const std::string
       diff += double(va[i] - vb[i]) * double(va[i] - vb[i]);
       norm += double(vb[i]) * double(vb[i]);
     }
-    EXPECT_LE(std::sqrt(diff), 1e-6 * std::sqrt(norm) + 1e-12) << what << ": " << name;
+    EXPECT_LE(std::sqrt(diff), 1e-5 * std::sqrt(norm)) << what << ": " << name;
+    total_diff += diff;
+    total_norm += norm;
   }
+  EXPECT_LE(std::sqrt(total_diff), 1e-6 * std::sqrt(total_norm)) << what;
 }
 
 struct Layout {
@@ -115,9 +122,9 @@ class ParallelTraining : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new ScratchDir("parallel_training");
-    gpt_ = new Run(train(dir_->path, "gpt_single", 1,
+    gpt_ = new TrainRun(train(dir_->path, "gpt_single", 1,
                          concat(kGpt, {"--train-iters", "5", "--save", (dir_->path / "gpt_single").string()})));
-    llama_ = new Run(train(dir_->path, "llama_single", 1,
+    llama_ = new TrainRun(train(dir_->path, "llama_single", 1,
                            concat(kLlama, {"--train-iters", "5", "--save", (dir_->path / "llama_single").string()})));
   }
   static void TearDownTestSuite() {
@@ -127,11 +134,11 @@ class ParallelTraining : public ::testing::Test {
   }
 
   // Trains `layout` for 5 iterations and compares with the single-process run.
-  void check(const std::vector<std::string>& model, const Run& single, const std::string& single_dir,
+  void check(const std::vector<std::string>& model, const TrainRun& single, const std::string& single_dir,
              const Layout& layout) {
     ASSERT_EQ(single.losses.size(), 5u) << single.output;
     const fs::path save = dir_->path / layout.name;
-    Run r = train(dir_->path, layout.name, layout.np,
+    TrainRun r = train(dir_->path, layout.name, layout.np,
                   concat(concat(model, layout.flags), {"--train-iters", "5", "--save", save.string()}));
     expect_close(r.losses, single.losses, layout.name + " loss");
     expect_close(r.grad_norms, single.grad_norms, layout.name + " grad norm");
@@ -139,12 +146,12 @@ class ParallelTraining : public ::testing::Test {
   }
 
   static ScratchDir* dir_;
-  static Run* gpt_;
-  static Run* llama_;
+  static TrainRun* gpt_;
+  static TrainRun* llama_;
 };
 ScratchDir* ParallelTraining::dir_ = nullptr;
-Run* ParallelTraining::gpt_ = nullptr;
-Run* ParallelTraining::llama_ = nullptr;
+TrainRun* ParallelTraining::gpt_ = nullptr;
+TrainRun* ParallelTraining::llama_ = nullptr;
 
 const std::vector<std::string> kTP = {"--tensor-model-parallel-size"};
 
@@ -194,13 +201,14 @@ TEST_F(ParallelTraining, DropoutMatchesAcrossDataAndPipelineParallel) {
   for (size_t i = 0; i + 1 < model.size(); ++i) {
     if (model[i] == "--hidden-dropout" || model[i] == "--attention-dropout") model[i + 1] = "0.1";
   }
-  Run single = train(dir_->path, "dropout_single", 1,
+  TrainRun single = train(dir_->path, "dropout_single", 1,
                      concat(model, {"--train-iters", "5", "--save", (dir_->path / "dropout_single").string()}));
   check(model, single, "dropout_single",
         Layout{"dropout_pp2dp2", 4, {"--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"}});
 }
 
-// A checkpoint saved by one layout resumes under another with the single run's losses.
+// A checkpoint saved by one layout at iteration 3 of a 5-iteration schedule (--exit-interval) resumes
+// under another with the single run's losses for iterations 4 and 5.
 TEST_F(ParallelTraining, CheckpointsReshardAcrossLayouts) {
   struct Case {
     std::string name;
@@ -221,8 +229,8 @@ TEST_F(ParallelTraining, CheckpointsReshardAcrossLayouts) {
   for (const Case& c : cases) {
     const fs::path ckpt = dir_->path / ("reshard_" + c.name);
     train(dir_->path, c.name + "_save", c.np_save,
-          concat(concat(kGpt, c.save_flags), {"--train-iters", "3", "--save", ckpt.string()}));
-    Run resumed = train(dir_->path, c.name + "_load", c.np_load,
+          concat(concat(kGpt, c.save_flags), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
+    TrainRun resumed = train(dir_->path, c.name + "_load", c.np_load,
                         concat(concat(kGpt, c.load_flags),
                                {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
     expect_close(resumed.losses, gpt_->losses, c.name, 3);
