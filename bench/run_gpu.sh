@@ -10,6 +10,7 @@ source .device/env.sh
 export LD_LIBRARY_PATH=$PWD/.device/lib:$LD_LIBRARY_PATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B=.device/bin
+export MEGATRON_BIN_DIR=$PWD/.device/bin  # tests that run the binaries find the staged ones
 export MEGATRON_FIXTURES=$PWD/tests/fixtures
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 

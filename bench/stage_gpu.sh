@@ -11,6 +11,7 @@ cp build-gpu/tests/gpu_tests build-gpu/tests/golden_tests build-gpu/bin/pretrain
    build-gpu/bin/text_generation_server build-gpu/bin/generate build-gpu/bin/convert_checkpoint .device/bin/
 # Debian's libsentencepiece travels with the binaries: the C++ class layout of another version's
 # library (e.g. Ubuntu's) differs from the headers we built against.
+strip .device/bin/*  # the symbols are not needed there, and the working tree travels
 mkdir -p .device/lib
 cp -L "$(ldd build-gpu/bin/pretrain_gpt | awk '/libsentencepiece/ {print $3}')" .device/lib/
 # OpenMPI's libraries travel too (the GPU machine may have no OpenMPI): the binaries link libmpi,

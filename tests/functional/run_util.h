@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -23,7 +24,11 @@ namespace megatron::testing {
 
 namespace fs = std::filesystem;
 
-inline std::string bin(const std::string& name) { return std::string(MEGATRON_BINARY_DIR) + "/bin/" + name; }
+/// The built binary `name`: build/bin, or $MEGATRON_BIN_DIR (binaries staged on another machine).
+inline std::string bin(const std::string& name) {
+  const char* dir = std::getenv("MEGATRON_BIN_DIR");
+  return (dir && *dir ? std::string(dir) : std::string(MEGATRON_BINARY_DIR) + "/bin") + "/" + name;
+}
 
 struct RunResult {
   int exit_code = -1;
