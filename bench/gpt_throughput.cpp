@@ -135,6 +135,29 @@ int main(int argc, char** argv) {
         loss = h[0] / h[1];
       }
     }
+    if (profile) {  // one step with the device synchronised between its phases (wall ms each)
+      auto now = [] { return std::chrono::steady_clock::now(); };
+      auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+      ctx.synchronize();
+      const auto t0 = now();
+      model.params().zero_grad();
+      ctx.synchronize();
+      const auto t1 = now();
+      GPTModel::Stash stash;
+      Tensor losses = model.forward(ctx, tokens, positions, targets, stash);
+      ops::masked_loss_backward(ctx, Tensor(), 1.0f / float(ids.size()), grad);
+      ctx.synchronize();
+      const auto t2 = now();
+      model.backward(ctx, grad.view(losses.shape()), stash);
+      ctx.synchronize();
+      const auto t3 = now();
+      optimizer.step(ctx);
+      ctx.synchronize();
+      const auto t4 = now();
+      std::printf("{\"bench\": \"step_phases\", \"preset\": \"%s\", \"zero_grad_ms\": %.2f, \"forward_ms\": %.2f, "
+                  "\"backward_ms\": %.2f, \"optimizer_ms\": %.2f}\n",
+                  preset.c_str(), ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4));
+    }
     if (profile) {  // one more step, each op bracketed by events: where the step's time goes
       OpProfiler profiler;
       ctx.set_profiler(&profiler);
@@ -156,8 +179,8 @@ int main(int argc, char** argv) {
       for (const auto& [op, e] : rows) {
         std::printf("%s\n",
                     fmt::format("{{\"bench\": \"op_profile\", \"preset\": \"{}\", \"op\": \"{}\", \"ms\": {:.3f}, "
-                                "\"calls\": {}, \"share\": {:.4f}}}",
-                                preset, op, e.ms, e.calls, e.ms / step_ms)
+                                "\"host_ms\": {:.3f}, \"calls\": {}, \"share\": {:.4f}}}",
+                                preset, op, e.ms, e.host_ms, e.calls, e.ms / step_ms)
                         .c_str());
       }
       std::printf("%s\n",

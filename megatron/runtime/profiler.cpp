@@ -29,11 +29,8 @@ void OpProfiler::end(Context& ctx) {
   }
   Closed c{o.op, o.start_event, nullptr, 0.0};
   auto& hooks = detail::cuda_hooks();
-  if (o.start_event && hooks.event_record) {
-    c.end_event = hooks.event_record(ctx.stream());
-  } else {
-    c.host_ms = std::chrono::duration<double, std::milli>(Clock::now() - o.start).count();
-  }
+  if (o.start_event && hooks.event_record) c.end_event = hooks.event_record(ctx.stream());
+  c.host_ms = std::chrono::duration<double, std::milli>(Clock::now() - o.start).count();
   closed_.push_back(c);
 }
 
@@ -45,6 +42,7 @@ std::map<std::string, OpProfiler::Entry> OpProfiler::collect(Context& ctx) {
     Entry& e = out[c.op];
     e.calls += 1;
     e.ms += c.end_event && hooks.event_elapsed_ms ? hooks.event_elapsed_ms(c.start_event, c.end_event) : c.host_ms;
+    e.host_ms += c.host_ms;
   }
   reset();
   return out;

@@ -20,7 +20,8 @@ class OpProfiler {
   void end(Context& ctx);
   /// Milliseconds and call counts per op since the last reset (synchronises the device).
   struct Entry {
-    double ms = 0;
+    double ms = 0;       // device time (CUDA events) or wall time on the CPU
+    double host_ms = 0;  // time the host spent inside the op (launches, allocation, synchronisation)
     int64_t calls = 0;
   };
   std::map<std::string, Entry> collect(Context& ctx);

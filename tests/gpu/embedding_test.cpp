@@ -140,7 +140,11 @@ TEST(CudaEmbeddingErrors, OutOfRangeIdsThrow) {
 
   Tensor wg = dev(Tensor::zeros({kVocab, h}, DType::Float32)), pg = dev(Tensor::zeros({kPositions, h}, DType::Float32));
   const Tensor grad_out = dev(random_tensor({kS, kB, h}, 3));
-  expect_error([&] { cuda::embedding_backward(gpu, bad_tokens, good, grad_out, wg, pg); }, "token id 11");
+  // The backward trusts its forward's check (Note [No id check in backward]): bad rows are skipped,
+  // nothing is written out of bounds.
+  cuda::embedding_backward(gpu, bad_tokens, good, grad_out, wg, pg);
+  gpu.synchronize();
+  for (float v : wg.to_floats()) ASSERT_TRUE(std::isfinite(v));
   // The stream is usable after the error.
   cuda::embedding_forward(gpu, good_tokens, good, word, pos, out);
   gpu.synchronize();

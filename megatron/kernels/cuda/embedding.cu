@@ -264,7 +264,9 @@ void embedding_backward(Context& ctx, const Tensor& tokens, const Tensor& positi
     if (word_ptr) sorted_scatter_add<T>(ctx, words, b, s, dev_ptr<T>(grad_out), h, word_ptr, bad_ptr);
     if (pos_ptr) sorted_scatter_add<T>(ctx, positions, b, s, dev_ptr<T>(grad_out), h, pos_ptr, bad_ptr + 1);
   });
-  raise_bad_ids(ctx, bad, tokens, position_ids, words.rows, positions.rows);
+  // Note [No id check in backward]: the forward checked these ids (and raised); checking again
+  // would cost a host synchronisation at the end of every backward pass. Rows of out-of-range ids
+  // are skipped (their keys sort last).
 }
 
 }  // namespace megatron::cuda
