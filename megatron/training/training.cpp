@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 
@@ -106,6 +107,18 @@ std::string memory_report(Device device, int64_t iteration) {
   const double mb = 1024.0 * 1024.0;
   return fmt::format("[Rank 0] (after {} iterations) memory (MB) | allocated: {:.2f} | max allocated: {:.2f}",
                      iteration, m.allocated / mb, m.peak_allocated / mb);
+}
+
+// Note [Killing a rank]: MEGATRON_FAULT_INJECT=kill-rank:R:N makes world rank R send itself SIGKILL
+// after iteration N (tests: a dead rank must end the job, never hang it).
+void maybe_kill_rank(int rank, int64_t iteration) {
+  const char* spec = std::getenv("MEGATRON_FAULT_INJECT");
+  int r = -1;
+  long long n = -1;
+  if (spec && std::sscanf(spec, "kill-rank:%d:%lld", &r, &n) == 2 && r == rank && n == iteration) {
+    std::fflush(stdout);
+    ::raise(SIGKILL);
+  }
 }
 
 // Everything the loop carries between iterations.
@@ -339,6 +352,7 @@ struct Trainer {
       }
       progress.iteration += 1;
       progress.consumed_train_samples += microbatches.current_global_batch_size();
+      maybe_kill_rank(ps.rank(), progress.iteration);
       if (loss_log) {  // MEGATRON_LOSS_LOG: every iteration's loss in full precision (tests)
         std::fprintf(loss_log, "{\"iteration\": %lld, \"lm_loss\": %.17g, \"grad_norm\": %.17g}\n",
                      static_cast<long long>(progress.iteration), lm_loss, r.grad_norm.value_or(0.0));

@@ -153,36 +153,75 @@ ScratchDir* ParallelTraining::dir_ = nullptr;
 TrainRun* ParallelTraining::gpt_ = nullptr;
 TrainRun* ParallelTraining::llama_ = nullptr;
 
-const std::vector<std::string> kTP = {"--tensor-model-parallel-size"};
-
-#define LAYOUT_TEST(test_name, np, ...)                                                           \
-  TEST_F(ParallelTraining, test_name) {                                                           \
-    check(kGpt, *gpt_, "gpt_single", Layout{#test_name, np, std::vector<std::string>{__VA_ARGS__}}); \
+// TP ∈ {1, 2, 4} × PP ∈ {1, 2, 4} × DP ∈ {1, 2} (world <= 8), each plain and with every feature its
+// layout allows: --sequence-parallel (TP > 1), --use-distributed-optimizer with overlapped gradient
+// reduction in small buckets and overlapped parameter gathers (DP > 1), and interleaving with two
+// virtual stages (PP > 1); plus uneven first/last pipeline stages.
+std::vector<Layout> grid() {
+  std::vector<Layout> out;
+  for (int tp : {1, 2, 4}) {
+    for (int pp : {1, 2, 4}) {
+      for (int dp : {1, 2}) {
+        const int np = tp * pp * dp;
+        if (np > 8 || np == 1) continue;
+        const std::string name = "tp" + std::to_string(tp) + "_pp" + std::to_string(pp) + "_dp" + std::to_string(dp);
+        std::vector<std::string> flags = {"--tensor-model-parallel-size", std::to_string(tp),
+                                          "--pipeline-model-parallel-size", std::to_string(pp)};
+        out.push_back({name, np, flags});
+        std::string suffix;
+        if (tp > 1) flags.push_back("--sequence-parallel"), suffix += "_sp";
+        if (dp > 1) {
+          for (const char* f : {"--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                                "--ddp-bucket-size", "20000"}) {
+            flags.push_back(f);
+          }
+          suffix += "_distopt_overlap";
+        }
+        if (pp > 1) flags.insert(flags.end(), {"--num-layers-per-virtual-pipeline-stage", "1"}), suffix += "_vpp";
+        out.push_back({name + suffix, np, flags});
+      }
+    }
   }
+  out.push_back({"pp4_uneven_1_2_2_3", 4,
+                 {"--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
+                  "--decoder-last-pipeline-num-layers", "3"}});
+  return out;
+}
 
-LAYOUT_TEST(TP2, 2, "--tensor-model-parallel-size", "2")
-LAYOUT_TEST(TP4, 4, "--tensor-model-parallel-size", "4")
-LAYOUT_TEST(TP2SequenceParallel, 2, "--tensor-model-parallel-size", "2", "--sequence-parallel")
-LAYOUT_TEST(PP2, 2, "--pipeline-model-parallel-size", "2")
-LAYOUT_TEST(PP4, 4, "--pipeline-model-parallel-size", "4")
-LAYOUT_TEST(PP4Uneven, 4, "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
-            "--decoder-last-pipeline-num-layers", "3")
-LAYOUT_TEST(PP2Interleaved, 2, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2")
-LAYOUT_TEST(DP2, 2)
-LAYOUT_TEST(DP2DistributedOptimizer, 2, "--use-distributed-optimizer")
-LAYOUT_TEST(DP2OverlapBuckets, 2, "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-            "--ddp-bucket-size", "20000")
-LAYOUT_TEST(TP2PP2, 4, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
-LAYOUT_TEST(TP2PP2DP2SequenceParallelDistOpt, 8, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-            "2", "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce")
-LAYOUT_TEST(TP4PP2, 8, "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2")
-LAYOUT_TEST(TP2PP4, 8, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4")
-LAYOUT_TEST(TP4DP2SequenceParallel, 8, "--tensor-model-parallel-size", "4", "--sequence-parallel",
-            "--use-distributed-optimizer", "--overlap-param-gather")
-LAYOUT_TEST(PP4DP2Interleaved, 8, "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage",
-            "1", "--use-distributed-optimizer")
-LAYOUT_TEST(PP2DP2, 4, "--pipeline-model-parallel-size", "2")
-LAYOUT_TEST(TP2DP2, 4, "--tensor-model-parallel-size", "2")
+class ParallelGrid : public ParallelTraining, public ::testing::WithParamInterface<Layout> {};
+
+TEST_P(ParallelGrid, EqualsSingleProcess) { check(kGpt, *gpt_, "gpt_single", GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ParallelGrid, ::testing::ValuesIn(grid()),
+                         [](const ::testing::TestParamInfo<Layout>& info) { return info.param.name; });
+
+// The built-in launcher: --nproc-per-node 2 without mpirun (it runs mpirun itself for CPU ranks).
+TEST_F(ParallelTraining, NprocPerNodeLauncher) {
+  check(kGpt, *gpt_, "gpt_single", Layout{"nproc_per_node_2", 1, {"--nproc-per-node", "2"}});
+}
+
+// A world size the layout does not divide, and a rank that dies mid-training, end the job with a
+// message (not a hang) well within the timeout.
+TEST_F(ParallelTraining, BadWorldSizeAndDeadRankEndTheJob) {
+  std::vector<std::string> mpirun = {"mpirun", "--oversubscribe"};
+  if (::geteuid() == 0) mpirun.push_back("--allow-run-as-root");
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) { return concat(std::move(a), b); };
+  const auto t0 = std::chrono::steady_clock::now();
+  RunResult bad = run(with(with(mpirun, {"-np", "3", bin("pretrain_gpt")}),
+                           concat(kGpt, {"--train-iters", "2", "--tensor-model-parallel-size", "2"})),
+                      dir_->path);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("world size (3) is not divisible by tensor (2)"), std::string::npos)
+      << bad.output;
+  RunResult dead = run(with(with(mpirun, {"-np", "2", bin("pretrain_gpt")}),
+                            concat(kGpt, {"--train-iters", "50", "--pipeline-model-parallel-size", "2",
+                                          "--distributed-timeout-minutes", "1"})),
+                       dir_->path, "MEGATRON_FAULT_INJECT=kill-rank:1:2");
+  EXPECT_NE(dead.exit_code, 0) << dead.output;
+  EXPECT_EQ(dead.output.find("iteration       50/"), std::string::npos) << dead.output;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 55.0) << "the failed jobs should end at once, not at the 1-minute timeout";
+}
 
 TEST_F(ParallelTraining, LlamaTP2PP2SequenceParallel) {
   check(kLlama, *llama_, "llama_single",
