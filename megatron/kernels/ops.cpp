@@ -216,6 +216,32 @@ void attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, c
                                  grad_k, grad_v);
 }
 
+void attention_forward_qkv(Context& ctx, const Tensor& qkv, float softmax_scale, float dropout_p, uint64_t seed,
+                           uint64_t offset, Tensor& out, Tensor& lse) {
+  ProfileScope profile(ctx, "attention_forward_qkv");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "attention_forward_qkv"))
+    return cuda::attention_forward_qkv(ctx, qkv, softmax_scale, dropout_p, seed, offset, out, lse);
+#else
+  on_cuda(ctx, "attention_forward_qkv");
+#endif
+  return cpu::attention_forward_qkv(ctx, qkv, softmax_scale, dropout_p, seed, offset, out, lse);
+}
+
+void attention_backward_qkv(Context& ctx, const Tensor& grad_out, const Tensor& qkv, const Tensor& out,
+                            const Tensor& lse, float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset,
+                            Tensor& grad_qkv) {
+  ProfileScope profile(ctx, "attention_backward_qkv");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "attention_backward_qkv"))
+    return cuda::attention_backward_qkv(ctx, grad_out, qkv, out, lse, softmax_scale, dropout_p, seed, offset,
+                                        grad_qkv);
+#else
+  on_cuda(ctx, "attention_backward_qkv");
+#endif
+  return cpu::attention_backward_qkv(ctx, grad_out, qkv, out, lse, softmax_scale, dropout_p, seed, offset, grad_qkv);
+}
+
 void attention_kv_cache_forward(Context& ctx, const Tensor& q, const Tensor& k_new, const Tensor& v_new,
                                 const Tensor& slots, const Tensor& starts, float softmax_scale, Tensor& k_cache,
                                 Tensor& v_cache, Tensor& out) {

@@ -141,8 +141,11 @@ TEST_P(CudaNorm, ForwardAndBackwardMatchCpu) {
 
 std::vector<NormCase> norm_cases() {
   std::vector<NormCase> cases;
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1},    {7, 3},     {7, 127},  {1, 1000},
-                                                           {7, 4100}, {64, 1024}, {300, 96}, {2, 16384}};
+  // Besides odd widths: the fused backward with one and two packs per thread ({4096, 2048}, {37, 8192},
+  // {9, 1023}), capped partial rows ({5000, 64}), and the unfused fallback ({7, 4100}, {2, 16384}).
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1},       {7, 3},     {7, 127},  {1, 1000},
+                                                           {7, 4100},    {64, 1024}, {300, 96}, {2, 16384},
+                                                           {4096, 2048}, {37, 8192}, {9, 1023}, {5000, 64}};
   for (bool rms : {false, true}) {
     for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16}) {
       for (auto [n, h] : shapes) cases.push_back({n, h, dt, rms, false, dt});

@@ -25,6 +25,14 @@ SelfAttention::SelfAttention(const TransformerConfig& config, ParamAndGradBuffer
 void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const {
   const int64_t s = saved.qkv.size(0), b = saved.qkv.size(1);
   const DType dt = saved.x.dtype();
+  saved.context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
+  saved.lse = Tensor::empty({b, nq_, s}, DType::Float32, ctx.device());
+  const uint64_t seed = tensor_parallel::region_seed(ctx, ps_, true);
+  if (fused_qkv(freqs)) {
+    ops::attention_forward_qkv(ctx, saved.qkv, softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.context,
+                               saved.lse);
+    return;
+  }
   Tensor q = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
   Tensor k = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
   Tensor v = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
@@ -33,10 +41,8 @@ void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved
     ops::rope_forward(ctx, q, freqs, rope_interleaved_, q);
     ops::rope_forward(ctx, k, freqs, rope_interleaved_, k);
   }
-  saved.context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
-  saved.lse = Tensor::empty({b, nq_, s}, DType::Float32, ctx.device());
-  ops::attention_forward(ctx, q, k, v, softmax_scale_, dropout_p_, tensor_parallel::region_seed(ctx, ps_, true),
-                         saved.dropout_offset, saved.context, saved.lse);
+  ops::attention_forward(ctx, q, k, v, softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.context,
+                         saved.lse);
   saved.q = q, saved.k = k, saved.v = v;
 }
 
@@ -51,9 +57,10 @@ Tensor SelfAttention::forward(Context& ctx, const Tensor& x, const Tensor& freqs
   const int64_t s = saved.qkv.size(0);
   core_forward(ctx, freqs, saved);
   Tensor out = linear_proj_.forward(ctx, saved.context.view({s * b, nq_ * d_})).view({-1, b, h});
-  // Backward needs the QKV projection's output only to recompute the core attention.
+  // The split path needs the QKV projection's output only to recompute the core attention; the
+  // fused path reads it in backward (Note [Fused QKV attention]).
   if (keep_core) {
-    saved.qkv = Tensor();
+    if (!fused_qkv(freqs)) saved.qkv = Tensor();
   } else {
     saved.q = saved.k = saved.v = saved.context = saved.lse = Tensor();
   }
@@ -66,18 +73,25 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Tenso
   const int64_t s = saved.context.size(0);
   Tensor grad_context = linear_proj_.backward(ctx, grad_out.view({-1, h}), saved.context.view({s * b, nq_ * d_}));
   const DType dt = saved.x.dtype();
-  Tensor gq = Tensor::empty(saved.q.shape(), dt, ctx.device());
-  Tensor gk = Tensor::empty(saved.k.shape(), dt, ctx.device());
-  Tensor gv = Tensor::empty(saved.v.shape(), dt, ctx.device());
-  ops::attention_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.q, saved.k, saved.v, saved.context, saved.lse,
-                          softmax_scale_, dropout_p_, tensor_parallel::region_seed(ctx, ps_, true),
-                          saved.dropout_offset, gq, gk, gv);
-  if (freqs.defined()) {
-    ops::rope_backward(ctx, gq, freqs, rope_interleaved_, gq);
-    ops::rope_backward(ctx, gk, freqs, rope_interleaved_, gk);
+  const uint64_t seed = tensor_parallel::region_seed(ctx, ps_, true);
+  Tensor grad_qkv;
+  if (fused_qkv(freqs)) {
+    grad_qkv = Tensor::empty(saved.qkv.shape(), dt, ctx.device());
+    ops::attention_backward_qkv(ctx, grad_context.view({s, b, nq_, d_}), saved.qkv, saved.context, saved.lse,
+                                softmax_scale_, dropout_p_, seed, saved.dropout_offset, grad_qkv);
+  } else {
+    Tensor gq = Tensor::empty(saved.q.shape(), dt, ctx.device());
+    Tensor gk = Tensor::empty(saved.k.shape(), dt, ctx.device());
+    Tensor gv = Tensor::empty(saved.v.shape(), dt, ctx.device());
+    ops::attention_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.q, saved.k, saved.v, saved.context,
+                            saved.lse, softmax_scale_, dropout_p_, seed, saved.dropout_offset, gq, gk, gv);
+    if (freqs.defined()) {
+      ops::rope_backward(ctx, gq, freqs, rope_interleaved_, gq);
+      ops::rope_backward(ctx, gk, freqs, rope_interleaved_, gk);
+    }
+    grad_qkv = Tensor::empty({s, b, (nq_ + 2 * ng_) * d_}, dt, ctx.device());
+    ops::qkv_split_backward(ctx, gq, gk, gv, grad_qkv);
   }
-  Tensor grad_qkv = Tensor::empty({s, b, (nq_ + 2 * ng_) * d_}, dt, ctx.device());
-  ops::qkv_split_backward(ctx, gq, gk, gv, grad_qkv);
   return linear_qkv_.backward(ctx, grad_qkv.view({s * b, -1}), saved.x.view({-1, h})).view({-1, b, h});
 }
 

@@ -2,10 +2,17 @@
 // projection (grouped per query group), rotary embedding of q and k, causal softmax attention with
 // GQA and attention dropout, and the output projection.
 //
+// Note [Fused QKV attention]: with MHA (nq == ng) and no RoPE the core attention reads q, k and v
+// straight from the fused QKV projection (ops::attention_forward_qkv: on the GPU cuDNN takes them
+// as strided views) and its backward writes the fused gradient, so there are no split and merge
+// copies; Saved keeps the projection itself instead of q/k/v. GQA (one key/value head for several
+// query heads is no single stride) and RoPE (q and k are rotated out of place) keep the split path.
+//
 // Note [Selective recomputation]: with --recompute-granularity selective the core attention's
-// tensors (split q/k/v after RoPE, the attention output and its log-sum-exp) are dropped after
-// forward and recomputed in backward from the kept QKV projection, as Megatron recomputes its core
-// attention. The dropout stream offset is kept, so the recomputation is exact.
+// tensors (split q/k/v after RoPE where the split path runs, the attention output and its
+// log-sum-exp) are dropped after forward and recomputed in backward from the kept QKV projection,
+// as Megatron recomputes its core attention. The dropout stream offset is kept, so the
+// recomputation is exact.
 #pragma once
 
 #include <string>
@@ -24,8 +31,9 @@ class SelfAttention {
 
   struct Saved {
     Tensor x;                      // input [s, b, h]
-    Tensor qkv;                    // fused projection [s, b, ng·(nq/ng+2)·d]
-    Tensor q, k, v, context, lse;  // core attention (dropped under selective recomputation)
+    Tensor qkv;                    // fused projection [s, b, ng·(nq/ng+2)·d]; dropped once q/k/v are split out
+    Tensor q, k, v, context, lse;  // core attention (dropped under selective recomputation); q/k/v
+                                   // stay undefined on the fused path (Note [Fused QKV attention])
     uint64_t dropout_offset = 0;
   };
   /// x [s, b, h] -> [s, b, h] (output projection applied, its bias included). freqs: rotary angles
@@ -43,6 +51,8 @@ class SelfAttention {
 
  private:
   void core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const;
+  /// Note [Fused QKV attention]: whether the core attention reads the QKV projection directly.
+  bool fused_qkv(const Tensor& freqs) const { return nq_ == ng_ && !freqs.defined(); }
 
   int64_t nq_, ng_, d_;
   float softmax_scale_;

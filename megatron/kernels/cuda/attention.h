@@ -1,5 +1,5 @@
-// The two implementations behind megatron::cuda::attention_forward / attention_backward
-// (kernels/cuda/attention.cu):
+// The two implementations behind megatron::cuda::attention_forward / attention_backward and their
+// fused-QKV forms attention_forward_qkv / attention_backward_qkv (kernels/cuda/attention.cu):
 //  * cuDNN's fused flash attention through cudnn-frontend, for bf16 and fp16
 //    (kernels/cuda/attention_cudnn.cpp, a host-only file compiled by g++: the frontend is heavy);
 //  * row-wise CUDA kernels for every float dtype (fp32 compute), the fp32 path and the fallback
@@ -32,6 +32,18 @@ bool cudnn_attention_backward(Context& ctx, const Tensor& grad_out, const Tensor
                               const Tensor& v, const Tensor& out, const Tensor& lse, float softmax_scale,
                               float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q, Tensor& grad_k,
                               Tensor& grad_v);
+
+/// The same for attention read from the fused MHA QKV buffer (attention_forward_qkv): qkv
+/// [s, b, 3·nq·d] bf16/fp16 holding q, k, v as strided views, out [s, b, nq, d]. Shapes and dtypes
+/// are checked by the caller; false when cuDNN declines the strided configuration or a q/k/v
+/// pointer (base + h·3d, + d, + 2d) is not 16-byte aligned (then the caller splits and retries).
+CudnnAttentionSupport cudnn_attention_qkv_support(Context& ctx, const Tensor& qkv, const Tensor& out,
+                                                  float softmax_scale, float dropout_p, bool backward);
+bool cudnn_attention_forward_qkv(Context& ctx, const Tensor& qkv, float softmax_scale, float dropout_p,
+                                 uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse);
+bool cudnn_attention_backward_qkv(Context& ctx, const Tensor& grad_out, const Tensor& qkv, const Tensor& out,
+                                  const Tensor& lse, float softmax_scale, float dropout_p, uint64_t seed,
+                                  uint64_t offset, Tensor& grad_qkv);
 
 /// The row-wise kernels (any float dtype, fp32 compute, dropout bit-compatible with the CPU
 /// reference), with the same contract as attention_forward / attention_backward.

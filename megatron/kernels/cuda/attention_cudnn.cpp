@@ -9,6 +9,12 @@
 // dK/dV over the nq/ng query heads of each group. The causal mask is the top-left diagonal band
 // with right bound 0 (key j <= query i).
 //
+// Fused QKV (attention_forward_qkv, MHA): q, k and v are not copied out of the QKV projection's
+// output [s, b, nq·3·d] (per head: its query, key, value) but declared as strided views of it:
+// head h's q at element h·3d of a token row, k at h·3d + d, v at h·3d + 2d, with strides
+// {3·nq·d, 3·d, b·3·nq·d, 1} for [b, h, s, d] (Transformer Engine's "sbh3d"). The backward writes
+// dQ, dK, dV through the same strides into grad_qkv. O, dO and the stats keep their own layout.
+//
 // Stats: with generate_stats, cuDNN returns "Stats" [b, h, s, 1] fp32 = max_j S_ij +
 // ln Σ_j exp(S_ij - max), S = attn_scale·Q·Kᵀ after the mask: the natural-log log-sum-exp of the
 // scaled scores, exactly our lse [b, nq, s] (contiguous, so the same memory with strides
@@ -22,6 +28,8 @@
 // agree only in distribution. The row-wise kernels in attention.cu do reproduce the CPU's mask. A
 // forward and its backward must therefore take the same path: with dropout > 0, cuDNN is used only
 // when it supports both directions, and misaligned pointers are an error instead of a fallback.
+// The fused-QKV graphs (strided q/k/v) take the same (seed, offset) and are expected to draw the
+// same mask as the split graphs (tests/gpu/attention_qkv_test.cpp checks it on the device).
 //
 // Graphs: building one costs milliseconds to seconds (heuristics, plan compilation), so each is
 // built once per configuration and cached; see GraphKey. attn_scale and the dropout probability are
@@ -100,6 +108,7 @@ struct GraphKey {
   DType dtype = DType::BFloat16;
   uint32_t scale_bits = 0, dropout_bits = 0;
   bool backward = false;
+  bool fused_qkv = false;  // q/k/v (and their gradients) are views of one [s, b, 3·nq·d] buffer
   bool operator==(const GraphKey&) const = default;
   float dropout_p() const { return std::bit_cast<float>(dropout_bits); }
   float scale() const { return std::bit_cast<float>(scale_bits); }
@@ -115,6 +124,7 @@ struct GraphKeyHash {
     mix(k.scale_bits);
     mix(k.dropout_bits);
     mix(uint64_t(k.backward));
+    mix(uint64_t(k.fused_qkv));
     return h;
   }
 };
@@ -126,22 +136,38 @@ struct CachedGraph {
   std::string unsupported;
 };
 
-GraphKey make_key(Context& ctx, const Tensor& q, const Tensor& k, float softmax_scale, float dropout_p,
-                  bool backward) {
+// The shape part of a GraphKey: from separate q [s, b, nq, d], k [s, b, ng, d], or (fused) from
+// the output [s, b, nq, d] of attention over a [s, b, 3·nq·d] buffer.
+struct Geometry {
+  int64_t s = 0, b = 0, nq = 0, ng = 0, d = 0;
+  DType dtype = DType::BFloat16;
+  bool fused_qkv = false;
+};
+
+Geometry split_geometry(const Tensor& q, const Tensor& k) {
+  return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.dtype(), false};
+}
+
+Geometry fused_geometry(const Tensor& qkv, const Tensor& out) {
+  return {out.size(0), out.size(1), out.size(2), out.size(2), out.size(3), qkv.dtype(), true};
+}
+
+GraphKey make_key(Context& ctx, const Geometry& g, float softmax_scale, float dropout_p, bool backward) {
   MG_ASSERT(ctx.cudnn_handle() != nullptr, "cuDNN attention on a context without a cuDNN handle ({})",
             ctx.device().str());
   GraphKey key;
   key.handle = ctx.cudnn_handle();
   key.device = ctx.device().index;
-  key.s = q.size(0);
-  key.b = q.size(1);
-  key.nq = q.size(2);
-  key.ng = k.size(2);
-  key.d = q.size(3);
-  key.dtype = q.dtype();
+  key.s = g.s;
+  key.b = g.b;
+  key.nq = g.nq;
+  key.ng = g.ng;
+  key.d = g.d;
+  key.dtype = g.dtype;
   key.scale_bits = std::bit_cast<uint32_t>(softmax_scale);
   key.dropout_bits = dropout_p > 0.0f ? std::bit_cast<uint32_t>(dropout_p) : 0u;
   key.backward = backward;
+  key.fused_qkv = g.fused_qkv;
   return key;
 }
 
@@ -161,18 +187,24 @@ std::vector<int64_t> sbhd_strides(const GraphKey& k, int64_t heads) {
   return {heads * k.d, k.d, k.b * heads * k.d, 1};
 }
 
-using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
-
-TensorPtr activation(fe::graph::Graph& graph, const GraphKey& k, const char* name, Uid uid, int64_t heads) {
-  return graph.tensor(fe::graph::Tensor_attributes()
-                          .set_name(name)
-                          .set_uid(uid)
-                          .set_dim(bhsd_dims(k, heads))
-                          .set_stride(sbhd_strides(k, heads)));
+// q, k, v and their gradients: their own [s, b, h, d] tensors, or views of the fused buffer.
+std::vector<int64_t> qkv_strides(const GraphKey& k, int64_t heads) {
+  if (!k.fused_qkv) return sbhd_strides(k, heads);
+  const int64_t row = 3 * k.nq * k.d;  // one token's fused row
+  return {row, 3 * k.d, k.b * row, 1};
 }
 
-void mark_activation_output(const TensorPtr& t, const GraphKey& k, Uid uid, int64_t heads) {
-  t->set_output(true).set_uid(uid).set_dim(bhsd_dims(k, heads)).set_stride(sbhd_strides(k, heads));
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+TensorPtr activation(fe::graph::Graph& graph, const GraphKey& k, const char* name, Uid uid, int64_t heads,
+                     const std::vector<int64_t>& strides) {
+  return graph.tensor(
+      fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(bhsd_dims(k, heads)).set_stride(strides));
+}
+
+void mark_activation_output(const TensorPtr& t, const GraphKey& k, Uid uid, int64_t heads,
+                            const std::vector<int64_t>& strides) {
+  t->set_output(true).set_uid(uid).set_dim(bhsd_dims(k, heads)).set_stride(strides);
 }
 
 // Our lse [b, nq, s] as cuDNN's Stats [b, nq, s, 1].
@@ -189,9 +221,9 @@ TensorPtr int64_scalar(fe::graph::Graph& graph, const char* name, Uid uid) {
 }
 
 void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
-  TensorPtr q = activation(graph, k, "q", kQ, k.nq);
-  TensorPtr kk = activation(graph, k, "k", kK, k.ng);
-  TensorPtr v = activation(graph, k, "v", kV, k.ng);
+  TensorPtr q = activation(graph, k, "q", kQ, k.nq, qkv_strides(k, k.nq));
+  TensorPtr kk = activation(graph, k, "k", kK, k.ng, qkv_strides(k, k.ng));
+  TensorPtr v = activation(graph, k, "v", kV, k.ng, qkv_strides(k, k.ng));
   auto options = fe::graph::SDPA_attributes()
                      .set_name("attention_forward")
                      .set_generate_stats(true)
@@ -201,7 +233,7 @@ void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
   if (k.dropout_bits != 0)
     options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
   auto [o, stats] = graph.sdpa(q, kk, v, options);
-  mark_activation_output(o, k, kO, k.nq);
+  mark_activation_output(o, k, kO, k.nq, sbhd_strides(k, k.nq));
   stats->set_output(true)
       .set_uid(kStats)
       .set_data_type(fe::DataType_t::FLOAT)
@@ -210,11 +242,11 @@ void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
 }
 
 void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
-  TensorPtr q = activation(graph, k, "q", kQ, k.nq);
-  TensorPtr kk = activation(graph, k, "k", kK, k.ng);
-  TensorPtr v = activation(graph, k, "v", kV, k.ng);
-  TensorPtr o = activation(graph, k, "o", kO, k.nq);
-  TensorPtr grad_o = activation(graph, k, "grad_o", kGradO, k.nq);
+  TensorPtr q = activation(graph, k, "q", kQ, k.nq, qkv_strides(k, k.nq));
+  TensorPtr kk = activation(graph, k, "k", kK, k.ng, qkv_strides(k, k.ng));
+  TensorPtr v = activation(graph, k, "v", kV, k.ng, qkv_strides(k, k.ng));
+  TensorPtr o = activation(graph, k, "o", kO, k.nq, sbhd_strides(k, k.nq));
+  TensorPtr grad_o = activation(graph, k, "grad_o", kGradO, k.nq, sbhd_strides(k, k.nq));
   TensorPtr stats = graph.tensor(fe::graph::Tensor_attributes()
                                      .set_name("stats")
                                      .set_uid(kStats)
@@ -229,9 +261,9 @@ void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
   if (k.dropout_bits != 0)
     options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
   auto [grad_q, grad_k, grad_v] = graph.sdpa_backward(q, kk, v, o, grad_o, stats, options);
-  mark_activation_output(grad_q, k, kGradQ, k.nq);
-  mark_activation_output(grad_k, k, kGradK, k.ng);
-  mark_activation_output(grad_v, k, kGradV, k.ng);
+  mark_activation_output(grad_q, k, kGradQ, k.nq, qkv_strides(k, k.nq));
+  mark_activation_output(grad_k, k, kGradK, k.ng, qkv_strides(k, k.ng));
+  mark_activation_output(grad_v, k, kGradV, k.ng, qkv_strides(k, k.ng));
 }
 
 // The error codes by which the frontend says "this configuration is not supported" while building
@@ -325,11 +357,11 @@ struct Lookup {
   std::string unsupported;
 };
 
-Lookup lookup(Context& ctx, const Tensor& q, const Tensor& k, float softmax_scale, float dropout_p, bool backward) {
-  auto entry = graph_cache().get(make_key(ctx, q, k, softmax_scale, dropout_p, backward));
+Lookup lookup(Context& ctx, const Geometry& g, float softmax_scale, float dropout_p, bool backward) {
+  auto entry = graph_cache().get(make_key(ctx, g, softmax_scale, dropout_p, backward));
   if (!entry->graph) return {nullptr, entry->unsupported};
   if (dropout_p > 0.0f) {
-    auto other = graph_cache().get(make_key(ctx, q, k, softmax_scale, dropout_p, !backward));
+    auto other = graph_cache().get(make_key(ctx, g, softmax_scale, dropout_p, !backward));
     if (!other->graph)
       return {nullptr, std::string("with dropout both directions must run on cuDNN, and the ") +
                            (backward ? "forward" : "backward") + " does not: " + other->unsupported};
@@ -337,20 +369,32 @@ Lookup lookup(Context& ctx, const Tensor& q, const Tensor& k, float softmax_scal
   return {std::move(entry), ""};
 }
 
-bool all_aligned(std::initializer_list<const Tensor*> tensors) {
-  for (const Tensor* t : tensors)
-    if (reinterpret_cast<uintptr_t>(t->raw_data()) % kAlignment != 0) return false;
+bool all_aligned(std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers)
+    if (reinterpret_cast<uintptr_t>(p) % kAlignment != 0) return false;
   return true;
 }
 
 // With dropout a fallback would change the mask between forward and backward, so misalignment is
-// the caller's error there; without dropout the row-wise kernels take over.
-bool check_alignment(std::initializer_list<const Tensor*> tensors, float dropout_p) {
-  if (all_aligned(tensors)) return true;
+// the caller's error there; without dropout the row-wise kernels (or, for the fused QKV buffer,
+// the split copies) take over. In the fused buffer k and v sit d elements apart, so d·(element
+// size) must be a multiple of 16 bytes as well.
+bool check_alignment(std::initializer_list<const void*> pointers, float dropout_p) {
+  if (all_aligned(pointers)) return true;
   MG_CHECK(dropout_p <= 0.0f,
            "attention with dropout on the GPU needs 16-byte aligned q, k, v, out, lse and gradients "
            "(cuDNN's dropout mask has no row-wise fallback); allocate them as whole tensors");
   return false;
+}
+
+// Head h's q, k, v in a fused buffer row start at h·3d, h·3d + d, h·3d + 2d: the three base pointers.
+struct QkvPointers {
+  void *q, *k, *v;
+};
+QkvPointers fused_pointers(const Tensor& qkv, int64_t d) {
+  char* base = static_cast<char*>(qkv.raw_data());
+  const size_t head = size_t(d) * size_of(qkv.dtype());
+  return {base, base + head, base + 2 * head};
 }
 
 void execute(Context& ctx, const CachedGraph& entry, std::unordered_map<int64_t, void*>& pack, float dropout_p,
@@ -371,9 +415,12 @@ void execute(Context& ctx, const CachedGraph& entry, std::unordered_map<int64_t,
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     z ^= z >> 31;
+    // The kernel writes the seed at base[0..8) and the offset at base[8..16): cuDNN must read the
+    // offset there (it once read base + 16, bytes nothing wrote — zero only while the pool handed
+    // back freshly mapped memory, so the masks changed once the pool kept its memory).
     write_dropout_seed_offset(ctx, reinterpret_cast<int64_t*>(base), z >> 1, 0);
     pack[kSeed] = base;
-    pack[kOffset] = base + 16;
+    pack[kOffset] = base + sizeof(int64_t);
   }
   void* cudnn_workspace = entry.workspace_bytes > 0 ? base + state_bytes : nullptr;
   rethrow_frontend_exceptions("executing the attention graph", [&] {
@@ -387,15 +434,16 @@ CudnnAttentionSupport cudnn_attention_support(Context& ctx, const Tensor& q, con
                                               float dropout_p, bool backward) {
   if (q.dtype() != DType::BFloat16 && q.dtype() != DType::Float16)
     return {false, "cuDNN attention takes bf16 or fp16, not " + std::string(to_string(q.dtype()))};
-  Lookup found = lookup(ctx, q, k, softmax_scale, dropout_p, backward);
+  Lookup found = lookup(ctx, split_geometry(q, k), softmax_scale, dropout_p, backward);
   return {found.entry != nullptr, found.unsupported};
 }
 
 bool cudnn_attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float softmax_scale,
                              float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
-  auto entry = lookup(ctx, q, k, softmax_scale, dropout_p, /*backward=*/false).entry;
+  auto entry = lookup(ctx, split_geometry(q, k), softmax_scale, dropout_p, /*backward=*/false).entry;
   if (!entry) return false;
-  if (!check_alignment({&q, &k, &v, &out, &lse}, dropout_p)) return false;
+  if (!check_alignment({q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(), lse.raw_data()}, dropout_p))
+    return false;
   std::unordered_map<int64_t, void*> pack = {
       {kQ, q.raw_data()}, {kK, k.raw_data()}, {kV, v.raw_data()}, {kO, out.raw_data()}, {kStats, lse.raw_data()}};
   execute(ctx, *entry, pack, dropout_p, seed, offset);
@@ -406,13 +454,54 @@ bool cudnn_attention_backward(Context& ctx, const Tensor& grad_out, const Tensor
                               const Tensor& v, const Tensor& out, const Tensor& lse, float softmax_scale,
                               float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q, Tensor& grad_k,
                               Tensor& grad_v) {
-  auto entry = lookup(ctx, q, k, softmax_scale, dropout_p, /*backward=*/true).entry;
+  auto entry = lookup(ctx, split_geometry(q, k), softmax_scale, dropout_p, /*backward=*/true).entry;
   if (!entry) return false;
-  if (!check_alignment({&grad_out, &q, &k, &v, &out, &lse, &grad_q, &grad_k, &grad_v}, dropout_p)) return false;
+  if (!check_alignment({grad_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(),
+                        lse.raw_data(), grad_q.raw_data(), grad_k.raw_data(), grad_v.raw_data()},
+                       dropout_p))
+    return false;
   std::unordered_map<int64_t, void*> pack = {
       {kQ, q.raw_data()},          {kK, k.raw_data()},          {kV, v.raw_data()},
       {kO, out.raw_data()},        {kGradO, grad_out.raw_data()}, {kStats, lse.raw_data()},
       {kGradQ, grad_q.raw_data()}, {kGradK, grad_k.raw_data()}, {kGradV, grad_v.raw_data()}};
+  execute(ctx, *entry, pack, dropout_p, seed, offset);
+  return true;
+}
+
+CudnnAttentionSupport cudnn_attention_qkv_support(Context& ctx, const Tensor& qkv, const Tensor& out,
+                                                  float softmax_scale, float dropout_p, bool backward) {
+  if (qkv.dtype() != DType::BFloat16 && qkv.dtype() != DType::Float16)
+    return {false, "cuDNN attention takes bf16 or fp16, not " + std::string(to_string(qkv.dtype()))};
+  Lookup found = lookup(ctx, fused_geometry(qkv, out), softmax_scale, dropout_p, backward);
+  return {found.entry != nullptr, found.unsupported};
+}
+
+bool cudnn_attention_forward_qkv(Context& ctx, const Tensor& qkv, float softmax_scale, float dropout_p,
+                                 uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
+  auto entry = lookup(ctx, fused_geometry(qkv, out), softmax_scale, dropout_p, /*backward=*/false).entry;
+  if (!entry) return false;
+  const QkvPointers in = fused_pointers(qkv, out.size(3));
+  if (!check_alignment({in.q, in.k, in.v, out.raw_data(), lse.raw_data()}, dropout_p)) return false;
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, in.q}, {kK, in.k}, {kV, in.v}, {kO, out.raw_data()}, {kStats, lse.raw_data()}};
+  execute(ctx, *entry, pack, dropout_p, seed, offset);
+  return true;
+}
+
+bool cudnn_attention_backward_qkv(Context& ctx, const Tensor& grad_out, const Tensor& qkv, const Tensor& out,
+                                  const Tensor& lse, float softmax_scale, float dropout_p, uint64_t seed,
+                                  uint64_t offset, Tensor& grad_qkv) {
+  auto entry = lookup(ctx, fused_geometry(qkv, out), softmax_scale, dropout_p, /*backward=*/true).entry;
+  if (!entry) return false;
+  const QkvPointers in = fused_pointers(qkv, out.size(3)), grad = fused_pointers(grad_qkv, out.size(3));
+  if (!check_alignment({grad_out.raw_data(), in.q, in.k, in.v, out.raw_data(), lse.raw_data(), grad.q, grad.k,
+                        grad.v},
+                       dropout_p))
+    return false;
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, in.q},         {kK, in.k},          {kV, in.v},
+      {kO, out.raw_data()}, {kGradO, grad_out.raw_data()}, {kStats, lse.raw_data()},
+      {kGradQ, grad.q},   {kGradK, grad.k},    {kGradV, grad.v}};
   execute(ctx, *entry, pack, dropout_p, seed, offset);
   return true;
 }
