@@ -395,6 +395,10 @@ void validate_args(Arguments& a) {
   }
   if (!a.group_query_attention) a.num_query_groups = a.num_attention_heads;
   MG_CHECK(a.seq_length > 0, "--seq-length is required");
+  MG_CHECK(!a.sequence_parallel || a.seq_length % a.tensor_model_parallel_size == 0,
+           "--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length ({}) must be "
+           "divisible by --tensor-model-parallel-size ({})",
+           a.seq_length, a.tensor_model_parallel_size);
   if (a.max_position_embeddings == 0) a.max_position_embeddings = a.seq_length;
   if (a.position_embedding_type == "learned_absolute") {
     MG_CHECK(a.max_position_embeddings >= a.seq_length,

@@ -116,6 +116,29 @@ TEST(Arguments, InvalidCombinationsSayWhichRuleFailed) {
   check({"--rampup-batch-size", "2", "2", "100"}, "sample-based training");
 }
 
+// The parallel layout's rules, for a world of 8 ranks (the launcher's world size).
+TEST(Arguments, ParallelLayoutRules) {
+  auto check = [](std::vector<std::string> extra, const std::string& needle) {
+    auto f = base();
+    f.insert(f.end(), extra.begin(), extra.end());
+    std::string e = error_of([&] {
+      Arguments a = parse(f);
+      a.world_size = 8;
+      validate_args(a);
+    });
+    EXPECT_NE(e.find(needle), std::string::npos) << "got: " << e;
+  };
+  check({"--tensor-model-parallel-size", "3"}, "world size (8) is not divisible by tensor (3)");
+  check({"--tensor-model-parallel-size", "8", "--sequence-parallel", "--seq-length", "36",
+         "--max-position-embeddings", "36"},
+        "--seq-length (36) must be divisible by --tensor-model-parallel-size (8)");
+  check({"--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"},
+        "must be divisible by --pipeline-model-parallel-size (2) x --num-layers-per-virtual-pipeline-stage (3)");
+  check({"--overlap-param-gather"}, "--overlap-param-gather needs --use-distributed-optimizer");
+  check({"--num-layers-per-virtual-pipeline-stage", "1"}, "needs --pipeline-model-parallel-size > 1");
+  check({"--context-parallel-size", "2", "--num-experts", "4"}, "mixture of experts");
+}
+
 TEST(Arguments, HelpListsGroups) {
   const char* argv[] = {"pretrain_gpt", "--help"};
   testing::internal::CaptureStdout();
