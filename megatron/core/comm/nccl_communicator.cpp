@@ -5,11 +5,11 @@
 // keeps its tensors alive until wait() (or its destructor), so the stream-ordered pool cannot reuse
 // their memory while NCCL still reads or writes it.
 //
-// Timeouts: only where the host blocks — barrier() and split() (a small all-gather first, polled
-// with cudaEventQuery and ncclCommGetAsyncError against the deadline; then ncclCommSplit). An
-// operation that never completes on the GPU shows up at the next host synchronisation (there is
-// no watchdog thread); wait() does check ncclCommGetAsyncError and throws a failed communicator's
-// error.
+// Timeouts: where the host blocks — barrier() and split() (a small all-gather first, polled with
+// cudaEventQuery and ncclCommGetAsyncError against the deadline; then ncclCommSplit) — it throws
+// the timeout error; every other operation is watched by the watchdog thread (Note [NCCL
+// watchdog]), which ends the job when one passes the deadline. wait() also checks
+// ncclCommGetAsyncError and throws a failed communicator's error.
 // Threads: every call selects the group's device first, so a background thread may issue
 // operations; one group must not be used from two threads at once (an NCCL communicator is not
 // thread-safe). bf16/fp16 reductions are NCCL's (each step in fp32, rounded to the dtype).
@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "megatron/core/comm/comm_detail.h"
+#include "megatron/core/comm/watchdog.h"
 #include "megatron/runtime/cuda/cuda_check.h"
 
 #define NCCL_CHECK(stmt)                                                                                   \
@@ -117,6 +118,7 @@ class NcclCommunicator : public Communicator {
   ~NcclCommunicator() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
+    Watchdog::instance().forget_owner(this);
     ncclCommDestroy(comm_);
     cudaStreamDestroy(stream_);
   }
@@ -132,7 +134,7 @@ class NcclCommunicator : public Communicator {
   std::unique_ptr<CommWork> all_reduce(Context& ctx, Tensor& t, ReduceOp op) override {
     check_device(*this, "all_reduce", t, true);
     check_reducible(*this, "all_reduce", t.dtype());
-    return enqueue(ctx, {t}, [&](cudaStream_t s) {
+    return enqueue(ctx, "all_reduce", {t}, [&](cudaStream_t s) {
       NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), size_t(t.numel()), reduce_type(t.dtype()), nccl_op(op),
                                comm_, s));
     });
@@ -144,7 +146,7 @@ class NcclCommunicator : public Communicator {
     check_reduce_scatter(*this, input, output);
     check_reducible(*this, "reduce_scatter", input.dtype());
     // NCCL's in-place form is ours: output = this rank's block of input.
-    return enqueue(ctx, {input, output}, [&](cudaStream_t s) {
+    return enqueue(ctx, "reduce_scatter", {input, output}, [&](cudaStream_t s) {
       NCCL_CHECK(ncclReduceScatter(input.raw_data(), output.raw_data(), size_t(output.numel()),
                                    reduce_type(input.dtype()), nccl_op(op), comm_, s));
     });
@@ -154,7 +156,7 @@ class NcclCommunicator : public Communicator {
     check_device(*this, "all_gather", input, true);
     check_device(*this, "all_gather", output, true);
     check_all_gather(*this, input, output);
-    return enqueue(ctx, {input, output}, [&](cudaStream_t s) {
+    return enqueue(ctx, "all_gather", {input, output}, [&](cudaStream_t s) {
       NCCL_CHECK(ncclAllGather(input.raw_data(), output.raw_data(), input.nbytes(), ncclUint8, comm_, s));
     });
   }
@@ -162,7 +164,7 @@ class NcclCommunicator : public Communicator {
   std::unique_ptr<CommWork> broadcast(Context& ctx, Tensor& t, int root) override {
     check_device(*this, "broadcast", t, true);
     check_root(*this, "broadcast", root);
-    return enqueue(ctx, {t}, [&](cudaStream_t s) {
+    return enqueue(ctx, "broadcast", {t}, [&](cudaStream_t s) {
       NCCL_CHECK(ncclBroadcast(t.raw_data(), t.raw_data(), t.nbytes(), ncclUint8, root, comm_, s));
     });
   }
@@ -174,7 +176,7 @@ class NcclCommunicator : public Communicator {
     MG_CHECK(input.storage() != output.storage(),
              "all_to_all on {}: the NCCL backend needs separate input and output tensors", describe_group(*this));
     size_t block = input.nbytes() / size_t(size_);
-    return enqueue(ctx, {input, output}, [&](cudaStream_t s) {
+    return enqueue(ctx, "all_to_all", {input, output}, [&](cudaStream_t s) {
       NCCL_CHECK(ncclGroupStart());
       for (int j = 0; j < size_; ++j) {
         NCCL_CHECK(ncclSend(static_cast<const char*>(input.raw_data()) + j * block, block, ncclUint8, j, comm_, s));
@@ -188,7 +190,7 @@ class NcclCommunicator : public Communicator {
     check_p2p(*this, ops, true);
     std::vector<Tensor> keep;
     for (const P2POp& p : ops) keep.push_back(p.tensor);
-    return enqueue(ctx, std::move(keep), [&](cudaStream_t s) {
+    return enqueue(ctx, "batch_isend_irecv", std::move(keep), [&](cudaStream_t s) {
       NCCL_CHECK(ncclGroupStart());
       for (const P2POp& p : ops) {
         if (p.kind == P2POp::Send) {
@@ -233,7 +235,7 @@ class NcclCommunicator : public Communicator {
 
  private:
   template <typename Issue>
-  std::unique_ptr<CommWork> enqueue(Context& ctx, std::vector<Tensor> keep, Issue&& issue) {
+  std::unique_ptr<CommWork> enqueue(Context& ctx, const char* op, std::vector<Tensor> keep, Issue&& issue) {
     CUDA_CHECK(cudaSetDevice(device_));
     auto waiter = static_cast<cudaStream_t>(ctx.stream());
     cudaEvent_t ready = new_event();
@@ -243,7 +245,32 @@ class NcclCommunicator : public Communicator {
     issue(stream_);
     cudaEvent_t done = new_event();
     CUDA_CHECK(cudaEventRecord(done, stream_));
+    watch(op, stream_);
     return std::make_unique<NcclWork>(comm_, device_, waiter, done, std::move(keep));
+  }
+
+  // Note [NCCL watchdog]: every operation's completion is also watched by the process's Watchdog
+  // (watchdog.h): the host does not block on NCCL, so a collective that a dead or stuck rank never
+  // joins would otherwise hang the next synchronisation forever. Past the group's timeout the
+  // watchdog reports the operation and group, aborts the communicator and ends the job.
+  void watch(const char* op, cudaStream_t stream) {
+    if (timeout_.count() <= 0) return;
+    cudaEvent_t ev = new_event();
+    CUDA_CHECK(cudaEventRecord(ev, stream));
+    Watchdog::Entry e;
+    const int device = device_;
+    e.done = [ev, device] {
+      cudaSetDevice(device);
+      return cudaEventQuery(ev) != cudaErrorNotReady;
+    };
+    e.release = [ev] { cudaEventDestroy(ev); };
+    e.deadline = std::chrono::steady_clock::now() + timeout_;
+    e.timeout = timeout_;
+    e.what = fmt::format("{} on {}", op, describe_group(*this));
+    e.owner = this;
+    ncclComm_t comm = comm_;
+    e.abort = [comm] { ncclCommAbort(comm); };
+    Watchdog::instance().watch(std::move(e));
   }
 
   // Blocks the host until `stream` has drained, up to the timeout, watching for NCCL errors.
