@@ -4,6 +4,8 @@
 // Context's stream as a cudaStream_t.
 #pragma once
 
+#include <climits>
+
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -123,6 +125,26 @@ inline unsigned grid_for(int64_t n, int block = kBlockSize, int64_t max_blocks =
   if (b < 1) b = 1;
   if (b > max_blocks) b = max_blocks;
   return unsigned(b);
+}
+
+// Note [Embedding backward by sorting] (embedding.cu), the summing half shared by the embedding
+// backwards: keys[i] is the (sorted) table row of gradient row rows[i], INT_MAX for rows to skip.
+// One block per sorted position; the first of each run of equal keys adds the run's gradient rows
+// into its table row in a fixed order (deterministic, one read-modify-write per row touched).
+template <typename T>
+__global__ void sorted_segment_sum(const int32_t* __restrict__ keys, const int32_t* __restrict__ rows, int64_t n,
+                                   const T* __restrict__ grad_out, int64_t h, float* __restrict__ table_grad) {
+  const int64_t i = blockIdx.x;
+  const int32_t key = keys[i];
+  if (key == INT_MAX || (i > 0 && keys[i - 1] == key)) return;  // skipped, or not the start of a run
+  int64_t end = i + 1;
+  while (end < n && keys[end] == key) ++end;
+  float* dst = table_grad + int64_t(key) * h;
+  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t t = i; t < end; ++t) acc += load_float(grad_out[int64_t(rows[t]) * h + c]);
+    dst[c] += acc;
+  }
 }
 
 }  // namespace megatron::cuda

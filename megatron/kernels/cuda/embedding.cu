@@ -91,22 +91,6 @@ __global__ void embedding_sort_keys(Ids ids, int64_t b, int64_t s, int32_t* keys
   rows[r] = int32_t(r);
 }
 
-template <typename T>
-__global__ void embedding_segment_sum(const int32_t* keys, const int32_t* rows, int64_t n, const T* grad_out,
-                                      int64_t h, float* table_grad) {
-  const int64_t i = blockIdx.x;
-  const int32_t key = keys[i];
-  if (key == INT_MAX || (i > 0 && keys[i - 1] == key)) return;  // not the start of a run
-  int64_t end = i + 1;
-  while (end < n && keys[end] == key) ++end;
-  float* dst = table_grad + int64_t(key) * h;
-  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t t = i; t < end; ++t) acc += load_float(grad_out[int64_t(rows[t]) * h + c]);
-    dst[c] += acc;
-  }
-}
-
 // Adds grad_out's rows into table_grad by id (Note [Embedding backward by sorting]).
 template <typename T>
 void sorted_scatter_add(Context& ctx, const Ids& ids, int64_t b, int64_t s, const T* grad_out, int64_t h,
@@ -127,7 +111,7 @@ void sorted_scatter_add(Context& ctx, const Ids& ids, int64_t b, int64_t s, cons
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.raw_data(), temp_bytes, keys_in, keys_in + n, rows_in,
                                              rows_in + n, int(n), 0, bits, stream));
   const int threads = int(std::min<int64_t>(256, std::max<int64_t>(32, (h + 31) / 32 * 32)));
-  embedding_segment_sum<T><<<unsigned(n), threads, 0, stream>>>(keys_in + n, rows_in + n, n, grad_out, h, table_grad);
+  sorted_segment_sum<T><<<unsigned(n), threads, 0, stream>>>(keys_in + n, rows_in + n, n, grad_out, h, table_grad);
   CUDA_CHECK_LAUNCH();
 }
 

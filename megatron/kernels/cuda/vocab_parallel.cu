@@ -102,24 +102,6 @@ __global__ void vocab_parallel_sort_keys(Indices tokens, int64_t vocab_start, in
   rows[r] = int32_t(r);
 }
 
-// One block per sorted position; the first of each run of equal keys adds the run's rows into its table row.
-template <typename T>
-__global__ void vocab_parallel_segment_sum(const int32_t* __restrict__ keys, const int32_t* __restrict__ rows,
-                                           int64_t n, const T* __restrict__ grad_out, int64_t h,
-                                           float* __restrict__ table_grad) {
-  const int64_t i = blockIdx.x;
-  const int32_t key = keys[i];
-  if (key == INT_MAX || (i > 0 && keys[i - 1] == key)) return;  // another shard's row, or not a run's start
-  int64_t end = i + 1;
-  while (end < n && keys[end] == key) ++end;
-  float* dst = table_grad + int64_t(key) * h;
-  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t t = i; t < end; ++t) acc += load_float(grad_out[int64_t(rows[t]) * h + c]);
-    dst[c] += acc;
-  }
-}
-
 // ---- cross entropy --------------------------------------------------------------------------------
 
 template <typename T, int VEC>
@@ -331,7 +313,7 @@ void vocab_parallel_embedding_backward(Context& ctx, const Tensor& tokens, const
                                              int(n), 0, bits, stream));
   const int threads = int(std::min<int64_t>(256, std::max<int64_t>(32, (h + 31) / 32 * 32)));
   dispatch_float(grad_out.dtype(), [&]<typename T>() {
-    vocab_parallel_segment_sum<T><<<unsigned(n), threads, 0, stream>>>(
+    sorted_segment_sum<T><<<unsigned(n), threads, 0, stream>>>(
         keys_in + n, rows_in + n, n, dev_ptr<T>(grad_out), h, dev_ptr<float>(word_grad));
   });
   CUDA_CHECK_LAUNCH();
