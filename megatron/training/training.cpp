@@ -311,7 +311,7 @@ struct Trainer {
 
   // Megatron's checkpoint_and_decide_exit. Returns true when training must stop now.
   bool checkpoint_and_decide_exit() {
-    if (any_rank(signals && signals->signal_received())) {
+    if (signals && any_rank(signals->signal_received())) {  // every rank has a handler with the flag
       save();
       print_line(fmt::format("{} exiting program after receiving SIGTERM.", timestamp_now()));
       return true;
