@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <map>
 
 #include "megatron/core/models/gpt/gpt_model.h"
@@ -114,21 +115,36 @@ int main(int argc, char** argv) {
     Tensor sums = Tensor::empty({2}, DType::Float32, ctx.device());
     Tensor grad = Tensor::empty({int64_t(ids.size())}, DType::Float32, ctx.device());
 
+    // One training step; `phase` (if given) is called after each of its phases: zero_grad,
+    // forward (with the loss gradient), backward, optimizer.
+    auto step = [&](const std::function<void()>& phase) {
+      auto mark = [&] {
+        if (phase) phase();
+      };
+      model.params().zero_grad();
+      mark();
+      GPTModel::Stash stash;
+      Tensor losses = model.forward(ctx, tokens, positions, targets, stash);
+      ops::masked_loss_backward(ctx, Tensor(), 1.0f / float(ids.size()), grad);
+      mark();
+      model.backward(ctx, grad.view(losses.shape()), stash);
+      mark();
+      optimizer.step(ctx);
+      mark();
+      return losses;
+    };
+    auto now = [] { return std::chrono::steady_clock::now(); };
+    auto ms_since = [&](auto t0) { return std::chrono::duration<double, std::milli>(now() - t0).count(); };
+
     std::vector<double> times;
     double loss = 0;
     reset_peak_memory_stats(ctx.device());
     for (int s = 0; s < warmup + steps; ++s) {
       ctx.synchronize();
-      auto t0 = std::chrono::steady_clock::now();
-      model.params().zero_grad();
-      GPTModel::Stash stash;
-      Tensor losses = model.forward(ctx, tokens, positions, targets, stash);
-      ops::masked_loss_backward(ctx, Tensor(), 1.0f / float(ids.size()), grad);
-      model.backward(ctx, grad.view(losses.shape()), stash);
-      optimizer.step(ctx);
+      const auto t0 = now();
+      Tensor losses = step({});
       ctx.synchronize();
-      auto t1 = std::chrono::steady_clock::now();
-      if (s >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
+      if (s >= warmup) times.push_back(ms_since(t0) / 1000.0);
       if (s == warmup + steps - 1) {
         ops::masked_loss_sums(ctx, losses.view({-1}), Tensor(), sums);
         auto h = sums.to_floats();
@@ -136,41 +152,26 @@ int main(int argc, char** argv) {
       }
     }
     if (profile) {  // one step with the device synchronised between its phases (wall ms each)
-      auto now = [] { return std::chrono::steady_clock::now(); };
-      auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+      std::vector<double> phase_ms;
       ctx.synchronize();
-      const auto t0 = now();
-      model.params().zero_grad();
-      ctx.synchronize();
-      const auto t1 = now();
-      GPTModel::Stash stash;
-      Tensor losses = model.forward(ctx, tokens, positions, targets, stash);
-      ops::masked_loss_backward(ctx, Tensor(), 1.0f / float(ids.size()), grad);
-      ctx.synchronize();
-      const auto t2 = now();
-      model.backward(ctx, grad.view(losses.shape()), stash);
-      ctx.synchronize();
-      const auto t3 = now();
-      optimizer.step(ctx);
-      ctx.synchronize();
-      const auto t4 = now();
+      auto t = now();
+      step([&] {
+        ctx.synchronize();
+        phase_ms.push_back(ms_since(t));
+        t = now();
+      });
       std::printf("{\"bench\": \"step_phases\", \"preset\": \"%s\", \"zero_grad_ms\": %.2f, \"forward_ms\": %.2f, "
                   "\"backward_ms\": %.2f, \"optimizer_ms\": %.2f}\n",
-                  preset.c_str(), ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4));
+                  preset.c_str(), phase_ms[0], phase_ms[1], phase_ms[2], phase_ms[3]);
     }
     if (profile) {  // one more step, each op bracketed by events: where the step's time goes
       OpProfiler profiler;
       ctx.set_profiler(&profiler);
       ctx.synchronize();
-      auto t0 = std::chrono::steady_clock::now();
-      model.params().zero_grad();
-      GPTModel::Stash stash;
-      Tensor losses = model.forward(ctx, tokens, positions, targets, stash);
-      ops::masked_loss_backward(ctx, Tensor(), 1.0f / float(ids.size()), grad);
-      model.backward(ctx, grad.view(losses.shape()), stash);
-      optimizer.step(ctx);
+      const auto t0 = now();
+      step({});
       ctx.synchronize();
-      const double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      const double step_ms = ms_since(t0);
       ctx.set_profiler(nullptr);
       std::vector<std::pair<std::string, OpProfiler::Entry>> rows;
       double total = 0;
