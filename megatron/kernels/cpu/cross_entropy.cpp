@@ -74,22 +74,9 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& lab
 
 void cross_entropy_backward(Context& ctx, const Tensor& grad_losses, const Tensor& logits, const Tensor& labels,
                             const Tensor& lse, Tensor& grad_logits) {
-  const Vocab voc = load_labels(logits, labels);
-  assert_fp32(grad_losses, "grad_losses");
-  assert_numel(grad_losses, voc.n, "grad_losses");
-  assert_fp32(lse, "lse");
-  assert_numel(lse, voc.n, "lse");
-  assert_numel(grad_logits, logits.numel(), "grad_logits");
-  const float* gl = grad_losses.data<float>();
-  const float* lse_in = lse.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < voc.n; ++n) {
-    const FloatIn row(logits.flat_slice(n * voc.v, voc.v));
-    Tensor grad_row = grad_logits.flat_slice(n * voc.v, voc.v);
-    FloatOut out(grad_row);
-    for (int64_t c = 0; c < voc.v; ++c) out[c] = std::exp(row[c] - lse_in[n]) * gl[n];
-    out[voc.labels[n]] -= gl[n];
-  }
+  load_labels(logits, labels);  // the labels' checks
+  // The whole vocabulary is the one shard that starts at 0.
+  vocab_parallel_cross_entropy_backward(ctx, grad_losses, logits, labels, 0, lse, grad_logits);
 }
 
 void masked_loss_sums(Context& ctx, const Tensor& losses, const Tensor& loss_mask, Tensor& sums) {

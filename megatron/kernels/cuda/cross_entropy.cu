@@ -90,25 +90,6 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, Label
   if (lse) lse[row] = l;
 }
 
-template <typename T, int VEC>
-__global__ void cross_entropy_backward_kernel(const float* __restrict__ grad_losses, const T* logits, Labels labels,
-                                              const float* __restrict__ lse, int64_t V, T* grad) {
-  const int64_t row = blockIdx.x, label = labels[row];
-  const float g = grad_losses[row], l = lse[row];
-  const T* xr = logits + row * V;
-  T* gr = grad + row * V;
-  for (int64_t c = int64_t(threadIdx.x) * VEC; c < V; c += int64_t(blockDim.x) * VEC) {
-    float v[VEC];
-    load_pack<VEC>(xr + c, v);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      v[k] = expf(v[k] - l) * g;
-      if (c + k == label) v[k] -= g;
-    }
-    store_pack<VEC>(gr + c, v);
-  }
-}
-
 // sums = {Σ loss·mask, Σ mask} (mask null: all ones), in one block, fp64, fixed order.
 template <typename L, typename M>
 __global__ void masked_loss_sums_kernel(const L* __restrict__ losses, const M* __restrict__ mask, int64_t n,
@@ -229,25 +210,9 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& lab
 
 void cross_entropy_backward(Context& ctx, const Tensor& grad_losses, const Tensor& logits, const Tensor& labels,
                             const Tensor& lse, Tensor& grad_logits) {
-  const Rows r = check_logits(logits, labels);
-  check_fp32(grad_losses, r.n, "grad_losses");
-  check_fp32(lse, r.n, "lse");
-  check_cuda(grad_logits, "grad_logits");
-  MG_ASSERT(grad_logits.numel() == logits.numel() && grad_logits.dtype() == logits.dtype(),
-            "grad_logits is {}, expected the size and dtype of logits {}", grad_logits.str(), logits.str());
-  if (r.n == 0 || r.v == 0) return;
-  cudaStream_t stream = stream_of(ctx);
-  dispatch_float(logits.dtype(), [&]<typename T>() {
-    constexpr int kVec = 16 / sizeof(T);
-    if (r.v % kVec == 0 && aligned16(logits.raw_data()) && aligned16(grad_logits.raw_data())) {
-      cross_entropy_backward_kernel<T, kVec><<<unsigned(r.n), row_threads(r.v / kVec), 0, stream>>>(
-          dev_ptr<float>(grad_losses), dev_ptr<T>(logits), r.labels, dev_ptr<float>(lse), r.v, dev_ptr<T>(grad_logits));
-    } else {
-      cross_entropy_backward_kernel<T, 1><<<unsigned(r.n), row_threads(r.v), 0, stream>>>(
-          dev_ptr<float>(grad_losses), dev_ptr<T>(logits), r.labels, dev_ptr<float>(lse), r.v, dev_ptr<T>(grad_logits));
-    }
-  });
-  CUDA_CHECK_LAUNCH();
+  check_logits(logits, labels);
+  // The whole vocabulary is the one shard that starts at 0.
+  vocab_parallel_cross_entropy_backward(ctx, grad_losses, logits, labels, 0, lse, grad_logits);
 }
 
 void masked_loss_sums(Context& ctx, const Tensor& losses, const Tensor& loss_mask, Tensor& sums) {
