@@ -76,32 +76,26 @@ __global__ void embedding_forward_kernel(Ids tokens, Ids positions, const T* __r
 // the rows are sorted by id (cub radix sort, stable), and one block per run of equal ids sums its
 // rows in a fixed order and adds the sum once: deterministic, and one read-modify-write per table
 // row touched. keys[r] = id of grad_out row r (r = si·b + bi), INT_MAX for a bad id (skipped).
-__global__ void embedding_sort_keys(Ids ids, int64_t b, int64_t s, int32_t* keys, int32_t* rows,
-                                    unsigned long long* bad) {
+__global__ void embedding_sort_keys(Ids ids, int64_t b, int64_t s, int32_t* keys, int32_t* rows) {
   const int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (r >= b * s) return;
   const int64_t si = r / b, bi = r % b, flat = bi * s + si;
   const int64_t id = ids[flat];
-  if (id >= 0 && id < ids.rows) {
-    keys[r] = int32_t(id);
-  } else {
-    keys[r] = INT_MAX;
-    atomicMin(bad, static_cast<unsigned long long>(flat));
-  }
+  keys[r] = id >= 0 && id < ids.rows ? int32_t(id) : INT_MAX;  // Note [No id check in backward]
   rows[r] = int32_t(r);
 }
 
 // Adds grad_out's rows into table_grad by id (Note [Embedding backward by sorting]).
 template <typename T>
 void sorted_scatter_add(Context& ctx, const Ids& ids, int64_t b, int64_t s, const T* grad_out, int64_t h,
-                        float* table_grad, unsigned long long* bad) {
+                        float* table_grad) {
   const int64_t n = b * s;
   cudaStream_t stream = stream_of(ctx);
   Tensor keys = Tensor::empty({2 * n}, DType::Int32, ctx.device());
   Tensor rows = Tensor::empty({2 * n}, DType::Int32, ctx.device());
   int32_t* keys_in = dev_ptr<int32_t>(keys);
   int32_t* rows_in = dev_ptr<int32_t>(rows);
-  embedding_sort_keys<<<grid_for(n), kBlockSize, 0, stream>>>(ids, b, s, keys_in, rows_in, bad);
+  embedding_sort_keys<<<grid_for(n), kBlockSize, 0, stream>>>(ids, b, s, keys_in, rows_in);
   CUDA_CHECK_LAUNCH();
   const int bits = 32;  // INT_MAX marks bad ids: sort on every bit so they go last
   size_t temp_bytes = 0;
@@ -242,11 +236,9 @@ void embedding_backward(Context& ctx, const Tensor& tokens, const Tensor& positi
     pos_ptr = dev_ptr<float>(pos_grad);
   }
   if ((!word_ptr && !pos_ptr) || b * s == 0 || h == 0) return;
-  Tensor bad = make_bad_buffer(ctx);
   dispatch_float(grad_out.dtype(), [&]<typename T>() {
-    auto* bad_ptr = static_cast<unsigned long long*>(bad.raw_data());
-    if (word_ptr) sorted_scatter_add<T>(ctx, words, b, s, dev_ptr<T>(grad_out), h, word_ptr, bad_ptr);
-    if (pos_ptr) sorted_scatter_add<T>(ctx, positions, b, s, dev_ptr<T>(grad_out), h, pos_ptr, bad_ptr + 1);
+    if (word_ptr) sorted_scatter_add<T>(ctx, words, b, s, dev_ptr<T>(grad_out), h, word_ptr);
+    if (pos_ptr) sorted_scatter_add<T>(ctx, positions, b, s, dev_ptr<T>(grad_out), h, pos_ptr);
   });
   // Note [No id check in backward]: the forward checked these ids (and raised); checking again
   // would cost a host synchronisation at the end of every backward pass. Rows of out-of-range ids
