@@ -109,6 +109,14 @@ std::string memory_report(Device device, int64_t iteration) {
                      iteration, m.allocated / mb, m.peak_allocated / mb);
 }
 
+// This rank's parameters over all its model chunks (what a checkpoint saves and loads).
+std::vector<Parameter*> chunk_parameters(const std::vector<std::unique_ptr<GPTModel>>& chunks) {
+  std::vector<Parameter*> v;
+  for (const auto& c : chunks)
+    for (Parameter* p : c->params().parameters()) v.push_back(p);
+  return v;
+}
+
 // Note [Killing a rank]: MEGATRON_FAULT_INJECT=kill-rank:R:N makes world rank R send itself SIGKILL
 // after iteration N (tests: a dead rank must end the job, never hang it).
 void maybe_kill_rank(int rank, int64_t iteration) {
@@ -156,12 +164,7 @@ struct Trainer {
     for (const auto& c : chunks) v.push_back(c.get());
     return v;
   }
-  std::vector<Parameter*> all_params() const {
-    std::vector<Parameter*> v;
-    for (const auto& c : chunks)
-      for (Parameter* p : c->params().parameters()) v.push_back(p);
-    return v;
-  }
+
   ForwardBackwardArgs fb_args(float scale, bool forward_only) const {
     ForwardBackwardArgs a;
     a.num_microbatches = int(microbatches.num_microbatches());
@@ -302,7 +305,7 @@ struct Trainer {
     if (args.save.empty()) return;
     timers.start("save-checkpoint", 0);
     ddp.finish_param_sync(ctx);
-    checkpointer.save(ctx, all_params(), args.no_save_optim ? nullptr : &optimizer, &scheduler, progress);
+    checkpointer.save(ctx, chunk_parameters(chunks), args.no_save_optim ? nullptr : &optimizer, &scheduler, progress);
     timers.stop("save-checkpoint");
     const double ms = timers.elapsed_ms("save-checkpoint", /*reset=*/false);
     print_line(fmt::format("  {} checkpoint at iteration {:7d} to {} in {:.1f} ms",
@@ -458,10 +461,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   Checkpointer checkpointer(args, &ps);
   TrainingProgress progress;
   if (!args.load.empty()) {
-    std::vector<Parameter*> all;
-    for (auto& c : chunks)
-      for (Parameter* p : c->params().parameters()) all.push_back(p);
-    auto loaded = checkpointer.load(ctx, args.load, all, &optimizer, &scheduler);
+    auto loaded = checkpointer.load(ctx, args.load, chunk_parameters(chunks), &optimizer, &scheduler);
     if (loaded) {
       progress = *loaded;
       print_line(

@@ -7,6 +7,26 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+namespace megatron {
+
+std::vector<double> sum_in_rank_order(Context& ctx, Communicator& group, const std::vector<double>& values) {
+  if (group.size() == 1 || values.empty()) return values;
+  const int64_t n = int64_t(values.size());
+  Tensor mine = Tensor::empty({n}, DType::Int64);
+  std::memcpy(mine.raw_data(), values.data(), values.size() * sizeof(double));
+  Tensor all = Tensor::empty({n * group.size()}, DType::Int64, ctx.device());
+  group.all_gather(ctx, mine.to(ctx.device()), all)->wait();
+  const Tensor host = all.to(Device::cpu());
+  std::vector<double> sum(values.size(), 0.0), v(values.size());
+  for (int r = 0; r < group.size(); ++r) {
+    std::memcpy(v.data(), static_cast<const int64_t*>(host.raw_data()) + r * n, values.size() * sizeof(double));
+    for (size_t i = 0; i < v.size(); ++i) sum[i] += v[i];
+  }
+  return sum;
+}
+
+}  // namespace megatron
+
 namespace megatron::comm_detail {
 
 std::string describe_group(const Communicator& g) {

@@ -116,6 +116,11 @@ std::unique_ptr<Communicator> init_world(const LaunchInfo& launch, Device device
 /// `mpirun -np N` instead.
 int launch_local_workers(int argc, char** argv, int nproc, bool cpu);
 
+/// `values` summed over the ranks of `group`, exactly as doubles and in rank order, so every rank
+/// gets the same bits (all-gathered as their bit patterns: the reductions have no fp64). Collective;
+/// a one-rank group returns `values`. For the few scalars a step reports (losses, gradient norms).
+std::vector<double> sum_in_rank_order(Context& ctx, Communicator& group, const std::vector<double>& values);
+
 /// Ends every process of the job after an error on this rank (MPI_Abort under MPI), so the other
 /// ranks do not wait for it until their timeout; a no-op when no MPI job is running (a single
 /// process, or torchrun-style ranks, whose peers see the failure as a timeout naming the group).

@@ -21,24 +21,9 @@ GradStats grad_stats_fp32(Context& ctx, const std::vector<Tensor>& grads) {
 }
 
 GradStats all_reduce_grad_stats(Context& ctx, Communicator& group, const GradStats& local) {
-  if (group.size() == 1) return local;
-  // Raw bits of Σg² through an int64 all-gather: exact, and summed in the same order everywhere.
-  int64_t bits = 0;
-  std::memcpy(&bits, &local.sum_sq, sizeof bits);
-  const Tensor mine = Tensor::from_ints({bits, local.found_inf_or_nan ? 1 : 0, local.num_zeros}, {3}, DType::Int64,
-                                        ctx.device());
-  Tensor all = Tensor::empty({3 * int64_t(group.size())}, DType::Int64, ctx.device());
-  group.all_gather(ctx, mine, all)->wait();
-  const std::vector<int64_t> v = all.to_ints();
-  GradStats total;
-  for (int r = 0; r < group.size(); ++r) {
-    double sum_sq = 0;
-    std::memcpy(&sum_sq, &v[size_t(3 * r)], sizeof sum_sq);
-    total.sum_sq += sum_sq;
-    total.found_inf_or_nan = total.found_inf_or_nan || v[size_t(3 * r + 1)] != 0;
-    total.num_zeros += v[size_t(3 * r + 2)];
-  }
-  return total;
+  const std::vector<double> sum = sum_in_rank_order(
+      ctx, group, {local.sum_sq, local.found_inf_or_nan ? 1.0 : 0.0, double(local.num_zeros)});
+  return GradStats{sum[0], sum[1] != 0.0, int64_t(sum[2])};
 }
 
 double grad_norm_from_stats(const GradStats& stats, double scale) {

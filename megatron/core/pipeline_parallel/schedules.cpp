@@ -1,6 +1,5 @@
 #include "megatron/core/pipeline_parallel/schedules.h"
 
-#include <cstring>
 
 #include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/pipeline_parallel/pipeline_schedules.h"
@@ -77,21 +76,8 @@ LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<con
 
   // The lm loss over the whole global batch: the last stage's sums over the data-parallel ranks.
   if (ps && ps->dp_size() > 1 && chunks.back()->post_process()) {
-    // Gathered as bit patterns and summed here in rank order: exact doubles, the same on every rank.
-    Communicator& group = ps->data();
-    Tensor mine = Tensor::empty({2}, DType::Int64);
-    std::memcpy(mine.data<int64_t>(), &total.loss_sum, sizeof(double));
-    std::memcpy(mine.data<int64_t>() + 1, &total.num_tokens, sizeof(double));
-    Tensor all = Tensor::empty({2 * group.size()}, DType::Int64, ctx.device());
-    group.all_gather(ctx, mine.to(ctx.device()), all)->wait();
-    const Tensor host = all.to(Device::cpu());
-    total = LossSums{};
-    for (int r = 0; r < group.size(); ++r) {
-      double v[2];
-      std::memcpy(v, host.data<int64_t>() + 2 * r, sizeof(v));
-      total.loss_sum += v[0];
-      total.num_tokens += v[1];
-    }
+    const std::vector<double> sum = sum_in_rank_order(ctx, ps->data(), {total.loss_sum, total.num_tokens});
+    total = LossSums{sum[0], sum[1]};
   }
   return total;
 }
