@@ -1,7 +1,7 @@
 // ParamAndGradBuffer: all parameters of a model chunk in one contiguous buffer of the model dtype,
 // and their gradients in one contiguous fp32 buffer (Megatron's main_grad). Parameters are laid out
-// in reverse registration order — the order backward produces their gradients — so the later
-// data-parallel bucketing reduces contiguous ranges as soon as they are ready.
+// in reverse registration order — the order backward produces their gradients — so the
+// data-parallel buckets reduce contiguous ranges as soon as they are ready.
 //
 // Modules register their parameters while they are built (add()), and keep the returned pointers;
 // allocate() then creates the buffers and points every Parameter at its views.

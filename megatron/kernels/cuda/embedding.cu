@@ -8,8 +8,9 @@
 //
 // Note [Device-side id checks]: an id outside its table is the user's mistake. The kernels never read
 // or write out of bounds: they record the smallest flat [b, s] index of a bad id with atomicMin into a
-// small device buffer and skip that row; the host syncs the stream after the launch and throws
-// megatron::Error naming the first bad id, as the CPU reference does.
+// small device buffer and skip that row; the host syncs the stream after the forward's launch and
+// throws megatron::Error naming the first bad id, as the CPU reference does. The backward skips bad
+// ids without a check of its own (Note [No id check in backward]).
 #include <algorithm>
 #include <climits>
 #include <cub/device/device_radix_sort.cuh>
