@@ -25,6 +25,7 @@ DP="--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
 # train NAME NPROC FLAGS...: one run (NPROC > 1 through --nproc-per-node).
 train() {
   local name=$1 nproc=$2; shift 2
+  if [[ $nproc -gt $GPUS ]]; then echo "$name: skipped ($nproc GPUs needed)"; return; fi
   local launch=""; [[ $nproc -gt 1 ]] && launch="--nproc-per-node $nproc"
   rm -f "$OUT/multi/$name.loss.jsonl"
   local t0=$SECONDS

@@ -57,6 +57,18 @@ int exit_status(int wstatus) {
   return 1;
 }
 
+// The launcher's workers, for the signal handler: a SIGTERM/SIGINT/SIGHUP to the launcher alone (a
+// scheduler's kill, a `kill PID`) goes on to every worker, which would otherwise keep its GPU.
+constexpr int kMaxWorkers = 1024;
+volatile sig_atomic_t g_worker_count = 0;
+pid_t g_workers[kMaxWorkers];
+
+void forward_signal(int sig) {
+  for (int i = 0; i < g_worker_count; ++i) {
+    if (g_workers[i] > 0) ::kill(g_workers[i], sig);
+  }
+}
+
 std::string self_exe(const char* argv0) {
   char buf[PATH_MAX];
   ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
@@ -160,7 +172,7 @@ std::unique_ptr<Communicator> init_world(const LaunchInfo& launch, Device device
 }
 
 int launch_local_workers(int argc, char** argv, int nproc, bool cpu) {
-  MG_CHECK(nproc >= 1, "--nproc-per-node must be at least 1, got {}", nproc);
+  MG_CHECK(nproc >= 1 && nproc <= kMaxWorkers, "--nproc-per-node must be 1 to {}, got {}", kMaxWorkers, nproc);
   std::string exe = self_exe(argv[0]);
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) {
@@ -218,6 +230,14 @@ int launch_local_workers(int argc, char** argv, int nproc, bool cpu) {
       ::_exit(127);
     }
     children.push_back(pid);
+    g_workers[g_worker_count] = pid;
+    g_worker_count = g_worker_count + 1;
+  }
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
+    struct sigaction sa {};
+    sa.sa_handler = forward_signal;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(sig, &sa, nullptr);
   }
   // The first failure ends the others (torchrun's behaviour): SIGTERM, then SIGKILL after 5 s.
   int result = 0;
@@ -233,6 +253,7 @@ int launch_local_workers(int argc, char** argv, int nproc, bool cpu) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
     }
+    g_workers[it - children.begin()] = -1;
     *it = -1;
     --running;
     int status = exit_status(wstatus);
