@@ -1,6 +1,7 @@
 """Reference throughput: the same GPT (or Llama-style model) trained by plain PyTorch on the same GPU.
 
-A copy of ../shared/bench/pytorch_gpt_reference.py with Llama-style presets added; the GPT presets behave as
+A copy of ../shared/bench/pytorch_gpt_reference.py with Llama-style presets and the GPT-2 1.5B shape of
+BENCHMARKS.md added; the GPT presets behave as
 there (same model, optimizer, timing and FLOPs), so their figures stay comparable with it.
 Run it in the same command on the GPU machine as our own benchmark, so the two figures share one machine
 (bench/run_gpu.sh bench runs both and prints the ratios).
@@ -30,6 +31,7 @@ PRESETS = {  # layers, hidden, heads, seq, micro-batch
     "gpt2-124M": (12, 768, 12, 1024, 32),
     "gpt2-350M": (24, 1024, 16, 1024, 16),
     "gpt-1.3B": (24, 2048, 16, 2048, 8),
+    "gpt2-1.5B": (48, 1600, 25, 1024, 8),
     "gpt-2.7B": (32, 2560, 32, 2048, 8),
 }
 LLAMA_PRESETS = {  # layers, hidden, heads, query groups, ffn, seq, micro-batch, vocab, RoPE base

@@ -26,9 +26,25 @@ if [[ $what == train || $what == all ]]; then
     --split 98,2,0 --tokenizer-type SentencePieceTokenizer --tokenizer-model $D/tok-spm.model --log-interval 1
     --hidden-dropout 0.0 --attention-dropout 0.0
     --eval-interval 1000 --eval-iters 1 --train-iters 300"
-  (cd /tmp && timeout 200 $OLDPWD/$B/pretrain_gpt $FLAGS --bf16 --device cuda > "$OUT/train_bf16_gpu.txt" 2>&1; echo "rc=$?")
-  grep -E "iteration +(1|100|200|300)/" "$OUT/train_bf16_gpu.txt" | cut -c1-40,150-330
-  tail -3 "$OUT/train_bf16_gpu.txt"
+  # bf16 and fp16 (dynamic loss scaling) on the GPU against fp32 on the CPU: every iteration's loss.
+  for run in "cpu_fp32:--device cpu" "gpu_bf16:--bf16 --device cuda" "gpu_fp16:--fp16 --device cuda"; do
+    name=${run%%:*}; rm -f "$OUT/loss_$name.jsonl"
+    (cd /tmp && MEGATRON_LOSS_LOG="$OUT/loss_$name.jsonl" timeout 300 $OLDPWD/$B/pretrain_gpt $FLAGS ${run#*:} \
+      > "$OUT/train_$name.txt" 2>&1; echo "$name rc=$?")
+    grep -E "iteration +(1|100|200|300)/" "$OUT/train_$name.txt" | cut -c1-40,150-330
+  done
+  python3 - "$OUT" <<'PY'
+import json, sys
+load = lambda n: [json.loads(l)["lm_loss"] for l in open(f"{sys.argv[1]}/loss_{n}.jsonl")]
+ref = load("cpu_fp32")
+for n in ("gpu_bf16", "gpu_fp16"):
+    got = load(n)
+    gaps = [abs(a - b) for a, b in zip(got, ref)]
+    tail = lambda v: sum(v[-50:]) / 50
+    print(json.dumps({"bench": "loss_curve", "run": n, "vs": "cpu_fp32", "iterations": len(got),
+                      "largest_gap": round(max(gaps), 4), "at_iteration": gaps.index(max(gaps)) + 1,
+                      "last50_mean": round(tail(got), 4), "last50_mean_fp32": round(tail(ref), 4)}))
+PY
   echo "== startup: 1.3B GPT, mock data, bf16"
   (cd /tmp && timeout 200 $OLDPWD/$B/pretrain_gpt --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
     --seq-length 2048 --micro-batch-size 8 --global-batch-size 8 --train-iters 2 --lr 1e-4 --mock-data \

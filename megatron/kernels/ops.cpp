@@ -129,6 +129,28 @@ void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, cons
   return cpu::linear_backward(ctx, grad_out, x, weight, grad_in, weight_grad, bias_grad);
 }
 
+void linear_gelu_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& pre,
+                         Tensor& out) {
+  ProfileScope profile(ctx, "linear_gelu_forward");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "linear_gelu_forward")) return cuda::linear_gelu_forward(ctx, x, weight, bias, pre, out);
+#else
+  on_cuda(ctx, "linear_gelu_forward");
+#endif
+  return cpu::linear_gelu_forward(ctx, x, weight, bias, pre, out);
+}
+
+void linear_dgelu_backward(Context& ctx, const Tensor& grad_out, const Tensor& weight, const Tensor& pre,
+                           Tensor& grad_pre) {
+  ProfileScope profile(ctx, "linear_dgelu_backward");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "linear_dgelu_backward")) return cuda::linear_dgelu_backward(ctx, grad_out, weight, pre, grad_pre);
+#else
+  on_cuda(ctx, "linear_dgelu_backward");
+#endif
+  return cpu::linear_dgelu_backward(ctx, grad_out, weight, pre, grad_pre);
+}
+
 void gelu_forward(Context& ctx, const Tensor& x, Tensor& out) {
   ProfileScope profile(ctx, "gelu_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS

@@ -175,5 +175,52 @@ TEST_F(CudaLinear, ZeroInputFeaturesGiveTheBias) {
   expect_close(y, Tensor::from_floats({1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4}, {3, 4}), 0, "y");
 }
 
+// Note [GeLU in the GEMM epilogue]: fc1 + GeLU (GELU_AUX(_BIAS)) and fc2's input gradient through
+// GeLU (DGELU) against the CPU's unfused reference; widths that are multiples of 8 take the fused
+// epilogues in bf16/fp16, the rest (and fp32, and unaligned views) the unfused path.
+TEST_F(CudaLinear, GeluEpiloguesMatchCpu) {
+  Context cpu_ctx;
+  Context ctx(Device::cuda(0));
+  const std::vector<std::pair<Shape, int64_t>> shapes = {{{64, 128}, 96}, {{4, 5, 72}, 256}, {{4099, 16}, 40},
+                                                          {{33, 17}, 9},  {{512, 1024}, 4096}};
+  uint64_t seed = 900;
+  for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16}) {
+    for (const auto& [x_shape, ffn] : shapes) {
+      for (bool bias : {false, true}) {
+        for (bool unaligned : {false, true}) {
+          SCOPED_TRACE(std::string(to_string(dt)) + " x" + shape_str(x_shape) + " ffn=" + std::to_string(ffn) +
+                       (bias ? " bias" : "") + (unaligned ? " unaligned" : ""));
+          seed += 10;
+          const int64_t in = x_shape.back();
+          Shape h_shape = x_shape;
+          h_shape.back() = ffn;
+          Tensor x = random_tensor(x_shape, seed, 1.0f, dt);
+          Tensor w1 = random_tensor({ffn, in}, seed + 1, 0.5f, dt);
+          Tensor b1 = bias ? random_tensor({ffn}, seed + 2, 1.0f, dt) : Tensor();
+          Tensor w2 = random_tensor({in, ffn}, seed + 3, 0.5f, dt);
+          Tensor dy = random_tensor(x_shape, seed + 4, 1.0f, dt);
+          auto to_dev = [&](const Tensor& t) { return unaligned ? offset_copy(t) : t.to(Device::cuda(0)); };
+
+          Tensor pre_ref = Tensor::empty(h_shape, dt), out_ref = Tensor::empty(h_shape, dt);
+          cpu::linear_gelu_forward(cpu_ctx, x, w1, b1, pre_ref, out_ref);
+          Tensor pre = poisoned(h_shape, dt), out = poisoned(h_shape, dt);
+          cuda::linear_gelu_forward(ctx, to_dev(x), to_dev(w1), bias ? to_dev(b1) : Tensor(), pre, out);
+          ctx.synchronize();
+          expect_close(pre, pre_ref, tolerance(dt), "pre");
+          expect_close(out, out_ref, tolerance(dt), "gelu(pre)");
+
+          // The backward from the CPU's pre, so both sides see the same input.
+          Tensor gp_ref = Tensor::empty(h_shape, dt);
+          cpu::linear_dgelu_backward(cpu_ctx, dy, w2, pre_ref, gp_ref);
+          Tensor gp = poisoned(h_shape, dt);
+          cuda::linear_dgelu_backward(ctx, to_dev(dy), to_dev(w2), to_dev(pre_ref), gp);
+          ctx.synchronize();
+          expect_close(gp, gp_ref, tolerance(dt), "grad_pre");
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace megatron

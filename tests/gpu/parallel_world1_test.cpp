@@ -1,7 +1,9 @@
-// The parallel code path on one GPU: pretrain_gpt at world size 1 runs over the NCCL backend (a
-// one-rank communicator) with every parallel flag given, and its losses equal the plain run's — in
-// fp32, and in bf16 with the distributed optimizer. Also launched torchrun-style (RANK/WORLD_SIZE/
-// MASTER_ADDR/MASTER_PORT, which goes through the TCP rendezvous) and by --nproc-per-node 1.
+// The parallel code path on one GPU: pretrain_gpt at world size 1 (the local one-rank group on CUDA
+// tensors: no NCCL to initialise for one rank) with every parallel flag given — buckets, the
+// distributed optimizer's reduce-scatter and gathers, overlap hooks — gives the plain run's losses,
+// in fp32, and in bf16 with the distributed optimizer. Also launched torchrun-style (RANK/
+// WORLD_SIZE/MASTER_ADDR/MASTER_PORT) and by --nproc-per-node 1. NCCL itself: nccl_communicator_test
+// and parallel_multi_gpu_test (2+ GPUs).
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>

@@ -124,12 +124,15 @@ LaunchInfo detect_launch() {
 }
 
 std::unique_ptr<Communicator> init_world(const LaunchInfo& launch, Device device, std::chrono::milliseconds timeout) {
+  // A world of one rank (a plain run, or a launcher's single process) moves no data: the local
+  // one-rank group serves it on any device, with no MPI or NCCL to initialise. (An mpirun of one
+  // process also counts: MPI is not needed to talk to nobody.)
+  if (launch.world_size == 1) {
+    auto world = std::move(make_local_group(1).front());
+    world->set_timeout(timeout);
+    return world;
+  }
   if (device.is_host()) {
-    if (launch.kind == LaunchInfo::Single || (launch.kind == LaunchInfo::Torchrun && launch.world_size == 1)) {
-      auto world = std::move(make_local_group(1).front());
-      world->set_timeout(timeout);
-      return world;
-    }
     MG_CHECK(launch.kind == LaunchInfo::Mpi,
              "a torchrun-style launch (RANK/WORLD_SIZE) of {} processes cannot run on the CPU: CPU runs communicate "
              "through MPI: start them with mpirun -np {} (or --nproc-per-node {})",
@@ -143,9 +146,7 @@ std::unique_ptr<Communicator> init_world(const LaunchInfo& launch, Device device
   }
 #ifdef MEGATRON_WITH_CUDA
   std::vector<char> id;
-  if (launch.world_size == 1) {
-    id = comm_detail::nccl_unique_id();
-  } else if (launch.kind == LaunchInfo::Mpi) {
+  if (launch.kind == LaunchInfo::Mpi) {
     // The unique id travels over MPI's world.
     auto mpi = comm_detail::make_mpi_world(timeout);
     MG_CHECK(mpi->size() == launch.world_size,

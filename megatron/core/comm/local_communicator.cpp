@@ -99,7 +99,7 @@ class LocalCommunicator : public Communicator {
   LocalGroup& group() const { return *g_; }
 
   std::unique_ptr<CommWork> all_reduce(Context&, Tensor& tensor, ReduceOp op) override {
-    check_device(*this, "all_reduce", tensor, false);
+    check_local_device("all_reduce", tensor);
     check_reducible(*this, "all_reduce", tensor.dtype());
     if (size() == 1) return std::make_unique<DoneWork>();
     std::vector<char> result(tensor.nbytes());
@@ -111,8 +111,8 @@ class LocalCommunicator : public Communicator {
   }
 
   std::unique_ptr<CommWork> reduce_scatter(Context&, const Tensor& input, Tensor& output, ReduceOp op) override {
-    check_device(*this, "reduce_scatter", input, false);
-    check_device(*this, "reduce_scatter", output, false);
+    check_local_device("reduce_scatter", input);
+    check_local_device("reduce_scatter", output);
     check_reduce_scatter(*this, input, output);
     check_reducible(*this, "reduce_scatter", input.dtype());
     if (size() == 1) return copy(input, output);
@@ -126,8 +126,8 @@ class LocalCommunicator : public Communicator {
   }
 
   std::unique_ptr<CommWork> all_gather(Context&, const Tensor& input, Tensor& output) override {
-    check_device(*this, "all_gather", input, false);
-    check_device(*this, "all_gather", output, false);
+    check_local_device("all_gather", input);
+    check_local_device("all_gather", output);
     check_all_gather(*this, input, output);
     if (size() == 1) return copy(input, output);
     bool in_place = is_block_of(input, output, rank_);
@@ -143,7 +143,7 @@ class LocalCommunicator : public Communicator {
   }
 
   std::unique_ptr<CommWork> broadcast(Context&, Tensor& tensor, int root) override {
-    check_device(*this, "broadcast", tensor, false);
+    check_local_device("broadcast", tensor);
     check_root(*this, "broadcast", root);
     if (size() == 1) return std::make_unique<DoneWork>();
     collective("broadcast", {nullptr, tensor.raw_data(), tensor.dtype(), tensor.numel(), root}, [&](auto& posts) {
@@ -153,8 +153,8 @@ class LocalCommunicator : public Communicator {
   }
 
   std::unique_ptr<CommWork> all_to_all(Context&, const Tensor& input, Tensor& output) override {
-    check_device(*this, "all_to_all", input, false);
-    check_device(*this, "all_to_all", output, false);
+    check_local_device("all_to_all", input);
+    check_local_device("all_to_all", output);
     check_all_to_all(*this, input, output);
     if (size() == 1) return copy(input, output);
     size_t block = input.nbytes() / size_t(size());
@@ -221,8 +221,18 @@ class LocalCommunicator : public Communicator {
   }
 
  private:
+  // A group of one rank takes tensors on any device (it moves no data between ranks: the world of a
+  // single-GPU run needs no communication library); larger groups share host memory.
+  void check_local_device(const char* op, const Tensor& t) const {
+    if (size() > 1) {
+      check_device(*this, op, t, false);
+    } else {
+      MG_CHECK(t.defined(), "{} on {}: the tensor is undefined", op, describe_group(*this));
+    }
+  }
+
   std::unique_ptr<CommWork> copy(const Tensor& input, Tensor& output) {
-    if (input.raw_data() != output.raw_data()) std::memcpy(output.raw_data(), input.raw_data(), input.nbytes());
+    if (input.raw_data() != output.raw_data()) output.copy_from(input);
     return std::make_unique<DoneWork>();
   }
 

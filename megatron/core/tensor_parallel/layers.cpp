@@ -57,6 +57,29 @@ Tensor Linear::forward(Context& ctx, const Tensor& x) const {
   return y;
 }
 
+Tensor Linear::forward_gelu(Context& ctx, const Tensor& x, Tensor& pre) const {
+  MG_ASSERT(!(mode_ == ParallelMode::Row && tp_group()), "forward_gelu on a row-parallel layer");
+  Communicator* tp = tp_group();
+  const Tensor x_full = tp && sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, x) : x;
+  pre = Tensor::empty({x_full.size(0), out_features()}, x.dtype(), ctx.device());
+  Tensor out = Tensor::empty(pre.shape(), x.dtype(), ctx.device());
+  ops::linear_gelu_forward(ctx, x_full, weight_->data, bias_ ? bias_->data : Tensor(), pre, out);
+  return out;
+}
+
+Tensor Linear::backward_through_gelu(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& pre) const {
+  MG_ASSERT(!(mode_ == ParallelMode::Column && tp_group()), "backward_through_gelu on a column-parallel layer");
+  Communicator* tp = tp_group();
+  const Tensor g = tp && sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, grad_out) : grad_out;
+  Tensor grad_pre = Tensor::empty(pre.shape(), pre.dtype(), ctx.device());
+  ops::linear_dgelu_backward(ctx, g, weight_->data, pre, grad_pre);
+  Tensor none;
+  ops::linear_backward(ctx, g, x, weight_->data, none, weight_->main_grad, bias_ ? bias_->main_grad : none);
+  notify_grad_accumulated(ctx, weight_);
+  notify_grad_accumulated(ctx, bias_);
+  return grad_pre;
+}
+
 Tensor Linear::backward(Context& ctx, const Tensor& grad_out, const Tensor& x, bool need_grad_in) const {
   Communicator* tp = tp_group();
   Tensor no_grad;

@@ -37,8 +37,16 @@ class Linear {
 
   /// Forward as described above. The caller keeps x (as given) for backward.
   Tensor forward(Context& ctx, const Tensor& x) const;
+  /// Forward followed by GeLU, in one GEMM where the kernels allow (ops::linear_gelu_forward):
+  /// returns gelu(y) and sets `pre` to y, which backward_through_gelu needs. Not for a row-parallel
+  /// layer (its y is a partial sum before the reduction).
+  Tensor forward_gelu(Context& ctx, const Tensor& x, Tensor& pre) const;
   /// Returns grad_in shaped like x (undefined when !need_grad_in); accumulates the parameter gradients.
   Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& x, bool need_grad_in = true) const;
+  /// Backward of a layer whose input x is gelu(pre) (the MLP's fc2): returns the gradient of pre,
+  /// gelu'(pre) ⊙ grad_x, in one GEMM where the kernels allow (ops::linear_dgelu_backward). Not for a
+  /// column-parallel layer (its input gradient is reduced across ranks first).
+  Tensor backward_through_gelu(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& pre) const;
 
   const Parameter* weight() const { return weight_; }
   /// Local output features (out/tp for a column-parallel layer).

@@ -93,3 +93,23 @@ void swiglu_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tens
 }
 
 }  // namespace megatron::cpu
+
+namespace megatron::cpu {
+
+void linear_gelu_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& pre,
+                         Tensor& out) {
+  linear_forward(ctx, x, weight, bias, pre);
+  gelu_forward(ctx, pre, out);
+}
+
+void linear_dgelu_backward(Context& ctx, const Tensor& grad_out, const Tensor& weight, const Tensor& pre,
+                           Tensor& grad_pre) {
+  // The product rounds to grad_pre's dtype once, as the GPU's fused epilogue applies gelu' to the
+  // fp32 accumulator: here the product is kept in fp32.
+  Tensor product = Tensor::empty(grad_pre.shape(), DType::Float32, grad_pre.device());
+  Tensor none;
+  linear_backward(ctx, grad_out, pre, weight, product, none, none);
+  gelu_backward(ctx, product, pre, grad_pre);
+}
+
+}  // namespace megatron::cpu

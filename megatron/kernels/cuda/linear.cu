@@ -13,6 +13,12 @@
 // deterministic two-stage column sum in fp32 added into bias_grad (cuBLASLt's BGRAD epilogues
 // overwrite instead of accumulating).
 //
+// Note [GeLU in the GEMM epilogue]: for bf16/fp16 the MLP's GeLU runs inside cuBLASLt's GEMMs, as
+// Megatron's bias_gelu fusion: fc1 with GELU_AUX(_BIAS) writes gelu(x·Wᵀ + b) and the
+// pre-activation (the aux output, kept for backward); fc2's input gradient with DGELU multiplies
+// its fp32 accumulator by gelu'(pre) before the single rounding. cuBLASLt's GeLU is the tanh
+// approximation, ours. fp32 (tests, golden fixtures) and shapes whose leading dimension is not a
+// multiple of 8 take the unfused path (GEMM, then the elementwise kernel).
 // Descriptors, layouts and the heuristic's algorithm are cached per (device, handle, shape,
 // dtypes, transposes, epilogue, pointer alignments): the heuristic depends on the alignments, so
 // a tensor slice at an odd offset gets its own entry.
@@ -67,11 +73,14 @@ struct Gemm {
   cudaDataType_t dt = CUDA_R_32F;
   int64_t ldd = 0;
   float beta = 0.0f;
-  const void* bias = nullptr;  // non-null: CUBLASLT_EPILOGUE_BIAS with a bias of type dt
+  const void* bias = nullptr;  // non-null: the epilogue adds a bias of type dt
+  enum Epilogue { Plain, GeluAux, DGelu } epilogue = Plain;  // GeluAux writes aux = pre-activation, DGelu reads it
+  void* aux = nullptr;
+  int64_t aux_ld = 0;
 };
 
 using GemmKey = std::tuple<int, void*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int,
-                           bool, uint32_t, uint32_t, uint32_t, uint32_t>;
+                           bool, uint32_t, uint32_t, uint32_t, uint32_t, int, int64_t, uint32_t>;
 
 struct GemmPlan {
   std::mutex mu;  // guards the bias pointer attribute between set and enqueue
@@ -108,12 +117,28 @@ std::unique_ptr<GemmPlan> make_plan(cublasLtHandle_t handle, const Gemm& g) {
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &g.ta, sizeof(g.ta)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &g.tb, sizeof(g.tb)));
-  if (g.bias != nullptr) {
-    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+  switch (g.epilogue) {
+    case Gemm::Plain: epi = g.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT; break;
+    case Gemm::GeluAux: epi = g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX; break;
+    case Gemm::DGelu: epi = CUBLASLT_EPILOGUE_DGELU; break;
+  }
+  if (epi != CUBLASLT_EPILOGUE_DEFAULT) {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  }
+  if (g.bias != nullptr) {
     // The heuristic reads the bias pointer's value for its alignment.
     CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+  }
+  if (g.epilogue != Gemm::Plain) {
+    const int32_t aux_type = int32_t(g.dt);
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux,
+                                                sizeof(g.aux)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &g.aux_ld,
+                                                sizeof(g.aux_ld)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &aux_type,
+                                                sizeof(aux_type)));
   }
   plan->la = make_layout(g.at, g.ta, g.m, g.k, g.lda);  // op(A) is m×k
   plan->lb = make_layout(g.bt, g.tb, g.k, g.n, g.ldb);  // op(B) is k×n
@@ -159,7 +184,8 @@ void run_gemm(Context& ctx, const Gemm& g) {
   const uint32_t bias_align = g.bias != nullptr ? alignment_of(g.bias) : 0u;
   const GemmKey key{ctx.device().index, ctx.cublaslt_handle(), int(g.ta), int(g.tb), g.m, g.n, g.k, g.lda, g.ldb,
                     g.ldd, int(g.at), int(g.bt), int(g.dt), g.bias != nullptr, alignment_of(g.a), alignment_of(g.b),
-                    alignment_of(g.d), bias_align};
+                    alignment_of(g.d), bias_align, int(g.epilogue), g.aux_ld,
+                    g.aux != nullptr ? alignment_of(g.aux) : 0u};
   GemmPlan* plan = nullptr;
   {
     PlanCache& cache = plan_cache();
@@ -174,6 +200,10 @@ void run_gemm(Context& ctx, const Gemm& g) {
   if (g.bias != nullptr) {
     CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+  }
+  if (g.aux != nullptr) {
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)));
   }
   CUBLAS_CHECK(cublasLtMatmul(handle, plan->desc, &alpha, g.a, plan->la, g.b, plan->lb, &g.beta, g.d, plan->ld, g.d,
                               plan->ld, &plan->algo, ws.raw_data(), plan->workspace, stream_of(ctx)));
@@ -418,6 +448,90 @@ void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, cons
     MG_ASSERT(bias_grad.numel() == d.out, "bias_grad is {}, expected {} elements", bias_grad.str(), d.out);
     if (d.n > 0 && d.out > 0) bias_grad_accumulate(ctx, grad_out, d.n, d.out, bias_grad);
   }
+}
+
+// Note [GeLU in the GEMM epilogue].
+static bool gelu_epilogue_applies(DType dt, int64_t ld, std::initializer_list<const Tensor*> tensors) {
+  if (dt != DType::BFloat16 && dt != DType::Float16) return false;
+  if (ld % 8 != 0) return false;
+  for (const Tensor* t : tensors) {
+    if (t->dtype() != dt || alignment_of(t->raw_data()) < 16) return false;
+  }
+  return true;
+}
+
+void linear_gelu_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& pre,
+                         Tensor& out) {
+  const LinearDims d = linear_dims(x, weight);
+  check_cuda_float(pre, "pre");
+  check_cuda_float(out, "out");
+  MG_ASSERT(rows_of(pre, d.out, "pre") == d.n && rows_of(out, d.out, "out") == d.n,
+            "pre is {} and out is {}, expected {} rows of {}", pre.str(), out.str(), d.n, d.out);
+  bool fused = d.n > 0 && d.in > 0 && d.out > 0 && x.dtype() == weight.dtype() &&
+               gelu_epilogue_applies(x.dtype(), d.out, {&weight, &pre, &out});
+  if (fused && bias.defined()) fused = bias.numel() == d.out && gelu_epilogue_applies(x.dtype(), 8, {&bias});
+  if (!fused) {
+    linear_forward(ctx, x, weight, bias, pre);
+    gelu_forward(ctx, pre, out);
+    return;
+  }
+  Gemm g;
+  g.ta = CUBLAS_OP_T;
+  g.tb = CUBLAS_OP_N;
+  g.m = d.out;
+  g.n = d.n;
+  g.k = d.in;
+  g.a = weight.raw_data();
+  g.at = cuda_type(weight.dtype());
+  g.lda = d.in;
+  g.b = x.raw_data();
+  g.bt = cuda_type(x.dtype());
+  g.ldb = d.in;
+  g.d = out.raw_data();
+  g.dt = cuda_type(out.dtype());
+  g.ldd = d.out;
+  g.bias = bias.defined() ? bias.raw_data() : nullptr;
+  g.epilogue = Gemm::GeluAux;
+  g.aux = pre.raw_data();
+  g.aux_ld = d.out;
+  run_gemm(ctx, g);
+}
+
+void linear_dgelu_backward(Context& ctx, const Tensor& grad_out, const Tensor& weight, const Tensor& pre,
+                           Tensor& grad_pre) {
+  const LinearDims d = linear_dims(pre, weight);  // pre [N, in] is the linear's input
+  check_cuda_float(grad_out, "grad_out");
+  check_cuda_float(grad_pre, "grad_pre");
+  MG_ASSERT(rows_of(grad_out, d.out, "grad_out") == d.n && rows_of(grad_pre, d.in, "grad_pre") == d.n,
+            "grad_out is {} and grad_pre is {}, expected {} rows of {} and of {}", grad_out.str(), grad_pre.str(), d.n,
+            d.out, d.in);
+  const bool fused = d.n > 0 && d.in > 0 && d.out > 0 &&
+                     gelu_epilogue_applies(weight.dtype(), d.in, {&grad_out, &pre, &grad_pre});
+  if (!fused) {
+    Tensor none;
+    linear_backward(ctx, grad_out, pre, weight, grad_pre, none, none);
+    gelu_backward(ctx, grad_pre, pre, grad_pre);
+    return;
+  }
+  Gemm g;
+  g.ta = CUBLAS_OP_N;
+  g.tb = CUBLAS_OP_N;
+  g.m = d.in;
+  g.n = d.n;
+  g.k = d.out;
+  g.a = weight.raw_data();
+  g.at = cuda_type(weight.dtype());
+  g.lda = d.in;
+  g.b = grad_out.raw_data();
+  g.bt = cuda_type(grad_out.dtype());
+  g.ldb = d.out;
+  g.d = grad_pre.raw_data();
+  g.dt = cuda_type(grad_pre.dtype());
+  g.ldd = d.in;
+  g.epilogue = Gemm::DGelu;
+  g.aux = pre.raw_data();
+  g.aux_ld = d.in;
+  run_gemm(ctx, g);
 }
 
 }  // namespace megatron::cuda
