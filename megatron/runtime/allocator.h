@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "megatron/runtime/device.h"
+#include "megatron/runtime/dtype.h"
 
 namespace megatron {
 
@@ -62,6 +63,8 @@ struct CudaAllocatorHooks {
   void (*copy)(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) = nullptr;
   int (*device_count)() = nullptr;
   void (*memset)(void* dst, int value, size_t n, void* stream) = nullptr;
+  // Element conversion between fp32, bf16 and fp16 on one device (false: a pair it does not do).
+  bool (*convert)(const void* src, DType src_type, void* dst, DType dst_type, size_t n) = nullptr;
   // Events for OpProfiler: record on a stream, elapsed milliseconds between two, destroy.
   void* (*event_record)(void* stream) = nullptr;
   float (*event_elapsed_ms)(void* start, void* end) = nullptr;

@@ -186,12 +186,14 @@ void convert_elements(const void* src, DType src_type, void* dst, DType dst_type
   if (src_type == DType::BFloat16 && dst_type == DType::Float32) {
     auto* s = static_cast<const bf16*>(src);
     auto* d = static_cast<float*>(dst);
+#pragma omp parallel for schedule(static) if (n >= (1 << 20))
     for (size_t i = 0; i < n; ++i) d[i] = to_float(s[i]);
     return;
   }
   if (src_type == DType::Float32 && dst_type == DType::BFloat16) {
     auto* s = static_cast<const float*>(src);
     auto* d = static_cast<bf16*>(dst);
+#pragma omp parallel for schedule(static) if (n >= (1 << 20))
     for (size_t i = 0; i < n; ++i) d[i] = to_bf16(s[i]);
     return;
   }

@@ -118,7 +118,12 @@ void Tensor::copy_from(const Tensor& src) {
     copy_bytes(raw_data(), device(), src.raw_data(), src.device(), nbytes());
     return;
   }
-  // Conversions run on the host; a device tensor goes through a host copy.
+  // Conversions between float types on one GPU run there; others on the host (a device tensor goes
+  // through a host copy).
+  if (device().is_cuda() && src.device() == device() && detail::cuda_hooks().convert &&
+      detail::cuda_hooks().convert(src.raw_data(), src.dtype(), raw_data(), dtype_, size_t(numel()))) {
+    return;
+  }
   Tensor s = src.device().is_host() ? src : src.to(Device::cpu());
   if (device().is_host()) {
     convert_elements(s.raw_data(), s.dtype(), raw_data(), dtype_, size_t(numel()));

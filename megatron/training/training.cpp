@@ -316,7 +316,7 @@ struct Trainer {
   bool checkpoint_and_decide_exit() {
     if (signals && any_rank(signals->signal_received())) {  // every rank has a handler with the flag
       save();
-      print_line(fmt::format("{} exiting program after receiving SIGTERM.", timestamp_now()));
+      print_line(datetime_line("exiting program after receiving SIGTERM."));
       return true;
     }
     bool saved = false;
@@ -328,13 +328,13 @@ struct Trainer {
       const double minutes = seconds_since(program_start) / 60.0;
       if (any_rank(minutes > args.exit_duration_in_mins)) {
         if (!saved) save();
-        print_line(fmt::format("{} exiting program after {:.3f} minutes", timestamp_now(), minutes));
+        print_line(datetime_line(fmt::format("exiting program after {:.3f} minutes", minutes)));
         return true;
       }
     }
     if (args.exit_interval > 0 && progress.iteration % args.exit_interval == 0) {
       if (!saved) save();
-      print_line(fmt::format("{} exiting program at iteration {}", timestamp_now(), progress.iteration));
+      print_line(datetime_line(fmt::format("exiting program at iteration {}", progress.iteration)));
       return true;
     }
     return false;
@@ -423,6 +423,9 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   TransformerConfig config = transformer_config_from_args(args, tokenizer->vocab_size());
   print_line(fmt::format(" > padded vocab (size: {}) with {} dummy tokens (new size: {})", tokenizer->vocab_size(),
                          config.padded_vocab_size - tokenizer->vocab_size(), config.padded_vocab_size));
+  // Megatron prints this once the distributed setup and the tokenizer are done, before the model.
+  print_line(fmt::format("time to initialize megatron (seconds): {:.3f}", seconds_since(program_start)));
+  const Clock::time_point setup_start = Clock::now();
   DDPConfig ddp_config;
   ddp_config.overlap_grad_reduce = args.overlap_grad_reduce;
   ddp_config.use_distributed_optimizer = args.use_distributed_optimizer;
@@ -476,6 +479,10 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
     optimizer.set_weight_decay(v.wd);
   }
 
+  const double model_setup_ms = seconds_since(setup_start) * 1000.0;
+  print_line(datetime_line("after model, optimizer, and learning rate scheduler are built"));
+  const Clock::time_point data_start = Clock::now();
+
   NumMicroBatchesCalculator microbatches(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
                                          args.rampup_batch_size);
   microbatches.update(progress.consumed_train_samples);
@@ -494,8 +501,25 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   if (!args.tensorboard_dir.empty() && g_printing_rank) tb = std::make_unique<TensorBoardWriter>(args.tensorboard_dir);
   std::unique_ptr<SignalHandler> signals;
   if (args.exit_signal_handler) signals = std::make_unique<SignalHandler>();
-  print_line(fmt::format("time to initialize megatron (seconds): {:.3f}", seconds_since(program_start)));
-  print_line(fmt::format("{} before the start of training step", timestamp_now()));
+  const double data_setup_ms = seconds_since(data_start) * 1000.0;
+  print_line(datetime_line("after dataloaders are built"));
+  {
+    // Megatron's setup timers: (min, max) over the ranks, one all-reduce of (t, -t) with max.
+    Tensor t = Tensor::from_floats({float(model_setup_ms), float(data_setup_ms), -float(model_setup_ms),
+                                    -float(data_setup_ms)},
+                                   {4}, DType::Float32, device);
+    ps.world().all_reduce(ctx, t, ReduceOp::Max)->wait();
+    const std::vector<float> v = t.to_floats();
+    print_line("done with setup ...");
+    auto row = [](const std::string& name, float lo, float hi) {
+      std::string label = name + " ";
+      label.resize(std::max<size_t>(label.size(), 48), '.');
+      return fmt::format("    {}: ({:.2f}, {:.2f})", label, lo, hi);
+    };
+    print_line("(min, max) time across ranks (ms):\n" + row("model-and-optimizer-setup", -v[2], v[0]) + "\n" +
+               row("train/valid/test-data-iterators-setup", -v[3], v[1]));
+  }
+  print_line(datetime_line("before the start of training step"));
 
   const int64_t train_iters = args.train_iters > 0 ? args.train_iters : args.train_samples / args.global_batch_size;
   Trainer trainer{args,         callbacks, ctx,      ps,   chunks,   ddp,      optimizer,
@@ -511,7 +535,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   const int64_t start_iteration = progress.iteration;
   if (!args.skip_train) {
     exited = trainer.train(train_iters);
-    print_line(fmt::format("{} after training is done", timestamp_now()));
+    print_line(datetime_line("after training is done"));
   }
   if (!exited) {
     if (!args.skip_train && !args.save.empty() && progress.iteration != start_iteration &&

@@ -19,6 +19,15 @@ std::string timestamp_now() {
   return fmt::format("[{}.{:06d}]", buf, us);
 }
 
+std::string datetime_line(const std::string& what) {
+  std::time_t t = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S", &tm);
+  return fmt::format("[{}] datetime: {} ", what, buf);
+}
+
 std::string format_iteration_line(const IterationLogFields& f) {
   std::string s = fmt::format(" {} iteration {:8d}/{:8d} |", timestamp_now(), f.iteration, f.train_iters);
   s += fmt::format(" consumed samples: {:12d} |", f.consumed_samples);

@@ -30,6 +30,8 @@ struct IterationLogFields {
 /// " [YYYY-MM-DD HH:MM:SS.ffffff] iteration ... |" exactly as Megatron prints it (timestamp now).
 std::string format_iteration_line(const IterationLogFields& f);
 /// The timestamp prefix Megatron uses: "[2026-12-01 04:09:55.123456]".
+/// Megatron's print_datetime line: "[what] datetime: YYYY-mm-dd HH:MM:SS ".
+std::string datetime_line(const std::string& what);
 std::string timestamp_now();
 
 /// The boxed validation block: a line of dashes, " validation loss at iteration N | lm loss value:

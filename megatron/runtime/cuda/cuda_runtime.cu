@@ -3,10 +3,14 @@
 // pinned host memory, copies, and the per-Context stream. It installs itself into the hooks of
 // runtime/allocator.h and runtime/context.h so the CPU build carries no CUDA symbols.
 #include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cudnn.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <mutex>
 #include <unordered_map>
 
@@ -98,6 +102,47 @@ void cuda_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_
   CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
+// Conversions between the float types on the device (Tensor::copy_from/to of a CUDA tensor to
+// another dtype), rounding to nearest even as the host's convert_elements does.
+template <typename S, typename D>
+__global__ void convert_kernel(const S* src, D* dst, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    if constexpr (std::is_same_v<D, float>) {
+      dst[i] = float(src[i]);
+    } else if constexpr (std::is_same_v<D, __nv_bfloat16>) {
+      dst[i] = __float2bfloat16_rn(float(src[i]));
+    } else {
+      dst[i] = __float2half_rn(float(src[i]));
+    }
+  }
+}
+
+template <typename S>
+bool convert_from(const S* src, void* dst, DType dst_type, size_t n, unsigned grid) {
+  switch (dst_type) {
+    case DType::Float32: convert_kernel<<<grid, 256>>>(src, static_cast<float*>(dst), n); return true;
+    case DType::BFloat16: convert_kernel<<<grid, 256>>>(src, static_cast<__nv_bfloat16*>(dst), n); return true;
+    case DType::Float16: convert_kernel<<<grid, 256>>>(src, static_cast<__half*>(dst), n); return true;
+    default: return false;
+  }
+}
+
+bool cuda_convert(const void* src, DType src_type, void* dst, DType dst_type, size_t n) {
+  if (n == 0) return true;
+  const unsigned grid = unsigned(std::min<size_t>((n + 255) / 256, 65535));
+  bool ok = false;
+  switch (src_type) {
+    case DType::Float32: ok = convert_from(static_cast<const float*>(src), dst, dst_type, n, grid); break;
+    case DType::BFloat16: ok = convert_from(static_cast<const __nv_bfloat16*>(src), dst, dst_type, n, grid); break;
+    case DType::Float16: ok = convert_from(static_cast<const __half*>(src), dst, dst_type, n, grid); break;
+    default: return false;
+  }
+  if (!ok) return false;
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaStreamSynchronize(nullptr));  // as copy_bytes: done when it returns
+  return true;
+}
+
 void cuda_memset(void* dst, int value, size_t n, void* stream) {
   CUDA_CHECK(cudaMemsetAsync(dst, value, n, static_cast<cudaStream_t>(stream)));
 }
@@ -165,6 +210,7 @@ void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
   alloc.copy = cuda_copy;
   alloc.device_count = device_count;
   alloc.memset = cuda_memset;
+  alloc.convert = cuda_convert;
   alloc.event_record = event_record;
   alloc.event_elapsed_ms = event_elapsed_ms;
   alloc.event_destroy = event_destroy;
