@@ -4,7 +4,8 @@
 A run named <model>_<layout> (log <run>.log, per-iteration losses <run>.loss.jsonl) is compared with
 <model>_single. Step time, TFLOP/s/GPU and tokens/s are medians over iterations 6.. (the first five
 include allocation and autotuning). Fields:
-  scaling = tokens/s / (gpus x the single GPU's tokens/s)   (1.0 = linear; DP=2 goal >= 0.95)
+  scaling = tokens/s per GPU / the reference's tokens/s per GPU (1.0 = linear; DP=2 goal >= 0.95). The
+    reference is <model>_single (one GPU) or <model>_reference (the fewest GPUs the model fits on).
   tflops_per_gpu_vs_single                                   (model-parallel layouts)
   loss_max_rel_diff over every iteration against the single GPU; loss_ok when <= 1e-2 (bf16).
 Usage: bench/multi_gpu_summary.py DIR
@@ -22,6 +23,7 @@ FIELD = {
     "tok": re.compile(r"tokens per second per GPU: ([\d.]+)"),
     "gbs": re.compile(r"global batch size:\s+(\d+)"),
 }
+PEAK_TFLOPS = 989.0  # H200 dense bf16 (../shared/BENCHMARKS.md)
 SKIP = 5  # warm-up iterations left out of the medians
 LOSS_TOL = 1e-2
 
@@ -66,11 +68,14 @@ def main():
         for k in ("ms_per_iteration", "tflops_per_gpu", "tokens_per_s"):
             if r.get(k) is not None:
                 line[k] = round(r[k], 1)
-        single = runs.get(f"{model}_single")
+        if r.get("tflops_per_gpu") is not None:
+            line["mfu"] = round(r["tflops_per_gpu"] / PEAK_TFLOPS, 3)
+        single = runs.get(f"{model}_single") or runs.get(f"{model}_reference")
         if r["iterations"] == 0:
             line["error"] = "no iteration line in the log"
-        elif single and layout != "single" and single.get("tokens_per_s"):
-            line["scaling"] = round(r["tokens_per_s"] / (r["gpus"] * single["tokens_per_s"]), 3)
+        elif single and layout not in ("single", "reference") and single.get("tokens_per_s"):
+            line["scaling"] = round((r["tokens_per_s"] / r["gpus"]) / (single["tokens_per_s"] / single["gpus"]), 3)
+            line["reference_gpus"] = single["gpus"]
             if single.get("tflops_per_gpu"):
                 line["tflops_per_gpu_vs_single"] = round(r["tflops_per_gpu"] / single["tflops_per_gpu"], 3)
             a, b = r["losses"], single["losses"]
@@ -82,7 +87,7 @@ def main():
             else:
                 line["loss_ok"] = False
                 line["error"] = f"{len(a)} losses against the single GPU's {len(b)}"
-        elif layout == "single":
+        elif layout in ("single", "reference"):
             line["loss_first_last"] = [round(r["losses"][0], 4), round(r["losses"][-1], 4)] if r["losses"] else None
         print(json.dumps(line))
 
