@@ -8,10 +8,8 @@
 
 #include <chrono>
 
-#include <nlohmann/json.hpp>
-
 #include "megatron/runtime/device.h"
-#include "tests/functional/run_util.h"
+#include "tests/gpu/pretrain_run_util.h"
 
 namespace megatron::testing {
 namespace {
@@ -51,27 +49,8 @@ const std::vector<Layout> kLayouts = {
     {"dp8_distopt", 8, {"--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"}},
 };
 
-std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 std::vector<double> losses(const fs::path& dir, const std::string& name, const std::vector<std::string>& argv) {
-  const fs::path log = dir / (name + ".jsonl");
-  RunResult r = run(argv, dir, "NCCL_NVLS_ENABLE=0 MEGATRON_LOSS_LOG=" + shell_quote(log.string()));
-  EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
-  EXPECT_NE(r.output.find("running on cuda"), std::string::npos) << name << ":\n" << r.output;
-  std::vector<double> out;
-  std::ifstream in(log);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("lm_loss").get<double>());
-  EXPECT_EQ(out.size(), 6u) << name << ":\n" << r.output;
-  return out;
-}
-
-void expect_close(const std::vector<double>& a, const std::vector<double>& b, double rel, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], rel * std::abs(b[i])) << what << " iteration " << i + 1;
+  return run_losses(dir, name, argv, "NCCL_NVLS_ENABLE=0", 6);
 }
 
 void check_layouts(const std::string& dtype_flag, double rel) {
@@ -86,7 +65,7 @@ void check_layouts(const std::string& dtype_flag, double rel) {
     if (l.gpus > gpus) continue;
     SCOPED_TRACE(l.name);
     auto argv = with(with(base, l.flags), {"--nproc-per-node", std::to_string(l.gpus)});
-    expect_close(losses(dir.path, l.name, argv), single, rel, l.name + dtype_flag);
+    expect_losses_close(losses(dir.path, l.name, argv), single, rel, l.name + dtype_flag);
     ++ran;
   }
   std::printf("[ multi-gpu ] %d layouts on %d GPUs match the single-GPU run%s\n", ran, gpus, dtype_flag.c_str());

@@ -6,10 +6,8 @@
 // and parallel_multi_gpu_test (2+ GPUs).
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include "megatron/runtime/device.h"
-#include "tests/functional/run_util.h"
+#include "tests/gpu/pretrain_run_util.h"
 
 namespace megatron::testing {
 namespace {
@@ -27,28 +25,9 @@ const std::vector<std::string> kAllParallelFlags = {
     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "100000",
     "--distributed-backend", "nccl", "--distributed-timeout-minutes", "2", "--accumulate-allreduce-grads-in-fp32"};
 
-std::vector<double> losses(const fs::path& dir, const std::string& name, std::vector<std::string> argv,
+std::vector<double> losses(const fs::path& dir, const std::string& name, const std::vector<std::string>& argv,
                            const std::string& env = "") {
-  const fs::path log = dir / (name + ".jsonl");
-  RunResult r = run(argv, dir, env + " MEGATRON_LOSS_LOG=" + shell_quote(log.string()));
-  EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
-  EXPECT_NE(r.output.find("running on cuda"), std::string::npos) << r.output;
-  std::vector<double> out;
-  std::ifstream in(log);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("lm_loss").get<double>());
-  EXPECT_EQ(out.size(), 6u) << name << ":\n" << r.output;
-  return out;
-}
-
-std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-void expect_equal(const std::vector<double>& a, const std::vector<double>& b, double rel, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], rel * std::abs(b[i])) << what << " iteration " << i + 1;
+  return run_losses(dir, name, argv, env, 6);
 }
 
 TEST(ParallelWorldSize1, EveryFlagGivesThePlainRunFp32) {
@@ -56,12 +35,12 @@ TEST(ParallelWorldSize1, EveryFlagGivesThePlainRunFp32) {
   ScratchDir dir("world1_fp32");
   const auto plain = losses(dir.path, "plain", with({bin("pretrain_gpt")}, kModel));
   const auto flags = losses(dir.path, "flags", with(with({bin("pretrain_gpt")}, kModel), kAllParallelFlags));
-  expect_equal(flags, plain, 1e-6, "all parallel flags");
+  expect_losses_close(flags, plain, 1e-6, "all parallel flags");
   const auto torchrun = losses(dir.path, "torchrun", with({bin("pretrain_gpt")}, kModel),
                                "RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29611");
-  expect_equal(torchrun, plain, 1e-6, "torchrun environment");
+  expect_losses_close(torchrun, plain, 1e-6, "torchrun environment");
   const auto nproc = losses(dir.path, "nproc", with(with({bin("pretrain_gpt")}, kModel), {"--nproc-per-node", "1"}));
-  expect_equal(nproc, plain, 1e-6, "--nproc-per-node 1");
+  expect_losses_close(nproc, plain, 1e-6, "--nproc-per-node 1");
 }
 
 TEST(ParallelWorldSize1, DistributedOptimizerBf16GivesThePlainBf16Run) {
@@ -73,7 +52,7 @@ TEST(ParallelWorldSize1, DistributedOptimizerBf16GivesThePlainBf16Run) {
                                                                          "--overlap-grad-reduce",
                                                                          "--overlap-param-gather"}));
   // One GPU, one data-parallel rank: the same kernels on the same values, so the same losses.
-  expect_equal(distopt, plain, 1e-6, "bf16 distributed optimizer");
+  expect_losses_close(distopt, plain, 1e-6, "bf16 distributed optimizer");
 }
 
 }  // namespace

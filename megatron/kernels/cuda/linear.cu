@@ -337,6 +337,45 @@ void check_output_type(DType operands, const Tensor& out, const char* name) {
            to_string(out.dtype()), to_string(operands));
 }
 
+// The products of Note [Row-major GEMMs on cuBLASLt]: forward y = x·Wᵀ and grad_in = grad_out·W.
+Gemm forward_gemm(const LinearDims& d, const Tensor& x, const Tensor& weight, const Tensor& y) {
+  Gemm g;
+  g.ta = CUBLAS_OP_T;
+  g.tb = CUBLAS_OP_N;
+  g.m = d.out;
+  g.n = d.n;
+  g.k = d.in;
+  g.a = weight.raw_data();
+  g.at = cuda_type(weight.dtype());
+  g.lda = d.in;
+  g.b = x.raw_data();
+  g.bt = cuda_type(x.dtype());
+  g.ldb = d.in;
+  g.d = y.raw_data();
+  g.dt = cuda_type(y.dtype());
+  g.ldd = d.out;
+  return g;
+}
+
+Gemm grad_in_gemm(const LinearDims& d, const Tensor& grad_out, const Tensor& weight, const Tensor& grad_in) {
+  Gemm g;
+  g.ta = CUBLAS_OP_N;
+  g.tb = CUBLAS_OP_N;
+  g.m = d.in;
+  g.n = d.n;
+  g.k = d.out;
+  g.a = weight.raw_data();
+  g.at = cuda_type(weight.dtype());
+  g.lda = d.in;
+  g.b = grad_out.raw_data();
+  g.bt = cuda_type(grad_out.dtype());
+  g.ldb = d.out;
+  g.d = grad_in.raw_data();
+  g.dt = cuda_type(grad_in.dtype());
+  g.ldd = d.in;
+  return g;
+}
+
 }  // namespace
 
 void linear_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y) {
@@ -361,21 +400,7 @@ void linear_forward(Context& ctx, const Tensor& x, const Tensor& weight, const T
   if (d.in == 0) {
     CUDA_CHECK(cudaMemsetAsync(y.raw_data(), 0, y.nbytes(), stream_of(ctx)));
   } else {
-    Gemm g;
-    g.ta = CUBLAS_OP_T;
-    g.tb = CUBLAS_OP_N;
-    g.m = d.out;
-    g.n = d.n;
-    g.k = d.in;
-    g.a = weight.raw_data();
-    g.at = cuda_type(weight.dtype());
-    g.lda = d.in;
-    g.b = x.raw_data();
-    g.bt = cuda_type(x.dtype());
-    g.ldb = d.in;
-    g.d = gemm_out.raw_data();
-    g.dt = cuda_type(gemm_out.dtype());
-    g.ldd = d.out;
+    Gemm g = forward_gemm(d, x, weight, gemm_out);
     g.bias = fuse_bias ? bias.raw_data() : nullptr;
     run_gemm(ctx, g);
   }
@@ -397,22 +422,7 @@ void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, cons
       MG_CHECK(grad_out.dtype() == weight.dtype(), "linear_backward on CUDA: grad_out is {} but weight is {}",
                to_string(grad_out.dtype()), to_string(weight.dtype()));
       check_output_type(grad_out.dtype(), grad_in, "grad_in");
-      Gemm g;
-      g.ta = CUBLAS_OP_N;
-      g.tb = CUBLAS_OP_N;
-      g.m = d.in;
-      g.n = d.n;
-      g.k = d.out;
-      g.a = weight.raw_data();
-      g.at = cuda_type(weight.dtype());
-      g.lda = d.in;
-      g.b = grad_out.raw_data();
-      g.bt = cuda_type(grad_out.dtype());
-      g.ldb = d.out;
-      g.d = grad_in.raw_data();
-      g.dt = cuda_type(grad_in.dtype());
-      g.ldd = d.in;
-      run_gemm(ctx, g);
+      run_gemm(ctx, grad_in_gemm(d, grad_out, weight, grad_in));
     }
   }
   if (weight_grad.defined()) {
@@ -475,21 +485,7 @@ void linear_gelu_forward(Context& ctx, const Tensor& x, const Tensor& weight, co
     gelu_forward(ctx, pre, out);
     return;
   }
-  Gemm g;
-  g.ta = CUBLAS_OP_T;
-  g.tb = CUBLAS_OP_N;
-  g.m = d.out;
-  g.n = d.n;
-  g.k = d.in;
-  g.a = weight.raw_data();
-  g.at = cuda_type(weight.dtype());
-  g.lda = d.in;
-  g.b = x.raw_data();
-  g.bt = cuda_type(x.dtype());
-  g.ldb = d.in;
-  g.d = out.raw_data();
-  g.dt = cuda_type(out.dtype());
-  g.ldd = d.out;
+  Gemm g = forward_gemm(d, x, weight, out);
   g.bias = bias.defined() ? bias.raw_data() : nullptr;
   g.epilogue = Gemm::GeluAux;
   g.aux = pre.raw_data();
@@ -513,21 +509,7 @@ void linear_dgelu_backward(Context& ctx, const Tensor& grad_out, const Tensor& w
     gelu_backward(ctx, grad_pre, pre, grad_pre);
     return;
   }
-  Gemm g;
-  g.ta = CUBLAS_OP_N;
-  g.tb = CUBLAS_OP_N;
-  g.m = d.in;
-  g.n = d.n;
-  g.k = d.out;
-  g.a = weight.raw_data();
-  g.at = cuda_type(weight.dtype());
-  g.lda = d.in;
-  g.b = grad_out.raw_data();
-  g.bt = cuda_type(grad_out.dtype());
-  g.ldb = d.out;
-  g.d = grad_pre.raw_data();
-  g.dt = cuda_type(grad_pre.dtype());
-  g.ldd = d.in;
+  Gemm g = grad_in_gemm(d, grad_out, weight, grad_pre);
   g.epilogue = Gemm::DGelu;
   g.aux = pre.raw_data();
   g.aux_ld = d.in;
