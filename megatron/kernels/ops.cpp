@@ -391,6 +391,16 @@ void transpose_01(Context& ctx, const Tensor& x, Tensor& out) {
   return cpu::transpose_01(ctx, x, out);
 }
 
+void adamw_step_multi(Context& ctx, std::vector<AdamTensors>& params, const AdamHyperParams& hp) {
+  ProfileScope profile(ctx, "adamw_step");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "adamw_step_multi")) return cuda::adamw_step_multi(ctx, params, hp);
+#else
+  on_cuda(ctx, "adamw_step_multi");
+#endif
+  return cpu::adamw_step_multi(ctx, params, hp);
+}
+
 void adamw_step(Context& ctx, Tensor& main_param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 const AdamHyperParams& hp, Tensor& model_param) {
   ProfileScope profile(ctx, "adamw_step");

@@ -33,6 +33,13 @@ struct AdamHyperParams {
   float grad_scale = 1.0f;  // grads are multiplied by this first (1/loss_scale, clipping coefficient)
 };
 
+/// One parameter of a multi-tensor AdamW step (adamw_step_multi): adamw_step's tensors and the
+/// parameter's own weight decay.
+struct AdamTensors {
+  Tensor main_param, grad, exp_avg, exp_avg_sq, model_param;
+  float weight_decay = 0.0f;
+};
+
 struct GradStats {
   double sum_sq = 0.0;
   bool found_inf_or_nan = false;

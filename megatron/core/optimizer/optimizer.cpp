@@ -171,15 +171,22 @@ OptimizerStepResult AdamOptimizer::step(Context& ctx) {
   hp.step = step_count_;
   hp.bias_correction = true;
   hp.grad_scale = float(inv_scale * clip_coeff);
+  std::vector<AdamTensors> update;  // every parameter in few launches (Note [Multi-tensor AdamW])
+  update.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = params_[i];
     AdamParamState& s = states_[i];
     if (shard_count_[i] == 0) continue;
-    hp.weight_decay = p.no_weight_decay ? 0.0f : float(weight_decay_);
-    Tensor model_param = p.data.dtype() == DType::Float32 ? Tensor() : model_shard(i);
-    const Tensor grad = distributed_ ? p.main_grad.flat_slice(shard_start_[i], shard_count_[i]) : p.main_grad;
-    ops::adamw_step(ctx, s.master, grad, s.exp_avg, s.exp_avg_sq, hp, model_param);
+    AdamTensors t;
+    t.main_param = s.master;
+    t.grad = distributed_ ? p.main_grad.flat_slice(shard_start_[i], shard_count_[i]) : p.main_grad;
+    t.exp_avg = s.exp_avg;
+    t.exp_avg_sq = s.exp_avg_sq;
+    if (p.data.dtype() != DType::Float32) t.model_param = model_shard(i);
+    t.weight_decay = p.no_weight_decay ? 0.0f : float(weight_decay_);
+    update.push_back(std::move(t));
   }
+  ops::adamw_step_multi(ctx, update, hp);
   if (distributed_) ddp_->start_param_sync(ctx);
   result.update_successful = true;
   return result;

@@ -69,4 +69,12 @@ void scale_(Context& ctx, Tensor& x, float s) {
   for (int64_t i = 0; i < n; ++i) out[i] *= s;
 }
 
+void adamw_step_multi(Context& ctx, std::vector<AdamTensors>& params, const AdamHyperParams& hp) {
+  for (AdamTensors& t : params) {
+    AdamHyperParams h = hp;
+    h.weight_decay = t.weight_decay;
+    adamw_step(ctx, t.main_param, t.grad, t.exp_avg, t.exp_avg_sq, h, t.model_param);
+  }
+}
+
 }  // namespace megatron::cpu

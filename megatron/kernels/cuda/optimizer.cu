@@ -94,6 +94,77 @@ __global__ void adamw_step_fp32_master_kernel(float* __restrict__ param, const f
   }
 }
 
+// Note [Multi-tensor AdamW]: adamw_step_multi updates many parameters per launch, as Megatron's
+// multi_tensor_apply does: block b updates chunk b (kMultiChunk elements) of one of the launch's
+// tensors, named in the kernel's argument block (a __grid_constant__ struct, read in place). A
+// model with a few hundred parameters takes tens of launches instead of one per parameter (the
+// small ones — norms, biases — were launches of a few microseconds each), with the same
+// arithmetic (adam_update), so the values are adamw_step's bit for bit.
+constexpr int kMultiMaxTensors = 96;
+constexpr int kMultiMaxChunks = 2048;
+constexpr int64_t kMultiChunk = 65536;
+
+template <typename M>
+struct MultiAdamArgs {
+  float* param[kMultiMaxTensors];
+  const float* grad[kMultiMaxTensors];
+  float* exp_avg[kMultiMaxTensors];
+  float* exp_avg_sq[kMultiMaxTensors];
+  M* model[kMultiMaxTensors];  // null: no copy-back
+  int64_t n[kMultiMaxTensors];
+  float lr_wd[kMultiMaxTensors];
+  uint8_t tensor[kMultiMaxChunks];
+  int32_t chunk[kMultiMaxChunks];
+};
+static_assert(sizeof(MultiAdamArgs<float>) < 32000, "kernel arguments are limited to 32 KB");
+
+template <typename M, bool kVec>
+__global__ void adamw_multi_kernel(const __grid_constant__ MultiAdamArgs<M> a, AdamConsts c) {
+  const int t = a.tensor[blockIdx.x];
+  const int64_t start = int64_t(a.chunk[blockIdx.x]) * kMultiChunk;
+  const int64_t end = min(start + kMultiChunk, a.n[t]);
+  c.lr_wd = a.lr_wd[t];
+  float* __restrict__ param = a.param[t];
+  const float* __restrict__ grad = a.grad[t];
+  float* __restrict__ exp_avg = a.exp_avg[t];
+  float* __restrict__ exp_avg_sq = a.exp_avg_sq[t];
+  M* model = a.model[t];
+  int64_t done = start;
+  if constexpr (kVec) {  // start is a multiple of 4 (kMultiChunk is)
+    const int64_t end4 = start + (end - start) / 4 * 4;
+    for (int64_t i = start / 4 + threadIdx.x; i < end4 / 4; i += blockDim.x) {
+      float4 p = reinterpret_cast<float4*>(param)[i];
+      const float4 g = reinterpret_cast<const float4*>(grad)[i];
+      float4 m = reinterpret_cast<float4*>(exp_avg)[i];
+      float4 v = reinterpret_cast<float4*>(exp_avg_sq)[i];
+      adam_update(p.x, g.x, m.x, v.x, c);
+      adam_update(p.y, g.y, m.y, v.y, c);
+      adam_update(p.z, g.z, m.z, v.z, c);
+      adam_update(p.w, g.w, m.w, v.w, c);
+      reinterpret_cast<float4*>(param)[i] = p;
+      reinterpret_cast<float4*>(exp_avg)[i] = m;
+      reinterpret_cast<float4*>(exp_avg_sq)[i] = v;
+      if (model != nullptr) {
+        Vec<M, 4> out;
+        out.v[0] = store_float<M>(p.x);
+        out.v[1] = store_float<M>(p.y);
+        out.v[2] = store_float<M>(p.z);
+        out.v[3] = store_float<M>(p.w);
+        reinterpret_cast<Vec<M, 4>*>(model)[i] = out;
+      }
+    }
+    done = end4;
+  }
+  for (int64_t i = done + threadIdx.x; i < end; i += blockDim.x) {
+    float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
+    adam_update(p, grad[i], m, v, c);
+    param[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    if (model != nullptr) model[i] = store_float<M>(p);
+  }
+}
+
 // ---- grad_stats --------------------------------------------------------------------------------
 
 struct StatsPartial {
@@ -191,6 +262,24 @@ __global__ void scale_kernel(T* x, int64_t n, float s) {
   for (int64_t i = done + tid; i < n; i += stride) x[i] = store_float<T>(__fmul_rn(load_float(x[i]), s));
 }
 
+// The same host arithmetic as the CPU reference, so the constants are identical.
+AdamConsts adam_consts(const AdamHyperParams& hp) {
+  const double bc1 = hp.bias_correction ? 1.0 - std::pow(double(hp.beta1), double(hp.step)) : 1.0;
+  const double bc2 = hp.bias_correction ? 1.0 - std::pow(double(hp.beta2), double(hp.step)) : 1.0;
+  AdamConsts c;
+  c.b1 = hp.beta1;
+  c.b2 = hp.beta2;
+  c.one_minus_b1 = 1.0f - hp.beta1;
+  c.one_minus_b2 = 1.0f - hp.beta2;
+  c.lr = hp.lr;
+  c.lr_wd = hp.lr * hp.weight_decay;
+  c.eps = hp.eps;
+  c.inv_bc1 = float(1.0 / bc1);
+  c.inv_bc2 = float(1.0 / bc2);
+  c.grad_scale = hp.grad_scale;
+  return c;
+}
+
 }  // namespace
 
 void adamw_step(Context& ctx, Tensor& main_param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
@@ -209,20 +298,7 @@ void adamw_step(Context& ctx, Tensor& main_param, const Tensor& grad, Tensor& ex
   MG_ASSERT(hp.step >= 1, "adamw_step: step is {}, it counts from 1", hp.step);
   if (n == 0) return;
 
-  // The same host arithmetic as the CPU reference, so the constants are identical.
-  const double bc1 = hp.bias_correction ? 1.0 - std::pow(double(hp.beta1), double(hp.step)) : 1.0;
-  const double bc2 = hp.bias_correction ? 1.0 - std::pow(double(hp.beta2), double(hp.step)) : 1.0;
-  AdamConsts c;
-  c.b1 = hp.beta1;
-  c.b2 = hp.beta2;
-  c.one_minus_b1 = 1.0f - hp.beta1;
-  c.one_minus_b2 = 1.0f - hp.beta2;
-  c.lr = hp.lr;
-  c.lr_wd = hp.lr * hp.weight_decay;
-  c.eps = hp.eps;
-  c.inv_bc1 = float(1.0 / bc1);
-  c.inv_bc2 = float(1.0 / bc2);
-  c.grad_scale = hp.grad_scale;
+  const AdamConsts c = adam_consts(hp);
 
   const DType model_dtype = copy_back ? model_param.dtype() : DType::Float32;
   dispatch_float(model_dtype, [&]<typename M>() {
@@ -242,6 +318,89 @@ void adamw_step(Context& ctx, Tensor& main_param, const Tensor& grad, Tensor& ex
     }
   });
   CUDA_CHECK_LAUNCH();
+}
+
+void adamw_step_multi(Context& ctx, std::vector<AdamTensors>& params, const AdamHyperParams& hp) {
+  MG_ASSERT(hp.step >= 1, "adamw_step_multi: step is {}, it counts from 1", hp.step);
+  // The copy-back dtype of the launches: the first model parameter's; an entry with another one
+  // (none in a model: every parameter has the model's dtype) takes adamw_step on its own.
+  DType model_dtype = DType::Float32;
+  auto copies_back = [](const AdamTensors& t) {
+    return t.model_param.defined() && t.model_param.raw_data() != t.main_param.raw_data();
+  };
+  for (const AdamTensors& t : params) {
+    if (copies_back(t)) {
+      model_dtype = t.model_param.dtype();
+      break;
+    }
+  }
+  std::vector<const AdamTensors*> groups[2];  // [0]: every pointer 16-byte aligned, [1]: not
+  for (AdamTensors& t : params) {
+    const int64_t n = t.main_param.numel();
+    check_fp32(t.main_param, n, "main_param");
+    check_fp32(t.grad, n, "grad");
+    check_fp32(t.exp_avg, n, "exp_avg");
+    check_fp32(t.exp_avg_sq, n, "exp_avg_sq");
+    if (t.model_param.defined()) {
+      check_cuda(t.model_param, "model_param");
+      MG_ASSERT(t.model_param.numel() == n, "model_param is {}, expected {} elements", t.model_param.str(), n);
+    }
+    if (n == 0) continue;
+    if (copies_back(t) && t.model_param.dtype() != model_dtype) {
+      AdamHyperParams h = hp;
+      h.weight_decay = t.weight_decay;
+      adamw_step(ctx, t.main_param, t.grad, t.exp_avg, t.exp_avg_sq, h, t.model_param);
+      continue;
+    }
+    const size_t model_align = 4 * size_of(model_dtype);
+    const bool vec = aligned(t.main_param.raw_data(), 16) && aligned(t.grad.raw_data(), 16) &&
+                     aligned(t.exp_avg.raw_data(), 16) && aligned(t.exp_avg_sq.raw_data(), 16) &&
+                     (!copies_back(t) || aligned(t.model_param.raw_data(), model_align));
+    groups[vec ? 0 : 1].push_back(&t);
+  }
+  const AdamConsts c = adam_consts(hp);
+  dispatch_float(model_dtype, [&]<typename M>() {
+    for (int g = 0; g < 2; ++g) {
+      MultiAdamArgs<M> args{};
+      int nt = 0, nc = 0;
+      auto launch = [&] {
+        if (nc > 0) {
+          if (g == 0) {
+            adamw_multi_kernel<M, true><<<unsigned(nc), kBlockSize, 0, stream_of(ctx)>>>(args, c);
+          } else {
+            adamw_multi_kernel<M, false><<<unsigned(nc), kBlockSize, 0, stream_of(ctx)>>>(args, c);
+          }
+          CUDA_CHECK_LAUNCH();
+        }
+        nt = nc = 0;
+      };
+      auto set_tensor = [&](int i, const AdamTensors& t) {
+        args.param[i] = dev_ptr<float>(t.main_param);
+        args.grad[i] = dev_ptr<const float>(t.grad);
+        args.exp_avg[i] = dev_ptr<float>(t.exp_avg);
+        args.exp_avg_sq[i] = dev_ptr<float>(t.exp_avg_sq);
+        args.model[i] = copies_back(t) ? dev_ptr<M>(t.model_param) : nullptr;
+        args.n[i] = t.main_param.numel();
+        args.lr_wd[i] = hp.lr * t.weight_decay;
+      };
+      for (const AdamTensors* t : groups[g]) {
+        if (nt == kMultiMaxTensors) launch();
+        set_tensor(nt, *t);
+        const int64_t chunks = (t->main_param.numel() + kMultiChunk - 1) / kMultiChunk;
+        for (int64_t k = 0; k < chunks; ++k) {
+          if (nc == kMultiMaxChunks) {  // a full launch; this tensor goes on at slot 0 of the next
+            launch();
+            set_tensor(0, *t);
+          }
+          args.tensor[nc] = uint8_t(nt);
+          args.chunk[nc] = int32_t(k);
+          ++nc;
+        }
+        ++nt;
+      }
+      launch();
+    }
+  });
 }
 
 GradStats grad_stats(Context& ctx, const Tensor& grad) {
