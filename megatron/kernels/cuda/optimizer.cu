@@ -51,17 +51,18 @@ __device__ __forceinline__ void adam_update(float& p, float grad, float& m, floa
   p = __fsub_rn(decayed, __fmul_rn(c.lr, update));
 }
 
-// model may be null (no copy-back). kVec: every pointer is aligned for 4-element accesses.
+// Updates elements [begin, end) of one tensor as thread `first` of `stride` threads; model may be
+// null (no copy-back). kVec: begin is a multiple of 4 and every pointer is aligned for 4-element
+// accesses (float4 up to the last multiple of 4, then one element at a time).
 template <typename M, bool kVec>
-__global__ void adamw_step_fp32_master_kernel(float* __restrict__ param, const float* __restrict__ grad,
-                                              float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, M* model,
-                                              int64_t n, AdamConsts c) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  int64_t done = 0;
+__device__ __forceinline__ void adam_range(float* __restrict__ param, const float* __restrict__ grad,
+                                           float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, M* model,
+                                           int64_t begin, int64_t end, int64_t first, int64_t stride,
+                                           const AdamConsts& c) {
+  int64_t done = begin;
   if constexpr (kVec) {
-    const int64_t n4 = n / 4;
-    for (int64_t i = tid; i < n4; i += stride) {
+    const int64_t end4 = begin + (end - begin) / 4 * 4;
+    for (int64_t i = begin / 4 + first; i < end4 / 4; i += stride) {
       float4 p = reinterpret_cast<float4*>(param)[i];
       const float4 g = reinterpret_cast<const float4*>(grad)[i];
       float4 m = reinterpret_cast<float4*>(exp_avg)[i];
@@ -82,9 +83,9 @@ __global__ void adamw_step_fp32_master_kernel(float* __restrict__ param, const f
         reinterpret_cast<Vec<M, 4>*>(model)[i] = out;
       }
     }
-    done = n4 * 4;
+    done = end4;
   }
-  for (int64_t i = done + tid; i < n; i += stride) {
+  for (int64_t i = done + first; i < end; i += stride) {
     float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
     adam_update(p, grad[i], m, v, c);
     param[i] = p;
@@ -92,6 +93,13 @@ __global__ void adamw_step_fp32_master_kernel(float* __restrict__ param, const f
     exp_avg_sq[i] = v;
     if (model != nullptr) model[i] = store_float<M>(p);
   }
+}
+
+template <typename M, bool kVec>
+__global__ void adamw_step_fp32_master_kernel(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                                              M* model, int64_t n, AdamConsts c) {
+  adam_range<M, kVec>(param, grad, exp_avg, exp_avg_sq, model, 0, n, blockIdx.x * int64_t(blockDim.x) + threadIdx.x,
+                      int64_t(gridDim.x) * blockDim.x, c);
 }
 
 // Note [Multi-tensor AdamW]: adamw_step_multi updates many parameters per launch, as Megatron's
@@ -121,48 +129,10 @@ static_assert(sizeof(MultiAdamArgs<float>) < 32000, "kernel arguments are limite
 template <typename M, bool kVec>
 __global__ void adamw_multi_kernel(const __grid_constant__ MultiAdamArgs<M> a, AdamConsts c) {
   const int t = a.tensor[blockIdx.x];
-  const int64_t start = int64_t(a.chunk[blockIdx.x]) * kMultiChunk;
-  const int64_t end = min(start + kMultiChunk, a.n[t]);
+  const int64_t start = int64_t(a.chunk[blockIdx.x]) * kMultiChunk;  // a multiple of 4
   c.lr_wd = a.lr_wd[t];
-  float* __restrict__ param = a.param[t];
-  const float* __restrict__ grad = a.grad[t];
-  float* __restrict__ exp_avg = a.exp_avg[t];
-  float* __restrict__ exp_avg_sq = a.exp_avg_sq[t];
-  M* model = a.model[t];
-  int64_t done = start;
-  if constexpr (kVec) {  // start is a multiple of 4 (kMultiChunk is)
-    const int64_t end4 = start + (end - start) / 4 * 4;
-    for (int64_t i = start / 4 + threadIdx.x; i < end4 / 4; i += blockDim.x) {
-      float4 p = reinterpret_cast<float4*>(param)[i];
-      const float4 g = reinterpret_cast<const float4*>(grad)[i];
-      float4 m = reinterpret_cast<float4*>(exp_avg)[i];
-      float4 v = reinterpret_cast<float4*>(exp_avg_sq)[i];
-      adam_update(p.x, g.x, m.x, v.x, c);
-      adam_update(p.y, g.y, m.y, v.y, c);
-      adam_update(p.z, g.z, m.z, v.z, c);
-      adam_update(p.w, g.w, m.w, v.w, c);
-      reinterpret_cast<float4*>(param)[i] = p;
-      reinterpret_cast<float4*>(exp_avg)[i] = m;
-      reinterpret_cast<float4*>(exp_avg_sq)[i] = v;
-      if (model != nullptr) {
-        Vec<M, 4> out;
-        out.v[0] = store_float<M>(p.x);
-        out.v[1] = store_float<M>(p.y);
-        out.v[2] = store_float<M>(p.z);
-        out.v[3] = store_float<M>(p.w);
-        reinterpret_cast<Vec<M, 4>*>(model)[i] = out;
-      }
-    }
-    done = end4;
-  }
-  for (int64_t i = done + threadIdx.x; i < end; i += blockDim.x) {
-    float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
-    adam_update(p, grad[i], m, v, c);
-    param[i] = p;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    if (model != nullptr) model[i] = store_float<M>(p);
-  }
+  adam_range<M, kVec>(a.param[t], a.grad[t], a.exp_avg[t], a.exp_avg_sq[t], a.model[t], start,
+                      min(start + kMultiChunk, a.n[t]), threadIdx.x, blockDim.x, c);
 }
 
 // ---- grad_stats --------------------------------------------------------------------------------
