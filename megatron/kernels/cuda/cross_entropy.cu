@@ -130,21 +130,6 @@ __global__ void masked_loss_backward_kernel(const M* __restrict__ mask, float sc
 }
 
 
-int row_threads(int64_t packs) {
-  return int(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, kMaxRowThreads));
-}
-
-void check_cuda(const Tensor& t, const char* name) {
-  MG_ASSERT(t.defined() && t.device().is_cuda(), "{} must be a CUDA tensor, got {}", name,
-            t.defined() ? t.str() : "undefined");
-}
-
-void check_fp32(const Tensor& t, int64_t numel, const char* name) {
-  check_cuda(t, name);
-  MG_ASSERT(t.dtype() == DType::Float32 && t.numel() == numel, "{} is {}, expected fp32 with {} elements", name,
-            t.str(), numel);
-}
-
 struct Rows {
   int64_t n = 0, v = 0;
   Labels labels;
@@ -189,10 +174,10 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& lab
   dispatch_float(logits.dtype(), [&]<typename T>() {
     constexpr int kVec = 16 / sizeof(T);
     if (r.v % kVec == 0 && aligned16(logits.raw_data())) {
-      cross_entropy_forward_kernel<T, kVec><<<unsigned(r.n), row_threads(r.v / kVec), 0, stream>>>(
+      cross_entropy_forward_kernel<T, kVec><<<unsigned(r.n), row_threads(r.v / kVec, kMaxRowThreads), 0, stream>>>(
           dev_ptr<T>(logits), r.labels, r.v, dev_ptr<float>(losses), lse_out, bad_row);
     } else {
-      cross_entropy_forward_kernel<T, 1><<<unsigned(r.n), row_threads(r.v), 0, stream>>>(
+      cross_entropy_forward_kernel<T, 1><<<unsigned(r.n), row_threads(r.v, kMaxRowThreads), 0, stream>>>(
           dev_ptr<T>(logits), r.labels, r.v, dev_ptr<float>(losses), lse_out, bad_row);
     }
   });

@@ -4,6 +4,7 @@
 // Context's stream as a cudaStream_t.
 #pragma once
 
+#include <algorithm>
 #include <climits>
 
 #include <cublasLt.h>
@@ -116,6 +117,28 @@ inline T* dev_ptr(const Tensor& t) {
 }
 
 inline cudaStream_t stream_of(const Context& ctx) { return static_cast<cudaStream_t>(ctx.stream()); }
+
+// ---- argument checks of the ops (MG_ASSERT: ops.cpp and the model checked the user's input) ----
+inline void check_cuda(const Tensor& t, const char* name) {
+  MG_ASSERT(t.defined(), "{} is undefined", name);
+  MG_ASSERT(t.device().is_cuda(), "{} must be on a CUDA device, got {}", name, t.str());
+}
+
+inline void check_float_cuda(const Tensor& t, const char* name) {
+  check_cuda(t, name);
+  MG_ASSERT(is_floating(t.dtype()), "{} must be a float tensor, got {}", name, t.str());
+}
+
+inline void check_fp32(const Tensor& t, int64_t numel, const char* name) {
+  check_cuda(t, name);
+  MG_ASSERT(t.dtype() == DType::Float32 && t.numel() == numel, "{} is {}, expected fp32 with {} elements", name,
+            t.str(), numel);
+}
+
+// Threads of a one-block-per-row kernel over `packs` packs: whole warps, 32 to max_threads.
+inline int row_threads(int64_t packs, int max_threads) {
+  return int(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, max_threads));
+}
 
 inline constexpr int kBlockSize = 256;
 

@@ -139,11 +139,6 @@ void pointwise(const Context& ctx, const Tensor& a, const Tensor& b, Tensor& out
   CUDA_CHECK_LAUNCH();
 }
 
-void check_float_cuda(const Tensor& t, const char* name) {
-  MG_ASSERT(t.defined() && t.device().is_cuda() && is_floating(t.dtype()),
-            "{} must be a floating CUDA tensor, got {}", name, t.defined() ? t.str() : "undefined");
-}
-
 // `t` has the numel and dtype of `like`.
 void check_like(const Tensor& t, const Tensor& like, const char* name) {
   check_float_cuda(t, name);

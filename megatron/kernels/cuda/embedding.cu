@@ -110,11 +110,6 @@ void sorted_scatter_add(Context& ctx, const Ids& ids, int64_t b, int64_t s, cons
   CUDA_CHECK_LAUNCH();
 }
 
-void check_cuda(const Tensor& t, const char* name) {
-  MG_ASSERT(t.defined() && t.device().is_cuda(), "{} must be a CUDA tensor, got {}", name,
-            t.defined() ? t.str() : "undefined");
-}
-
 // Checks an id tensor [b, s] (int32/int64) against tokens' shape; `rows` is its table's size.
 Ids make_ids(const Tensor& ids, const Tensor& tokens, int64_t rows, const char* what) {
   check_cuda(ids, what);
@@ -163,10 +158,6 @@ void raise_bad_ids(const Context& ctx, const Tensor& bad, const Tensor& tokens, 
   }
 }
 
-int row_threads(int64_t packs) {
-  return int(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, kMaxRowThreads));
-}
-
 }  // namespace
 
 void embedding_forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& word_weight,
@@ -199,10 +190,10 @@ void embedding_forward(Context& ctx, const Tensor& tokens, const Tensor& positio
                      (!pos || aligned16(pos));
     auto* bad_ptr = static_cast<unsigned long long*>(bad.raw_data());
     if (vec) {
-      embedding_forward_kernel<T, kVec><<<unsigned(b * s), row_threads(h / kVec), 0, stream>>>(
+      embedding_forward_kernel<T, kVec><<<unsigned(b * s), row_threads(h / kVec, kMaxRowThreads), 0, stream>>>(
           words, positions, dev_ptr<T>(word_weight), pos, b, s, h, dev_ptr<T>(out), bad_ptr);
     } else {
-      embedding_forward_kernel<T, 1><<<unsigned(b * s), row_threads(h), 0, stream>>>(
+      embedding_forward_kernel<T, 1><<<unsigned(b * s), row_threads(h, kMaxRowThreads), 0, stream>>>(
           words, positions, dev_ptr<T>(word_weight), pos, b, s, h, dev_ptr<T>(out), bad_ptr);
     }
   });

@@ -116,11 +116,6 @@ void launch_copy_rows(Context& ctx, int64_t rows, int64_t units, const Map& map)
   CUDA_CHECK_LAUNCH();
 }
 
-void check_cuda(const Tensor& t, const char* name) {
-  MG_ASSERT(t.defined(), "{} is undefined", name);
-  MG_ASSERT(t.device().is_cuda(), "{} must be on a CUDA device, got {}", name, t.str());
-}
-
 void check_qkv_shapes(const Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v) {
   check_cuda(qkv, "qkv");
   check_cuda(q, "q");

@@ -307,12 +307,6 @@ struct LinearDims {
   int64_t n = 0, in = 0, out = 0;
 };
 
-void check_cuda_float(const Tensor& t, const char* name) {
-  MG_ASSERT(t.defined(), "{} is undefined", name);
-  MG_ASSERT(t.device().is_cuda(), "{} must be on a CUDA device, got {}", name, t.str());
-  MG_ASSERT(is_floating(t.dtype()), "{} must be a float tensor, got {}", name, t.str());
-}
-
 int64_t rows_of(const Tensor& t, int64_t h, const char* name) {
   MG_ASSERT(t.dim() >= 1 && t.size(-1) == h, "{} is {}, expected a last dimension of {}", name, t.str(), h);
   int64_t rows = 1;
@@ -321,9 +315,9 @@ int64_t rows_of(const Tensor& t, int64_t h, const char* name) {
 }
 
 LinearDims linear_dims(const Tensor& x, const Tensor& weight) {
-  check_cuda_float(weight, "weight");
+  check_float_cuda(weight, "weight");
   MG_ASSERT(weight.dim() == 2, "weight must be [out, in], got {}", weight.str());
-  check_cuda_float(x, "x");
+  check_float_cuda(x, "x");
   LinearDims d;
   d.out = weight.size(0);
   d.in = weight.size(1);
@@ -380,13 +374,13 @@ Gemm grad_in_gemm(const LinearDims& d, const Tensor& grad_out, const Tensor& wei
 
 void linear_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y) {
   const LinearDims d = linear_dims(x, weight);
-  check_cuda_float(y, "y");
+  check_float_cuda(y, "y");
   MG_ASSERT(rows_of(y, d.out, "y") == d.n, "y is {}, expected {} rows of {}", y.str(), d.n, d.out);
   MG_CHECK(x.dtype() == weight.dtype(), "linear on CUDA: x is {} but weight is {} (they must match)",
            to_string(x.dtype()), to_string(weight.dtype()));
   check_output_type(x.dtype(), y, "y");
   if (bias.defined()) {
-    check_cuda_float(bias, "bias");
+    check_float_cuda(bias, "bias");
     MG_ASSERT(bias.numel() == d.out, "bias is {}, expected {} elements", bias.str(), d.out);
   }
   if (d.n == 0 || d.out == 0) return;
@@ -410,11 +404,11 @@ void linear_forward(Context& ctx, const Tensor& x, const Tensor& weight, const T
 void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight, Tensor& grad_in,
                      Tensor& weight_grad, Tensor& bias_grad) {
   const LinearDims d = linear_dims(x, weight);
-  check_cuda_float(grad_out, "grad_out");
+  check_float_cuda(grad_out, "grad_out");
   MG_ASSERT(rows_of(grad_out, d.out, "grad_out") == d.n, "grad_out is {}, expected {} rows of {}", grad_out.str(),
             d.n, d.out);
   if (grad_in.defined()) {
-    check_cuda_float(grad_in, "grad_in");
+    check_float_cuda(grad_in, "grad_in");
     MG_ASSERT(grad_in.numel() == d.n * d.in, "grad_in is {}, expected {} elements", grad_in.str(), d.n * d.in);
     if (d.out == 0) {
       CUDA_CHECK(cudaMemsetAsync(grad_in.raw_data(), 0, grad_in.nbytes(), stream_of(ctx)));
@@ -426,7 +420,7 @@ void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, cons
     }
   }
   if (weight_grad.defined()) {
-    check_cuda_float(weight_grad, "weight_grad");
+    check_float_cuda(weight_grad, "weight_grad");
     MG_ASSERT(weight_grad.dtype() == DType::Float32, "weight_grad must be fp32, got {}", weight_grad.str());
     MG_ASSERT(weight_grad.numel() == d.out * d.in, "weight_grad is {}, expected {} elements", weight_grad.str(),
               d.out * d.in);
@@ -453,7 +447,7 @@ void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, cons
     }
   }
   if (bias_grad.defined()) {
-    check_cuda_float(bias_grad, "bias_grad");
+    check_float_cuda(bias_grad, "bias_grad");
     MG_ASSERT(bias_grad.dtype() == DType::Float32, "bias_grad must be fp32, got {}", bias_grad.str());
     MG_ASSERT(bias_grad.numel() == d.out, "bias_grad is {}, expected {} elements", bias_grad.str(), d.out);
     if (d.n > 0 && d.out > 0) bias_grad_accumulate(ctx, grad_out, d.n, d.out, bias_grad);
@@ -473,8 +467,8 @@ static bool gelu_epilogue_applies(DType dt, int64_t ld, std::initializer_list<co
 void linear_gelu_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& pre,
                          Tensor& out) {
   const LinearDims d = linear_dims(x, weight);
-  check_cuda_float(pre, "pre");
-  check_cuda_float(out, "out");
+  check_float_cuda(pre, "pre");
+  check_float_cuda(out, "out");
   MG_ASSERT(rows_of(pre, d.out, "pre") == d.n && rows_of(out, d.out, "out") == d.n,
             "pre is {} and out is {}, expected {} rows of {}", pre.str(), out.str(), d.n, d.out);
   bool fused = d.n > 0 && d.in > 0 && d.out > 0 && x.dtype() == weight.dtype() &&
@@ -496,8 +490,8 @@ void linear_gelu_forward(Context& ctx, const Tensor& x, const Tensor& weight, co
 void linear_dgelu_backward(Context& ctx, const Tensor& grad_out, const Tensor& weight, const Tensor& pre,
                            Tensor& grad_pre) {
   const LinearDims d = linear_dims(pre, weight);  // pre [N, in] is the linear's input
-  check_cuda_float(grad_out, "grad_out");
-  check_cuda_float(grad_pre, "grad_pre");
+  check_float_cuda(grad_out, "grad_out");
+  check_float_cuda(grad_pre, "grad_pre");
   MG_ASSERT(rows_of(grad_out, d.out, "grad_out") == d.n && rows_of(grad_pre, d.in, "grad_pre") == d.n,
             "grad_out is {} and grad_pre is {}, expected {} rows of {} and of {}", grad_out.str(), grad_pre.str(), d.n,
             d.out, d.in);

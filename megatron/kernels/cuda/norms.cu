@@ -362,28 +362,11 @@ __global__ void __launch_bounds__(kFinalRows * 32)
   if (grad_b) grad_b[c] += tb;
 }
 
-void check_float_cuda(const Tensor& t, const char* name) {
-  MG_ASSERT(t.defined() && t.device().is_cuda(), "{} must be a CUDA tensor, got {}", name,
-            t.defined() ? t.str() : "undefined");
-  MG_ASSERT(is_floating(t.dtype()), "{} is {}, expected a floating dtype", name, t.str());
-}
-
-void check_fp32_cuda(const Tensor& t, int64_t numel, const char* name) {
-  check_float_cuda(t, name);
-  MG_ASSERT(t.dtype() == DType::Float32 && t.numel() == numel, "{} is {}, expected fp32 with {} elements", name,
-            t.str(), numel);
-}
-
 // Rows of x viewed as [N, h]; checks `other` (same shape and dtype as x) when defined.
 void check_like(const Tensor& x, const Tensor& other, const char* name) {
   check_float_cuda(other, name);
   MG_ASSERT(other.numel() == x.numel() && other.dtype() == x.dtype(), "{} is {}, expected the shape and dtype of {}",
             name, other.str(), x.str());
-}
-
-int row_threads(int64_t packs) {
-  const int64_t t = (packs + 31) / 32 * 32;
-  return int(std::clamp<int64_t>(t, 32, kMaxRowThreads));
 }
 
 // γ (+ 1 under zero_centered_gamma) into out[0, h) and, when out_beta is non-null, β (zeros if bias is
@@ -421,12 +404,12 @@ void norm_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Ten
   check_like(x, out, "out");
   float* mean_out = nullptr;
   if (mean && mean->defined()) {
-    check_fp32_cuda(*mean, n, "mean");
+    check_fp32(*mean, n, "mean");
     mean_out = dev_ptr<float>(*mean);
   }
   float* rstd_out = nullptr;
   if (rstd.defined()) {
-    check_fp32_cuda(rstd, n, "rstd");
+    check_fp32(rstd, n, "rstd");
     rstd_out = dev_ptr<float>(rstd);
   }
   if (n == 0) return;
@@ -440,7 +423,7 @@ void norm_forward(Context& ctx, const Tensor& x, const Tensor& weight, const Ten
   dispatch_float(x.dtype(), [&]<typename T>() {
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = h % kVec == 0 && aligned16(x.raw_data()) && aligned16(out.raw_data());
-    const int threads = row_threads(vec ? h / kVec : h);
+    const int threads = row_threads(vec ? h / kVec : h, kMaxRowThreads);
     auto launch = [&]<int VEC, bool C>() {
       norm_forward_kernel<T, VEC, C><<<unsigned(n), threads, 0, stream>>>(dev_ptr<T>(x), gamma, beta, h, eps,
                                                                           dev_ptr<T>(out), mean_out, rstd_out);
@@ -463,15 +446,15 @@ void norm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const 
   const int64_t h = x.size(-1), n = h == 0 ? 0 : x.numel() / h;
   const bool centered = mean != nullptr;
   check_like(x, grad_out, "grad_out");
-  check_fp32_cuda(rstd, n, "rstd");
+  check_fp32(rstd, n, "rstd");
   const float* mean_in = nullptr;
   if (centered) {
-    check_fp32_cuda(*mean, n, "mean");
+    check_fp32(*mean, n, "mean");
     mean_in = dev_ptr<float>(*mean);
   }
   if (grad_in.defined()) check_like(x, grad_in, "grad_in");
-  if (weight_grad.defined()) check_fp32_cuda(weight_grad, h, "weight_grad");
-  if (bias_grad.defined()) check_fp32_cuda(bias_grad, h, "bias_grad");
+  if (weight_grad.defined()) check_fp32(weight_grad, h, "weight_grad");
+  if (bias_grad.defined()) check_fp32(bias_grad, h, "bias_grad");
   if (n == 0 || (!grad_in.defined() && !weight_grad.defined() && !bias_grad.defined())) return;
   cudaStream_t stream = stream_of(ctx);
   int sms = 0;
@@ -540,7 +523,7 @@ void norm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const 
         constexpr int kVec = 16 / sizeof(T);
         const bool vec =
             h % kVec == 0 && aligned16(x.raw_data()) && aligned16(grad_out.raw_data()) && aligned16(grad_in.raw_data());
-        const int threads = row_threads(vec ? h / kVec : h);
+        const int threads = row_threads(vec ? h / kVec : h, kMaxRowThreads);
         auto launch = [&]<int VEC, bool C>() {
           norm_backward_input_kernel<T, VEC, C><<<unsigned(n), threads, 0, stream>>>(
               dev_ptr<T>(grad_out), dev_ptr<T>(x), gamma, mean_in, dev_ptr<float>(rstd), h, dev_ptr<T>(grad_in));

@@ -24,17 +24,6 @@ struct alignas(sizeof(T) * N) Vec {
 
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-void check_cuda(const Tensor& t, const char* name) {
-  MG_ASSERT(t.defined(), "{} is undefined", name);
-  MG_ASSERT(t.device().is_cuda(), "{} must be on a CUDA device, got {}", name, t.str());
-}
-
-void check_fp32(const Tensor& t, int64_t n, const char* name) {
-  check_cuda(t, name);
-  MG_ASSERT(t.dtype() == DType::Float32, "{} must be fp32, got {}", name, t.str());
-  MG_ASSERT(t.numel() == n, "{} is {}, expected {} elements", name, t.str(), n);
-}
-
 // ---- AdamW -------------------------------------------------------------------------------------
 
 struct AdamConsts {

@@ -174,21 +174,6 @@ __global__ void vocab_parallel_cross_entropy_backward_kernel(const float* __rest
 
 // ---- host helpers ---------------------------------------------------------------------------------
 
-int row_threads(int64_t packs, int max_threads) {
-  return int(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, max_threads));
-}
-
-void check_cuda(const Tensor& t, const char* name) {
-  MG_ASSERT(t.defined() && t.device().is_cuda(), "{} must be a CUDA tensor, got {}", name,
-            t.defined() ? t.str() : "undefined");
-}
-
-void check_fp32(const Tensor& t, int64_t numel, const char* name) {
-  check_cuda(t, name);
-  MG_ASSERT(t.dtype() == DType::Float32 && t.numel() == numel, "{} is {}, expected fp32 with {} elements", name,
-            t.str(), numel);
-}
-
 Indices make_indices(const Tensor& t, const char* name) {
   check_cuda(t, name);
   MG_ASSERT(t.dtype() == DType::Int32 || t.dtype() == DType::Int64, "{} must be int32/int64, got {}", name, t.str());
