@@ -4,11 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S . -B build-gpu -G Ninja -DMEGATRON_CUDA=ON -DMEGATRON_CUDA_OPS=ON >/dev/null
-ninja -C build-gpu gpu_tests golden_tests pretrain_gpt bench_gpt_throughput bench_op_timing bench_comm_bandwidth text_generation_server generate \
+ninja -C build-gpu gpu_tests golden_tests pretrain_gpt bench_gpt_throughput bench_op_timing bench_comm_bandwidth bench_gemm_algos text_generation_server generate \
   convert_checkpoint
 mkdir -p .device/bin
 cp build-gpu/tests/gpu_tests build-gpu/tests/golden_tests build-gpu/bin/pretrain_gpt build-gpu/bench/gpt_throughput \
-   build-gpu/bench/op_timing build-gpu/bench/comm_bandwidth \
+   build-gpu/bench/op_timing build-gpu/bench/comm_bandwidth build-gpu/bench/gemm_algos \
    build-gpu/bin/text_generation_server build-gpu/bin/generate build-gpu/bin/convert_checkpoint .device/bin/
 # Debian's libsentencepiece travels with the binaries: the C++ class layout of another version's
 # library (e.g. Ubuntu's) differs from the headers we built against.
