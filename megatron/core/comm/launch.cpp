@@ -57,8 +57,9 @@ int exit_status(int wstatus) {
   return 1;
 }
 
-// The launcher's workers, for the signal handler: a SIGTERM/SIGINT/SIGHUP to the launcher alone (a
-// scheduler's kill, a `kill PID`) goes on to every worker, which would otherwise keep its GPU.
+// The launcher's workers (-1 once reaped), also read by the signal handler: a SIGTERM/SIGINT/SIGHUP
+// to the launcher alone (a scheduler's kill, a `kill PID`) goes on to every worker, which would
+// otherwise keep its GPU.
 constexpr int kMaxWorkers = 1024;
 volatile sig_atomic_t g_worker_count = 0;
 pid_t g_workers[kMaxWorkers];
@@ -201,19 +202,14 @@ int launch_local_workers(int argc, char** argv, int nproc, bool cpu) {
     }
   }
   int port = cpu ? 0 : free_port();
-  std::vector<pid_t> children;
-  auto kill_all = [&](int sig) {
-    for (pid_t c : children) {
-      if (c > 0) ::kill(c, sig);
-    }
-  };
+  g_worker_count = 0;
   for (size_t r = 0; r < commands.size(); ++r) {
     std::vector<char*> cargv;
     for (auto& s : commands[r]) cargv.push_back(s.data());
     cargv.push_back(nullptr);
     pid_t pid = ::fork();
     if (pid < 0) {
-      kill_all(SIGKILL);
+      forward_signal(SIGKILL);
       MG_CHECK(false, "--nproc-per-node: fork failed: {}", std::strerror(errno));
     }
     if (pid == 0) {  // the worker: torchrun's environment, then this program again
@@ -230,7 +226,6 @@ int launch_local_workers(int argc, char** argv, int nproc, bool cpu) {
                    cpu ? " (CPU runs need OpenMPI's mpirun: apt-get install openmpi-bin)" : "");
       ::_exit(127);
     }
-    children.push_back(pid);
     g_workers[g_worker_count] = pid;
     g_worker_count = g_worker_count + 1;
   }
@@ -242,29 +237,29 @@ int launch_local_workers(int argc, char** argv, int nproc, bool cpu) {
   }
   // The first failure ends the others (torchrun's behaviour): SIGTERM, then SIGKILL after 5 s.
   int result = 0;
-  size_t running = children.size();
+  int running = g_worker_count;
   std::chrono::steady_clock::time_point kill_at{};
   while (running > 0) {
     int wstatus = 0;
     pid_t pid = ::waitpid(-1, &wstatus, WNOHANG);
     if (pid < 0 && errno != EINTR) break;
-    auto it = std::find(children.begin(), children.end(), pid);
-    if (pid <= 0 || it == children.end()) {
-      if (result != 0 && std::chrono::steady_clock::now() > kill_at) kill_all(SIGKILL);
+    const pid_t* it = std::find(g_workers, g_workers + g_worker_count, pid);
+    if (pid <= 0 || it == g_workers + g_worker_count) {
+      if (result != 0 && std::chrono::steady_clock::now() > kill_at) forward_signal(SIGKILL);
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
     }
-    g_workers[it - children.begin()] = -1;
-    *it = -1;
+    const int worker = int(it - g_workers);
+    g_workers[worker] = -1;
     --running;
     int status = exit_status(wstatus);
     if (status != 0 && result == 0) {
       result = status;
       if (running > 0) {
-        std::fprintf(stderr, "--nproc-per-node: worker %zu exited with status %d; stopping the others\n",
-                     size_t(it - children.begin()), status);
+        std::fprintf(stderr, "--nproc-per-node: worker %d exited with status %d; stopping the others\n", worker,
+                     status);
       }
-      kill_all(SIGTERM);
+      forward_signal(SIGTERM);
       kill_at = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     }
   }
