@@ -16,6 +16,7 @@
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/kernels/ops.h"
+#include "megatron/runtime/cuda_graph.h"
 #include "megatron/runtime/profiler.h"
 #include "megatron/training/training.h"
 #include "megatron/training/training_log.h"
@@ -47,7 +48,7 @@ int main(int argc, char** argv) {
   try {
     std::string preset = "tiny", device = "auto", dtype = "bf16";
     int steps = 10, warmup = 3, vocab = 50257;
-    bool profile = false;
+    bool profile = false, cuda_graph = false;
     CLI::App app("GPT training-step throughput");
     app.add_option("--preset", preset, "Model shape")->capture_default_str();
     app.add_option("--steps", steps, "Timed steps")->capture_default_str();
@@ -58,7 +59,11 @@ int main(int argc, char** argv) {
         app.add_option("--vocab", vocab, "Vocabulary size (padded to 128; Llama presets default to their own)")
             ->capture_default_str();
     app.add_flag("--profile", profile, "After timing, one more step with per-op timing (CUDA events): JSON lines");
+    app.add_flag("--cuda-graph", cuda_graph,
+                 "Forward and backward as one CUDA graph, captured after the warmup steps (the optimizer eager)");
     CLI11_PARSE(app, argc, argv);
+    MG_CHECK(!(cuda_graph && profile), "--profile times ops one by one: drop --cuda-graph");
+    MG_CHECK(!cuda_graph || warmup >= 1, "--cuda-graph needs --warmup >= 1 (the eager steps build the plans)");
     auto it = kPresets.find(preset);
     MG_CHECK(it != kPresets.end(), "unknown preset '{}'", preset);
     const Preset& p = it->second;
@@ -116,22 +121,32 @@ int main(int argc, char** argv) {
     Tensor grad = Tensor::empty({int64_t(ids.size())}, DType::Float32, ctx.device());
 
     // One training step; `phase` (if given) is called after each of its phases: zero_grad,
-    // forward (with the loss gradient), backward, optimizer.
-    auto step = [&](const std::function<void()>& phase) {
+    // forward (with the loss gradient), backward, optimizer. With --cuda-graph the forward and
+    // backward passes are one graph, recorded at the first step after the warmup.
+    CudaGraph graph;
+    auto step = [&](const std::function<void()>& phase, bool use_graph) {
       auto mark = [&] {
         if (phase) phase();
       };
       model.params().zero_grad();
       mark();
-      GPTModel::Stash stash;
-      Tensor losses = model.forward(ctx, tokens, positions, targets, stash);
-      ops::masked_loss_backward(ctx, Tensor(), 1.0f / float(ids.size()), grad);
-      mark();
-      model.backward(ctx, grad.view(losses.shape()), stash);
+      auto forward_backward = [&] {
+        GPTModel::Stash stash;
+        Tensor losses = model.forward(ctx, tokens, positions, targets, stash);
+        ops::masked_loss_sums(ctx, losses.view({-1}), Tensor(), sums);
+        ops::masked_loss_backward(ctx, Tensor(), 1.0f / float(ids.size()), grad);
+        mark();
+        model.backward(ctx, grad.view(losses.shape()), stash);
+      };
+      if (use_graph) {
+        if (!graph.captured()) graph.capture(ctx, forward_backward);
+        graph.replay(ctx);
+      } else {
+        forward_backward();
+      }
       mark();
       optimizer.step(ctx);
       mark();
-      return losses;
     };
     auto now = [] { return std::chrono::steady_clock::now(); };
     auto ms_since = [&](auto t0) { return std::chrono::duration<double, std::milli>(now() - t0).count(); };
@@ -142,11 +157,10 @@ int main(int argc, char** argv) {
     for (int s = 0; s < warmup + steps; ++s) {
       ctx.synchronize();
       const auto t0 = now();
-      Tensor losses = step({});
+      step({}, cuda_graph && s >= warmup);
       ctx.synchronize();
       if (s >= warmup) times.push_back(ms_since(t0) / 1000.0);
       if (s == warmup + steps - 1) {
-        ops::masked_loss_sums(ctx, losses.view({-1}), Tensor(), sums);
         auto h = sums.to_floats();
         loss = h[0] / h[1];
       }
@@ -155,11 +169,13 @@ int main(int argc, char** argv) {
       std::vector<double> phase_ms;
       ctx.synchronize();
       auto t = now();
-      step([&] {
-        ctx.synchronize();
-        phase_ms.push_back(ms_since(t));
-        t = now();
-      });
+      step(
+          [&] {
+            ctx.synchronize();
+            phase_ms.push_back(ms_since(t));
+            t = now();
+          },
+          false);
       std::printf("{\"bench\": \"step_phases\", \"preset\": \"%s\", \"zero_grad_ms\": %.2f, \"forward_ms\": %.2f, "
                   "\"backward_ms\": %.2f, \"optimizer_ms\": %.2f}\n",
                   preset.c_str(), phase_ms[0], phase_ms[1], phase_ms[2], phase_ms[3]);
@@ -169,7 +185,7 @@ int main(int argc, char** argv) {
       ctx.set_profiler(&profiler);
       ctx.synchronize();
       const auto t0 = now();
-      step({});
+      step({}, false);
       ctx.synchronize();
       const double step_ms = ms_since(t0);
       ctx.set_profiler(nullptr);
@@ -201,10 +217,11 @@ int main(int argc, char** argv) {
                     "\"device\": \"{}\", \"dtype\": \"{}\", \"seq\": {}, \"mbs\": {}, \"vocab\": {}, \"params\": {}, "
                     "\"tokens_per_s\": {:.1f}, "
                     "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
-                    "\"loss\": {:.4f}}}",
+                    "\"cuda_graph\": {}, \"graph_mem_gb\": {:.3f}, \"loss\": {:.4f}}}",
                     preset, ctx.device().str(), dtype, p.seq, p.mbs, config.padded_vocab_size, model.params().numel(),
                     tokens_per_step / median, flops / median / 1e12, flops / median / 989e12, median * 1e3,
-                    double(m.peak_allocated) / 1e9, loss)
+                    double(m.peak_allocated) / 1e9, cuda_graph, double(CudaGraph::memory_bytes(ctx.device())) / 1e9,
+                    loss)
             .c_str());
     return 0;
   } catch (const std::exception& e) {

@@ -2,7 +2,9 @@
 # One run on the GPU machine: GPU op tests, golden fixtures on the GPU, a bf16 training run on real text, the
 # 1.3B startup time, and throughput against the PyTorch reference on the same GPU.
 # Runs from the repository root on the GPU machine with the binaries staged in .device/ (see
-# bench/stage_gpu.sh). Usage: bench/run_gpu.sh [tests|train|bench|all] [presets...]
+# bench/stage_gpu.sh). Usage: bench/run_gpu.sh [tests|train|bench|graph|all] [presets...]
+# (graph: each preset's step with the forward and backward as one CUDA graph against the eager step,
+# alternating twice in the same call; not part of all.)
 set -uo pipefail
 what=${1:-all}; shift || true
 PRESETS=${*:-gpt2-124M gpt-1.3B llama-1B}
@@ -85,5 +87,32 @@ print(json.dumps(out))'
     timeout $rt python3 .device/pytorch_reference.py --preset "$p" 2>&1 | grep '^{' | tee "$OUT/ref_$p.jsonl"
     cat "$OUT/ours_$p.txt" "$OUT/ref_$p.jsonl" >> "$OUT/bench.jsonl"
     python3 -c "$RATIO" "$p" "$OUT/ours_$p.txt" "$OUT/ref_$p.jsonl" | tee -a "$OUT/bench.jsonl"
+  done
+fi
+if [[ $what == graph ]]; then
+  echo "== CUDA graph: forward and backward as one graph against the eager step (same call, two rounds)"
+  GAIN='import json, sys
+rows = lambda f: [json.loads(l) for l in open(f) if l.startswith("{\"bench\": \"gpt_throughput")]
+e, g = rows(sys.argv[2]), rows(sys.argv[3])
+if e and g:
+    e, g = e[-1], g[-1]
+    print(json.dumps({"bench": "cuda_graph_gain", "preset": sys.argv[1], "round": int(sys.argv[4]),
+                      "eager_step_ms": e["step_ms"], "graph_step_ms": g["step_ms"],
+                      "tokens_per_s_graph_vs_eager": round(g["tokens_per_s"] / e["tokens_per_s"], 4),
+                      "eager_peak_mem_gb": e["peak_mem_gb"], "graph_mem_gb": g["graph_mem_gb"],
+                      "loss_eager": e["loss"], "loss_graph": g["loss"]}))
+else:
+    print(json.dumps({"bench": "cuda_graph_gain", "preset": sys.argv[1], "error": "a run gave no result"}))'
+  for p in $PRESETS; do
+    for round in 1 2; do
+      for mode in eager graph; do
+        flag=""; [[ $mode == graph ]] && flag=--cuda-graph
+        timeout 300 $B/gpt_throughput --preset "$p" --device cuda --dtype bf16 --steps 20 --warmup 3 $flag \
+          > "$OUT/graph_${p}_${mode}_$round.txt" 2>&1
+        tail -1 "$OUT/graph_${p}_${mode}_$round.txt"
+      done
+      python3 -c "$GAIN" "$p" "$OUT/graph_${p}_eager_$round.txt" "$OUT/graph_${p}_graph_$round.txt" "$round" |
+        tee -a "$OUT/graph.jsonl"
+    done
   done
 fi

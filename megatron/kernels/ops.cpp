@@ -381,6 +381,18 @@ void masked_loss_backward(Context& ctx, const Tensor& loss_mask, float scale, Te
   return cpu::masked_loss_backward(ctx, loss_mask, scale, grad_losses);
 }
 
+void masked_loss_backward_normalized(Context& ctx, const Tensor& loss_mask, const Tensor& sums, const Tensor& scale,
+                                     Tensor& grad_losses) {
+  ProfileScope profile(ctx, "masked_loss_backward");
+#ifdef MEGATRON_WITH_CUDA_OPS
+  if (on_cuda(ctx, "masked_loss_backward_normalized"))
+    return cuda::masked_loss_backward_normalized(ctx, loss_mask, sums, scale, grad_losses);
+#else
+  on_cuda(ctx, "masked_loss_backward_normalized");
+#endif
+  return cpu::masked_loss_backward_normalized(ctx, loss_mask, sums, scale, grad_losses);
+}
+
 void transpose_01(Context& ctx, const Tensor& x, Tensor& out) {
   ProfileScope profile(ctx, "transpose_01");
 #ifdef MEGATRON_WITH_CUDA_OPS

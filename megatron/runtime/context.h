@@ -31,6 +31,11 @@ class Context {
 
   RngState& rng() { return rng_; }
 
+  /// Whether the work enqueued on this context is being captured into a CUDA graph
+  /// (runtime/cuda_graph.h): ops must then not wait for the device or read its results on the
+  /// host (Note [Host checks under capture]).
+  bool capturing() const { return capturing_; }
+
   /// Per-op timing (runtime/profiler.h); null (the default) means off. Not owned.
   class OpProfiler* profiler() const { return profiler_; }
   void set_profiler(class OpProfiler* p) { profiler_ = p; }
@@ -43,6 +48,8 @@ class Context {
   Tensor workspace_;
   RngState rng_;
   class OpProfiler* profiler_ = nullptr;
+  bool capturing_ = false;
+  friend class CudaGraph;
 };
 
 namespace detail {
@@ -50,6 +57,13 @@ struct CudaContextHooks {
   void (*create)(Device, void** stream, void** cublaslt, void** cudnn) = nullptr;
   void (*destroy)(Device, void* stream, void* cublaslt, void* cudnn) = nullptr;
   void (*synchronize)(void* stream) = nullptr;
+  // CUDA graphs (runtime/cuda_graph.h): capture what a stream is given, instantiate, launch.
+  void (*capture_begin)(Device, void* stream) = nullptr;
+  void* (*capture_end)(void* stream) = nullptr;  // the instantiated graph
+  void (*capture_abort)(void* stream) = nullptr;
+  void (*graph_launch)(void* graph, void* stream) = nullptr;
+  void (*graph_destroy)(void* graph) = nullptr;
+  size_t (*graph_memory)(Device) = nullptr;  // bytes the device's graph allocations hold now
 };
 CudaContextHooks& cuda_context_hooks();
 }  // namespace detail

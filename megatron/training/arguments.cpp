@@ -271,6 +271,16 @@ struct Parser {
     opt(g, "--num-experts", a.num_experts, "Number of experts (MoE)");
     opt(g, "--moe-router-topk", a.moe_router_topk, "Experts per token");
 
+    g = "CUDA graphs";
+    opt(g, "--cuda-graph-impl", a.cuda_graph_impl,
+        "none, or local: the forward and backward passes of a training step as one CUDA graph (with "
+        "--cuda-graph-scope full_iteration)")
+        ->check(CLI::IsMember({"none", "local", "transformer_engine"}));
+    opt(g, "--cuda-graph-scope", a.cuda_graph_scope, "What is captured: full_iteration")->expected(1, 16);
+    opt(g, "--cuda-graph-warmup-steps", a.cuda_graph_warmup_steps, "Eager steps before the capture");
+    flag(g, "--enable-cuda-graph", a.enable_cuda_graph, "Deprecated: --cuda-graph-impl local");
+    flag(g, "--external-cuda-graph", a.external_cuda_graph, "Deprecated: --cuda-graph-impl transformer_engine");
+
     g = "megatron.cpp";
     opt(g, "--device", a.device, "auto (GPU when present), cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
     no_effect();
@@ -460,6 +470,33 @@ void validate_args(Arguments& a) {
   MG_CHECK(a.eval_interval > 0, "--eval-interval must be positive");
   MG_CHECK(a.log_interval > 0, "--log-interval must be positive");
   MG_CHECK(a.device == "auto" || a.device == "cpu" || a.device == "cuda", "--device must be auto, cpu or cuda");
+
+  // ---- CUDA graphs (what the full-iteration graph can follow: core/full_cuda_graph.h)
+  if (a.enable_cuda_graph) a.cuda_graph_impl = "local";
+  if (a.external_cuda_graph) a.cuda_graph_impl = "transformer_engine";
+  MG_CHECK(a.cuda_graph_impl != "transformer_engine",
+           "--cuda-graph-impl transformer_engine (--external-cuda-graph) needs TransformerEngine, which this build "
+           "does not use: give --cuda-graph-impl local --cuda-graph-scope full_iteration");
+  if (a.cuda_graph_impl == "local") {
+    const bool full_iteration = a.cuda_graph_scope.size() == 1 && a.cuda_graph_scope[0] == "full_iteration";
+    MG_CHECK(full_iteration,
+             "--cuda-graph-impl local captures the whole step only: give --cuda-graph-scope full_iteration "
+             "(per-layer scopes are not built)");
+    MG_CHECK(a.device != "cpu", "CUDA graphs need a GPU: drop --device cpu or --cuda-graph-impl");
+    MG_CHECK(a.cuda_graph_warmup_steps >= 1,
+             "--cuda-graph-warmup-steps must be at least 1 (the eager steps build the plans the graph replays)");
+    MG_CHECK(a.tensor_model_parallel_size == 1 && a.pipeline_model_parallel_size == 1 && a.context_parallel_size == 1,
+             "the full-iteration CUDA graph does not capture tensor, pipeline or context parallelism yet: give "
+             "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1, or drop --cuda-graph-impl");
+    MG_CHECK(!a.overlap_grad_reduce,
+             "--overlap-grad-reduce would launch the gradient reduction inside the CUDA graph: drop it (the "
+             "reduction runs after the graph) or drop --cuda-graph-impl");
+    MG_CHECK(a.hidden_dropout == 0.0f && a.attention_dropout == 0.0f,
+             "a CUDA graph replays its random offsets: give --hidden-dropout 0 --attention-dropout 0 with "
+             "--cuda-graph-impl local");
+  } else {
+    MG_CHECK(a.cuda_graph_scope.empty(), "--cuda-graph-scope needs --cuda-graph-impl local");
+  }
 }
 
 TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab_size) {

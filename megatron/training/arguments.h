@@ -173,6 +173,13 @@ struct Arguments {
   int num_experts = 0;
   int moe_router_topk = 2;
 
+  // ---- CUDA graphs (core/full_cuda_graph.h)
+  std::string cuda_graph_impl = "none";         // none | local | transformer_engine
+  std::vector<std::string> cuda_graph_scope;    // local: full_iteration
+  int cuda_graph_warmup_steps = 3;
+  bool enable_cuda_graph = false;               // deprecated alias of --cuda-graph-impl local
+  bool external_cuda_graph = false;             // deprecated alias of --cuda-graph-impl transformer_engine
+
   // ---- megatron.cpp's own
   std::string device = "auto";  // auto | cpu | cuda
 };

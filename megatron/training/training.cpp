@@ -9,6 +9,7 @@
 
 #include "megatron/core/comm/communicator.h"
 #include "megatron/core/distributed/distributed_data_parallel.h"
+#include "megatron/core/full_cuda_graph.h"
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/core/optimizer/optimizer_param_scheduler.h"
 #include "megatron/kernels/ops.h"
@@ -148,6 +149,7 @@ struct Trainer {
   Timers timers{args.timing_log_level};
   SignalHandler* signals = nullptr;
   std::FILE* loss_log = nullptr;
+  FullCudaGraph* cuda_graph = nullptr;  // --cuda-graph-impl local: the step's forward and backward as one graph
 
   // Interval accumulators (Megatron's total_loss_dict).
   double interval_loss = 0;
@@ -193,8 +195,10 @@ struct Trainer {
     ddp.zero_grad(ctx);
     ddp.finish_param_sync(ctx);  // --overlap-param-gather: the previous step's all-gathers
     timers.start("forward-backward", 1);
-    LossSums sums = forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step, data.train,
-                                     fb_args(loss_scale(), false), &ddp);
+    LossSums sums = cuda_graph ? cuda_graph->forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step,
+                                                              data.train, fb_args(loss_scale(), false), &ddp)
+                               : forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step, data.train,
+                                                  fb_args(loss_scale(), false), &ddp);
     finalize_model_grads(ctx, ddp);
     timers.stop("forward-backward");
     timers.start("optimizer", 1);
@@ -525,6 +529,14 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   Trainer trainer{args,         callbacks, ctx,      ps,   chunks,   ddp,      optimizer,
                   scheduler,    checkpointer, microbatches, data, tb.get(), progress, program_start};
   trainer.signals = signals.get();
+  std::unique_ptr<FullCudaGraph> cuda_graph;
+  if (args.cuda_graph_impl == "local") {
+    MG_CHECK(ctx.is_cuda(), "--cuda-graph-impl local needs a GPU, and this run is on {}", ctx.device().str());
+    cuda_graph = std::make_unique<FullCudaGraph>(args.cuda_graph_warmup_steps);
+    trainer.cuda_graph = cuda_graph.get();
+    print_line(fmt::format(" > CUDA graph: the forward and backward passes of each step after {} eager step(s)",
+                           args.cuda_graph_warmup_steps));
+  }
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> loss_log(nullptr, &std::fclose);
   if (const char* path = std::getenv("MEGATRON_LOSS_LOG"); path && *path && g_printing_rank) {
     loss_log.reset(std::fopen(path, "a"));

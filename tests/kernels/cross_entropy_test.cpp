@@ -87,6 +87,23 @@ TEST(MaskedLoss, SumsAndBackward) {
   EXPECT_EQ(grad.to_floats(), (std::vector<float>{0.25f, 0.25f, 0.25f}));
 }
 
+// The gradient normalised on the device: mask · scale / Σ mask, and 0 (not inf or NaN) when every
+// token is masked.
+TEST(MaskedLoss, NormalizedBackwardDividesByTheTokenCount) {
+  Context ctx;
+  Tensor grad = Tensor::empty({3}, DType::Float32);
+  Tensor mask = Tensor::from_floats({1, 0, 1}, {3});
+  cpu::masked_loss_backward_normalized(ctx, mask, Tensor::from_floats({5.5f, 2.0f}, {2}),
+                                       Tensor::from_floats({0.25f}, {1}), grad);
+  EXPECT_EQ(grad.to_floats(), (std::vector<float>{0.125f, 0.0f, 0.125f}));
+  cpu::masked_loss_backward_normalized(ctx, Tensor(), Tensor::from_floats({7.5f, 3.0f}, {2}),
+                                       Tensor::from_floats({3.0f}, {1}), grad);
+  EXPECT_EQ(grad.to_floats(), (std::vector<float>{1.0f, 1.0f, 1.0f}));
+  cpu::masked_loss_backward_normalized(ctx, Tensor::from_floats({0, 0, 0}, {3}), Tensor::from_floats({0.0f, 0.0f}, {2}),
+                                       Tensor::from_floats({1.0f}, {1}), grad);
+  EXPECT_EQ(grad.to_floats(), (std::vector<float>{0.0f, 0.0f, 0.0f}));
+}
+
 TEST(CrossEntropy, Bf16LogitsTrackFp32) {
   Context ctx;
   Tensor logits16 = random_tensor({kN, kV}, 4, 3.0f, DType::BFloat16), logits = logits16.to(DType::Float32);

@@ -116,6 +116,47 @@ TEST(Arguments, InvalidCombinationsSayWhichRuleFailed) {
   check({"--rampup-batch-size", "2", "2", "100"}, "sample-based training");
 }
 
+// Megatron's CUDA-graph flags: the full-iteration graph and what it refuses, each with its rule.
+TEST(Arguments, CudaGraphFlags) {
+  auto f = base();
+  for (const char* x : {"--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", "--hidden-dropout", "0",
+                        "--attention-dropout", "0"})
+    f.push_back(x);
+  Arguments a = parse(f);
+  validate_args(a);
+  EXPECT_EQ(a.cuda_graph_impl, "local");
+  EXPECT_EQ(a.cuda_graph_warmup_steps, 3);  // Megatron's default
+
+  auto check = [&](std::vector<std::string> extra, const std::string& needle, int world_size = 1) {
+    auto g = base();
+    g.insert(g.end(), extra.begin(), extra.end());
+    std::string e = error_of([&] {
+      Arguments b = parse(g);
+      b.world_size = world_size;
+      validate_args(b);
+    });
+    EXPECT_NE(e.find(needle), std::string::npos) << "got: " << e;
+  };
+  const std::vector<std::string> graph = {"--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration",
+                                          "--hidden-dropout", "0", "--attention-dropout", "0"};
+  auto plus = [&](std::vector<std::string> extra) {
+    std::vector<std::string> v = graph;
+    v.insert(v.end(), extra.begin(), extra.end());
+    return v;
+  };
+  check({"--cuda-graph-impl", "local"}, "give --cuda-graph-scope full_iteration");
+  check({"--enable-cuda-graph"}, "give --cuda-graph-scope full_iteration");
+  check({"--cuda-graph-impl", "local", "--cuda-graph-scope", "attn"}, "per-layer scopes are not built");
+  check({"--external-cuda-graph"}, "needs TransformerEngine");
+  check({"--cuda-graph-scope", "full_iteration"}, "--cuda-graph-scope needs --cuda-graph-impl local");
+  check({"--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"}, "--hidden-dropout 0");
+  check(plus({"--device", "cpu"}), "CUDA graphs need a GPU");
+  check(plus({"--cuda-graph-warmup-steps", "0"}), "--cuda-graph-warmup-steps must be at least 1");
+  check(plus({"--tensor-model-parallel-size", "2"}), "does not capture tensor, pipeline or context parallelism", 2);
+  check(plus({"--pipeline-model-parallel-size", "2"}), "does not capture tensor, pipeline or context parallelism", 2);
+  check(plus({"--overlap-grad-reduce"}), "--overlap-grad-reduce would launch the gradient reduction");
+}
+
 // The parallel layout's rules, for a world of 8 ranks (the launcher's world size).
 TEST(Arguments, ParallelLayoutRules) {
   auto check = [](std::vector<std::string> extra, const std::string& needle) {

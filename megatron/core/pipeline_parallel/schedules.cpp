@@ -7,22 +7,20 @@
 
 namespace megatron {
 
-LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
-                          const ForwardStepFunc& forward_step, BatchIterator& data, const ForwardBackwardArgs& args,
-                          DistributedDataParallel* ddp) {
+void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+                               const ForwardStepFunc& forward_step, const std::vector<MicroBatch>& batches,
+                               const ForwardBackwardArgs& args, const Tensor& loss_scale, Tensor& sums,
+                               DistributedDataParallel* ddp) {
   MG_ASSERT(!chunks.empty());
   const int num_mb = args.num_microbatches;
+  MG_ASSERT(int(batches.size()) == num_mb, "{} batches for {} microbatches", batches.size(), num_mb);
+  MG_ASSERT(sums.numel() == 2 * int64_t(num_mb), "sums {} for {} microbatches", sums.str(), num_mb);
   const int dp = ps ? ps->dp_size() : 1, dp_rank = ps ? ps->dp_rank() : 0;
-  std::vector<MicroBatch> batches;
-  batches.reserve(size_t(num_mb));
-  for (int i = 0; i < num_mb; ++i) batches.push_back(data());
 
   const uint64_t rng_base = ctx.rng().offset;
   const uint64_t streams = chunks[0]->random_streams_per_microbatch();
   std::vector<std::vector<GPTModel::Stash>> stashes(chunks.size(), std::vector<GPTModel::Stash>(size_t(num_mb)));
   std::vector<Tensor> grad_losses(static_cast<size_t>(num_mb));
-  LossSums total;
-  Tensor sums = Tensor::empty({2}, DType::Float32, ctx.device());
 
   PipelineStepFuncs f;
   f.forward = [&](Context& c, int chunk, int mb, const Tensor& input) -> Tensor {
@@ -34,14 +32,11 @@ LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<con
     if (!model.post_process()) return out.output;
     Tensor losses = out.output.view({-1});
     Tensor mask = out.loss_mask.defined() ? out.loss_mask.view({-1}) : Tensor();
-    ops::masked_loss_sums(c, losses, mask, sums);
-    const std::vector<float> host = sums.to_floats();
-    total.loss_sum += host[0];
-    total.num_tokens += host[1];
+    Tensor mb_sums = sums.flat_slice(2 * int64_t(mb), 2);
+    ops::masked_loss_sums(c, losses, mask, mb_sums);
     if (!args.forward_only) {
-      const float scale = host[1] > 0 ? args.loss_scale / (host[1] * float(num_mb)) : 0.0f;
       Tensor grad = Tensor::empty({losses.numel()}, DType::Float32, c.device());
-      ops::masked_loss_backward(c, mask, scale, grad);
+      ops::masked_loss_backward_normalized(c, mask, mb_sums, loss_scale, grad);
       grad_losses[size_t(mb)] = grad.view(out.output.shape());
     }
     return Tensor();
@@ -73,13 +68,38 @@ LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<con
     ps->set_virtual_pipeline_rank(0);
   }
   ctx.rng().offset = rng_base + uint64_t(num_mb) * uint64_t(dp) * streams;
+}
 
+Tensor loss_scale_tensor(const Context& ctx, const ForwardBackwardArgs& args) {
+  return Tensor::from_floats({args.loss_scale / float(args.num_microbatches)}, {1}, DType::Float32, ctx.device());
+}
+
+LossSums collect_loss_sums(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+                           const Tensor& sums) {
+  LossSums total;
+  if (!chunks.back()->post_process()) return total;
+  const std::vector<float> host = sums.to_floats();
+  for (size_t mb = 0; 2 * mb < host.size(); ++mb) {
+    total.loss_sum += host[2 * mb];
+    total.num_tokens += host[2 * mb + 1];
+  }
   // The lm loss over the whole global batch: the last stage's sums over the data-parallel ranks.
-  if (ps && ps->dp_size() > 1 && chunks.back()->post_process()) {
+  if (ps && ps->dp_size() > 1) {
     const std::vector<double> sum = sum_in_rank_order(ctx, ps->data(), {total.loss_sum, total.num_tokens});
     total = LossSums{sum[0], sum[1]};
   }
   return total;
+}
+
+LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+                          const ForwardStepFunc& forward_step, BatchIterator& data, const ForwardBackwardArgs& args,
+                          DistributedDataParallel* ddp) {
+  std::vector<MicroBatch> batches;
+  batches.reserve(size_t(args.num_microbatches));
+  for (int i = 0; i < args.num_microbatches; ++i) batches.push_back(data());
+  Tensor sums = Tensor::zeros({args.num_microbatches, 2}, DType::Float32, ctx.device());
+  schedule_forward_backward(ctx, ps, chunks, forward_step, batches, args, loss_scale_tensor(ctx, args), sums, ddp);
+  return collect_loss_sums(ctx, ps, chunks, sums);
 }
 
 }  // namespace megatron

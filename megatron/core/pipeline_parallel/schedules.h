@@ -61,6 +61,22 @@ struct ForwardBackwardArgs {
   bool forward_only = false;
 };
 
+/// Enqueues one step's work over `batches` (one per microbatch) without reading anything back:
+/// the last stage writes microbatch j's {Σ loss·mask, Σ mask} into sums [M, 2] (fp32, on the
+/// context's device) and scales its loss gradient by loss_scale [1] (fp32, on the device: the loss
+/// scale over the number of microbatches) divided by that token count. With PP = 1 nothing in it
+/// waits for the device, so it can be captured into a CUDA graph (core/full_cuda_graph.h).
+void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+                               const ForwardStepFunc& forward_step, const std::vector<MicroBatch>& batches,
+                               const ForwardBackwardArgs& args, const Tensor& loss_scale, Tensor& sums,
+                               DistributedDataParallel* ddp = nullptr);
+/// The device scalar schedule_forward_backward scales the loss gradient by: loss_scale / M.
+Tensor loss_scale_tensor(const Context& ctx, const ForwardBackwardArgs& args);
+/// Reads sums [M, 2] back (the one wait of a step) and sums it over microbatches, then over the
+/// data-parallel ranks; zeros on a rank without the last stage.
+LossSums collect_loss_sums(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+                           const Tensor& sums);
+
 /// Runs one step's microbatches through this rank's model chunks (`chunks`, in virtual-stage order)
 /// with the schedule the layout calls for. Every rank pulls num_microbatches batches from `data`.
 /// `ps` null: one process. `ddp` may be null (no gradient reduction).

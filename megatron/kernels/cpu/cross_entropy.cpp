@@ -113,4 +113,14 @@ void masked_loss_backward(Context& ctx, const Tensor& loss_mask, float scale, Te
   for (int64_t i = 0; i < n; ++i) g[i] = mask[i] * scale;
 }
 
+void masked_loss_backward_normalized(Context& ctx, const Tensor& loss_mask, const Tensor& sums, const Tensor& scale,
+                                     Tensor& grad_losses) {
+  assert_fp32(sums, "sums");
+  assert_numel(sums, 2, "sums");
+  assert_fp32(scale, "scale");
+  assert_numel(scale, 1, "scale");
+  const float count = sums.data<float>()[1];
+  masked_loss_backward(ctx, loss_mask, count > 0 ? scale.data<float>()[0] / count : 0.0f, grad_losses);
+}
+
 }  // namespace megatron::cpu

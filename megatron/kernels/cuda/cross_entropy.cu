@@ -129,6 +129,17 @@ __global__ void masked_loss_backward_kernel(const M* __restrict__ mask, float sc
     grad[i] = mask ? load_float(mask[i]) * scale : scale;
 }
 
+// The same with factor = scale[0] / sums[1] (0 when sums[1] is 0) read on the device.
+template <typename M>
+__global__ void masked_loss_backward_normalized_kernel(const M* __restrict__ mask, const float* __restrict__ sums,
+                                                       const float* __restrict__ scale, int64_t n,
+                                                       float* __restrict__ grad) {
+  const float count = sums[1];
+  const float factor = count > 0.0f ? scale[0] / count : 0.0f;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    grad[i] = mask ? load_float(mask[i]) * factor : factor;
+}
+
 
 struct Rows {
   int64_t n = 0, v = 0;
@@ -182,6 +193,7 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& lab
     }
   });
   CUDA_CHECK_LAUNCH();
+  if (ctx.capturing()) return;  // Note [Host checks under capture] (embedding.cu)
   unsigned long long found = 0;
   CUDA_CHECK(cudaMemcpyAsync(&found, bad_row, sizeof(found), cudaMemcpyDeviceToHost, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -231,6 +243,27 @@ void masked_loss_backward(Context& ctx, const Tensor& loss_mask, float scale, Te
   dispatch_mask(loss_mask, [&]<typename M>() {
     const M* mask = loss_mask.defined() ? dev_ptr<M>(loss_mask) : nullptr;
     masked_loss_backward_kernel<M><<<grid_for(n), kBlockSize, 0, stream>>>(mask, scale, n, dev_ptr<float>(grad_losses));
+  });
+  CUDA_CHECK_LAUNCH();
+}
+
+void masked_loss_backward_normalized(Context& ctx, const Tensor& loss_mask, const Tensor& sums, const Tensor& scale,
+                                     Tensor& grad_losses) {
+  check_cuda(grad_losses, "grad_losses");
+  MG_ASSERT(grad_losses.dtype() == DType::Float32, "grad_losses is {}, expected fp32", grad_losses.str());
+  check_fp32(sums, 2, "sums");
+  check_fp32(scale, 1, "scale");
+  const int64_t n = grad_losses.numel();
+  if (loss_mask.defined()) {
+    check_cuda(loss_mask, "loss_mask");
+    MG_ASSERT(loss_mask.numel() == n, "loss_mask is {}, expected {} elements", loss_mask.str(), n);
+  }
+  if (n == 0) return;
+  cudaStream_t stream = stream_of(ctx);
+  dispatch_mask(loss_mask, [&]<typename M>() {
+    const M* mask = loss_mask.defined() ? dev_ptr<M>(loss_mask) : nullptr;
+    masked_loss_backward_normalized_kernel<M><<<grid_for(n), kBlockSize, 0, stream>>>(
+        mask, dev_ptr<float>(sums), dev_ptr<float>(scale), n, dev_ptr<float>(grad_losses));
   });
   CUDA_CHECK_LAUNCH();
 }

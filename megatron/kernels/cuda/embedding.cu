@@ -11,6 +11,11 @@
 // small device buffer and skip that row; the host syncs the stream after the forward's launch and
 // throws megatron::Error naming the first bad id, as the CPU reference does. The backward skips bad
 // ids without a check of its own (Note [No id check in backward]).
+//
+// Note [Host checks under capture]: while a CUDA graph is captured (Context::capturing) nothing may
+// wait for the device, so the forward ops skip reading the bad-id buffer back (the kernels still
+// skip bad rows). Whoever captures checks the ids on the host before they reach the graph's input
+// tensors (core/full_cuda_graph.cpp), with the same messages.
 #include <algorithm>
 #include <climits>
 #include <cub/device/device_radix_sort.cuh>
@@ -198,6 +203,7 @@ void embedding_forward(Context& ctx, const Tensor& tokens, const Tensor& positio
     }
   });
   CUDA_CHECK_LAUNCH();
+  if (ctx.capturing()) return;  // Note [Host checks under capture]
   raise_bad_ids(ctx, bad, tokens, position_ids, words.rows, positions.rows);
 }
 

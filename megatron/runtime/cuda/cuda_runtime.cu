@@ -11,10 +11,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "megatron/runtime/allocator.h"
+#include "megatron/runtime/check.h"
 #include "megatron/runtime/context.h"
 #include "megatron/runtime/cuda/cuda_check.h"
 
@@ -58,14 +62,53 @@ void keep_pool_memory(int device) {
   done[device] = true;
 }
 
+// Note [Allocation under capture]: while a thread captures a CUDA graph (runtime/cuda_graph.h),
+//   - a new block is a graph allocation: cudaMallocAsync on the capturing stream becomes an
+//     allocation node, and its release (in the captured work) a free node; CUDA gives the graph
+//     its own memory and lets blocks whose lifetimes do not overlap share it. A graph allocation
+//     must be released within the capture (the graph is launched again and again); one that
+//     outlives it fails the capture;
+//   - a block allocated before the capture and released during it may still be read by the
+//     captured work at every launch: it is kept until the graph is destroyed;
+//   - memsets and device-to-device copies on the legacy stream (Tensor::zero_, copy_from) go to
+//     the capturing stream instead; a copy to or from the host cannot be captured (it waits for
+//     the device) and is an error.
+struct CaptureState {
+  cudaStream_t stream = nullptr;  // null: not capturing
+  long long live = 0;             // graph allocations not yet released
+  std::vector<std::pair<void*, size_t>> kept;
+};
+thread_local CaptureState t_capture;
+
+// What a graph holds: the executable graph and the pre-capture blocks it may read.
+struct GraphHandle {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  Device device;
+  std::vector<std::pair<void*, size_t>> kept;
+};
+
 std::shared_ptr<Storage> cuda_allocate(size_t nbytes, Device device) {
   void* p = nullptr;
   size_t n = std::max<size_t>(nbytes, 1);
   if (device.type == DeviceType::CUDAHost) {
+    MG_CHECK(t_capture.stream == nullptr, "pinned host memory cannot be allocated while a CUDA graph is captured");
     CUDA_CHECK(cudaMallocHost(&p, n));
     record(device, (long long)n);
     return std::make_shared<Storage>(p, nbytes, device, [device, n](void* ptr, size_t) {
       cudaFreeHost(ptr);
+      record(device, -(long long)n);
+    });
+  }
+  if (cudaStream_t capture = t_capture.stream) {
+    CUDA_CHECK(cudaMallocAsync(&p, n, capture));
+    record(device, (long long)n);
+    t_capture.live += 1;
+    return std::make_shared<Storage>(p, nbytes, device, [device, n, capture](void* ptr, size_t) {
+      if (t_capture.stream == capture) {
+        cudaFreeAsync(ptr, capture);
+        t_capture.live -= 1;
+      }  // else: it outlived the capture, which failed because of it; the graph owns the memory
       record(device, -(long long)n);
     });
   }
@@ -76,7 +119,11 @@ std::shared_ptr<Storage> cuda_allocate(size_t nbytes, Device device) {
   CUDA_CHECK(cudaMallocAsync(&p, n, nullptr));
   record(device, (long long)n);
   return std::make_shared<Storage>(p, nbytes, device, [device, n](void* ptr, size_t) {
-    cudaFreeAsync(ptr, nullptr);
+    if (t_capture.stream != nullptr) {
+      t_capture.kept.emplace_back(ptr, n);  // the graph may read it: freed with the graph
+    } else {
+      cudaFreeAsync(ptr, nullptr);
+    }
     record(device, -(long long)n);
   });
 }
@@ -95,8 +142,13 @@ void cuda_reset_peak(Device d) {
 }
 
 void cuda_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) {
-  (void)dst_dev;
-  (void)src_dev;
+  if (t_capture.stream != nullptr) {
+    MG_CHECK(dst_dev.type == DeviceType::CUDA && src_dev.type == DeviceType::CUDA,
+             "a copy from {} to {} cannot be captured in a CUDA graph (it waits for the device): run it before "
+             "the captured step", src_dev.str(), dst_dev.str());
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, t_capture.stream));
+    return;
+  }
   auto s = static_cast<cudaStream_t>(stream);
   CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
   CUDA_CHECK(cudaStreamSynchronize(s));
@@ -129,6 +181,8 @@ bool convert_from(const S* src, void* dst, DType dst_type, size_t n, unsigned gr
 
 bool cuda_convert(const void* src, DType src_type, void* dst, DType dst_type, size_t n) {
   if (n == 0) return true;
+  MG_CHECK(t_capture.stream == nullptr, "a {} -> {} conversion cannot be captured in a CUDA graph: run it before "
+           "the captured step", to_string(src_type), to_string(dst_type));
   const unsigned grid = unsigned(std::min<size_t>((n + 255) / 256, 65535));
   bool ok = false;
   switch (src_type) {
@@ -144,6 +198,7 @@ bool cuda_convert(const void* src, DType src_type, void* dst, DType dst_type, si
 }
 
 void cuda_memset(void* dst, int value, size_t n, void* stream) {
+  if (stream == nullptr && t_capture.stream != nullptr) stream = t_capture.stream;
   CUDA_CHECK(cudaMemsetAsync(dst, value, n, static_cast<cudaStream_t>(stream)));
 }
 
@@ -200,7 +255,82 @@ int device_count() {
   return n;
 }
 
-void context_synchronize(void* stream) { CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
+void context_synchronize(void* stream) {
+  MG_CHECK(t_capture.stream == nullptr, "the host waited for the device while a CUDA graph was captured: the "
+           "captured step must not synchronise");
+  CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+void capture_begin(Device device, void* stream) {
+  MG_CHECK(t_capture.stream == nullptr, "a CUDA graph is already being captured on this thread");
+  CUDA_CHECK(cudaSetDevice(device.index));
+  // What the eager steps before the capture left in the pool goes back to the driver: the graph's
+  // allocations come from memory of their own, and should not sit beside a cached copy of them.
+  CUDA_CHECK(cudaDeviceSynchronize());
+  cudaMemPool_t pool;
+  CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device.index));
+  CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+  CUDA_CHECK(cudaStreamBeginCapture(static_cast<cudaStream_t>(stream), cudaStreamCaptureModeThreadLocal));
+  t_capture = CaptureState{};
+  t_capture.stream = static_cast<cudaStream_t>(stream);
+}
+
+void free_kept(std::vector<std::pair<void*, size_t>>& kept) {
+  for (auto& [ptr, n] : kept) cudaFreeAsync(ptr, nullptr);
+  kept.clear();
+}
+
+void capture_abort(void* stream) {
+  if (t_capture.stream != static_cast<cudaStream_t>(stream)) return;
+  cudaGraph_t graph = nullptr;
+  cudaStreamEndCapture(t_capture.stream, &graph);
+  if (graph) cudaGraphDestroy(graph);
+  cudaGetLastError();
+  CaptureState done = std::move(t_capture);
+  t_capture = CaptureState{};
+  free_kept(done.kept);
+}
+
+void* capture_end(void* stream) {
+  MG_CHECK(t_capture.stream == static_cast<cudaStream_t>(stream), "capture_end without a capture on this stream");
+  auto handle = std::make_unique<GraphHandle>();
+  cudaError_t e = cudaStreamEndCapture(t_capture.stream, &handle->graph);
+  CaptureState done = std::move(t_capture);
+  t_capture = CaptureState{};
+  handle->kept = std::move(done.kept);
+  auto fail = [&](const std::string& why) {
+    if (handle->graph) cudaGraphDestroy(handle->graph);
+    free_kept(handle->kept);
+    MG_CHECK(false, "CUDA graph capture failed: {}", why);
+  };
+  if (e != cudaSuccess) fail(cudaGetErrorString(e));
+  if (done.live != 0) {
+    fail(std::to_string(done.live) +
+         " block(s) allocated in the captured work outlive it (a graph is launched again and again: what it "
+         "allocates it must release)");
+  }
+  e = cudaGraphInstantiate(&handle->exec, handle->graph, 0);
+  if (e != cudaSuccess) fail(std::string("instantiation: ") + cudaGetErrorString(e));
+  return handle.release();
+}
+
+void graph_launch(void* graph, void* stream) {
+  CUDA_CHECK(cudaGraphLaunch(static_cast<GraphHandle*>(graph)->exec, static_cast<cudaStream_t>(stream)));
+}
+
+void graph_destroy(void* graph) {
+  std::unique_ptr<GraphHandle> h(static_cast<GraphHandle*>(graph));
+  if (h->exec) cudaGraphExecDestroy(h->exec);
+  if (h->graph) cudaGraphDestroy(h->graph);
+  free_kept(h->kept);
+}
+
+size_t graph_memory(Device device) {
+  uint64_t bytes = 0;
+  CUDA_CHECK(cudaSetDevice(device.index));
+  CUDA_CHECK(cudaDeviceGetGraphMemAttribute(device.index, cudaGraphMemAttrReservedMemCurrent, &bytes));
+  return size_t(bytes);
+}
 }  // namespace
 
 void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
@@ -217,6 +347,12 @@ void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
   ctx.create = context_create;
   ctx.destroy = context_destroy;
   ctx.synchronize = context_synchronize;
+  ctx.capture_begin = capture_begin;
+  ctx.capture_end = capture_end;
+  ctx.capture_abort = capture_abort;
+  ctx.graph_launch = graph_launch;
+  ctx.graph_destroy = graph_destroy;
+  ctx.graph_memory = graph_memory;
 }
 
 }  // namespace megatron::detail

@@ -1,0 +1,115 @@
+#include "megatron/core/full_cuda_graph.h"
+
+#include "megatron/runtime/check.h"
+
+namespace megatron {
+
+namespace {
+Tensor on_device(const Tensor& host, Device device) { return host.defined() ? host.to(device) : Tensor(); }
+
+void copy_into(Tensor& dst, const Tensor& src) {
+  if (src.defined()) dst.copy_from(src);
+}
+}  // namespace
+
+void check_batch_ids(const MicroBatch& batch, int64_t vocab_rows, int64_t position_rows) {
+  auto first_bad = [](const Tensor& ids, int64_t rows) -> int64_t {
+    if (!ids.defined()) return -1;
+    const std::vector<int64_t> v = ids.to_ints();
+    for (size_t i = 0; i < v.size(); ++i)
+      if (v[i] < 0 || v[i] >= rows) return int64_t(i);
+    return -1;
+  };
+  auto at = [](const Tensor& ids, int64_t flat) { return ids.to_ints()[size_t(flat)]; };
+  if (int64_t i = first_bad(batch.tokens, vocab_rows); i >= 0) {
+    const int64_t s = batch.tokens.size(1);
+    MG_CHECK(false,
+             "token id {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's vocabulary "
+             "size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",
+             at(batch.tokens, i), i / s, i % s, vocab_rows);
+  }
+  if (position_rows > 0) {
+    if (int64_t i = first_bad(batch.position_ids, position_rows); i >= 0) {
+      const int64_t s = batch.position_ids.size(1);
+      MG_CHECK(false,
+               "position id {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's "
+               "vocabulary size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",
+               at(batch.position_ids, i), i / s, i % s, position_rows);
+    }
+  }
+  if (int64_t i = first_bad(batch.labels, vocab_rows); i >= 0) {
+    MG_CHECK(false,
+             "label {} at position {} is outside the vocabulary [0, {}): check the tokenizer and --vocab-size "
+             "(mask ignored tokens with the loss mask instead of a negative label)",
+             at(batch.labels, i), i, vocab_rows);
+  }
+}
+
+LossSums FullCudaGraph::forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+                                         const ForwardStepFunc& forward_step, BatchIterator& data,
+                                         const ForwardBackwardArgs& args, DistributedDataParallel* ddp) {
+  MG_ASSERT(!args.forward_only, "evaluation runs eagerly");
+  MG_ASSERT(chunks.size() == 1 && (!ps || (ps->pp_size() == 1 && ps->tp_size() == 1)),
+            "the full-iteration CUDA graph covers one model chunk without tensor or pipeline parallelism");
+  const int num_mb = args.num_microbatches;
+  std::vector<MicroBatch> batches;
+  batches.reserve(size_t(num_mb));
+  for (int i = 0; i < num_mb; ++i) batches.push_back(data());
+
+  const Key key{num_mb, batches[0].tokens.shape(), batches[0].position_ids.defined(), batches[0].loss_mask.defined()};
+  for (const MicroBatch& b : batches) {
+    MG_CHECK(b.tokens.shape() == key.tokens && b.position_ids.defined() == key.has_positions &&
+                 b.loss_mask.defined() == key.has_mask,
+             "the microbatches of one step differ in shape ({} vs {}): a CUDA graph needs static shapes",
+             b.tokens.str(), batches[0].tokens.str());
+  }
+  if (!(key == key_)) {  // first step, or the shapes changed: warm up again, then capture
+    key_ = key;
+    graph_.reset();
+    inputs_.clear();
+    eager_left_ = warmup_steps_;
+  }
+  if (eager_left_ > 0) {
+    --eager_left_;
+    Tensor sums = Tensor::zeros({num_mb, 2}, DType::Float32, ctx.device());
+    schedule_forward_backward(ctx, ps, chunks, forward_step, batches, args, loss_scale_tensor(ctx, args), sums, ddp);
+    return collect_loss_sums(ctx, ps, chunks, sums);
+  }
+
+  const TransformerConfig& config = chunks[0]->config();
+  const int64_t position_rows = config.use_learned_positions() ? config.max_position_embeddings : 0;
+  for (const MicroBatch& b : batches) check_batch_ids(b, config.padded_vocab_size, position_rows);
+
+  if (inputs_.empty()) {
+    for (const MicroBatch& b : batches) {
+      inputs_.push_back(MicroBatch{on_device(b.tokens, ctx.device()), on_device(b.labels, ctx.device()),
+                                   on_device(b.loss_mask, ctx.device()), on_device(b.position_ids, ctx.device())});
+    }
+    loss_scale_ = loss_scale_tensor(ctx, args);
+    sums_ = Tensor::zeros({num_mb, 2}, DType::Float32, ctx.device());
+  } else {
+    for (size_t j = 0; j < batches.size(); ++j) {
+      copy_into(inputs_[j].tokens, batches[j].tokens);
+      copy_into(inputs_[j].labels, batches[j].labels);
+      copy_into(inputs_[j].loss_mask, batches[j].loss_mask);
+      copy_into(inputs_[j].position_ids, batches[j].position_ids);
+    }
+    loss_scale_.copy_from(Tensor::from_floats({args.loss_scale / float(num_mb)}, {1}));
+  }
+
+  const uint64_t rng_base = ctx.rng().offset;
+  if (!graph_.captured()) {
+    graph_.capture(ctx, [&] {
+      schedule_forward_backward(ctx, ps, chunks, forward_step, inputs_, args, loss_scale_, sums_, ddp);
+    });
+    ++captures_;
+  }
+  // The random offsets move on as the eager step moves them (dropout is off: nothing reads them).
+  const int dp = ps ? ps->dp_size() : 1;
+  ctx.rng().offset = rng_base + uint64_t(num_mb) * uint64_t(dp) * chunks[0]->random_streams_per_microbatch();
+  graph_.replay(ctx);
+  ++launches_;
+  return collect_loss_sums(ctx, ps, chunks, sums_);
+}
+
+}  // namespace megatron

@@ -1,0 +1,163 @@
+// CUDA graphs: the runtime's capture and replay (runtime/cuda_graph.h, Note [Allocation under
+// capture]) and the full-iteration training graph (core/full_cuda_graph.h) against the eager step:
+// the same kernels on the same values, so the same bits — every iteration's loss and gradient norm
+// must be equal, in fp32, bf16, fp16 with the dynamic loss scaler, for a Llama-style model, and when
+// the number of microbatches changes under batch-size ramp-up (a second capture).
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <fstream>
+
+#include "megatron/kernels/ops.h"
+#include "megatron/runtime/check.h"
+#include "megatron/runtime/cuda_graph.h"
+#include "megatron/runtime/philox.h"
+#include "tests/gpu/pretrain_run_util.h"
+
+namespace megatron::testing {
+namespace {
+
+bool have_gpu() { return cuda_device_count() > 0; }
+
+Tensor filled(const Shape& shape, uint64_t seed, Device device) {
+  std::vector<float> v(size_t(shape_numel(shape)));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = float(int64_t(philox_element(seed, 0, i) % 2001) - 1000) / 1000.0f;
+  return Tensor::from_floats(v, shape, DType::Float32, device);
+}
+
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// y = 2·(x·Wᵀ) + zeros, through a temporary allocated, zero-filled and copied inside the capture.
+void body(Context& ctx, const Tensor& x, const Tensor& w, Tensor& y) {
+  Tensor t = Tensor::empty({x.size(0), w.size(0)}, DType::Float32, ctx.device());
+  ops::linear_forward(ctx, x, w, Tensor(), t);
+  Tensor z = Tensor::zeros(t.shape(), DType::Float32, ctx.device());
+  Tensor u = Tensor::empty(t.shape(), DType::Float32, ctx.device());
+  u.copy_from(t);
+  ops::add(ctx, u, t, u);
+  ops::add(ctx, u, z, y);
+}
+
+TEST(CudaGraph, ReplaysWhatWasCapturedOnNewInputs) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  Context ctx(Device::cuda(0));
+  Tensor x = filled({67, 40}, 1, ctx.device()), w = filled({24, 40}, 2, ctx.device());
+  Tensor y = Tensor::empty({67, 24}, DType::Float32, ctx.device());
+  body(ctx, x, w, y);  // eager first: cuBLASLt's plan and workspace exist before the capture
+  CudaGraph graph;
+  graph.capture(ctx, [&] { body(ctx, x, w, y); });
+  ASSERT_TRUE(graph.captured());
+  for (uint64_t k = 0; k < 3; ++k) {
+    x.copy_from(filled({67, 40}, 10 + k, Device::cpu()));
+    y.zero_();
+    graph.replay(ctx);
+    Tensor want = Tensor::empty({67, 24}, DType::Float32, ctx.device());
+    body(ctx, x, w, want);
+    EXPECT_EQ(y.to_floats(), want.to_floats()) << "launch " << k;
+  }
+  EXPECT_GT(CudaGraph::memory_bytes(ctx.device()), 0u);
+}
+
+TEST(CudaGraph, WhatCannotBeCapturedFailsWithAReasonAndLeavesTheContextUsable) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  Context ctx(Device::cuda(0));
+  Tensor x = filled({8, 16}, 3, ctx.device()), w = filled({4, 16}, 4, ctx.device());
+  Tensor y = Tensor::empty({8, 4}, DType::Float32, ctx.device());
+  body(ctx, x, w, y);
+  const std::vector<float> want = y.to_floats();
+  CudaGraph graph;
+  std::string e = error_of([&] { graph.capture(ctx, [&] { ctx.synchronize(); }); });
+  EXPECT_NE(e.find("must not synchronise"), std::string::npos) << e;
+  e = error_of([&] { graph.capture(ctx, [&] { (void)x.to(Device::cpu()); }); });
+  EXPECT_NE(e.find("cannot be captured in a CUDA graph"), std::string::npos) << e;
+  Tensor kept;
+  e = error_of([&] { graph.capture(ctx, [&] { kept = Tensor::zeros({4}, DType::Float32, ctx.device()); }); });
+  EXPECT_NE(e.find("outlive it"), std::string::npos) << e;
+  kept = Tensor();
+  EXPECT_FALSE(graph.captured());
+  EXPECT_FALSE(ctx.capturing());
+  y.zero_();
+  body(ctx, x, w, y);
+  EXPECT_EQ(y.to_floats(), want);
+}
+
+const std::vector<std::string> kModel = {
+    "--num-layers", "3", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+    "--max-position-embeddings", "128", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3",
+    "--vocab-size", "1000", "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
+    "--eval-iters", "0", "--seed", "7", "--device", "cuda", "--split", "100,0,0"};
+const std::vector<std::string> kGraph = {"--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration",
+                                         "--cuda-graph-warmup-steps", "2"};
+
+struct Run {
+  std::vector<std::string> lines;  // each iteration's {loss, grad norm} as logged (17 digits)
+  std::string output;
+};
+
+Run run_logged(const fs::path& dir, const std::string& name, const std::vector<std::string>& argv) {
+  const fs::path log = dir / (name + ".jsonl");
+  RunResult r = run(argv, dir, "MEGATRON_LOSS_LOG=" + shell_quote(log.string()));
+  EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
+  Run out{{}, r.output};
+  std::ifstream in(log);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    out.lines.push_back(fmt::format("{:.17g} {:.17g}", j.at("lm_loss").get<double>(), j.at("grad_norm").get<double>()));
+  }
+  return out;
+}
+
+void expect_graph_is_eager(const std::string& name, const std::vector<std::string>& extra, size_t iterations) {
+  ScratchDir dir(name);
+  const auto argv = with(with({bin("pretrain_gpt")}, kModel), extra);
+  const Run eager = run_logged(dir.path, "eager", argv);
+  const Run graph = run_logged(dir.path, "graph", with(argv, kGraph));
+  EXPECT_NE(graph.output.find("CUDA graph: the forward and backward passes"), std::string::npos) << graph.output;
+  ASSERT_EQ(eager.lines.size(), iterations) << eager.output;
+  EXPECT_EQ(graph.lines, eager.lines) << graph.output;
+}
+
+TEST(FullCudaGraph, Fp32StepsEqualTheEagerSteps) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  expect_graph_is_eager("graph_fp32", {"--train-iters", "6"}, 6);
+}
+
+TEST(FullCudaGraph, Bf16StepsEqualTheEagerSteps) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  expect_graph_is_eager("graph_bf16", {"--train-iters", "6", "--bf16"}, 6);
+}
+
+// The loss scale lives on the device: skipped steps while the dynamic scale falls from 2^40 must be
+// the eager run's, and so must the steps after them.
+TEST(FullCudaGraph, Fp16DynamicLossScaleFollowsTheEagerRun) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  expect_graph_is_eager("graph_fp16", {"--train-iters", "8", "--fp16", "--initial-loss-scale", "1099511627776"}, 8);
+}
+
+TEST(FullCudaGraph, LlamaStyleBf16StepsEqualTheEagerSteps) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  expect_graph_is_eager("graph_llama",
+                        {"--train-iters", "6", "--bf16", "--swiglu", "--normalization", "RMSNorm",
+                         "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
+                         "--disable-bias-linear", "--untie-embeddings-and-output-weights"},
+                        6);
+}
+
+// Ramp-up from 8 to 16 samples a step: two and then four microbatches, so two captures.
+TEST(FullCudaGraph, BatchSizeRampUpCapturesAgain) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  expect_graph_is_eager("graph_rampup", {"--train-samples", "128", "--rampup-batch-size", "8", "8", "64"}, 12);
+}
+
+}  // namespace
+}  // namespace megatron::testing
