@@ -103,6 +103,29 @@ if e and g:
                       "loss_eager": e["loss"], "loss_graph": g["loss"]}))
 else:
     print(json.dumps({"bench": "cuda_graph_gain", "preset": sys.argv[1], "error": "a run gave no result"}))'
+  # The training loop itself: pretrain_gpt, GPT-2 124M shape, 8 microbatches a step, mock data, bf16;
+  # the mean ms per iteration of iterations 11-40 from Megatron's iteration line.
+  M124="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
+    --micro-batch-size 8 --global-batch-size 64 --train-iters 40 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer
+    --vocab-size 50257 --log-interval 10 --eval-iters 0 --bf16 --hidden-dropout 0 --attention-dropout 0 --device cuda"
+  for round in 1 2; do
+    for mode in eager graph; do
+      flag=""; [[ $mode == graph ]] && flag="--cuda-graph-impl local --cuda-graph-scope full_iteration"
+      (cd /tmp && timeout 200 $OLDPWD/$B/pretrain_gpt $M124 $flag > "$OUT/pretrain_124M_${mode}_$round.txt" 2>&1)
+    done
+    python3 - "$OUT" "$round" <<'PY' | tee -a "$OUT/graph.jsonl"
+import json, re, sys
+def ms(mode):
+    t = open(f"{sys.argv[1]}/pretrain_124M_{mode}_{sys.argv[2]}.txt").read()
+    v = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", t)]
+    return sum(v[1:]) / len(v[1:]) if len(v) > 1 else None
+e, g = ms("eager"), ms("graph")
+out = {"bench": "cuda_graph_gain", "run": "pretrain_gpt gpt2-124M mbs 8 gbs 64", "round": int(sys.argv[2]),
+       "eager_ms_per_iteration": e, "graph_ms_per_iteration": g}
+if e and g: out["tokens_per_s_graph_vs_eager"] = round(e / g, 4)
+print(json.dumps(out))
+PY
+  done
   for p in $PRESETS; do
     for round in 1 2; do
       for mode in eager graph; do

@@ -10,40 +10,11 @@ Tensor on_device(const Tensor& host, Device device) { return host.defined() ? ho
 void copy_into(Tensor& dst, const Tensor& src) {
   if (src.defined()) dst.copy_from(src);
 }
-}  // namespace
 
-void check_batch_ids(const MicroBatch& batch, int64_t vocab_rows, int64_t position_rows) {
-  auto first_bad = [](const Tensor& ids, int64_t rows) -> int64_t {
-    if (!ids.defined()) return -1;
-    const std::vector<int64_t> v = ids.to_ints();
-    for (size_t i = 0; i < v.size(); ++i)
-      if (v[i] < 0 || v[i] >= rows) return int64_t(i);
-    return -1;
-  };
-  auto at = [](const Tensor& ids, int64_t flat) { return ids.to_ints()[size_t(flat)]; };
-  if (int64_t i = first_bad(batch.tokens, vocab_rows); i >= 0) {
-    const int64_t s = batch.tokens.size(1);
-    MG_CHECK(false,
-             "token id {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's vocabulary "
-             "size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",
-             at(batch.tokens, i), i / s, i % s, vocab_rows);
-  }
-  if (position_rows > 0) {
-    if (int64_t i = first_bad(batch.position_ids, position_rows); i >= 0) {
-      const int64_t s = batch.position_ids.size(1);
-      MG_CHECK(false,
-               "position id {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's "
-               "vocabulary size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",
-               at(batch.position_ids, i), i / s, i % s, position_rows);
-    }
-  }
-  if (int64_t i = first_bad(batch.labels, vocab_rows); i >= 0) {
-    MG_CHECK(false,
-             "label {} at position {} is outside the vocabulary [0, {}): check the tokenizer and --vocab-size "
-             "(mask ignored tokens with the loss mask instead of a negative label)",
-             at(batch.labels, i), i, vocab_rows);
-  }
+void set_rng_shift(Context& ctx, uint64_t shift) {
+  ctx.rng_offset_shift().copy_from(Tensor::from_ints({int64_t(shift)}, {1}, DType::Int64));
 }
+}  // namespace
 
 LossSums FullCudaGraph::forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
                                          const ForwardStepFunc& forward_step, BatchIterator& data,
@@ -71,9 +42,7 @@ LossSums FullCudaGraph::forward_backward(Context& ctx, ParallelState* ps, const 
   }
   if (eager_left_ > 0) {
     --eager_left_;
-    Tensor sums = Tensor::zeros({num_mb, 2}, DType::Float32, ctx.device());
-    schedule_forward_backward(ctx, ps, chunks, forward_step, batches, args, loss_scale_tensor(ctx, args), sums, ddp);
-    return collect_loss_sums(ctx, ps, chunks, sums);
+    return megatron::forward_backward(ctx, ps, chunks, forward_step, std::move(batches), args, ddp);
   }
 
   const TransformerConfig& config = chunks[0]->config();
@@ -102,14 +71,20 @@ LossSums FullCudaGraph::forward_backward(Context& ctx, ParallelState* ps, const 
     graph_.capture(ctx, [&] {
       schedule_forward_backward(ctx, ps, chunks, forward_step, inputs_, args, loss_scale_, sums_, ddp);
     });
+    captured_rng_base_ = rng_base;
     ++captures_;
   }
-  // The random offsets move on as the eager step moves them (dropout is off: nothing reads them).
+  // Note [Random offsets under CUDA graphs]: the graph's random ops hold the captured step's
+  // offsets; the device shift moves them to this step's (wrapping arithmetic, as the offsets).
+  const uint64_t shift = rng_base - captured_rng_base_;
+  if (shift != 0) set_rng_shift(ctx, shift);
   const int dp = ps ? ps->dp_size() : 1;
   ctx.rng().offset = rng_base + uint64_t(num_mb) * uint64_t(dp) * chunks[0]->random_streams_per_microbatch();
   graph_.replay(ctx);
   ++launches_;
-  return collect_loss_sums(ctx, ps, chunks, sums_);
+  const LossSums sums = collect_loss_sums(ctx, ps, chunks, sums_);
+  if (shift != 0) set_rng_shift(ctx, 0);  // eager work (evaluation) draws its own offsets
+  return sums;
 }
 
 }  // namespace megatron

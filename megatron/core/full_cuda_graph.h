@@ -15,9 +15,12 @@
 // reduction and the optimizer stay outside the graph (the optimizer's inf check and gradient norm
 // are read by the host). Evaluation runs eagerly.
 //
+// Dropout draws the offsets an eager step would: the graph holds the captured step's, and the
+// context's device offset shift moves them on (Note [Random offsets under CUDA graphs], context.h).
+//
 // What the graph cannot follow is refused when the arguments are validated (training/arguments.cpp):
-// pipeline and tensor parallelism (their communication inside the step), overlapped gradient
-// reduction, and dropout (its random offsets would be the captured step's at every launch).
+// pipeline and tensor parallelism (their communication inside the step) and overlapped gradient
+// reduction.
 #pragma once
 
 #include <vector>
@@ -53,12 +56,8 @@ class FullCudaGraph {
   CudaGraph graph_;
   std::vector<MicroBatch> inputs_;  // on the device, read by the graph
   Tensor loss_scale_, sums_;
+  uint64_t captured_rng_base_ = 0;  // ctx.rng().offset when the step was captured
   int64_t captures_ = 0, launches_ = 0;
 };
-
-/// Checks a microbatch's ids on the host as the embedding and cross-entropy kernels do on the
-/// device (same messages): token ids and labels in [0, vocab_rows), position ids in
-/// [0, position_rows) when position_rows > 0.
-void check_batch_ids(const MicroBatch& batch, int64_t vocab_rows, int64_t position_rows);
 
 }  // namespace megatron

@@ -17,6 +17,7 @@ Context::Context(Device device, uint64_t seed) : device_(device) {
     MG_CHECK(hooks.create != nullptr, "device {} requested but this build has no CUDA support: rebuild with "
              "-DMEGATRON_CUDA=ON", device_.str());
     hooks.create(device_, &stream_, &cublaslt_, &cudnn_);
+    rng_shift_ = Tensor::zeros({1}, DType::Int64, device_);
   }
 }
 

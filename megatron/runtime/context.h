@@ -30,11 +30,19 @@ class Context {
   void synchronize();
 
   RngState& rng() { return rng_; }
+  /// Note [Random offsets under CUDA graphs]: on a GPU, every random op adds this device int64 [1]
+  /// to the offset it is given (undefined on the CPU). It is zero except while a CUDA graph replays
+  /// a step that was captured at other offsets (core/full_cuda_graph.cpp sets it to the difference).
+  Tensor& rng_offset_shift() { return rng_shift_; }
 
   /// Whether the work enqueued on this context is being captured into a CUDA graph
   /// (runtime/cuda_graph.h): ops must then not wait for the device or read its results on the
   /// host (Note [Host checks under capture]).
   bool capturing() const { return capturing_; }
+  /// Whether the ids the ops are given were checked on the host already (Note [Host checks under
+  /// capture]): the forward ops then skip reading their own device-side checks back — a wait for
+  /// the device each. Set for a scope with HostCheckedIds.
+  bool ids_checked_on_host() const { return capturing_ || ids_checked_on_host_; }
 
   /// Per-op timing (runtime/profiler.h); null (the default) means off. Not owned.
   class OpProfiler* profiler() const { return profiler_; }
@@ -47,9 +55,27 @@ class Context {
   void* cudnn_ = nullptr;
   Tensor workspace_;
   RngState rng_;
+  Tensor rng_shift_;
   class OpProfiler* profiler_ = nullptr;
   bool capturing_ = false;
+  bool ids_checked_on_host_ = false;
   friend class CudaGraph;
+  friend class HostCheckedIds;
+};
+
+/// Marks, for its lifetime, the ids given to ctx's ops as checked on the host.
+class HostCheckedIds {
+ public:
+  explicit HostCheckedIds(Context& ctx) : ctx_(ctx), before_(ctx.ids_checked_on_host_) {
+    ctx.ids_checked_on_host_ = true;
+  }
+  ~HostCheckedIds() { ctx_.ids_checked_on_host_ = before_; }
+  HostCheckedIds(const HostCheckedIds&) = delete;
+  HostCheckedIds& operator=(const HostCheckedIds&) = delete;
+
+ private:
+  Context& ctx_;
+  bool before_;
 };
 
 namespace detail {

@@ -5,7 +5,8 @@
 //
 // The captured work must not synchronise with the host (Note [Host checks under capture]); blocks
 // it allocates it must release (Note [Allocation under capture], runtime/cuda). Random ops draw the
-// offsets they were captured with — the caller keeps dropout off or moves the offsets on itself.
+// offsets they were captured with, moved by the context's device offset shift (Note [Random offsets
+// under CUDA graphs], context.h), which the caller sets before a launch.
 #pragma once
 
 #include <functional>

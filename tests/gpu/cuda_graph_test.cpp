@@ -1,13 +1,15 @@
 // CUDA graphs: the runtime's capture and replay (runtime/cuda_graph.h, Note [Allocation under
 // capture]) and the full-iteration training graph (core/full_cuda_graph.h) against the eager step:
 // the same kernels on the same values, so the same bits — every iteration's loss and gradient norm
-// must be equal, in fp32, bf16, fp16 with the dynamic loss scaler, for a Llama-style model, and when
-// the number of microbatches changes under batch-size ramp-up (a second capture).
+// must be equal, in fp32, bf16, fp16 with the dynamic loss scaler, with dropout, for a Llama-style
+// model, and when the number of microbatches changes under batch-size ramp-up (a second capture).
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <fstream>
+#include <sstream>
 
 #include "megatron/kernels/ops.h"
 #include "megatron/runtime/check.h"
@@ -117,6 +119,15 @@ Run run_logged(const fs::path& dir, const std::string& name, const std::vector<s
   return out;
 }
 
+std::vector<std::string> validation_lines(const std::string& output) {
+  std::vector<std::string> v;
+  std::istringstream in(output);
+  std::string line;
+  while (std::getline(in, line))
+    if (line.find("lm loss value") != std::string::npos) v.push_back(line);
+  return v;
+}
+
 void expect_graph_is_eager(const std::string& name, const std::vector<std::string>& extra, size_t iterations) {
   ScratchDir dir(name);
   const auto argv = with(with({bin("pretrain_gpt")}, kModel), extra);
@@ -125,6 +136,9 @@ void expect_graph_is_eager(const std::string& name, const std::vector<std::strin
   EXPECT_NE(graph.output.find("CUDA graph: the forward and backward passes"), std::string::npos) << graph.output;
   ASSERT_EQ(eager.lines.size(), iterations) << eager.output;
   EXPECT_EQ(graph.lines, eager.lines) << graph.output;
+  EXPECT_EQ(validation_lines(graph.output), validation_lines(eager.output));
+  const bool evaluates = std::find(extra.begin(), extra.end(), "--eval-interval") != extra.end();
+  if (evaluates) EXPECT_FALSE(validation_lines(eager.output).empty()) << eager.output;
 }
 
 TEST(FullCudaGraph, Fp32StepsEqualTheEagerSteps) {
@@ -151,6 +165,21 @@ TEST(FullCudaGraph, LlamaStyleBf16StepsEqualTheEagerSteps) {
                          "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
                          "--disable-bias-linear", "--untie-embeddings-and-output-weights"},
                         6);
+}
+
+// Dropout draws the eager step's masks at every launch (Note [Random offsets under CUDA graphs]):
+// our kernels in fp32, cuDNN's dropout in bf16; evaluation between the steps runs eagerly.
+const std::vector<std::string> kDropout = {"--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--train-iters",
+                                           "7", "--eval-interval", "3", "--eval-iters", "2", "--split", "90,10,0"};
+
+TEST(FullCudaGraph, Fp32DropoutStepsEqualTheEagerSteps) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  expect_graph_is_eager("graph_dropout_fp32", kDropout, 7);
+}
+
+TEST(FullCudaGraph, Bf16DropoutStepsEqualTheEagerSteps) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  expect_graph_is_eager("graph_dropout_bf16", with(kDropout, {"--bf16"}), 7);
 }
 
 // Ramp-up from 8 to 16 samples a step: two and then four microbatches, so two captures.

@@ -119,9 +119,7 @@ TEST(Arguments, InvalidCombinationsSayWhichRuleFailed) {
 // Megatron's CUDA-graph flags: the full-iteration graph and what it refuses, each with its rule.
 TEST(Arguments, CudaGraphFlags) {
   auto f = base();
-  for (const char* x : {"--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", "--hidden-dropout", "0",
-                        "--attention-dropout", "0"})
-    f.push_back(x);
+  for (const char* x : {"--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"}) f.push_back(x);
   Arguments a = parse(f);
   validate_args(a);
   EXPECT_EQ(a.cuda_graph_impl, "local");
@@ -137,8 +135,7 @@ TEST(Arguments, CudaGraphFlags) {
     });
     EXPECT_NE(e.find(needle), std::string::npos) << "got: " << e;
   };
-  const std::vector<std::string> graph = {"--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration",
-                                          "--hidden-dropout", "0", "--attention-dropout", "0"};
+  const std::vector<std::string> graph = {"--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"};
   auto plus = [&](std::vector<std::string> extra) {
     std::vector<std::string> v = graph;
     v.insert(v.end(), extra.begin(), extra.end());
@@ -149,7 +146,6 @@ TEST(Arguments, CudaGraphFlags) {
   check({"--cuda-graph-impl", "local", "--cuda-graph-scope", "attn"}, "per-layer scopes are not built");
   check({"--external-cuda-graph"}, "needs TransformerEngine");
   check({"--cuda-graph-scope", "full_iteration"}, "--cuda-graph-scope needs --cuda-graph-impl local");
-  check({"--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"}, "--hidden-dropout 0");
   check(plus({"--device", "cpu"}), "CUDA graphs need a GPU");
   check(plus({"--cuda-graph-warmup-steps", "0"}), "--cuda-graph-warmup-steps must be at least 1");
   check(plus({"--tensor-model-parallel-size", "2"}), "does not capture tensor, pipeline or context parallelism", 2);

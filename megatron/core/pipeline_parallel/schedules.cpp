@@ -7,6 +7,51 @@
 
 namespace megatron {
 
+void check_batch_ids(const MicroBatch& batch, int64_t vocab_rows, int64_t position_rows) {
+  auto first_bad = [](const Tensor& ids, int64_t rows) -> int64_t {
+    if (!ids.defined()) return -1;
+    const std::vector<int64_t> v = ids.to_ints();
+    for (size_t i = 0; i < v.size(); ++i)
+      if (v[i] < 0 || v[i] >= rows) return int64_t(i);
+    return -1;
+  };
+  auto at = [](const Tensor& ids, int64_t flat) { return ids.to_ints()[size_t(flat)]; };
+  if (int64_t i = first_bad(batch.tokens, vocab_rows); i >= 0) {
+    const int64_t s = batch.tokens.size(1);
+    MG_CHECK(false,
+             "token id {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's vocabulary "
+             "size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",
+             at(batch.tokens, i), i / s, i % s, vocab_rows);
+  }
+  if (position_rows > 0) {
+    if (int64_t i = first_bad(batch.position_ids, position_rows); i >= 0) {
+      const int64_t s = batch.position_ids.size(1);
+      MG_CHECK(false,
+               "position id {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's "
+               "vocabulary size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",
+               at(batch.position_ids, i), i / s, i % s, position_rows);
+    }
+  }
+  if (int64_t i = first_bad(batch.labels, vocab_rows); i >= 0) {
+    MG_CHECK(false,
+             "label {} at position {} is outside the vocabulary [0, {}): check the tokenizer and --vocab-size "
+             "(mask ignored tokens with the loss mask instead of a negative label)",
+             at(batch.labels, i), i, vocab_rows);
+  }
+}
+
+namespace {
+Tensor on_device(const Tensor& t, Device device) { return t.defined() && t.device() != device ? t.to(device) : t; }
+
+bool on_host(const MicroBatch& b) { return b.tokens.defined() && b.tokens.device().is_host(); }
+}  // namespace
+
+MicroBatch checked_on_device(const MicroBatch& b, const TransformerConfig& config, Device device) {
+  check_batch_ids(b, config.padded_vocab_size, config.use_learned_positions() ? config.max_position_embeddings : 0);
+  return MicroBatch{on_device(b.tokens, device), on_device(b.labels, device), on_device(b.loss_mask, device),
+                    on_device(b.position_ids, device)};
+}
+
 void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
                                const ForwardStepFunc& forward_step, const std::vector<MicroBatch>& batches,
                                const ForwardBackwardArgs& args, const Tensor& loss_scale, Tensor& sums,
@@ -97,8 +142,22 @@ LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<con
   std::vector<MicroBatch> batches;
   batches.reserve(size_t(args.num_microbatches));
   for (int i = 0; i < args.num_microbatches; ++i) batches.push_back(data());
+  return forward_backward(ctx, ps, chunks, forward_step, std::move(batches), args, ddp);
+}
+
+LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+                          const ForwardStepFunc& forward_step, std::vector<MicroBatch> batches,
+                          const ForwardBackwardArgs& args, DistributedDataParallel* ddp) {
   Tensor sums = Tensor::zeros({args.num_microbatches, 2}, DType::Float32, ctx.device());
-  schedule_forward_backward(ctx, ps, chunks, forward_step, batches, args, loss_scale_tensor(ctx, args), sums, ddp);
+  const Tensor scale = loss_scale_tensor(ctx, args);
+  // Note [One wait per step] (schedules.h).
+  if (ctx.is_cuda() && !batches.empty() && on_host(batches[0])) {
+    for (MicroBatch& b : batches) b = checked_on_device(b, chunks[0]->config(), ctx.device());
+    HostCheckedIds checked(ctx);
+    schedule_forward_backward(ctx, ps, chunks, forward_step, batches, args, scale, sums, ddp);
+  } else {
+    schedule_forward_backward(ctx, ps, chunks, forward_step, batches, args, scale, sums, ddp);
+  }
   return collect_loss_sums(ctx, ps, chunks, sums);
 }
 

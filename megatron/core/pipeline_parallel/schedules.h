@@ -61,6 +61,24 @@ struct ForwardBackwardArgs {
   bool forward_only = false;
 };
 
+/// Checks a microbatch's ids on the host as the embedding and cross-entropy kernels do on the
+/// device (same messages): token ids and labels in [0, vocab_rows), position ids in
+/// [0, position_rows) when position_rows > 0.
+void check_batch_ids(const MicroBatch& batch, int64_t vocab_rows, int64_t position_rows);
+
+/// Note [One wait per step]: the eager step copies its microbatches to the device and checks their
+/// ids on the host before the first forward (HostCheckedIds), and reads the loss sums back once at
+/// the end: nothing in between waits for the device (with PP = 1; the pipeline's exchanges wait for
+/// their peers).
+
+/// The same over microbatches already pulled (one per microbatch).
+LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+                          const ForwardStepFunc& forward_step, std::vector<MicroBatch> batches,
+                          const ForwardBackwardArgs& args, DistributedDataParallel* ddp = nullptr);
+
+/// check_batch_ids with the model's table sizes, then the batch's tensors on `device`.
+MicroBatch checked_on_device(const MicroBatch& b, const TransformerConfig& config, Device device);
+
 /// Enqueues one step's work over `batches` (one per microbatch) without reading anything back:
 /// the last stage writes microbatch j's {Σ loss·mask, Σ mask} into sums [M, 2] (fp32, on the
 /// context's device) and scales its loss gradient by loss_scale [1] (fp32, on the device: the loss

@@ -96,8 +96,9 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     attention_forward_rowwise_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                      T* __restrict__ out, float* __restrict__ lse, AttnDims a, float scale,
-                                     float dropout_p, uint64_t seed, uint64_t offset) {
+                                     float dropout_p, uint64_t seed, uint64_t offset, const uint64_t* shift) {
   extern __shared__ float smem[];
+  if (shift) offset += *shift;
   const int64_t i = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
   const int64_t g = h / (a.nq / a.ng);
   const int64_t n = i + 1;  // causal: keys 0..i
@@ -157,8 +158,9 @@ __global__ void __launch_bounds__(kThreads)
     attention_backward_dq_kernel(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
                                  const T* __restrict__ v, const T* __restrict__ out, const float* __restrict__ lse,
                                  T* __restrict__ dq, float* __restrict__ delta, AttnDims a, float scale,
-                                 float dropout_p, uint64_t seed, uint64_t offset) {
+                                 float dropout_p, uint64_t seed, uint64_t offset, const uint64_t* shift) {
   extern __shared__ float smem[];
+  if (shift) offset += *shift;
   const int64_t i = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
   const int64_t g = h / (a.nq / a.ng);
   const int64_t n = i + 1;
@@ -220,8 +222,10 @@ __global__ void __launch_bounds__(kThreads)
     attention_backward_dkv_kernel(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
                                   const T* __restrict__ v, const float* __restrict__ lse,
                                   const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                                  AttnDims a, float scale, float dropout_p, uint64_t seed, uint64_t offset) {
+                                  AttnDims a, float scale, float dropout_p, uint64_t seed, uint64_t offset,
+                                  const uint64_t* shift) {
   extern __shared__ float smem[];
+  if (shift) offset += *shift;
   const int64_t j = blockIdx.x, g = blockIdx.y, bi = blockIdx.z;
   const int64_t group = a.nq / a.ng;
   const int64_t rows = a.s - j;  // causal: queries j..s-1 see key j
@@ -272,9 +276,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__global__ void write_seed_offset_kernel(int64_t* dst, uint64_t seed, uint64_t offset) {
-  dst[0] = int64_t(seed);
-  dst[1] = int64_t(offset);
+// cuDNN's dropout state: {mix(seed, offset + shift) >> 1, 0}. cuDNN's dropout barely moves with
+// small changes of its offset (offsets 7 and 8 gave the same mask on the H200), while every random
+// op of ours takes the next offset; so the stream is selected through the seed, a splitmix64 mix of
+// (seed, offset), with cuDNN's offset 0. Mixed here on the device: the offset's shift (Note [Random
+// offsets under CUDA graphs]) is only known there.
+__global__ void write_cudnn_dropout_state_kernel(int64_t* dst, uint64_t seed, uint64_t offset, const uint64_t* shift) {
+  if (shift) offset += *shift;
+  uint64_t z = seed ^ (offset * 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  dst[0] = int64_t(z >> 1);
+  dst[1] = 0;
 }
 
 // ---- host side ------------------------------------------------------------------------------------
@@ -361,7 +375,7 @@ void launch_forward_rowwise(Context& ctx, const AttnDims& a, const Tensor& q, co
     reserve_shared_memory(attention_forward_rowwise_kernel<T>, smem, a);
     attention_forward_rowwise_kernel<T><<<grid, kThreads, smem, stream_of(ctx)>>>(
         dev_ptr<const T>(q), dev_ptr<const T>(k), dev_ptr<const T>(v), dev_ptr<T>(out), dev_ptr<float>(lse), a,
-        softmax_scale, dropout_p, seed, offset);
+        softmax_scale, dropout_p, seed, offset, rng_shift_of(ctx));
     CUDA_CHECK_LAUNCH();
   });
 }
@@ -383,12 +397,12 @@ void launch_backward_rowwise(Context& ctx, const AttnDims& a, const Tensor& grad
     attention_backward_dq_kernel<T><<<grid_dq, kThreads, smem_dq, stream_of(ctx)>>>(
         dev_ptr<const T>(grad_out), dev_ptr<const T>(q), dev_ptr<const T>(k), dev_ptr<const T>(v),
         dev_ptr<const T>(out), dev_ptr<const float>(lse), dev_ptr<T>(grad_q), delta, a, softmax_scale, dropout_p,
-        seed, offset);
+        seed, offset, rng_shift_of(ctx));
     CUDA_CHECK_LAUNCH();
     attention_backward_dkv_kernel<T><<<grid_dkv, kThreads, smem_dkv, stream_of(ctx)>>>(
         dev_ptr<const T>(grad_out), dev_ptr<const T>(q), dev_ptr<const T>(k), dev_ptr<const T>(v),
         dev_ptr<const float>(lse), delta, dev_ptr<T>(grad_k), dev_ptr<T>(grad_v), a, softmax_scale, dropout_p, seed,
-        offset);
+        offset, rng_shift_of(ctx));
     CUDA_CHECK_LAUNCH();
   });
 }
@@ -429,8 +443,8 @@ SplitQkv split_copies(Context& ctx, const Tensor& qkv, const Shape& heads) {
 
 }  // namespace
 
-void write_dropout_seed_offset(Context& ctx, int64_t* dst, uint64_t seed, uint64_t offset) {
-  write_seed_offset_kernel<<<1, 1, 0, stream_of(ctx)>>>(dst, seed, offset);
+void write_cudnn_dropout_state(Context& ctx, int64_t* dst, uint64_t seed, uint64_t offset) {
+  write_cudnn_dropout_state_kernel<<<1, 1, 0, stream_of(ctx)>>>(dst, seed, offset, rng_shift_of(ctx));
   CUDA_CHECK_LAUNCH();
 }
 

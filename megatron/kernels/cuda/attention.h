@@ -54,8 +54,8 @@ void attention_backward_rowwise(Context& ctx, const Tensor& grad_out, const Tens
                                 float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q, Tensor& grad_k,
                                 Tensor& grad_v);
 
-/// Writes {seed, offset} as two int64 into device memory `dst` on ctx's stream (cuDNN's dropout
-/// reads its seed and offset from device tensors).
-void write_dropout_seed_offset(Context& ctx, int64_t* dst, uint64_t seed, uint64_t offset);
+/// Writes cuDNN's dropout seed and offset for our (seed, offset) as two int64 into device memory
+/// `dst` on ctx's stream (cuDNN reads them from device tensors): the seed a mix of both, offset 0.
+void write_cudnn_dropout_state(Context& ctx, int64_t* dst, uint64_t seed, uint64_t offset);
 
 }  // namespace megatron::cuda

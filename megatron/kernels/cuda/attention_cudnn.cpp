@@ -408,17 +408,11 @@ void execute(Context& ctx, const CachedGraph& entry, std::unordered_map<int64_t,
     base = static_cast<char*>(workspace.raw_data());
   }
   if (state_bytes > 0) {
-    // cuDNN's dropout barely moves with small changes of its offset (offsets 7 and 8 gave the
-    // same mask on the H200), while every random op of ours takes the next offset. So the stream
-    // is selected through the seed: a splitmix64 mix of (seed, offset), with cuDNN's offset 0.
-    uint64_t z = seed ^ (offset * 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    // The kernel writes the seed at base[0..8) and the offset at base[8..16): cuDNN must read the
+    // The kernel writes the seed at base[0..8) and the offset at base[8..16) (see
+    // write_cudnn_dropout_state for how our (seed, offset) become cuDNN's): cuDNN must read the
     // offset there (it once read base + 16, bytes nothing wrote — zero only while the pool handed
     // back freshly mapped memory, so the masks changed once the pool kept its memory).
-    write_dropout_seed_offset(ctx, reinterpret_cast<int64_t*>(base), z >> 1, 0);
+    write_cudnn_dropout_state(ctx, reinterpret_cast<int64_t*>(base), seed, offset);
     pack[kSeed] = base;
     pack[kOffset] = base + sizeof(int64_t);
   }

@@ -193,7 +193,7 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& lab
     }
   });
   CUDA_CHECK_LAUNCH();
-  if (ctx.capturing()) return;  // Note [Host checks under capture] (embedding.cu)
+  if (ctx.ids_checked_on_host()) return;  // Note [Host checks under capture] (embedding.cu)
   unsigned long long found = 0;
   CUDA_CHECK(cudaMemcpyAsync(&found, bad_row, sizeof(found), cudaMemcpyDeviceToHost, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -117,6 +117,10 @@ inline T* dev_ptr(const Tensor& t) {
 }
 
 inline cudaStream_t stream_of(const Context& ctx) { return static_cast<cudaStream_t>(ctx.stream()); }
+/// What random kernels add to their offset (Note [Random offsets under CUDA graphs], context.h).
+inline const uint64_t* rng_shift_of(Context& ctx) {
+  return ctx.rng_offset_shift().defined() ? static_cast<const uint64_t*>(ctx.rng_offset_shift().raw_data()) : nullptr;
+}
 
 // ---- argument checks of the ops (MG_ASSERT: ops.cpp and the model checked the user's input) ----
 inline void check_cuda(const Tensor& t, const char* name) {

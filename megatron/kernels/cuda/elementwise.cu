@@ -86,10 +86,11 @@ template <bool RESIDUAL>  // a = x, b = residual
 struct DropoutOp {
   float p, scale;
   uint64_t seed, offset;
+  const uint64_t* shift;  // Note [Random offsets under CUDA graphs]
   template <int N>
   __device__ void operator()(int64_t i0, float (&x)[N], const float (&res)[N]) const {
     float u[N];
-    uniforms<N>(seed, offset, i0, u);
+    uniforms<N>(seed, offset + (shift ? *shift : 0), i0, u);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const float dropped = u[k] >= p ? __fmul_rn(x[k], scale) : 0.0f;  // never fused: bit-equal to the CPU
@@ -147,7 +148,7 @@ void check_like(const Tensor& t, const Tensor& like, const char* name) {
 }
 
 // out = residual + dropout(x); residual may be undefined.
-void dropout_add(const Context& ctx, const Tensor& x, const Tensor& residual, float p, uint64_t seed,
+void dropout_add(Context& ctx, const Tensor& x, const Tensor& residual, float p, uint64_t seed,
                  uint64_t offset, Tensor& out) {
   MG_ASSERT(p >= 0.0f && p <= 1.0f, "dropout probability {} must be in [0, 1]", p);
   check_float_cuda(x, "x");
@@ -161,8 +162,9 @@ void dropout_add(const Context& ctx, const Tensor& x, const Tensor& residual, fl
     return;
   }
   const float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
-  if (residual.defined()) return pointwise(ctx, x, residual, out, DropoutOp<true>{p, scale, seed, offset});
-  pointwise(ctx, x, Tensor(), out, DropoutOp<false>{p, scale, seed, offset});
+  const uint64_t* shift = rng_shift_of(ctx);
+  if (residual.defined()) return pointwise(ctx, x, residual, out, DropoutOp<true>{p, scale, seed, offset, shift});
+  pointwise(ctx, x, Tensor(), out, DropoutOp<false>{p, scale, seed, offset, shift});
 }
 
 // ---- SwiGLU: x [N, 2f] = [gate | up] rows -----------------------------------------------------------

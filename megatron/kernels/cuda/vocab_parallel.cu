@@ -213,10 +213,10 @@ Tensor make_bad_buffer(const Context& ctx) {
   return bad;
 }
 
-// Syncs the stream and returns the bad index (kNoBad when none; and always under capture, Note [Host
-// checks under capture]).
+// Syncs the stream and returns the bad index (kNoBad when none; and always when the caller checked
+// the ids on the host, Note [Host checks under capture]).
 unsigned long long read_bad(const Context& ctx, const Tensor& bad) {
-  if (ctx.capturing()) return kNoBad;
+  if (ctx.ids_checked_on_host()) return kNoBad;
   cudaStream_t stream = stream_of(ctx);
   unsigned long long found = kNoBad;
   CUDA_CHECK(cudaMemcpyAsync(&found, bad.raw_data(), sizeof(found), cudaMemcpyDeviceToHost, stream));
