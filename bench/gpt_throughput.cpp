@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   try {
     std::string preset = "tiny", device = "auto", dtype = "bf16";
     int steps = 10, warmup = 3, vocab = 50257;
-    bool profile = false, cuda_graph = false;
+    bool profile = false, cuda_graph = false, deterministic = false;
     CLI::App app("GPT training-step throughput");
     app.add_option("--preset", preset, "Model shape")->capture_default_str();
     app.add_option("--steps", steps, "Timed steps")->capture_default_str();
@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
     app.add_flag("--profile", profile, "After timing, one more step with per-op timing (CUDA events): JSON lines");
     app.add_flag("--cuda-graph", cuda_graph,
                  "Forward and backward as one CUDA graph, captured after the warmup steps (the optimizer eager)");
+    app.add_flag("--deterministic", deterministic, "Deterministic algorithms (Megatron's --deterministic-mode)");
     CLI11_PARSE(app, argc, argv);
     MG_CHECK(!(cuda_graph && profile), "--profile times ops one by one: drop --cuda-graph");
     MG_CHECK(!cuda_graph || warmup >= 1, "--cuda-graph needs --warmup >= 1 (the eager steps build the plans)");
@@ -96,6 +97,7 @@ int main(int argc, char** argv) {
     }
     validate_args(a);
     Context ctx(select_device(device), 1234);
+    ctx.set_deterministic(deterministic);
     TransformerConfig config = transformer_config_from_args(a, vocab);
     GPTModel model(config, ctx.device());
     model.init_weights(1234);
@@ -217,10 +219,10 @@ int main(int argc, char** argv) {
                     "\"device\": \"{}\", \"dtype\": \"{}\", \"seq\": {}, \"mbs\": {}, \"vocab\": {}, \"params\": {}, "
                     "\"tokens_per_s\": {:.1f}, "
                     "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
-                    "\"cuda_graph\": {}, \"graph_mem_gb\": {:.3f}, \"loss\": {:.4f}}}",
+                    "\"cuda_graph\": {}, \"deterministic\": {}, \"graph_mem_gb\": {:.3f}, \"loss\": {:.6f}}}",
                     preset, ctx.device().str(), dtype, p.seq, p.mbs, config.padded_vocab_size, model.params().numel(),
                     tokens_per_step / median, flops / median / 1e12, flops / median / 989e12, median * 1e3,
-                    double(m.peak_allocated) / 1e9, cuda_graph, double(CudaGraph::memory_bytes(ctx.device())) / 1e9,
+                    double(m.peak_allocated) / 1e9, cuda_graph, deterministic, double(CudaGraph::memory_bytes(ctx.device())) / 1e9,
                     loss)
             .c_str());
     return 0;

@@ -4,7 +4,8 @@
 # Runs from the repository root on the GPU machine with the binaries staged in .device/ (see
 # bench/stage_gpu.sh). Usage: bench/run_gpu.sh [tests|train|bench|graph|all] [presets...]
 # (graph: each preset's step with the forward and backward as one CUDA graph against the eager step,
-# alternating twice in the same call; not part of all.)
+# alternating twice in the same call; determinism: each preset twice with and twice without
+# --deterministic, whether the runs agree and what it costs; neither is part of all.)
 set -uo pipefail
 what=${1:-all}; shift || true
 PRESETS=${*:-gpt2-124M gpt-1.3B llama-1B}
@@ -137,5 +138,30 @@ PY
       python3 -c "$GAIN" "$p" "$OUT/graph_${p}_eager_$round.txt" "$OUT/graph_${p}_graph_$round.txt" "$round" |
         tee -a "$OUT/graph.jsonl"
     done
+  done
+fi
+if [[ $what == determinism ]]; then
+  echo "== determinism: two runs each, default and --deterministic (cuDNN's deterministic attention backward)"
+  for p in $PRESETS; do
+    for mode in default deterministic; do
+      flag=""; [[ $mode == deterministic ]] && flag=--deterministic
+      for run in 1 2; do
+        timeout 300 $B/gpt_throughput --preset "$p" --device cuda --dtype bf16 --steps 10 --warmup 3 $flag \
+          > "$OUT/det_${p}_${mode}_$run.txt" 2>&1
+      done
+    done
+    python3 - "$OUT" "$p" <<'PY' | tee -a "$OUT/determinism.jsonl"
+import json, sys
+def row(mode, run):
+    for l in open(f"{sys.argv[1]}/det_{sys.argv[2]}_{mode}_{run}.txt"):
+        if l.startswith('{"bench": "gpt_throughput"'): return json.loads(l)
+d1, d2, t1, t2 = row("default", 1), row("default", 2), row("deterministic", 1), row("deterministic", 2)
+print(json.dumps({"bench": "determinism", "preset": sys.argv[2],
+                  "default_losses": [d1["loss"], d2["loss"]], "deterministic_losses": [t1["loss"], t2["loss"]],
+                  "deterministic_runs_agree": t1["loss"] == t2["loss"],
+                  "tokens_per_s_deterministic_vs_default": round((t1["tokens_per_s"] + t2["tokens_per_s"]) /
+                                                                 (d1["tokens_per_s"] + d2["tokens_per_s"]), 4),
+                  "peak_mem_gb": [d1["peak_mem_gb"], t1["peak_mem_gb"]]}))
+PY
   done
 fi

@@ -44,6 +44,11 @@ class Context {
   /// the device each. Set for a scope with HostCheckedIds.
   bool ids_checked_on_host() const { return capturing_ || ids_checked_on_host_; }
 
+  /// Megatron's --deterministic-mode: ops that would otherwise accumulate in a varying order (cuDNN's
+  /// attention backward) choose an algorithm that gives the same bits at every run, at some cost.
+  bool deterministic() const { return deterministic_; }
+  void set_deterministic(bool on) { deterministic_ = on; }
+
   /// Per-op timing (runtime/profiler.h); null (the default) means off. Not owned.
   class OpProfiler* profiler() const { return profiler_; }
   void set_profiler(class OpProfiler* p) { profiler_ = p; }
@@ -59,6 +64,7 @@ class Context {
   class OpProfiler* profiler_ = nullptr;
   bool capturing_ = false;
   bool ids_checked_on_host_ = false;
+  bool deterministic_ = false;
   friend class CudaGraph;
   friend class HostCheckedIds;
 };

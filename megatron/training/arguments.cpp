@@ -4,6 +4,8 @@
 // launch scripts run unchanged.
 #include "megatron/training/arguments.h"
 
+#include <cstdlib>
+
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -116,6 +118,8 @@ struct Parser {
     opt(g, "--hidden-dropout", a.hidden_dropout, "Dropout on the residual branches and embeddings");
     opt(g, "--init-method-std", a.init_method_std, "Standard deviation of the weight initialisation");
     opt(g, "--seed", a.seed, "Random seed (initialisation, dropout, data order)");
+    flag(g, "--deterministic-mode", a.deterministic_mode,
+         "The same results at every run: deterministic algorithms where the fast one is not (slower)");
     opt(g, "--normalization", a.normalization, "LayerNorm or RMSNorm")->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
     opt(g, "--norm-epsilon", a.norm_epsilon, "Epsilon of the norms");
     opt(g, "--layernorm-epsilon", a.norm_epsilon, "Alias of --norm-epsilon");
@@ -494,6 +498,15 @@ void validate_args(Arguments& a) {
   } else {
     MG_CHECK(a.cuda_graph_scope.empty(), "--cuda-graph-scope needs --cuda-graph-impl local");
   }
+}
+
+void check_deterministic_nccl(const Arguments& a, bool uses_nccl) {
+  if (!a.deterministic_mode || !uses_nccl) return;
+  const char* algo = std::getenv("NCCL_ALGO");
+  const std::string v = algo ? algo : "";
+  MG_CHECK(v == "Tree" || v == "Ring" || v == "CollnetDirect" || v == "CollnetChain" || v == "^NVLS",
+           "--deterministic-mode on several GPUs needs NCCL_ALGO set to one of Tree, Ring, CollnetDirect, "
+           "CollnetChain, ^NVLS (got '{}'): export it before the launch", v);
 }
 
 TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab_size) {

@@ -173,6 +173,8 @@ struct Arguments {
   int num_experts = 0;
   int moe_router_topk = 2;
 
+  bool deterministic_mode = false;  // the same bits at every run (cuDNN's deterministic attention backward)
+
   // ---- CUDA graphs (core/full_cuda_graph.h)
   std::string cuda_graph_impl = "none";         // none | local | transformer_engine
   std::vector<std::string> cuda_graph_scope;    // local: full_iteration
@@ -183,6 +185,10 @@ struct Arguments {
   // ---- megatron.cpp's own
   std::string device = "auto";  // auto | cpu | cuda
 };
+
+/// Megatron's rule for --deterministic-mode over NCCL (several GPUs): NCCL_ALGO must name an
+/// algorithm with a fixed reduction order. `uses_nccl`: this run's ranks talk through NCCL.
+void check_deterministic_nccl(const Arguments& a, bool uses_nccl);
 
 /// Parses argv (argv[0] is the program). Prints --help and returns std::nullopt when asked for help;
 /// throws megatron::Error for unknown flags (naming the nearest), bad values and invalid combinations.

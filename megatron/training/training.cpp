@@ -407,6 +407,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   MG_CHECK(args.context_parallel_size == 1, "--context-parallel-size {}: context parallelism is not supported yet",
            args.context_parallel_size);
   const Device device = select_device(args.device, launch.local_rank);
+  check_deterministic_nccl(args, args.world_size > 1 && device.is_cuda());
   ParallelConfig layout;
   layout.tensor_model_parallel_size = args.tensor_model_parallel_size;
   layout.pipeline_model_parallel_size = args.pipeline_model_parallel_size;
@@ -417,6 +418,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   g_printing_rank = ps.rank() == ps.world_size() - 1;
   args.data_parallel_rank = ps.dp_rank();
   Context ctx(device, uint64_t(args.seed));
+  ctx.set_deterministic(args.deterministic_mode);
 
   std::unique_ptr<Tokenizer> tokenizer;
   if (args.tokenizer_type.empty() && args.vocab_size > 0) args.tokenizer_type = "NullTokenizer";

@@ -265,3 +265,27 @@ TEST(AttentionCudnnDropout, DeterministicFiniteAndLseUnchanged) {
 
 }  // namespace
 }  // namespace megatron
+
+namespace megatron {
+namespace {
+
+// --deterministic-mode (Context::deterministic): cuDNN's deterministic backward gives the same bits
+// at every call and still the CPU's result; the default backward accumulates dQ with atomics.
+TEST(AttentionCudnnDeterministic, SameBitsEveryCallAndMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const Inputs in = make_inputs({1024, 4, 16, 4, 64}, DType::BFloat16, 61);
+  const float scale = 0.125f;
+  Context ctx(Device::cuda(0));
+  ctx.set_deterministic(true);
+  const Results first = run_gpu(ctx, in, scale, 0.0f, Path::Dispatch);
+  for (int k = 0; k < 3; ++k) {
+    const Results again = run_gpu(ctx, in, scale, 0.0f, Path::Dispatch);
+    EXPECT_TRUE(first.grad_q.to_floats() == again.grad_q.to_floats()) << "grad_q differs at call " << k + 2;
+    EXPECT_TRUE(first.grad_k.to_floats() == again.grad_k.to_floats()) << "grad_k differs at call " << k + 2;
+    EXPECT_TRUE(first.grad_v.to_floats() == again.grad_v.to_floats()) << "grad_v differs at call " << k + 2;
+  }
+  expect_results_close(first, run_cpu(in, scale, 0.0f), 2e-2, 1e-3);
+}
+
+}  // namespace
+}  // namespace megatron

@@ -100,16 +100,16 @@ const std::vector<std::string> kModel = {
 const std::vector<std::string> kGraph = {"--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration",
                                          "--cuda-graph-warmup-steps", "2"};
 
-struct Run {
+struct LoggedRun {
   std::vector<std::string> lines;  // each iteration's {loss, grad norm} as logged (17 digits)
   std::string output;
 };
 
-Run run_logged(const fs::path& dir, const std::string& name, const std::vector<std::string>& argv) {
+LoggedRun run_logged(const fs::path& dir, const std::string& name, const std::vector<std::string>& argv) {
   const fs::path log = dir / (name + ".jsonl");
   RunResult r = run(argv, dir, "MEGATRON_LOSS_LOG=" + shell_quote(log.string()));
   EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
-  Run out{{}, r.output};
+  LoggedRun out{{}, r.output};
   std::ifstream in(log);
   std::string line;
   while (std::getline(in, line)) {
@@ -131,8 +131,8 @@ std::vector<std::string> validation_lines(const std::string& output) {
 void expect_graph_is_eager(const std::string& name, const std::vector<std::string>& extra, size_t iterations) {
   ScratchDir dir(name);
   const auto argv = with(with({bin("pretrain_gpt")}, kModel), extra);
-  const Run eager = run_logged(dir.path, "eager", argv);
-  const Run graph = run_logged(dir.path, "graph", with(argv, kGraph));
+  const LoggedRun eager = run_logged(dir.path, "eager", argv);
+  const LoggedRun graph = run_logged(dir.path, "graph", with(argv, kGraph));
   EXPECT_NE(graph.output.find("CUDA graph: the forward and backward passes"), std::string::npos) << graph.output;
   ASSERT_EQ(eager.lines.size(), iterations) << eager.output;
   EXPECT_EQ(graph.lines, eager.lines) << graph.output;
@@ -186,6 +186,26 @@ TEST(FullCudaGraph, Bf16DropoutStepsEqualTheEagerSteps) {
 TEST(FullCudaGraph, BatchSizeRampUpCapturesAgain) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   expect_graph_is_eager("graph_rampup", {"--train-samples", "128", "--rampup-batch-size", "8", "8", "64"}, 12);
+}
+
+// --deterministic-mode at a shape where cuDNN's default attention backward varies in its last bits
+// from run to run: two eager runs and a graph run give the same losses and gradient norms.
+TEST(DeterministicMode, SameBitsEveryRunEagerOrGraph) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  ScratchDir dir("deterministic");
+  const auto argv = with({bin("pretrain_gpt")},
+                         {"--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length",
+                          "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "4",
+                          "--global-batch-size", "8", "--lr", "1e-3", "--vocab-size", "4000", "--mock-data",
+                          "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--eval-iters",
+                          "0", "--seed", "7", "--device", "cuda", "--split", "100,0,0", "--train-iters", "6", "--bf16",
+                          "--deterministic-mode"});
+  const LoggedRun first = run_logged(dir.path, "first", argv);
+  const LoggedRun second = run_logged(dir.path, "second", argv);
+  const LoggedRun graph = run_logged(dir.path, "graph", with(argv, kGraph));
+  ASSERT_EQ(first.lines.size(), 6u) << first.output;
+  EXPECT_EQ(second.lines, first.lines);
+  EXPECT_EQ(graph.lines, first.lines);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <regex>
 
 #include "megatron/runtime/check.h"
@@ -151,6 +152,24 @@ TEST(Arguments, CudaGraphFlags) {
   check(plus({"--tensor-model-parallel-size", "2"}), "does not capture tensor, pipeline or context parallelism", 2);
   check(plus({"--pipeline-model-parallel-size", "2"}), "does not capture tensor, pipeline or context parallelism", 2);
   check(plus({"--overlap-grad-reduce"}), "--overlap-grad-reduce would launch the gradient reduction");
+}
+
+// --deterministic-mode over NCCL needs NCCL_ALGO, as in Megatron; one process or MPI does not.
+TEST(Arguments, DeterministicModeAsksNcclForAFixedAlgorithm) {
+  auto f = base();
+  f.push_back("--deterministic-mode");
+  Arguments a = parse(f);
+  validate_args(a);
+  EXPECT_TRUE(a.deterministic_mode);
+  ::unsetenv("NCCL_ALGO");
+  EXPECT_EQ(error_of([&] { check_deterministic_nccl(a, false); }), "");
+  const std::string e = error_of([&] { check_deterministic_nccl(a, true); });
+  EXPECT_NE(e.find("needs NCCL_ALGO set to one of Tree, Ring"), std::string::npos) << e;
+  ::setenv("NCCL_ALGO", "Ring", 1);
+  EXPECT_EQ(error_of([&] { check_deterministic_nccl(a, true); }), "");
+  ::unsetenv("NCCL_ALGO");
+  a.deterministic_mode = false;
+  EXPECT_EQ(error_of([&] { check_deterministic_nccl(a, true); }), "");
 }
 
 // The parallel layout's rules, for a world of 8 ranks (the launcher's world size).

@@ -109,6 +109,7 @@ struct GraphKey {
   uint32_t scale_bits = 0, dropout_bits = 0;
   bool backward = false;
   bool fused_qkv = false;  // q/k/v (and their gradients) are views of one [s, b, 3·nq·d] buffer
+  bool deterministic = false;  // backward: cuDNN's deterministic dQ (Context::deterministic)
   bool operator==(const GraphKey&) const = default;
   float dropout_p() const { return std::bit_cast<float>(dropout_bits); }
   float scale() const { return std::bit_cast<float>(scale_bits); }
@@ -125,6 +126,7 @@ struct GraphKeyHash {
     mix(k.dropout_bits);
     mix(uint64_t(k.backward));
     mix(uint64_t(k.fused_qkv));
+    mix(uint64_t(k.deterministic));
     return h;
   }
 };
@@ -168,6 +170,7 @@ GraphKey make_key(Context& ctx, const Geometry& g, float softmax_scale, float dr
   key.dropout_bits = dropout_p > 0.0f ? std::bit_cast<uint32_t>(dropout_p) : 0u;
   key.backward = backward;
   key.fused_qkv = g.fused_qkv;
+  key.deterministic = backward && ctx.deterministic();
   return key;
 }
 
@@ -258,6 +261,9 @@ void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
                      .set_attn_scale(k.scale())
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                      .set_diagonal_band_right_bound(0);
+  // Without it, dQ is accumulated with atomics over the key blocks: the last bits vary from run to
+  // run. The deterministic algorithm goes through a dP workspace of b·h·s·s·2 bytes instead.
+  if (k.deterministic) options.set_deterministic_algorithm(true);
   if (k.dropout_bits != 0)
     options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
   auto [grad_q, grad_k, grad_v] = graph.sdpa_backward(q, kk, v, o, grad_o, stats, options);
