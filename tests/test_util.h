@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "megatron/runtime/check.h"
 #include "megatron/runtime/philox.h"
 #include "megatron/runtime/tensor.h"
 
@@ -53,6 +54,17 @@ inline double max_abs_error(const std::vector<float>& a, const std::vector<float
   double worst = 0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) worst = std::max(worst, std::fabs(double(a[i]) - b[i]));
   return worst;
+}
+
+/// The message of the megatron::Error `fn` throws; empty when it throws none.
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace megatron::testing

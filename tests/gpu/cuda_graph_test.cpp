@@ -28,16 +28,6 @@ Tensor filled(const Shape& shape, uint64_t seed, Device device) {
   return Tensor::from_floats(v, shape, DType::Float32, device);
 }
 
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 // y = 2·(x·Wᵀ) + zeros, through a temporary allocated, zero-filled and copied inside the capture.
 void body(Context& ctx, const Tensor& x, const Tensor& w, Tensor& y) {
   Tensor t = Tensor::empty({x.size(0), w.size(0)}, DType::Float32, ctx.device());

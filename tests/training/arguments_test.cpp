@@ -10,9 +10,12 @@
 #include "megatron/runtime/check.h"
 #include "megatron/training/num_microbatches.h"
 #include "megatron/training/training_log.h"
+#include "tests/test_util.h"
 
 namespace megatron {
 namespace {
+
+using testing::error_of;
 
 Arguments parse(std::vector<std::string> flags) {
   std::vector<const char*> argv = {"pretrain_gpt"};
@@ -40,16 +43,6 @@ std::vector<std::string> base() {
           "--mock-data",
           "--vocab-size",
           "100"};
-}
-
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(Arguments, MegatronDefaults) {
@@ -197,9 +190,9 @@ TEST(Arguments, ParallelLayoutRules) {
 
 TEST(Arguments, HelpListsGroups) {
   const char* argv[] = {"pretrain_gpt", "--help"};
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStdout();
   auto a = parse_args(2, argv, "test");
-  std::string out = testing::internal::GetCapturedStdout();
+  std::string out = ::testing::internal::GetCapturedStdout();
   EXPECT_FALSE(a.has_value());
   for (const char* g : {"Model", "Parallelism", "Data", "Checkpoints", "Logging", "--num-layers", "--data-path"}) {
     EXPECT_NE(out.find(g), std::string::npos) << g;

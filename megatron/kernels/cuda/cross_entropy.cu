@@ -230,7 +230,8 @@ void masked_loss_sums(Context& ctx, const Tensor& losses, const Tensor& loss_mas
   CUDA_CHECK_LAUNCH();
 }
 
-void masked_loss_backward(Context& ctx, const Tensor& loss_mask, float scale, Tensor& grad_losses) {
+// Checks a loss gradient [N] fp32 and its mask; returns N.
+static int64_t check_loss_gradient(const Tensor& loss_mask, const Tensor& grad_losses) {
   check_cuda(grad_losses, "grad_losses");
   MG_ASSERT(grad_losses.dtype() == DType::Float32, "grad_losses is {}, expected fp32", grad_losses.str());
   const int64_t n = grad_losses.numel();
@@ -238,6 +239,11 @@ void masked_loss_backward(Context& ctx, const Tensor& loss_mask, float scale, Te
     check_cuda(loss_mask, "loss_mask");
     MG_ASSERT(loss_mask.numel() == n, "loss_mask is {}, expected {} elements", loss_mask.str(), n);
   }
+  return n;
+}
+
+void masked_loss_backward(Context& ctx, const Tensor& loss_mask, float scale, Tensor& grad_losses) {
+  const int64_t n = check_loss_gradient(loss_mask, grad_losses);
   if (n == 0) return;
   cudaStream_t stream = stream_of(ctx);
   dispatch_mask(loss_mask, [&]<typename M>() {
@@ -249,15 +255,9 @@ void masked_loss_backward(Context& ctx, const Tensor& loss_mask, float scale, Te
 
 void masked_loss_backward_normalized(Context& ctx, const Tensor& loss_mask, const Tensor& sums, const Tensor& scale,
                                      Tensor& grad_losses) {
-  check_cuda(grad_losses, "grad_losses");
-  MG_ASSERT(grad_losses.dtype() == DType::Float32, "grad_losses is {}, expected fp32", grad_losses.str());
+  const int64_t n = check_loss_gradient(loss_mask, grad_losses);
   check_fp32(sums, 2, "sums");
   check_fp32(scale, 1, "scale");
-  const int64_t n = grad_losses.numel();
-  if (loss_mask.defined()) {
-    check_cuda(loss_mask, "loss_mask");
-    MG_ASSERT(loss_mask.numel() == n, "loss_mask is {}, expected {} elements", loss_mask.str(), n);
-  }
   if (n == 0) return;
   cudaStream_t stream = stream_of(ctx);
   dispatch_mask(loss_mask, [&]<typename M>() {

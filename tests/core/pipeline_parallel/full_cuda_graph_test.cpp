@@ -6,19 +6,12 @@
 #include <gtest/gtest.h>
 
 #include "megatron/runtime/check.h"
+#include "tests/test_util.h"
 
 namespace megatron {
 namespace {
 
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 MicroBatch batch(std::vector<int64_t> tokens, std::vector<int64_t> labels, std::vector<int64_t> positions) {
   MicroBatch b;
