@@ -47,7 +47,7 @@ const std::map<std::string, Preset> kPresets = {
 int main(int argc, char** argv) {
   try {
     std::string preset = "tiny", device = "auto", dtype = "bf16";
-    int steps = 10, warmup = 3, vocab = 50257;
+    int steps = 10, warmup = 3, vocab = 50257, mbs = 0;
     bool profile = false, cuda_graph = false, deterministic = false;
     CLI::App app("GPT training-step throughput");
     app.add_option("--preset", preset, "Model shape")->capture_default_str();
@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
     CLI::Option* vocab_opt =
         app.add_option("--vocab", vocab, "Vocabulary size (padded to 128; Llama presets default to their own)")
             ->capture_default_str();
+    app.add_option("--micro-batch-size", mbs, "Micro-batch size (default: the preset's)");
     app.add_flag("--profile", profile, "After timing, one more step with per-op timing (CUDA events): JSON lines");
     app.add_flag("--cuda-graph", cuda_graph,
                  "Forward and backward as one CUDA graph, captured after the warmup steps (the optimizer eager)");
@@ -67,7 +68,8 @@ int main(int argc, char** argv) {
     MG_CHECK(!cuda_graph || warmup >= 1, "--cuda-graph needs --warmup >= 1 (the eager steps build the plans)");
     auto it = kPresets.find(preset);
     MG_CHECK(it != kPresets.end(), "unknown preset '{}'", preset);
-    const Preset& p = it->second;
+    Preset p = it->second;
+    if (mbs > 0) p.mbs = mbs;
     if (p.vocab > 0 && vocab_opt->count() == 0) vocab = p.vocab;
 
     Arguments a;
