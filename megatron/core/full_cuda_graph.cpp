@@ -5,10 +5,11 @@
 namespace megatron {
 
 namespace {
-Tensor on_device(const Tensor& host, Device device) { return host.defined() ? host.to(device) : Tensor(); }
-
-void copy_into(Tensor& dst, const Tensor& src) {
-  if (src.defined()) dst.copy_from(src);
+// Tensors of the graph's own: allocated at the first captured step, written before every launch.
+void copy_into(Tensor& dst, const Tensor& src, Device device) {
+  if (!src.defined()) return;
+  if (!dst.defined()) dst = Tensor::empty(src.shape(), src.dtype(), device);
+  dst.copy_from(src);
 }
 
 void set_rng_shift(Context& ctx, uint64_t shift) {
@@ -47,24 +48,18 @@ LossSums FullCudaGraph::forward_backward(Context& ctx, ParallelState* ps, const 
 
   const TransformerConfig& config = chunks[0]->config();
   const int64_t position_rows = config.use_learned_positions() ? config.max_position_embeddings : 0;
-  for (const MicroBatch& b : batches) check_batch_ids(b, config.padded_vocab_size, position_rows);
-
-  if (inputs_.empty()) {
-    for (const MicroBatch& b : batches) {
-      inputs_.push_back(MicroBatch{on_device(b.tokens, ctx.device()), on_device(b.labels, ctx.device()),
-                                   on_device(b.loss_mask, ctx.device()), on_device(b.position_ids, ctx.device())});
-    }
-    loss_scale_ = loss_scale_tensor(ctx, args);
-    sums_ = Tensor::zeros({num_mb, 2}, DType::Float32, ctx.device());
-  } else {
-    for (size_t j = 0; j < batches.size(); ++j) {
-      copy_into(inputs_[j].tokens, batches[j].tokens);
-      copy_into(inputs_[j].labels, batches[j].labels);
-      copy_into(inputs_[j].loss_mask, batches[j].loss_mask);
-      copy_into(inputs_[j].position_ids, batches[j].position_ids);
-    }
-    loss_scale_.copy_from(Tensor::from_floats({args.loss_scale / float(num_mb)}, {1}));
+  const Device device = ctx.device();
+  inputs_.resize(batches.size());
+  for (size_t j = 0; j < batches.size(); ++j) {
+    check_batch_ids(batches[j], config.padded_vocab_size, position_rows);
+    copy_into(inputs_[j].tokens, batches[j].tokens, device);
+    copy_into(inputs_[j].labels, batches[j].labels, device);
+    copy_into(inputs_[j].loss_mask, batches[j].loss_mask, device);
+    copy_into(inputs_[j].position_ids, batches[j].position_ids, device);
   }
+  copy_into(loss_scale_, loss_scale_tensor(args, Device::cpu()), device);
+  if (!sums_.defined() || sums_.numel() != 2 * int64_t(num_mb))
+    sums_ = Tensor::empty({num_mb, 2}, DType::Float32, device);
 
   const uint64_t rng_base = ctx.rng().offset;
   if (!graph_.captured()) {

@@ -2,6 +2,8 @@
 // the build has the CUDA op library (MEGATRON_WITH_CUDA_OPS).
 #include "megatron/kernels/ops.h"
 
+#include <fmt/format.h>
+
 #include "megatron/kernels/cpu/cpu_ops.h"
 #include "megatron/runtime/profiler.h"
 #ifdef MEGATRON_WITH_CUDA_OPS
@@ -512,6 +514,18 @@ void vocab_parallel_cross_entropy_backward(Context& ctx, const Tensor& grad_loss
   on_cuda(ctx, "vocab_parallel_cross_entropy_backward");
 #endif
   return cpu::vocab_parallel_cross_entropy_backward(ctx, grad_losses, logits, labels, vocab_start, lse, grad_logits);
+}
+
+void throw_bad_table_id(const char* what, int64_t id, int64_t flat, int64_t s, int64_t rows) {
+  throw Error(fmt::format("{} {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's "
+                          "vocabulary size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",
+                          what, id, flat / s, flat % s, rows));
+}
+
+void throw_bad_label(int64_t label, int64_t position, int64_t vocab) {
+  throw Error(fmt::format("label {} at position {} is outside the vocabulary [0, {}): check the tokenizer and "
+                          "--vocab-size (mask ignored tokens with the loss mask instead of a negative label)",
+                          label, position, vocab));
 }
 
 }  // namespace megatron::ops

@@ -51,5 +51,13 @@ struct GradStats {
 namespace megatron::ops {
 /// Whether this build has the CUDA op library (kernels/cuda).
 bool has_cuda_kernels();
+
+/// The user's error of an id outside its table, worded once for the CPU reference, the CUDA kernels
+/// (Note [Device-side id checks]) and the host checks before a step (check_batch_ids): `what` is
+/// "token id" or "position id", `flat` the id's index in ids [b, s] with `s` columns.
+[[noreturn]] void throw_bad_table_id(const char* what, int64_t id, int64_t flat, int64_t s, int64_t rows);
+/// The same for a label outside the vocabulary [0, vocab) at flat `position`.
+[[noreturn]] void throw_bad_label(int64_t label, int64_t position, int64_t vocab);
+
 #include "megatron/kernels/op_list.inc"
 }  // namespace megatron::ops

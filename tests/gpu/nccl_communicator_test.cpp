@@ -12,6 +12,7 @@
 #include "megatron/core/comm/communicator.h"
 #include "megatron/runtime/context.h"
 #include "megatron/runtime/device.h"
+#include "tests/core/comm/collective_checks.h"
 
 namespace megatron {
 namespace {
@@ -50,24 +51,7 @@ std::vector<float> iota(int64_t n, float start) {
 }
 
 TEST(NcclCommunicator, AllReduceEveryDtypeAndOp) {
-  on_every_gpu([](Communicator& w, Context& ctx) {
-    EXPECT_EQ(w.backend(), "nccl");
-    const int r = w.rank(), n = w.size();
-    const float sum = float(n * (n - 1) / 2);
-    for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16, DType::Int32, DType::Int64}) {
-      Tensor s = floats({float(r), 2.f * r, -float(r)}, dt, ctx), mx = floats({float(r), 2.f * r, -float(r)}, dt, ctx),
-             mn = floats({float(r), 2.f * r, -float(r)}, dt, ctx);
-      auto ws = w.all_reduce(ctx, s);
-      auto wx = w.all_reduce(ctx, mx, ReduceOp::Max);
-      auto wn = w.all_reduce(ctx, mn, ReduceOp::Min);
-      wn->wait();  // any order of waits
-      ws->wait();
-      wx->wait();
-      EXPECT_EQ(s.to_floats(), (std::vector<float>{sum, 2 * sum, -sum})) << to_string(dt);
-      EXPECT_EQ(mx.to_floats(), (std::vector<float>{float(n - 1), 2.f * (n - 1), 0})) << to_string(dt);
-      EXPECT_EQ(mn.to_floats(), (std::vector<float>{0, 0, -float(n - 1)})) << to_string(dt);
-    }
-  });
+  on_every_gpu([](Communicator& w, Context& ctx) { testing::expect_all_reduce_every_dtype_and_op(w, ctx); });
 }
 
 TEST(NcclCommunicator, SumsAreIdenticalOnEveryRank) {

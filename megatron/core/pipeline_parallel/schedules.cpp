@@ -1,6 +1,5 @@
 #include "megatron/core/pipeline_parallel/schedules.h"
 
-
 #include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/pipeline_parallel/pipeline_schedules.h"
 #include "megatron/kernels/ops.h"
@@ -8,36 +7,23 @@
 namespace megatron {
 
 void check_batch_ids(const MicroBatch& batch, int64_t vocab_rows, int64_t position_rows) {
-  auto first_bad = [](const Tensor& ids, int64_t rows) -> int64_t {
-    if (!ids.defined()) return -1;
-    const std::vector<int64_t> v = ids.to_ints();
-    for (size_t i = 0; i < v.size(); ++i)
-      if (v[i] < 0 || v[i] >= rows) return int64_t(i);
+  // The ids of `t` (empty if undefined) and the index of the first outside [0, rows) (-1: none).
+  auto first_outside = [](const Tensor& t, int64_t rows, std::vector<int64_t>& ids) -> int64_t {
+    ids = t.defined() ? t.to_ints() : std::vector<int64_t>();
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (ids[i] < 0 || ids[i] >= rows) return int64_t(i);
     return -1;
   };
-  auto at = [](const Tensor& ids, int64_t flat) { return ids.to_ints()[size_t(flat)]; };
-  if (int64_t i = first_bad(batch.tokens, vocab_rows); i >= 0) {
-    const int64_t s = batch.tokens.size(1);
-    MG_CHECK(false,
-             "token id {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's vocabulary "
-             "size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",
-             at(batch.tokens, i), i / s, i % s, vocab_rows);
-  }
+  // In the order the step's kernels would find them: token ids, position ids, then labels.
+  std::vector<int64_t> ids;
+  if (int64_t i = first_outside(batch.tokens, vocab_rows, ids); i >= 0)
+    ops::throw_bad_table_id("token id", ids[size_t(i)], i, batch.tokens.size(1), vocab_rows);
   if (position_rows > 0) {
-    if (int64_t i = first_bad(batch.position_ids, position_rows); i >= 0) {
-      const int64_t s = batch.position_ids.size(1);
-      MG_CHECK(false,
-               "position id {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's "
-               "vocabulary size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",
-               at(batch.position_ids, i), i / s, i % s, position_rows);
-    }
+    if (int64_t i = first_outside(batch.position_ids, position_rows, ids); i >= 0)
+      ops::throw_bad_table_id("position id", ids[size_t(i)], i, batch.position_ids.size(1), position_rows);
   }
-  if (int64_t i = first_bad(batch.labels, vocab_rows); i >= 0) {
-    MG_CHECK(false,
-             "label {} at position {} is outside the vocabulary [0, {}): check the tokenizer and --vocab-size "
-             "(mask ignored tokens with the loss mask instead of a negative label)",
-             at(batch.labels, i), i, vocab_rows);
-  }
+  if (int64_t i = first_outside(batch.labels, vocab_rows, ids); i >= 0)
+    ops::throw_bad_label(ids[size_t(i)], i, vocab_rows);
 }
 
 namespace {
@@ -115,8 +101,8 @@ void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vecto
   ctx.rng().offset = rng_base + uint64_t(num_mb) * uint64_t(dp) * streams;
 }
 
-Tensor loss_scale_tensor(const Context& ctx, const ForwardBackwardArgs& args) {
-  return Tensor::from_floats({args.loss_scale / float(args.num_microbatches)}, {1}, DType::Float32, ctx.device());
+Tensor loss_scale_tensor(const ForwardBackwardArgs& args, Device device) {
+  return Tensor::from_floats({args.loss_scale / float(args.num_microbatches)}, {1}, DType::Float32, device);
 }
 
 LossSums collect_loss_sums(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
@@ -149,7 +135,7 @@ LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<con
                           const ForwardStepFunc& forward_step, std::vector<MicroBatch> batches,
                           const ForwardBackwardArgs& args, DistributedDataParallel* ddp) {
   Tensor sums = Tensor::zeros({args.num_microbatches, 2}, DType::Float32, ctx.device());
-  const Tensor scale = loss_scale_tensor(ctx, args);
+  const Tensor scale = loss_scale_tensor(args, ctx.device());
   // Note [One wait per step] (schedules.h).
   if (ctx.is_cuda() && !batches.empty() && on_host(batches[0])) {
     for (MicroBatch& b : batches) b = checked_on_device(b, chunks[0]->config(), ctx.device());

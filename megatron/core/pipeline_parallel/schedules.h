@@ -88,8 +88,8 @@ void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vecto
                                const ForwardStepFunc& forward_step, const std::vector<MicroBatch>& batches,
                                const ForwardBackwardArgs& args, const Tensor& loss_scale, Tensor& sums,
                                DistributedDataParallel* ddp = nullptr);
-/// The device scalar schedule_forward_backward scales the loss gradient by: loss_scale / M.
-Tensor loss_scale_tensor(const Context& ctx, const ForwardBackwardArgs& args);
+/// The scalar schedule_forward_backward scales the loss gradient by, loss_scale / M, on `device`.
+Tensor loss_scale_tensor(const ForwardBackwardArgs& args, Device device);
 /// Reads sums [M, 2] back (the one wait of a step) and sums it over microbatches, then over the
 /// data-parallel ranks; zeros on a rank without the last stage.
 LossSums collect_loss_sums(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,

@@ -15,6 +15,7 @@
 
 #include "megatron/kernels/cpu/cpu_common.h"
 #include "megatron/kernels/cpu/cpu_ops.h"
+#include "megatron/kernels/ops.h"
 
 namespace megatron::cpu {
 
@@ -36,10 +37,7 @@ Vocab load_labels(const Tensor& logits, const Tensor& labels) {
   MG_ASSERT(int64_t(voc.labels.size()) == voc.n, "labels {} do not match logits {}", labels.str(), logits.str());
   for (int64_t n = 0; n < voc.n; ++n) {
     const int64_t label = voc.labels[n];
-    MG_CHECK(label >= 0 && label < voc.v,
-             "label {} at position {} is outside the vocabulary [0, {}): check the tokenizer and --vocab-size "
-             "(mask ignored tokens with the loss mask instead of a negative label)",
-             label, n, voc.v);
+    if (label < 0 || label >= voc.v) ops::throw_bad_label(label, n, voc.v);
   }
   return voc;
 }

@@ -8,6 +8,7 @@
 
 #include "megatron/kernels/cpu/cpu_common.h"
 #include "megatron/kernels/cpu/cpu_ops.h"
+#include "megatron/kernels/ops.h"
 
 namespace megatron::cpu {
 
@@ -24,10 +25,7 @@ Lookup load_ids(const Tensor& ids, int64_t rows, const char* what) {
             ids.defined() ? ids.str() : "undefined");
   Lookup l{ids.size(0), ids.size(1), load_indices(ids, what)};
   for (size_t i = 0; i < l.ids.size(); ++i) {
-    MG_CHECK(l.ids[i] >= 0 && l.ids[i] < rows,
-             "{} {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's vocabulary size "
-             "(--vocab-size / --padded-vocab-size) or --max-position-embeddings",
-             what, l.ids[i], int64_t(i) / l.s, int64_t(i) % l.s, rows);
+    if (l.ids[i] < 0 || l.ids[i] >= rows) ops::throw_bad_table_id(what, l.ids[i], int64_t(i), l.s, rows);
   }
   return l;
 }

@@ -18,6 +18,7 @@
 
 #include "megatron/kernels/cpu/cpu_common.h"
 #include "megatron/kernels/cpu/cpu_ops.h"
+#include "megatron/kernels/ops.h"
 
 namespace megatron::cpu {
 
@@ -78,10 +79,8 @@ void vocab_parallel_embedding_forward(Context& ctx, const Tensor& tokens, const 
             vocab_start, vocab_start + vl, vocab_size);
   const Tokens tok = load_tokens(tokens);
   for (size_t i = 0; i < tok.ids.size(); ++i) {
-    MG_CHECK(tok.ids[i] >= 0 && tok.ids[i] < vocab_size,
-             "token id {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's vocabulary "
-             "size (--vocab-size / --padded-vocab-size)",
-             tok.ids[i], int64_t(i) / tok.s, int64_t(i) % tok.s, vocab_size);
+    if (tok.ids[i] < 0 || tok.ids[i] >= vocab_size)
+      ops::throw_bad_table_id("token id", tok.ids[i], int64_t(i), tok.s, vocab_size);
   }
   assert_float(out, "out");
   check_rows_tensor(out, tok, h, "out");

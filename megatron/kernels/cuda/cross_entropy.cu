@@ -15,6 +15,7 @@
 
 #include "megatron/kernels/cuda/cuda_common.cuh"
 #include "megatron/kernels/cuda/cuda_ops.h"
+#include "megatron/kernels/ops.h"
 
 namespace megatron::cuda {
 
@@ -199,10 +200,7 @@ void cross_entropy_forward(Context& ctx, const Tensor& logits, const Tensor& lab
   CUDA_CHECK(cudaStreamSynchronize(stream));
   if (found == ~0ull) return;
   const int64_t row = int64_t(found);
-  MG_CHECK(false,
-           "label {} at position {} is outside the vocabulary [0, {}): check the tokenizer and --vocab-size "
-           "(mask ignored tokens with the loss mask instead of a negative label)",
-           labels.flat_slice(row, 1).to_ints()[0], row, r.v);
+  ops::throw_bad_label(labels.flat_slice(row, 1).to_ints()[0], row, r.v);
 }
 
 void cross_entropy_backward(Context& ctx, const Tensor& grad_losses, const Tensor& logits, const Tensor& labels,

@@ -26,6 +26,7 @@
 
 #include "megatron/kernels/cuda/cuda_common.cuh"
 #include "megatron/kernels/cuda/cuda_ops.h"
+#include "megatron/kernels/ops.h"
 
 namespace megatron::cuda {
 
@@ -159,10 +160,7 @@ void raise_bad_ids(const Context& ctx, const Tensor& bad, const Tensor& tokens, 
       CUDA_CHECK(cudaMemcpy(&id32, static_cast<const int32_t*>(ids.raw_data()) + flat, 4, cudaMemcpyDeviceToHost));
       id = id32;
     }
-    MG_CHECK(false,
-             "{} {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's vocabulary size "
-             "(--vocab-size / --padded-vocab-size) or --max-position-embeddings",
-             which == 0 ? "token id" : "position id", id, flat / s, flat % s, which == 0 ? word_rows : pos_rows);
+    ops::throw_bad_table_id(which == 0 ? "token id" : "position id", id, flat, s, which == 0 ? word_rows : pos_rows);
   }
 }
 

@@ -331,43 +331,39 @@ void check_output_type(DType operands, const Tensor& out, const char* name) {
            to_string(out.dtype()), to_string(operands));
 }
 
-// The products of Note [Row-major GEMMs on cuBLASLt]: forward y = x·Wᵀ and grad_in = grad_out·W.
-Gemm forward_gemm(const LinearDims& d, const Tensor& x, const Tensor& weight, const Tensor& y) {
+// D = op(A)·op(B) in cuBLASLt's column-major terms (m × n, inner k), each matrix's type its tensor's.
+Gemm make_gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const Tensor& a,
+               int64_t lda, const Tensor& b, int64_t ldb, const Tensor& d, int64_t ldd) {
   Gemm g;
-  g.ta = CUBLAS_OP_T;
-  g.tb = CUBLAS_OP_N;
-  g.m = d.out;
-  g.n = d.n;
-  g.k = d.in;
-  g.a = weight.raw_data();
-  g.at = cuda_type(weight.dtype());
-  g.lda = d.in;
-  g.b = x.raw_data();
-  g.bt = cuda_type(x.dtype());
-  g.ldb = d.in;
-  g.d = y.raw_data();
-  g.dt = cuda_type(y.dtype());
-  g.ldd = d.out;
+  g.ta = ta;
+  g.tb = tb;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.a = a.raw_data();
+  g.at = cuda_type(a.dtype());
+  g.lda = lda;
+  g.b = b.raw_data();
+  g.bt = cuda_type(b.dtype());
+  g.ldb = ldb;
+  g.d = d.raw_data();
+  g.dt = cuda_type(d.dtype());
+  g.ldd = ldd;
   return g;
 }
 
+// The products of Note [Row-major GEMMs on cuBLASLt]: forward y = x·Wᵀ, grad_in = grad_out·W and
+// weight_grad (+)= grad_outᵀ·x.
+Gemm forward_gemm(const LinearDims& d, const Tensor& x, const Tensor& weight, const Tensor& y) {
+  return make_gemm(CUBLAS_OP_T, CUBLAS_OP_N, d.out, d.n, d.in, weight, d.in, x, d.in, y, d.out);
+}
+
 Gemm grad_in_gemm(const LinearDims& d, const Tensor& grad_out, const Tensor& weight, const Tensor& grad_in) {
-  Gemm g;
-  g.ta = CUBLAS_OP_N;
-  g.tb = CUBLAS_OP_N;
-  g.m = d.in;
-  g.n = d.n;
-  g.k = d.out;
-  g.a = weight.raw_data();
-  g.at = cuda_type(weight.dtype());
-  g.lda = d.in;
-  g.b = grad_out.raw_data();
-  g.bt = cuda_type(grad_out.dtype());
-  g.ldb = d.out;
-  g.d = grad_in.raw_data();
-  g.dt = cuda_type(grad_in.dtype());
-  g.ldd = d.in;
-  return g;
+  return make_gemm(CUBLAS_OP_N, CUBLAS_OP_N, d.in, d.n, d.out, weight, d.in, grad_out, d.out, grad_in, d.in);
+}
+
+Gemm weight_grad_gemm(const LinearDims& d, const Tensor& grad_out, const Tensor& x, const Tensor& weight_grad) {
+  return make_gemm(CUBLAS_OP_N, CUBLAS_OP_T, d.in, d.out, d.n, x, d.in, grad_out, d.out, weight_grad, d.in);
 }
 
 }  // namespace
@@ -427,22 +423,8 @@ void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, cons
     if (d.n > 0 && d.in > 0 && d.out > 0) {
       MG_CHECK(grad_out.dtype() == x.dtype(), "linear_backward on CUDA: grad_out is {} but x is {}",
                to_string(grad_out.dtype()), to_string(x.dtype()));
-      Gemm g;
-      g.ta = CUBLAS_OP_N;
-      g.tb = CUBLAS_OP_T;
-      g.m = d.in;
-      g.n = d.out;
-      g.k = d.n;
-      g.a = x.raw_data();
-      g.at = cuda_type(x.dtype());
-      g.lda = d.in;
-      g.b = grad_out.raw_data();
-      g.bt = cuda_type(grad_out.dtype());
-      g.ldb = d.out;
-      g.d = weight_grad.raw_data();
-      g.dt = CUDA_R_32F;
-      g.ldd = d.in;
-      g.beta = 1.0f;
+      Gemm g = weight_grad_gemm(d, grad_out, x, weight_grad);
+      g.beta = 1.0f;  // accumulated into the fp32 main grad
       run_gemm(ctx, g);
     }
   }

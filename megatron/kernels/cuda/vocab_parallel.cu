@@ -20,6 +20,7 @@
 
 #include "megatron/kernels/cuda/cuda_common.cuh"
 #include "megatron/kernels/cuda/cuda_ops.h"
+#include "megatron/kernels/ops.h"
 
 namespace megatron::cuda {
 
@@ -261,10 +262,7 @@ void vocab_parallel_embedding_forward(Context& ctx, const Tensor& tokens, const 
   const unsigned long long found = read_bad(ctx, bad);
   if (found == kNoBad) return;
   const int64_t flat = int64_t(found);
-  MG_CHECK(false,
-           "token id {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's vocabulary size "
-           "(--vocab-size / --padded-vocab-size)",
-           index_at(tokens, flat), flat / s, flat % s, vocab_size);
+  ops::throw_bad_table_id("token id", index_at(tokens, flat), flat, s, vocab_size);
 }
 
 void vocab_parallel_embedding_backward(Context& ctx, const Tensor& tokens, const Tensor& grad_out, int64_t vocab_start,

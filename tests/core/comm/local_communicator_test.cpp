@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "megatron/core/comm/communicator.h"
+#include "tests/core/comm/collective_checks.h"
 
 namespace megatron {
 namespace {
@@ -41,20 +42,10 @@ std::vector<float> iota(int n, float start, float step = 1) {
 }
 
 TEST(LocalCommunicator, AllReduceSumMaxMinAcrossDtypes) {
-  for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16, DType::Int32, DType::Int64}) {
-    run_ranks(4, [&](Communicator& c) {
-      Context ctx;
-      int r = c.rank();
-      auto make = [&] { return Tensor::from_floats({float(r), float(10 * r), -float(r)}, {3}, DType::Float32).to(dt); };
-      Tensor s = make(), mx = make(), mn = make();
-      c.all_reduce(ctx, s)->wait();
-      c.all_reduce(ctx, mx, ReduceOp::Max)->wait();
-      c.all_reduce(ctx, mn, ReduceOp::Min)->wait();
-      EXPECT_EQ(s.to_floats(), (std::vector<float>{6, 60, -6})) << to_string(dt);
-      EXPECT_EQ(mx.to_floats(), (std::vector<float>{3, 30, 0})) << to_string(dt);
-      EXPECT_EQ(mn.to_floats(), (std::vector<float>{0, 0, -3})) << to_string(dt);
-    });
-  }
+  run_ranks(4, [](Communicator& c) {
+    Context ctx;
+    testing::expect_all_reduce_every_dtype_and_op(c, ctx);
+  });
 }
 
 TEST(LocalCommunicator, Bf16SumsInFp32AndRoundsOnce) {

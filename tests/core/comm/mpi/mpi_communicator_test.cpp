@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "tests/core/comm/mpi/mpi_test.h"
+#include "tests/core/comm/collective_checks.h"
 
 namespace megatron {
 namespace {
@@ -28,23 +29,8 @@ TEST(MpiCommunicator, World) {
 }
 
 TEST(MpiCommunicator, AllReduceEveryDtypeAndOp) {
-  Communicator& w = mpi_world();
   Context ctx;
-  int r = w.rank(), n = w.size();
-  float sum = float(n * (n - 1) / 2);
-  for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16, DType::Int32, DType::Int64}) {
-    auto make = [&] { return Tensor::from_floats({float(r), 2.f * r, -float(r)}, {3}).to(dt); };
-    Tensor s = make(), mx = make(), mn = make();
-    auto ws = w.all_reduce(ctx, s);
-    auto wx = w.all_reduce(ctx, mx, ReduceOp::Max);
-    auto wn = w.all_reduce(ctx, mn, ReduceOp::Min);
-    wn->wait();  // any order of waits
-    ws->wait();
-    wx->wait();
-    EXPECT_EQ(s.to_floats(), (std::vector<float>{sum, 2 * sum, -sum})) << to_string(dt);
-    EXPECT_EQ(mx.to_floats(), (std::vector<float>{float(n - 1), 2.f * (n - 1), 0})) << to_string(dt);
-    EXPECT_EQ(mn.to_floats(), (std::vector<float>{0, 0, -float(n - 1)})) << to_string(dt);
-  }
+  testing::expect_all_reduce_every_dtype_and_op(mpi_world(), ctx);
 }
 
 TEST(MpiCommunicator, Bf16SumsInFp32) {
