@@ -1,5 +1,5 @@
-// pretrain_gpt: Megatron-LM's pretrain_gpt.py in C++ — the dataset provider and the forward step,
-// handed to pretrain(). Megatron launch scripts run with `python pretrain_gpt.py` replaced by
+// pretrain_gpt: Megatron-LM's pretrain_gpt.py in C++ — the dataset provider, the model provider and
+// the forward step with its loss function, handed to pretrain(). Megatron launch scripts run with `python pretrain_gpt.py` replaced by
 // `build/bin/pretrain_gpt`.
 #include <chrono>
 #include <cstdio>
@@ -7,6 +7,8 @@
 #include "megatron/core/comm/communicator.h"
 #include "megatron/core/datasets/blended_megatron_dataset_builder.h"
 #include "megatron/core/datasets/data_loader.h"
+#include "megatron/core/models/gpt/gpt_layer_specs.h"
+#include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/training/training.h"
 
 using namespace megatron;
@@ -68,8 +70,17 @@ DataIterators train_valid_test_data_iterators(const Arguments& a, const Tokenize
   return it;
 }
 
+// Megatron's model_provider: the GPT decoder's layer specs from the config, this rank's chunk.
+std::unique_ptr<ModelChunk> model_provider(const TransformerConfig& config, Device device, const ParallelState& ps,
+                                           int vp_stage) {
+  TransformerConfig c = config;
+  c.finalize();
+  return std::make_unique<GPTModel>(c, device, &ps, vp_stage, get_gpt_decoder_block_spec(c));
+}
+
 // Megatron's forward_step: one micro-batch through this rank's model chunk (the first stage reads
-// the tokens, the last the labels); the loss mask goes to the loss.
+// the tokens, the last the labels); its loss function is the masked mean of the per-token losses
+// (Megatron's loss_func with the loss mask).
 ForwardOutput forward_step(Context& ctx, const MicroBatch& b, const GPTModel& model, const Tensor& input,
                            GPTModel::Stash& stash) {
   const Device d = ctx.device();
@@ -78,7 +89,8 @@ ForwardOutput forward_step(Context& ctx, const MicroBatch& b, const GPTModel& mo
   Tensor output = model.forward_step(ctx, first ? on_device(b.tokens) : Tensor(),
                                      first ? on_device(b.position_ids) : Tensor(), last ? on_device(b.labels) : Tensor(),
                                      input, stash);
-  return ForwardOutput{output, last ? on_device(b.loss_mask) : Tensor()};
+  if (!last) return ForwardOutput{output, Tensor(), {}};
+  return ForwardOutput{output, Tensor(), masked_token_loss(on_device(b.loss_mask))};
 }
 
 }  // namespace
@@ -93,7 +105,8 @@ int main(int argc, char** argv) {
     if (args->nproc_per_node > 0 && detect_launch().kind == LaunchInfo::Single) {
       return launch_local_workers(argc, argv, args->nproc_per_node, select_device(args->device).is_host());
     }
-    PretrainCallbacks callbacks{train_valid_test_data_iterators, forward_step};
+    PretrainCallbacks callbacks{train_valid_test_data_iterators, typed_forward_step<GPTModel>(forward_step),
+                                model_provider};
     return pretrain(*args, callbacks, program_start);
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -1,5 +1,6 @@
 #include "megatron/core/full_cuda_graph.h"
 
+#include "megatron/core/parallel_state.h"
 #include "megatron/runtime/check.h"
 
 namespace megatron {
@@ -17,7 +18,7 @@ void set_rng_shift(Context& ctx, uint64_t shift) {
 }
 }  // namespace
 
-LossSums FullCudaGraph::forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+LossSums FullCudaGraph::forward_backward(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,
                                          const ForwardStepFunc& forward_step, BatchIterator& data,
                                          const ForwardBackwardArgs& args, DistributedDataParallel* ddp) {
   MG_ASSERT(!args.forward_only, "evaluation runs eagerly");
@@ -46,12 +47,11 @@ LossSums FullCudaGraph::forward_backward(Context& ctx, ParallelState* ps, const 
     return megatron::forward_backward(ctx, ps, chunks, forward_step, std::move(batches), args, ddp);
   }
 
-  const TransformerConfig& config = chunks[0]->config();
-  const int64_t position_rows = config.use_learned_positions() ? config.max_position_embeddings : 0;
+  const ModelChunk::InputRanges ranges = chunks[0]->input_ranges();
   const Device device = ctx.device();
   inputs_.resize(batches.size());
   for (size_t j = 0; j < batches.size(); ++j) {
-    check_batch_ids(batches[j], config.padded_vocab_size, position_rows);
+    if (ranges.token_rows > 0) check_batch_ids(batches[j], ranges.token_rows, ranges.position_rows);
     copy_into(inputs_[j].tokens, batches[j].tokens, device);
     copy_into(inputs_[j].labels, batches[j].labels, device);
     copy_into(inputs_[j].loss_mask, batches[j].loss_mask, device);

@@ -35,7 +35,7 @@ class FullCudaGraph {
   explicit FullCudaGraph(int warmup_steps) : warmup_steps_(warmup_steps) {}
 
   /// forward_backward (schedules.h) through the graph; the same results as the eager call.
-  LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+  LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,
                             const ForwardStepFunc& forward_step, BatchIterator& data, const ForwardBackwardArgs& args,
                             DistributedDataParallel* ddp = nullptr);
 

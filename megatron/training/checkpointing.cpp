@@ -356,7 +356,7 @@ void Checkpointer::finalize() {
   report_save(*job);
 }
 
-void Checkpointer::save(Context& ctx, const GPTModel& model, const AdamOptimizer* optimizer,
+void Checkpointer::save(Context& ctx, const ModelChunk& model, const AdamOptimizer* optimizer,
                         const OptimizerParamScheduler* scheduler, const TrainingProgress& progress, bool release,
                         const nlohmann::json& extra) {
   save(ctx, model.params().parameters(), optimizer, scheduler, progress, release, extra);
@@ -476,7 +476,7 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
   publish_collective(ctx, *job, write_error);
 }
 
-std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::string& load_dir, GPTModel& model,
+std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::string& load_dir, ModelChunk& model,
                                                    AdamOptimizer* optimizer, OptimizerParamScheduler* scheduler) {
   return load(ctx, load_dir, model.params().parameters(), optimizer, scheduler);
 }
@@ -563,7 +563,7 @@ nlohmann::json read_checkpoint_metadata(const std::string& load_dir, std::string
   return read_metadata(dir);
 }
 
-void save_model_checkpoint(const std::string& save_dir, const GPTModel& model, const Arguments& args, bool release,
+void save_model_checkpoint(const std::string& save_dir, const ModelChunk& model, const Arguments& args, bool release,
                            const nlohmann::json& extra) {
   Arguments a = args;
   a.save = save_dir;

@@ -47,10 +47,11 @@
 #include <string>
 #include <vector>
 
-#include "megatron/core/models/gpt/gpt_model.h"
+#include "megatron/core/parallel_state.h"
+#include "megatron/core/transformer/module.h"
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/core/optimizer/optimizer_param_scheduler.h"
-#include "megatron/core/optimizer/parameter.h"
+#include "megatron/core/parameter.h"
 #include "megatron/core/parallel_state.h"
 #include "megatron/training/arguments.h"
 
@@ -88,7 +89,7 @@ class Checkpointer {
   void save(Context& ctx, const std::vector<Parameter*>& params, const AdamOptimizer* optimizer,
             const OptimizerParamScheduler* scheduler, const TrainingProgress& progress, bool release = false,
             const nlohmann::json& extra = nlohmann::json::object());
-  void save(Context& ctx, const GPTModel& model, const AdamOptimizer* optimizer,
+  void save(Context& ctx, const ModelChunk& model, const AdamOptimizer* optimizer,
             const OptimizerParamScheduler* scheduler, const TrainingProgress& progress, bool release = false,
             const nlohmann::json& extra = nlohmann::json::object());
   /// Waits for a background save and publishes it (collectively with several ranks, on the context
@@ -101,7 +102,7 @@ class Checkpointer {
   /// when there is no checkpoint there.
   std::optional<TrainingProgress> load(Context& ctx, const std::string& load_dir, const std::vector<Parameter*>& params,
                                        AdamOptimizer* optimizer, OptimizerParamScheduler* scheduler);
-  std::optional<TrainingProgress> load(Context& ctx, const std::string& load_dir, GPTModel& model,
+  std::optional<TrainingProgress> load(Context& ctx, const std::string& load_dir, ModelChunk& model,
                                        AdamOptimizer* optimizer, OptimizerParamScheduler* scheduler);
 
   struct SaveJob;  // a save's host snapshot and its progress (checkpointing.cpp)
@@ -122,7 +123,7 @@ class Checkpointer {
 };
 
 /// Writes a model alone as a checkpoint directory (used by tools/convert_checkpoint for "release").
-void save_model_checkpoint(const std::string& save_dir, const GPTModel& model, const Arguments& args, bool release,
+void save_model_checkpoint(const std::string& save_dir, const ModelChunk& model, const Arguments& args, bool release,
                            const nlohmann::json& extra = nlohmann::json::object());
 /// The metadata.json of the latest checkpoint under `load_dir` (and its directory).
 nlohmann::json read_checkpoint_metadata(const std::string& load_dir, std::string* checkpoint_dir = nullptr);

@@ -6,12 +6,14 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 
 #include "megatron/core/comm/communicator.h"
 #include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/full_cuda_graph.h"
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/core/optimizer/optimizer_param_scheduler.h"
+#include "megatron/core/transformer/aux_loss_tracker.h"
 #include "megatron/kernels/ops.h"
 #include "megatron/training/checkpointing.h"
 #include "megatron/training/num_microbatches.h"
@@ -111,7 +113,7 @@ std::string memory_report(Device device, int64_t iteration) {
 }
 
 // This rank's parameters over all its model chunks (what a checkpoint saves and loads).
-std::vector<Parameter*> chunk_parameters(const std::vector<std::unique_ptr<GPTModel>>& chunks) {
+std::vector<Parameter*> chunk_parameters(const std::vector<std::unique_ptr<ModelChunk>>& chunks) {
   std::vector<Parameter*> v;
   for (const auto& c : chunks)
     for (Parameter* p : c->params().parameters()) v.push_back(p);
@@ -136,7 +138,8 @@ struct Trainer {
   const PretrainCallbacks& callbacks;
   Context& ctx;
   ParallelState& ps;
-  std::vector<std::unique_ptr<GPTModel>>& chunks;
+  const TransformerConfig& config;
+  std::vector<std::unique_ptr<ModelChunk>>& chunks;
   DistributedDataParallel& ddp;
   AdamOptimizer& optimizer;
   OptimizerParamScheduler& scheduler;
@@ -150,19 +153,20 @@ struct Trainer {
   SignalHandler* signals = nullptr;
   std::FILE* loss_log = nullptr;
   FullCudaGraph* cuda_graph = nullptr;  // --cuda-graph-impl local: the step's forward and backward as one graph
+  AuxLossTracker* aux_losses = nullptr;  // the extra losses the model's modules report
 
   // Interval accumulators (Megatron's total_loss_dict).
   double interval_loss = 0;
+  std::map<std::string, double> interval_aux;  // per aux loss: Σ over the interval's advanced steps
+  std::map<std::string, double> last_aux;      // the last step's aux losses
   int64_t interval_advanced = 0, interval_skipped = 0, interval_nan = 0;
   int64_t total_skipped = 0;
   Clock::time_point interval_start = Clock::now();
   bool reported_memory = false;
 
   float loss_scale() const { return optimizer.loss_scale(); }
-  const GPTModel& model() const { return *chunks.front(); }
-
-  std::vector<const GPTModel*> chunk_ptrs() const {
-    std::vector<const GPTModel*> v;
+  std::vector<const ModelChunk*> chunk_ptrs() const {
+    std::vector<const ModelChunk*> v;
     for (const auto& c : chunks) v.push_back(c.get());
     return v;
   }
@@ -201,6 +205,12 @@ struct Trainer {
                                                   fb_args(loss_scale(), false), &ddp);
     finalize_model_grads(ctx, ddp);
     timers.stop("forward-backward");
+    if (aux_losses && !aux_losses->empty()) {  // Megatron's track_moe_metrics
+      for (const auto& [name, value] : aux_losses->report(ctx, &ps.pipeline(), &ps.data(),
+                                                          int(microbatches.num_microbatches()))) {
+        last_aux[name] = value;
+      }
+    }
     timers.start("optimizer", 1);
     OptimizerStepResult r = optimizer.step(ctx);
     timers.stop("optimizer");
@@ -223,7 +233,7 @@ struct Trainer {
     f.train_iters = train_iters;
     f.consumed_samples = progress.consumed_train_samples;
     f.elapsed_ms_per_iteration = elapsed_ms;
-    const double flops = num_floating_point_operations(args, model().config().padded_vocab_size, gbs);
+    const double flops = num_floating_point_operations(args, config.padded_vocab_size, gbs);
     if (args.log_throughput) {
       f.tflops_per_gpu = flops / (elapsed_ms / 1000.0 * 1e12 * args.world_size);
       f.tokens_per_sec_per_gpu = double(gbs) * args.seq_length / (elapsed_ms / 1000.0) / args.world_size;
@@ -233,6 +243,9 @@ struct Trainer {
     f.learning_rate = static_cast<float>(optimizer.lr());
     f.global_batch_size = gbs;
     if (interval_advanced > 0) f.losses.emplace_back("lm loss", interval_loss / double(interval_advanced));
+    for (const auto& [name, sum] : interval_aux) {
+      if (interval_advanced > 0) f.losses.emplace_back(name, sum / double(interval_advanced));
+    }
     f.loss_scale = loss_scale();
     f.grad_norm = r.grad_norm;
     f.num_zeros_in_grad = r.num_zeros_in_grad;
@@ -242,7 +255,7 @@ struct Trainer {
     print_line(format_iteration_line(f));
     if (!reported_memory) {
       print_line(format_theoretical_memory(
-          theoretical_memory(args, model().config().padded_vocab_size, microbatches.num_microbatches())));
+          theoretical_memory(args, config.padded_vocab_size, microbatches.num_microbatches())));
       print_line(memory_report(ctx.device(), progress.iteration));
       reported_memory = true;
     }
@@ -277,6 +290,7 @@ struct Trainer {
       tb->flush();
     }
     interval_loss = 0;
+    interval_aux.clear();
     interval_advanced = interval_skipped = interval_nan = 0;
     interval_start = Clock::now();
   }
@@ -288,6 +302,7 @@ struct Trainer {
     ddp.finish_param_sync(ctx);
     for (int64_t k = 0; k < args.eval_iters; ++k) {
       LossSums s = forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step, iterator, fb_args(1.0f, true));
+      if (aux_losses) aux_losses->clear();  // evaluation reports the lm loss only
       total.loss_sum += s.loss_sum;
       total.num_tokens += s.num_tokens;
       if (!is_test) progress.consumed_valid_samples += microbatches.current_global_batch_size();
@@ -366,10 +381,14 @@ struct Trainer {
         std::fflush(loss_log);
       }
       progress.floating_point_operations_so_far += num_floating_point_operations(
-          args, model().config().padded_vocab_size, microbatches.current_global_batch_size());
+          args, config.padded_vocab_size, microbatches.current_global_batch_size());
       if (r.update_successful) {
         interval_advanced += 1;
         interval_loss += lm_loss;
+        for (const auto& [name, value] : last_aux) interval_aux[name] += value;
+        if (tb) {
+          for (const auto& [name, value] : last_aux) tb->add_scalar(name, value, progress.iteration);
+        }
       } else {
         interval_skipped += 1;
         total_skipped += 1;
@@ -437,10 +456,14 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   ddp_config.use_distributed_optimizer = args.use_distributed_optimizer;
   ddp_config.overlap_param_gather = args.overlap_param_gather;
   if (args.ddp_bucket_size > 0) ddp_config.bucket_size = args.ddp_bucket_size;
-  std::vector<std::unique_ptr<GPTModel>> chunks;
+  MG_CHECK(callbacks.model_provider, "pretrain needs a model provider");
+  std::vector<std::unique_ptr<ModelChunk>> chunks;
+  AuxLossTracker aux_losses;
   int64_t num_params = 0;
   for (int v = 0; v < ps.vpp_size(); ++v) {
-    chunks.push_back(std::make_unique<GPTModel>(config, device, &ps, v, ddp_config));
+    chunks.push_back(callbacks.model_provider(config, device, ps, v));
+    MG_CHECK(chunks.back() != nullptr, "the model provider gave no model for virtual pipeline stage {}", v);
+    chunks.back()->set_aux_loss_tracker(&aux_losses);
     chunks.back()->init_weights(uint64_t(args.seed));
     num_params += chunks.back()->params().numel();
   }
@@ -460,10 +483,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   for (auto& c : chunks) buffers.push_back(&c->params());
   DistributedDataParallel ddp(ps, buffers, ddp_config);
   for (auto& c : chunks) {
-    // Tied word embeddings on one stage accumulate twice per microbatch (output layer, embedding).
-    if (c->pre_process() && c->post_process() && config.share_embeddings_and_output_weights) {
-      ddp.set_expected_accumulations(c->params().find("embedding.word_embeddings.weight"), 2);
-    }
+    for (const auto& [param, times] : c->repeated_accumulations()) ddp.set_expected_accumulations(param, times);
   }
   AdamOptimizer optimizer(ddp.parameters(), optimizer_config_from_args(args), ddp);
   OptimizerParamScheduler scheduler(scheduler_config_from_args(args));
@@ -528,9 +548,10 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   print_line(datetime_line("before the start of training step"));
 
   const int64_t train_iters = args.train_iters > 0 ? args.train_iters : args.train_samples / args.global_batch_size;
-  Trainer trainer{args,         callbacks, ctx,      ps,   chunks,   ddp,      optimizer,
-                  scheduler,    checkpointer, microbatches, data, tb.get(), progress, program_start};
+  Trainer trainer{args,      callbacks,    ctx,          ps,   config,   chunks,   ddp,          optimizer,
+                  scheduler, checkpointer, microbatches, data, tb.get(), progress, program_start};
   trainer.signals = signals.get();
+  trainer.aux_losses = &aux_losses;
   std::unique_ptr<FullCudaGraph> cuda_graph;
   if (args.cuda_graph_impl == "local") {
     MG_CHECK(ctx.is_cuda(), "--cuda-graph-impl local needs a GPU, and this run is on {}", ctx.device().str());

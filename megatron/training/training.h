@@ -18,12 +18,20 @@ struct DataIterators {
   BatchIterator train, valid, test;
 };
 
-/// What pretrain_gpt provides (Megatron's train_valid_test_datasets_provider and forward_step).
+/// Megatron's model_provider: this rank's model chunk `vp_stage` of the model the config describes,
+/// its parameters allocated on `device` (not initialised). pretrain() calls it once per virtual
+/// pipeline stage.
+using ModelProvider = std::function<std::unique_ptr<ModelChunk>(const TransformerConfig& config, Device device,
+                                                                const ParallelState& ps, int vp_stage)>;
+
+/// What a training script provides (Megatron's train_valid_test_datasets_provider, model_provider
+/// and forward_step, whose result carries the loss function).
 struct PretrainCallbacks {
   /// Builds the datasets and data loaders; resumes each loader at its consumed samples.
   std::function<DataIterators(const Arguments&, const Tokenizer*, int64_t consumed_train, int64_t consumed_valid)>
       data_iterators;
   ForwardStepFunc forward_step;
+  ModelProvider model_provider;
 };
 
 /// Runs training as the arguments say. Returns the process exit code. Throws megatron::Error for

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
-#include "megatron/core/optimizer/parameter.h"
+#include "megatron/core/parameter.h"
 #include "megatron/runtime/tensor.h"
 
 namespace megatron::dist_checkpointing {

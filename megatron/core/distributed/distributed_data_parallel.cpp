@@ -13,32 +13,64 @@ DistributedDataParallel::DistributedDataParallel(ParallelState& ps, std::vector<
   MG_CHECK(!chunks_.empty(), "DistributedDataParallel needs at least one model chunk");
   MG_CHECK(!config_.overlap_param_gather || config_.use_distributed_optimizer,
            "--overlap-param-gather needs --use-distributed-optimizer");
-  const int dp = data_parallel_group().size();
-  for (size_t c = 0; c < chunks_.size(); ++c) {
-    ParamAndGradBuffer& buf = *chunks_[c];
-    MG_ASSERT(buf.allocated(), "DistributedDataParallel: model chunk {} is not allocated", c);
-    MG_CHECK(buf.dp_size() == dp && buf.ddp_config().use_distributed_optimizer == config_.use_distributed_optimizer &&
-                 effective_bucket_size(buf.ddp_config(), dp) == effective_bucket_size(config_, dp),
-             "DistributedDataParallel: model chunk {} was allocated for another layout (dp {}, distributed "
-             "optimizer {}): allocate it with the DDP config and data-parallel size {}",
-             c, buf.dp_size(), buf.ddp_config().use_distributed_optimizer, dp);
+  build_buffers();
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    const ParamAndGradBuffer& buf = *buffers_[i].buffer;
     buckets_.emplace_back(buf.buckets().size());
     for (size_t b = 0; b < buf.buckets().size(); ++b) {
       for (Parameter* p : buf.buckets()[b].params) {
         MG_CHECK(by_name_.emplace(p->name, p).second, "DistributedDataParallel: parameter '{}' is in two chunks",
                  p->name);
-        params_[p] = ParamState{int(c), int(b), 1, 0};
+        params_[p] = ParamState{int(i), int(b), 1, 0};
         p->grad_hook = this;
       }
     }
   }
-  next_launch_.assign(chunks_.size(), 0);
+  next_launch_.assign(buffers_.size(), 0);
   sync_enabled_.assign(chunks_.size(), true);
   reset_grad_state();
 }
 
+// Note [Buffers per reduction group].
+void DistributedDataParallel::build_buffers() {
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    ParamAndGradBuffer& chunk = *chunks_[c];
+    MG_ASSERT(chunk.allocated(), "DistributedDataParallel: model chunk {} is not allocated", c);
+    std::vector<Parameter*> dense, expert;
+    for (Parameter* p : chunk.parameters()) (p->reduce_group == GradReduceGroup::DataContext ? dense : expert).push_back(p);
+    const int dense_dp = reduction_group(GradReduceGroup::DataContext).size();
+    if (expert.empty() && chunk.has_layout(config_, dense_dp)) {
+      buffers_.push_back(GradBuffer{int(c), GradReduceGroup::DataContext, &chunk, nullptr});
+      continue;
+    }
+    MG_CHECK(!chunk.parameters().empty(), "DistributedDataParallel: model chunk {} has no parameters", c);
+    const Tensor& any = chunk.parameters().front()->data;
+    for (GradReduceGroup g : {GradReduceGroup::DataContext, GradReduceGroup::ExpertData}) {
+      const std::vector<Parameter*>& params = g == GradReduceGroup::DataContext ? dense : expert;
+      if (params.empty()) continue;
+      auto owned = std::make_unique<ParamAndGradBuffer>(any.dtype(), any.device(), params, config_,
+                                                        reduction_group(g).size());
+      buffers_.push_back(GradBuffer{int(c), g, owned.get(), std::move(owned)});
+    }
+    chunk.release_storage();
+  }
+}
+
 DistributedDataParallel::~DistributedDataParallel() {
   for (auto& [name, p] : by_name_) p->grad_hook = nullptr;
+}
+
+Communicator& DistributedDataParallel::reduction_group(GradReduceGroup group) const {
+  MG_CHECK(group == GradReduceGroup::DataContext,
+           "expert parameters reduce over the expert-data-parallel group, which this build's parallel state does "
+           "not have");
+  return ps_.data_context();
+}
+
+Communicator& DistributedDataParallel::reduction_group_of(const std::string& name) const {
+  const Parameter* p = find(name);
+  MG_CHECK(p, "DistributedDataParallel has no parameter '{}'", name);
+  return reduction_group(p->reduce_group);
 }
 
 std::vector<Parameter> DistributedDataParallel::parameters() const {
@@ -54,23 +86,23 @@ Parameter* DistributedDataParallel::find(const std::string& name) const {
 }
 
 void DistributedDataParallel::reset_grad_state() {
-  for (size_t c = 0; c < chunks_.size(); ++c) {
-    const auto& bks = chunks_[c]->buckets();
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    const auto& bks = buffers_[i].buffer->buckets();
     for (size_t b = 0; b < bks.size(); ++b) {
-      buckets_[c][b].pending = int(bks[b].params.size());
-      buckets_[c][b].launched = false;
-      buckets_[c][b].grad_work.reset();
+      buckets_[i][b].pending = int(bks[b].params.size());
+      buckets_[i][b].launched = false;
+      buckets_[i][b].grad_work.reset();
     }
-    next_launch_[c] = 0;
+    next_launch_[i] = 0;
   }
   for (auto& [p, st] : params_) st.count = 0;
 }
 
 void DistributedDataParallel::zero_grad(Context& ctx) {
-  for (auto& chunk : buckets_)
-    for (BucketState& b : chunk)
+  for (auto& buffer : buckets_)
+    for (BucketState& b : buffer)
       if (b.grad_work) b.grad_work->wait();
-  for (ParamAndGradBuffer* buf : chunks_) buf->zero_grad();
+  for (GradBuffer& buf : buffers_) buf.buffer->zero_grad();
   reset_grad_state();
 }
 
@@ -97,32 +129,32 @@ void DistributedDataParallel::grad_accumulated(Context& ctx, Parameter& param) {
   auto it = params_.find(&param);
   MG_ASSERT(it != params_.end(), "gradient hook of {} called on a DDP that does not hold it", param.name);
   ParamState& st = it->second;
-  if (!sync_enabled_[size_t(st.chunk)]) return;
+  if (!sync_enabled_[size_t(buffers_[size_t(st.buffer)].chunk)]) return;
   ++st.count;
   MG_ASSERT(st.count <= st.expected,
             "parameter {} accumulated {} times in the last microbatch, {} expected: "
             "call set_expected_accumulations for parameters used more than once",
             param.name, st.count, st.expected);
   if (st.count < st.expected) return;
-  BucketState& b = buckets_[size_t(st.chunk)][size_t(st.bucket)];
+  BucketState& b = buckets_[size_t(st.buffer)][size_t(st.bucket)];
   MG_ASSERT(b.pending > 0);
-  if (--b.pending == 0) launch_ready_buckets(ctx, st.chunk);
+  if (--b.pending == 0) launch_ready_buckets(ctx, st.buffer);
 }
 
-void DistributedDataParallel::launch_ready_buckets(Context& ctx, int chunk) {
-  auto& bks = buckets_[size_t(chunk)];
-  int& next = next_launch_[size_t(chunk)];
-  while (size_t(next) < bks.size() && bks[size_t(next)].pending == 0) launch_bucket(ctx, chunk, next++);
+void DistributedDataParallel::launch_ready_buckets(Context& ctx, int buffer) {
+  auto& bks = buckets_[size_t(buffer)];
+  int& next = next_launch_[size_t(buffer)];
+  while (size_t(next) < bks.size() && bks[size_t(next)].pending == 0) launch_bucket(ctx, buffer, next++);
 }
 
-void DistributedDataParallel::launch_bucket(Context& ctx, int chunk, int bucket) {
-  BucketState& st = buckets_[size_t(chunk)][size_t(bucket)];
-  MG_ASSERT(!st.launched, "bucket {} of chunk {} launched twice", bucket, chunk);
+void DistributedDataParallel::launch_bucket(Context& ctx, int buffer, int bucket) {
+  BucketState& st = buckets_[size_t(buffer)][size_t(bucket)];
+  MG_ASSERT(!st.launched, "bucket {} of buffer {} launched twice", bucket, buffer);
   st.launched = true;
-  Communicator& group = data_parallel_group();
+  Communicator& group = reduction_group(buffers_[size_t(buffer)].group);
   const int dp = group.size();
   if (dp == 1) return;
-  const Bucket& b = chunks_[size_t(chunk)]->buckets()[size_t(bucket)];
+  const Bucket& b = buffers_[size_t(buffer)].buffer->buckets()[size_t(bucket)];
   Tensor grad = b.grad_data;
   ops::scale_(ctx, grad, 1.0f / float(dp));  // Megatron's gradient_scaling_factor: the sum is the mean
   if (config_.use_distributed_optimizer) {
@@ -135,29 +167,29 @@ void DistributedDataParallel::launch_bucket(Context& ctx, int chunk, int bucket)
 }
 
 void DistributedDataParallel::finish_grad_sync(Context& ctx) {
-  for (int c = 0; c < num_chunks(); ++c) {
-    auto& bks = buckets_[size_t(c)];
-    for (int& next = next_launch_[size_t(c)]; size_t(next) < bks.size(); ++next) launch_bucket(ctx, c, next);
+  for (int i = 0; i < num_buffers(); ++i) {
+    auto& bks = buckets_[size_t(i)];
+    for (int& next = next_launch_[size_t(i)]; size_t(next) < bks.size(); ++next) launch_bucket(ctx, i, next);
   }
-  for (auto& chunk : buckets_)
-    for (BucketState& b : chunk)
+  for (auto& buffer : buckets_)
+    for (BucketState& b : buffer)
       if (b.grad_work) b.grad_work->wait();
   reset_grad_state();
 }
 
 void DistributedDataParallel::start_param_sync(Context& ctx) {
   if (!config_.use_distributed_optimizer) return;
-  Communicator& group = data_parallel_group();
-  const int dp = group.size();
-  if (dp == 1) return;
   finish_param_sync(ctx);
-  for (size_t c = 0; c < chunks_.size(); ++c) {
-    const auto& bks = chunks_[c]->buckets();
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    Communicator& group = reduction_group(buffers_[i].group);
+    const int dp = group.size();
+    if (dp == 1) continue;
+    const auto& bks = buffers_[i].buffer->buckets();
     for (size_t b = 0; b < bks.size(); ++b) {
       Tensor all = bks[b].param_data;
       const int64_t n = bks[b].numel() / dp;
       const Tensor own = all.flat_slice(n * group.rank(), n);
-      buckets_[c][b].param_work = group.all_gather(ctx, own, all);
+      buckets_[i][b].param_work = group.all_gather(ctx, own, all);
     }
   }
   if (!config_.overlap_param_gather) finish_param_sync(ctx);
@@ -168,19 +200,22 @@ void DistributedDataParallel::finish_param_sync(Context& ctx) {
 }
 
 void DistributedDataParallel::finish_param_sync(Context& ctx, int chunk) {
-  for (BucketState& b : buckets_.at(size_t(chunk))) {
-    if (!b.param_work) continue;
-    b.param_work->wait();
-    b.param_work.reset();
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    if (buffers_[i].chunk != chunk) continue;
+    for (BucketState& b : buckets_[i]) {
+      if (!b.param_work) continue;
+      b.param_work->wait();
+      b.param_work.reset();
+    }
   }
 }
 
 void DistributedDataParallel::broadcast_params(Context& ctx) {
-  Communicator& group = data_parallel_group();
-  if (group.size() == 1) return;
   finish_param_sync(ctx);
-  for (ParamAndGradBuffer* buf : chunks_) {
-    Tensor t = buf->param_buffer();
+  for (const GradBuffer& buf : buffers_) {
+    Communicator& group = reduction_group(buf.group);
+    if (group.size() == 1) continue;
+    Tensor t = buf.buffer->param_buffer();
     if (t.numel() > 0) group.broadcast(ctx, t, 0)->wait();
   }
 }
@@ -191,7 +226,7 @@ ParamShard DistributedDataParallel::shard(const std::string& name, int dp_rank) 
   const int64_t numel = p->data.numel();
   if (!config_.use_distributed_optimizer) return ParamShard{0, numel};
   const ParamState& st = params_.at(p);
-  const ParamAndGradBuffer& buf = *chunks_[size_t(st.chunk)];
+  const ParamAndGradBuffer& buf = *buffers_[size_t(st.buffer)].buffer;
   const Bucket& b = buf.buckets()[size_t(st.bucket)];
   const int dp = buf.dp_size();
   MG_ASSERT(dp_rank >= 0 && dp_rank < dp, "data-parallel rank {} of {}", dp_rank, dp);

@@ -1,19 +1,31 @@
-// DistributedDataParallel: Megatron-Core's DDP wrapper over the model chunks' ParamAndGradBuffers —
-// gradient reduction over the data-parallel group per bucket, optionally overlapped with backward,
-// and (distributed optimizer) the all-gather of updated parameters — plus finalize_model_grads, the
-// reductions over the tensor-parallel and embedding groups that follow it.
+// DistributedDataParallel: Megatron-Core's DDP wrapper over the model chunks — its own gradient
+// buffers, one per reduction group and chunk, made after the model exists; gradient reduction per
+// bucket, optionally overlapped with backward, and (distributed optimizer) the all-gather of
+// updated parameters — plus finalize_model_grads, the reductions over the tensor-parallel and
+// embedding groups that follow it.
+//
+// Note [Buffers per reduction group] (Megatron's buffers and expert_parallel_buffers): each
+// parameter names the group its gradient reduces over (Parameter::reduce_group): data × context
+// parallel for dense parameters, expert-data parallel for the experts of a mixture of experts. For
+// every chunk, the parameters of each group get a ParamAndGradBuffer of their own, laid out for
+// that group's size (Note [Buckets and padding]) — dense first, then expert, in registration order
+// within each — and the distributed optimizer shards each buffer over its own group. The model's
+// values are copied in and its own storage released, so the parameters live in exactly one place.
+// A chunk whose parameters are all dense and whose buffer the caller already laid out for this
+// config and group size is used as it is.
 //
 // Note [Gradient reduction] (Megatron's _ParamAndGradBucketGroup):
-//   - The reduction group is data × context parallel (Megatron's data-parallel group "with context
-//     parallel"; the plain data-parallel group when CP = 1). Its size is called dp below.
+//   - A buffer's reduction group is data × context parallel for dense parameters (Megatron's
+//     data-parallel group "with context parallel"; the plain data-parallel group when CP = 1), or
+//     expert-data parallel. Its size is called dp below.
 //   - A bucket's gradients are multiplied by 1/dp (Megatron's gradient_scaling_factor) and summed:
 //     all-reduce (every rank holds the mean), or with the distributed optimizer reduce-scatter in
 //     place (rank r's shard [start + r·n/dp, start + (r+1)·n/dp) of every bucket holds the mean; the
 //     rest of the grad buffer holds stale local values and must not be read).
 //   - With overlap_grad_reduce, a bucket is launched (async) during the chunk's last microbatch once
 //     every one of its parameters has reported all its expected accumulations through GradHook
-//     (notify_grad_accumulated). Buckets of a chunk are launched in bucket order — a complete bucket
-//     waits for the earlier ones — so every rank issues the collectives in the same order.
+//     (notify_grad_accumulated). Buckets of a buffer are launched in bucket order — a complete
+//     bucket waits for the earlier ones — so every rank issues the collectives in the same order.
 //     finish_grad_sync() launches whatever was not launched, so correctness never depends on hooks.
 //   - The hooks count only while grad sync is enabled for the chunk (Megatron's is_last_microbatch;
 //     disable it for every microbatch but the last, as Megatron's no_sync()). Enabled by default.
@@ -40,8 +52,8 @@ struct ParamShard {
 
 class DistributedDataParallel : public GradHook {
  public:
-  /// The chunks' buffers must have been allocated with `config` and the reduction group's size
-  /// (ps.data_context().size()); installs itself as every parameter's grad_hook.
+  /// `chunks`: the model chunks' parameters (their buffers allocated, in any layout). Builds the
+  /// buffers of Note [Buffers per reduction group] and installs itself as every parameter's grad_hook.
   DistributedDataParallel(ParallelState& ps, std::vector<ParamAndGradBuffer*> chunks, const DDPConfig& config);
   ~DistributedDataParallel() override;
   DistributedDataParallel(const DistributedDataParallel&) = delete;
@@ -49,10 +61,20 @@ class DistributedDataParallel : public GradHook {
 
   const DDPConfig& config() const { return config_; }
   ParallelState& parallel_state() const { return ps_; }
-  /// The gradient-reduction (and optimizer-sharding) group: data × context parallel.
+  /// The gradient-reduction (and optimizer-sharding) group of dense parameters: data × context parallel.
   Communicator& data_parallel_group() const { return ps_.data_context(); }
+  /// The group `group`'s parameters reduce over.
+  Communicator& reduction_group(GradReduceGroup group) const;
+  /// The reduction group of the parameter of that name.
+  Communicator& reduction_group_of(const std::string& name) const;
   int num_chunks() const { return int(chunks_.size()); }
+  /// A model chunk's parameters (the registry the model built).
   ParamAndGradBuffer& chunk(int i) const { return *chunks_.at(size_t(i)); }
+  /// The gradient buffers (Note [Buffers per reduction group]), chunk by chunk.
+  int num_buffers() const { return int(buffers_.size()); }
+  const ParamAndGradBuffer& buffer(int i) const { return *buffers_.at(size_t(i)).buffer; }
+  int buffer_chunk(int i) const { return buffers_.at(size_t(i)).chunk; }
+  GradReduceGroup buffer_group(int i) const { return buffers_.at(size_t(i)).group; }
   /// Copies of every chunk's parameters (chunk order, registration order), for the optimizer.
   std::vector<Parameter> parameters() const;
 
@@ -86,19 +108,25 @@ class DistributedDataParallel : public GradHook {
   /// Broadcasts every chunk's parameters from data-parallel rank 0 (Megatron's broadcast_params).
   void broadcast_params(Context& ctx);
 
-  /// The piece of `p` (a parameter of one of the chunks, found by name) in data-parallel rank
-  /// `dp_rank`'s shard under the distributed optimizer; without it, all of `p` for every rank.
+  /// The piece of `p` (a parameter of one of the chunks, found by name) in rank `dp_rank`'s shard
+  /// of its reduction group under the distributed optimizer; without it, all of `p` for every rank.
   ParamShard shard(const std::string& name, int dp_rank) const;
-  ParamShard owned_shard(const std::string& name) const { return shard(name, data_parallel_group().rank()); }
+  ParamShard owned_shard(const std::string& name) const { return shard(name, reduction_group_of(name).rank()); }
   /// The model's parameter of that name (over every chunk), or nullptr.
   Parameter* find(const std::string& name) const;
 
  private:
   struct ParamState {
-    int chunk = 0;
+    int buffer = 0;
     int bucket = 0;
     int expected = 1;
     int count = 0;
+  };
+  struct GradBuffer {
+    int chunk = 0;
+    GradReduceGroup group = GradReduceGroup::DataContext;
+    ParamAndGradBuffer* buffer = nullptr;      // owned below, or the chunk's own
+    std::unique_ptr<ParamAndGradBuffer> owned;
   };
   struct BucketState {
     int pending = 0;  // parameters not yet complete in this iteration
@@ -106,15 +134,17 @@ class DistributedDataParallel : public GradHook {
     std::unique_ptr<CommWork> grad_work;
     std::unique_ptr<CommWork> param_work;
   };
-  void launch_ready_buckets(Context& ctx, int chunk);
-  void launch_bucket(Context& ctx, int chunk, int bucket);
+  void build_buffers();
+  void launch_ready_buckets(Context& ctx, int buffer);
+  void launch_bucket(Context& ctx, int buffer, int bucket);
   void reset_grad_state();
 
   ParallelState& ps_;
   std::vector<ParamAndGradBuffer*> chunks_;
   DDPConfig config_;
-  std::vector<std::vector<BucketState>> buckets_;  // [chunk][bucket]
-  std::vector<int> next_launch_;                   // per chunk: the first bucket not launched
+  std::vector<GradBuffer> buffers_;
+  std::vector<std::vector<BucketState>> buckets_;  // [buffer][bucket]
+  std::vector<int> next_launch_;                   // per buffer: the first bucket not launched
   std::vector<bool> sync_enabled_;
   std::unordered_map<const Parameter*, ParamState> params_;
   std::unordered_map<std::string, Parameter*> by_name_;

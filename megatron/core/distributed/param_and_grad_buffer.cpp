@@ -32,20 +32,54 @@ Parameter* ParamAndGradBuffer::add(const std::string& name, const ShardSpec& spe
                                    ParamInit init) {
   MG_ASSERT(!allocated(), "parameter {} registered after allocation", name);
   MG_ASSERT(!by_name_.count(name), "parameter {} registered twice", name);
-  Parameter param;
+  Parameter& param = owned_.emplace_back();
   param.name = name;
   param.no_weight_decay = no_weight_decay;
   param.shard = spec;
-  entries_.push_back(Entry{param, local_shape(spec), init, {}});
-  Parameter* p = &entries_.back().param;
-  params_.push_back(p);
-  by_name_[name] = p;
-  entry_of_[p] = &entries_.back();
-  return p;
+  entries_.push_back(Entry{&param, local_shape(spec), init, {}});
+  params_.push_back(&param);
+  by_name_[name] = &param;
+  entry_of_[&param] = &entries_.back();
+  return &param;
+}
+
+ParamAndGradBuffer::ParamAndGradBuffer(DType param_dtype, Device device, const std::vector<Parameter*>& params,
+                                       const DDPConfig& config, int dp_size)
+    : param_dtype_(param_dtype), device_(device) {
+  for (Parameter* p : params) {
+    MG_ASSERT(p && p->data.defined(), "a parameter to adopt has no data");
+    MG_ASSERT(!by_name_.count(p->name), "parameter {} adopted twice", p->name);
+    MG_ASSERT(p->data.dtype() == param_dtype && p->data.device() == device, "parameter {} is {} on {}, the buffer {} on {}",
+              p->name, to_string(p->data.dtype()), p->data.device().str(), to_string(param_dtype), device.str());
+    entries_.push_back(Entry{p, p->data.shape(), ParamInit::Zeros, {}});
+    params_.push_back(p);
+    by_name_[p->name] = p;
+    entry_of_[p] = &entries_.back();
+  }
+  std::vector<Tensor> values;
+  for (Parameter* p : params_) values.push_back(p->data);
+  lay_out(config, dp_size);
+  for (size_t i = 0; i < params_.size(); ++i) params_[i]->data.copy_from(values[i]);
 }
 
 void ParamAndGradBuffer::allocate(const DDPConfig& config, int dp_size) {
   MG_ASSERT(!allocated(), "buffer allocated twice");
+  lay_out(config, dp_size);
+}
+
+void ParamAndGradBuffer::release_storage() {
+  param_buffer_ = grad_buffer_ = Tensor();
+  buckets_.clear();
+  released_ = true;
+}
+
+bool ParamAndGradBuffer::has_layout(const DDPConfig& config, int dp_size) const {
+  return param_buffer_.defined() && dp_size_ == dp_size &&
+         config_.use_distributed_optimizer == config.use_distributed_optimizer &&
+         effective_bucket_size(config_, dp_size) == effective_bucket_size(config, dp_size);
+}
+
+void ParamAndGradBuffer::lay_out(const DDPConfig& config, int dp_size) {
   MG_CHECK(dp_size >= 1, "data-parallel size {} must be >= 1", dp_size);
   MG_CHECK(!config.bucket_size || *config.bucket_size >= 0, "--ddp-bucket-size {} must be >= 0", *config.bucket_size);
   config_ = config;
@@ -74,12 +108,12 @@ void ParamAndGradBuffer::allocate(const DDPConfig& config, int dp_size) {
   for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
     const int64_t n = shape_numel(it->shape);
     numel_ += n;
-    if (own_bucket(it->param) && !cuts.back().entries.empty()) offset = close_bucket(offset);
+    if (own_bucket(*it->param) && !cuts.back().entries.empty()) offset = close_bucket(offset);
     offset = cuts.back().start + round_up(offset - cuts.back().start, param_alignment);
     it->location = Location{offset, int(cuts.size()) - 1};
     cuts.back().entries.push_back(&*it);
     offset += n;
-    if ((bucket_size > 0 && offset - cuts.back().start >= bucket_size) || own_bucket(it->param)) offset = close_bucket(offset);
+    if ((bucket_size > 0 && offset - cuts.back().start >= bucket_size) || own_bucket(*it->param)) offset = close_bucket(offset);
   }
   if (!cuts.back().entries.empty()) offset = close_bucket(offset);
   cuts.pop_back();  // the empty bucket after the last cut
@@ -96,9 +130,9 @@ void ParamAndGradBuffer::allocate(const DDPConfig& config, int dp_size) {
     bucket.grad_data = grad_buffer_.flat_slice(bucket.start, bucket.numel());
     for (Entry* e : cuts[b].entries) {
       const int64_t n = shape_numel(e->shape);
-      e->param.data = param_buffer_.flat_slice(e->location.offset, n).view(e->shape);
-      e->param.main_grad = grad_buffer_.flat_slice(e->location.offset, n).view(e->shape);
-      bucket.params.push_back(&e->param);
+      e->param->data = param_buffer_.flat_slice(e->location.offset, n).view(e->shape);
+      e->param->main_grad = grad_buffer_.flat_slice(e->location.offset, n).view(e->shape);
+      bucket.params.push_back(e->param);
     }
     buckets_.push_back(std::move(bucket));
   }
@@ -117,19 +151,19 @@ void ParamAndGradBuffer::init_weights(uint64_t seed, float std, int num_layers, 
   for (Entry& e : entries_) {
     const int64_t n = shape_numel(e.shape);
     // Host fp32 parameters are written in place; others through an fp32 staging copy.
-    const bool direct = e.param.data.device().is_host() && e.param.data.dtype() == DType::Float32;
-    Tensor staging = direct ? e.param.data : Tensor::empty(e.shape, DType::Float32);
+    const bool direct = e.param->data.device().is_host() && e.param->data.dtype() == DType::Float32;
+    Tensor staging = direct ? e.param->data : Tensor::empty(e.shape, DType::Float32);
     float* v = staging.data<float>();
     switch (e.init) {
       case ParamInit::Normal:
       case ParamInit::ScaledNormal: {
         const float s = e.init == ParamInit::Normal ? std : scaled_std;
-        const uint64_t stream = name_hash(e.param.name);
+        const uint64_t stream = name_hash(e.param->name);
         // Element i of the full tensor is normal number i of the parameter's stream; a shard
         // draws the runs of the full tensor it holds.
         std::vector<FlatRun> runs;
-        for (const ShardBox& box : shard_boxes(e.param.shard)) {
-          for (const FlatRun& r : flat_runs(box, e.param.shard.global_shape, e.shape)) runs.push_back(r);
+        for (const ShardBox& box : shard_boxes(e.param->shard)) {
+          for (const FlatRun& r : flat_runs(box, e.param->shard.global_shape, e.shape)) runs.push_back(r);
         }
         for (const FlatRun& r : runs) {
           constexpr int64_t kChunk = 1 << 16;  // chunks of whole Philox blocks, spread over the cores
@@ -150,13 +184,17 @@ void ParamAndGradBuffer::init_weights(uint64_t seed, float std, int num_layers, 
         std::fill(v, v + n, zero_centered_gamma ? 0.0f : 1.0f);
         break;
     }
-    if (!direct) e.param.data.copy_from(staging);
+    if (!direct) e.param->data.copy_from(staging);
   }
 }
 
 void ParamAndGradBuffer::zero_grad() {
   MG_ASSERT(allocated());
-  grad_buffer_.zero_();
+  if (grad_buffer_.defined()) {
+    grad_buffer_.zero_();
+    return;
+  }
+  for (Parameter* p : params_) p->main_grad.zero_();  // released: the views live in another buffer
 }
 
 Parameter* ParamAndGradBuffer::find(const std::string& name) const {

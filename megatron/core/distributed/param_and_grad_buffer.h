@@ -1,10 +1,14 @@
-// ParamAndGradBuffer: all parameters of a model chunk in one contiguous buffer of the model dtype,
-// and their gradients in one contiguous fp32 buffer (Megatron's main_grad). Parameters are laid out
-// in reverse registration order — the order backward produces their gradients — so the
-// data-parallel buckets reduce contiguous ranges as soon as they are ready.
-//
-// Modules register their parameters while they are built (add()), and keep the returned pointers;
-// allocate() then creates the buffers and points every Parameter at its views.
+// ParamAndGradBuffer: parameters in one contiguous buffer of the model dtype, and their gradients
+// in one contiguous fp32 buffer (Megatron's main_grad). Parameters are laid out in reverse
+// registration order — the order backward produces their gradients — so the data-parallel buckets
+// reduce contiguous ranges as soon as they are ready. A buffer serves in two roles:
+//   - a model chunk's parameters: modules register them while they are built (add()) and keep the
+//     returned pointers; allocate() then creates the storage (one bucket, no padding, unless a
+//     DDP layout is given) and points every Parameter at its views;
+//   - DistributedDataParallel's buffers (Megatron's _ParamAndGradBuffer, one per reduction group
+//     and model chunk, made after the model exists): the adopting constructor lays out parameters
+//     that live elsewhere, copies their values in and points them at the new storage; the chunk's
+//     own storage is then released (release_storage()).
 //
 // Note [Buckets and padding] (Megatron's _ParamAndGradBuffer): allocate(config, dp) cuts the layout
 // into buckets at parameter boundaries — a bucket closes once it holds >= bucket_size elements, so
@@ -25,7 +29,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "megatron/core/optimizer/parameter.h"
+#include "megatron/core/parameter.h"
 #include "megatron/runtime/tensor.h"
 
 namespace megatron {
@@ -64,6 +68,11 @@ struct Bucket {
 class ParamAndGradBuffer {
  public:
   ParamAndGradBuffer(DType param_dtype, Device device) : param_dtype_(param_dtype), device_(device) {}
+  /// Adopts `params` (registration order; owned elsewhere, all of `param_dtype` on `device`): lays
+  /// them out with `config` and `dp_size` (Note [Buckets and padding]), copies their values into the
+  /// new buffer and points their data and main_grad at it (the gradients start at zero).
+  ParamAndGradBuffer(DType param_dtype, Device device, const std::vector<Parameter*>& params, const DDPConfig& config,
+                     int dp_size);
   ParamAndGradBuffer(const ParamAndGradBuffer&) = delete;
   ParamAndGradBuffer& operator=(const ParamAndGradBuffer&) = delete;
 
@@ -75,7 +84,13 @@ class ParamAndGradBuffer {
   /// Creates the buffers and buckets (Note [Buckets and padding]); `dp_size` is the number of ranks
   /// that reduce gradients together (data × context parallel).
   void allocate(const DDPConfig& config = {}, int dp_size = 1);
-  bool allocated() const { return param_buffer_.defined(); }
+  bool allocated() const { return param_buffer_.defined() || released_; }
+  /// After another buffer adopted every parameter: drops this buffer's storage (the parameters
+  /// keep their new views; zero_grad() then zeros each one's main_grad).
+  void release_storage();
+  /// Whether this buffer's parameters were laid out with `config` over `dp_size` ranks, as
+  /// DistributedDataParallel would lay them out (then it can use the buffer as it is).
+  bool has_layout(const DDPConfig& config, int dp_size) const;
 
   /// Initialises every parameter as Megatron does: normal(0, std) weights, normal(0, std/sqrt(2L))
   /// output projections, zero biases, unit norm weights (zero with zero-centered gamma). The values
@@ -104,14 +119,17 @@ class ParamAndGradBuffer {
 
  private:
   struct Entry {
-    Parameter param;
+    Parameter* param;  // in owned_ (registered) or elsewhere (adopted)
     Shape shape;
     ParamInit init;
     Location location;
   };
+  void lay_out(const DDPConfig& config, int dp_size);
+
   DType param_dtype_;
   Device device_;
-  std::deque<Entry> entries_;  // stable addresses
+  std::deque<Parameter> owned_;  // registered parameters (stable addresses)
+  std::deque<Entry> entries_;    // stable addresses
   std::vector<Parameter*> params_;
   std::unordered_map<std::string, Parameter*> by_name_;
   std::unordered_map<const Parameter*, Entry*> entry_of_;
@@ -121,6 +139,7 @@ class ParamAndGradBuffer {
   Tensor param_buffer_;
   Tensor grad_buffer_;
   int64_t numel_ = 0;
+  bool released_ = false;
 };
 
 }  // namespace megatron

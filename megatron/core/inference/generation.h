@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "megatron/core/inference/kv_cache.h"
+#include "megatron/core/transformer/kv_cache.h"
 #include "megatron/core/inference/sampling.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 

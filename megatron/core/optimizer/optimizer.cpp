@@ -59,7 +59,7 @@ AdamOptimizer::AdamOptimizer(std::vector<Parameter> params, const OptimizerConfi
   // Note [Counting gradients once]: which gradient elements this rank counts, as coalesced views of
   // the chunks' grad buffers (one grad_stats pass per contiguous run).
   struct Piece {
-    int chunk;
+    int buffer;
     int64_t offset, count;
   };
   std::vector<Piece> pieces;
@@ -73,8 +73,8 @@ AdamOptimizer::AdamOptimizer(std::vector<Parameter> params, const OptimizerConfi
     counted_.push_back(!p.shared_embedding_copy && (!p.tp_duplicate || ps.tp_rank() == 0));
     if (!counted_.back() || shard_count_.back() == 0) continue;
     const Tensor g = p.main_grad.flat_slice(shard_start_.back(), shard_count_.back());
-    for (int c = 0; c < ddp.num_chunks(); ++c) {
-      const Tensor& buf = ddp.chunk(c).grad_buffer();
+    for (int c = 0; c < ddp.num_buffers(); ++c) {
+      const Tensor& buf = ddp.buffer(c).grad_buffer();
       if (buf.storage() != g.storage()) continue;
       const auto bytes = static_cast<const char*>(g.raw_data()) - static_cast<const char*>(buf.raw_data());
       pieces.push_back(Piece{c, int64_t(bytes / int64_t(sizeof(float))), g.numel()});
@@ -82,12 +82,12 @@ AdamOptimizer::AdamOptimizer(std::vector<Parameter> params, const OptimizerConfi
     MG_ASSERT(!pieces.empty() && pieces.back().count == g.numel(), "main_grad of {} is not in its grad buffer", p.name);
   }
   std::sort(pieces.begin(), pieces.end(),
-            [](const Piece& a, const Piece& b) { return a.chunk != b.chunk ? a.chunk < b.chunk : a.offset < b.offset; });
+            [](const Piece& a, const Piece& b) { return a.buffer != b.buffer ? a.buffer < b.buffer : a.offset < b.offset; });
   for (size_t i = 0; i < pieces.size();) {
     size_t j = i + 1;
     int64_t end = pieces[i].offset + pieces[i].count;
-    while (j < pieces.size() && pieces[j].chunk == pieces[i].chunk && pieces[j].offset == end) end += pieces[j++].count;
-    stat_grads_.push_back(ddp.chunk(pieces[i].chunk).grad_buffer().flat_slice(pieces[i].offset, end - pieces[i].offset));
+    while (j < pieces.size() && pieces[j].buffer == pieces[i].buffer && pieces[j].offset == end) end += pieces[j++].count;
+    stat_grads_.push_back(ddp.buffer(pieces[i].buffer).grad_buffer().flat_slice(pieces[i].offset, end - pieces[i].offset));
     i = j;
   }
   init_states();
@@ -205,7 +205,7 @@ AdamParamState AdamOptimizer::gather_state(Context& ctx, const std::string& name
   const size_t i = index_of(name);
   if (!distributed_) return states_[i];
   // Every rank sends its piece of the three tensors, padded to the longest piece, in one all-gather.
-  Communicator& group = ddp_->data_parallel_group();
+  Communicator& group = ddp_->reduction_group_of(name);
   const Parameter& p = params_[i];
   const Device device = p.data.device();
   std::vector<ParamShard> pieces;

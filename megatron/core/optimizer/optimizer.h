@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "megatron/core/optimizer/grad_scaler.h"
-#include "megatron/core/optimizer/parameter.h"
+#include "megatron/core/parameter.h"
 #include "megatron/kernels/ops.h"
 #include "megatron/runtime/context.h"
 

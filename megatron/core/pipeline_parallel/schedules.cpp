@@ -32,13 +32,27 @@ Tensor on_device(const Tensor& t, Device device) { return t.defined() && t.devic
 bool on_host(const MicroBatch& b) { return b.tokens.defined() && b.tokens.device().is_host(); }
 }  // namespace
 
-MicroBatch checked_on_device(const MicroBatch& b, const TransformerConfig& config, Device device) {
-  check_batch_ids(b, config.padded_vocab_size, config.use_learned_positions() ? config.max_position_embeddings : 0);
+LossFunc masked_token_loss(Tensor loss_mask) {
+  return [mask = std::move(loss_mask)](Context& c, const Tensor& output, Tensor& sums, const Tensor& loss_scale,
+                                       Tensor* grad) {
+    Tensor losses = output.view({-1});
+    Tensor m = mask.defined() ? mask.view({-1}) : Tensor();
+    ops::masked_loss_sums(c, losses, m, sums);
+    if (!grad) return;
+    Tensor g = Tensor::empty({losses.numel()}, DType::Float32, c.device());
+    ops::masked_loss_backward_normalized(c, m, sums, loss_scale, g);
+    *grad = g.view(output.shape());
+  };
+}
+
+MicroBatch checked_on_device(const MicroBatch& b, const ModelChunk& model, Device device) {
+  const ModelChunk::InputRanges r = model.input_ranges();
+  if (r.token_rows > 0) check_batch_ids(b, r.token_rows, r.position_rows);
   return MicroBatch{on_device(b.tokens, device), on_device(b.labels, device), on_device(b.loss_mask, device),
                     on_device(b.position_ids, device)};
 }
 
-void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,
                                const ForwardStepFunc& forward_step, const std::vector<MicroBatch>& batches,
                                const ForwardBackwardArgs& args, const Tensor& loss_scale, Tensor& sums,
                                DistributedDataParallel* ddp) {
@@ -50,33 +64,29 @@ void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vecto
 
   const uint64_t rng_base = ctx.rng().offset;
   const uint64_t streams = chunks[0]->random_streams_per_microbatch();
-  std::vector<std::vector<GPTModel::Stash>> stashes(chunks.size(), std::vector<GPTModel::Stash>(size_t(num_mb)));
+  std::vector<std::vector<std::unique_ptr<ModelStash>>> stashes(chunks.size());
+  for (size_t c = 0; c < chunks.size(); ++c)
+    for (int mb = 0; mb < num_mb; ++mb) stashes[c].push_back(chunks[c]->make_stash());
   std::vector<Tensor> grad_losses(static_cast<size_t>(num_mb));
 
   PipelineStepFuncs f;
   f.forward = [&](Context& c, int chunk, int mb, const Tensor& input) -> Tensor {
-    const GPTModel& model = *chunks[size_t(chunk)];
+    const ModelChunk& model = *chunks[size_t(chunk)];
     c.rng().offset = rng_base + uint64_t(mb * dp + dp_rank) * streams;
-    GPTModel::Stash& stash = stashes[size_t(chunk)][size_t(mb)];
-    ForwardOutput out = forward_step(c, batches[size_t(mb)], model, input, stash);
-    if (args.forward_only) stash = GPTModel::Stash{};
+    std::unique_ptr<ModelStash>& stash = stashes[size_t(chunk)][size_t(mb)];
+    ForwardOutput out = forward_step(c, batches[size_t(mb)], model, input, *stash);
+    if (args.forward_only) stash = model.make_stash();
     if (!model.post_process()) return out.output;
-    Tensor losses = out.output.view({-1});
-    Tensor mask = out.loss_mask.defined() ? out.loss_mask.view({-1}) : Tensor();
+    const LossFunc loss = out.loss_func ? out.loss_func : masked_token_loss(out.loss_mask);
     Tensor mb_sums = sums.flat_slice(2 * int64_t(mb), 2);
-    ops::masked_loss_sums(c, losses, mask, mb_sums);
-    if (!args.forward_only) {
-      Tensor grad = Tensor::empty({losses.numel()}, DType::Float32, c.device());
-      ops::masked_loss_backward_normalized(c, mask, mb_sums, loss_scale, grad);
-      grad_losses[size_t(mb)] = grad.view(out.output.shape());
-    }
+    loss(c, out.output, mb_sums, loss_scale, args.forward_only ? nullptr : &grad_losses[size_t(mb)]);
     return Tensor();
   };
   f.backward = [&](Context& c, int chunk, int mb, const Tensor& output_grad, bool last_for_chunk) -> Tensor {
-    const GPTModel& model = *chunks[size_t(chunk)];
+    const ModelChunk& model = *chunks[size_t(chunk)];
     if (ddp) ddp->set_grad_sync(chunk, last_for_chunk);
     const Tensor& grad = model.post_process() ? grad_losses[size_t(mb)] : output_grad;
-    Tensor grad_input = model.backward_step(c, grad, stashes[size_t(chunk)][size_t(mb)]);
+    Tensor grad_input = model.backward_step(c, grad, *stashes[size_t(chunk)][size_t(mb)]);
     if (model.post_process()) grad_losses[size_t(mb)] = Tensor();
     return grad_input;
   };
@@ -86,11 +96,11 @@ void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vecto
     for (int mb = 0; mb < num_mb; ++mb) {
       f.forward(ctx, 0, mb, Tensor());
       if (!args.forward_only) f.backward(ctx, 0, mb, Tensor(), mb == num_mb - 1);
-      stashes[0][size_t(mb)] = GPTModel::Stash{};
+      stashes[0][size_t(mb)].reset();
     }
   } else {
     const Shape shape = chunks[0]->stage_activation_shape(args.micro_batch_size, args.seq_length);
-    const DType dtype = chunks[0]->config().params_dtype;
+    const DType dtype = chunks[0]->activation_dtype();
     if (ps->vpp_size() > 1) {
       forward_backward_pipelining_with_interleaving(ctx, *ps, f, num_mb, shape, dtype, args.forward_only);
     } else {
@@ -105,7 +115,7 @@ Tensor loss_scale_tensor(const ForwardBackwardArgs& args, Device device) {
   return Tensor::from_floats({args.loss_scale / float(args.num_microbatches)}, {1}, DType::Float32, device);
 }
 
-LossSums collect_loss_sums(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+LossSums collect_loss_sums(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,
                            const Tensor& sums) {
   LossSums total;
   if (!chunks.back()->post_process()) return total;
@@ -122,7 +132,7 @@ LossSums collect_loss_sums(Context& ctx, ParallelState* ps, const std::vector<co
   return total;
 }
 
-LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,
                           const ForwardStepFunc& forward_step, BatchIterator& data, const ForwardBackwardArgs& args,
                           DistributedDataParallel* ddp) {
   std::vector<MicroBatch> batches;
@@ -131,14 +141,14 @@ LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<con
   return forward_backward(ctx, ps, chunks, forward_step, std::move(batches), args, ddp);
 }
 
-LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,
                           const ForwardStepFunc& forward_step, std::vector<MicroBatch> batches,
                           const ForwardBackwardArgs& args, DistributedDataParallel* ddp) {
   Tensor sums = Tensor::zeros({args.num_microbatches, 2}, DType::Float32, ctx.device());
   const Tensor scale = loss_scale_tensor(args, ctx.device());
   // Note [One wait per step] (schedules.h).
   if (ctx.is_cuda() && !batches.empty() && on_host(batches[0])) {
-    for (MicroBatch& b : batches) b = checked_on_device(b, chunks[0]->config(), ctx.device());
+    for (MicroBatch& b : batches) b = checked_on_device(b, *chunks[0], ctx.device());
     HostCheckedIds checked(ctx);
     schedule_forward_backward(ctx, ps, chunks, forward_step, batches, args, scale, sums, ddp);
   } else {

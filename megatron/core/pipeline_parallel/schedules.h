@@ -6,9 +6,14 @@
 // reduction is enabled for each chunk's last microbatch only (Megatron's no_sync), so overlapped
 // buckets start during that backward.
 //
-// Losses: on the last stage each microbatch contributes its mean over its unmasked tokens, divided
-// by the number of microbatches and multiplied by the loss scale (Megatron with
-// calculate_per_token_loss off); the data-parallel mean is the DDP's 1/dp scaling.
+// The schedules see the model only through ModelChunk (transformer/module.h) and the training
+// script's forward step, which returns the output and its loss function (Megatron's forward_step
+// returning output_tensor and loss_func); pretrain_gpt supplies the GPT ones.
+//
+// Losses: on the last stage each microbatch contributes its loss over its token count (the loss
+// function's Σ loss / Σ tokens), divided by the number of microbatches and multiplied by the loss
+// scale (Megatron with calculate_per_token_loss off); the data-parallel mean is the DDP's 1/dp
+// scaling.
 //
 // Random streams: microbatch j of data-parallel rank r is microbatch j·dp + r of the global batch
 // (Megatron's sampler), and it draws the random offsets that microbatch draws in the single-process
@@ -18,7 +23,8 @@
 #include <functional>
 #include <vector>
 
-#include "megatron/core/models/gpt/gpt_model.h"
+#include "megatron/core/parallel_state.h"
+#include "megatron/core/transformer/module.h"
 
 namespace megatron {
 
@@ -32,19 +38,41 @@ struct MicroBatch {
   Tensor position_ids;  // int64
 };
 
-/// What forward_step returns (Megatron: output tensor and the loss function's mask).
+/// Megatron's loss_func, run on the last stage: from the forward step's `output`, writes the
+/// microbatch's {Σ loss, token count} into `sums` [2] (fp32, on ctx's device) and, when `grad` is
+/// not null, the gradient of loss_scale · Σ loss / token count with respect to `output` into *grad
+/// (loss_scale [1] fp32 on the device). Nothing in it may wait for the device (the CUDA-graph step
+/// captures it).
+using LossFunc =
+    std::function<void(Context& ctx, const Tensor& output, Tensor& sums, const Tensor& loss_scale, Tensor* grad)>;
+
+/// The language-model loss over per-token losses [b, s] (fp32): the sum over the tokens where
+/// loss_mask [b, s] is 1 (undefined: every token), over their number — Megatron's GPT loss_func.
+LossFunc masked_token_loss(Tensor loss_mask);
+
+/// What forward_step returns (Megatron: the output tensor and the loss function).
 struct ForwardOutput {
-  Tensor output;     // per-token losses [b, s] fp32 on the last stage, else the activations to send
-  Tensor loss_mask;  // [b, s] fp32 (undefined: every token counts); read on the last stage only
+  Tensor output;      // the loss function's input on the last stage, else the activations to send
+  Tensor loss_mask;   // [b, s] fp32 for the default loss function (undefined: every token counts)
+  LossFunc loss_func; // the last stage's loss; unset: masked_token_loss(loss_mask)
 };
 
 /// A data iterator: each call returns the next microbatch.
 using BatchIterator = std::function<MicroBatch()>;
 
 /// Megatron's forward_step_func for one model chunk: `input` is the previous stage's output
-/// (undefined on the first stage). Runs model.forward_step.
+/// (undefined on the first stage); `stash` is the chunk's make_stash(), for its backward_step.
 using ForwardStepFunc =
-    std::function<ForwardOutput(Context&, const MicroBatch&, const GPTModel&, const Tensor& input, GPTModel::Stash&)>;
+    std::function<ForwardOutput(Context&, const MicroBatch&, const ModelChunk&, const Tensor& input, ModelStash& stash)>;
+
+/// A ForwardStepFunc from one written for a concrete model type, f(ctx, batch, const Model&, input,
+/// Model::Stash&) (model_cast / stash_cast).
+template <class Model, class F>
+ForwardStepFunc typed_forward_step(F f) {
+  return [f](Context& ctx, const MicroBatch& b, const ModelChunk& m, const Tensor& input, ModelStash& stash) {
+    return f(ctx, b, model_cast<Model>(m), input, stash_cast<typename Model::Stash>(stash));
+  };
+}
 
 /// Σ loss·mask and Σ mask over the microbatches of one step (the reported lm loss is their ratio);
 /// meaningful on the last pipeline stage only, summed over the data-parallel ranks.
@@ -72,19 +100,19 @@ void check_batch_ids(const MicroBatch& batch, int64_t vocab_rows, int64_t positi
 /// their peers).
 
 /// The same over microbatches already pulled (one per microbatch).
-LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,
                           const ForwardStepFunc& forward_step, std::vector<MicroBatch> batches,
                           const ForwardBackwardArgs& args, DistributedDataParallel* ddp = nullptr);
 
-/// check_batch_ids with the model's table sizes, then the batch's tensors on `device`.
-MicroBatch checked_on_device(const MicroBatch& b, const TransformerConfig& config, Device device);
+/// check_batch_ids with the model's table sizes (ModelChunk::input_ranges), then the batch's tensors on `device`.
+MicroBatch checked_on_device(const MicroBatch& b, const ModelChunk& model, Device device);
 
 /// Enqueues one step's work over `batches` (one per microbatch) without reading anything back:
 /// the last stage writes microbatch j's {Σ loss·mask, Σ mask} into sums [M, 2] (fp32, on the
 /// context's device) and scales its loss gradient by loss_scale [1] (fp32, on the device: the loss
 /// scale over the number of microbatches) divided by that token count. With PP = 1 nothing in it
 /// waits for the device, so it can be captured into a CUDA graph (core/full_cuda_graph.h).
-void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,
                                const ForwardStepFunc& forward_step, const std::vector<MicroBatch>& batches,
                                const ForwardBackwardArgs& args, const Tensor& loss_scale, Tensor& sums,
                                DistributedDataParallel* ddp = nullptr);
@@ -92,13 +120,13 @@ void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vecto
 Tensor loss_scale_tensor(const ForwardBackwardArgs& args, Device device);
 /// Reads sums [M, 2] back (the one wait of a step) and sums it over microbatches, then over the
 /// data-parallel ranks; zeros on a rank without the last stage.
-LossSums collect_loss_sums(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+LossSums collect_loss_sums(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,
                            const Tensor& sums);
 
 /// Runs one step's microbatches through this rank's model chunks (`chunks`, in virtual-stage order)
 /// with the schedule the layout calls for. Every rank pulls num_microbatches batches from `data`.
 /// `ps` null: one process. `ddp` may be null (no gradient reduction).
-LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const GPTModel*>& chunks,
+LossSums forward_backward(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,
                           const ForwardStepFunc& forward_step, BatchIterator& data, const ForwardBackwardArgs& args,
                           DistributedDataParallel* ddp = nullptr);
 

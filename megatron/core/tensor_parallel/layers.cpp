@@ -5,38 +5,39 @@
 
 namespace megatron {
 
-ShardSpec tp_shard(const Shape& shape, int dim, const ParallelState* ps, int chunks) {
+ShardSpec tp_shard(const Shape& shape, int dim, const Communicator* group, int chunks) {
   ShardSpec s = unsharded(shape);
-  const int tp = ps ? ps->tp_size() : 1;
+  const int tp = group_size(group);
   if (dim < 0 || tp == 1) return s;
   MG_CHECK(shape[size_t(dim)] % (int64_t(tp) * chunks) == 0,
            "a dimension of size {} does not split over --tensor-model-parallel-size {}{}", shape[size_t(dim)], tp,
            chunks > 1 ? fmt::format(" in {} blocks", chunks) : std::string());
   s.partition_dim = dim;
-  s.rank = ps->tp_rank();
+  s.rank = group->rank();
   s.size = tp;
   s.chunks = chunks;
   return s;
 }
 
 Linear::Linear(ParamAndGradBuffer& params, const std::string& prefix, int64_t in_features, int64_t out_features,
-               bool bias, ParamInit weight_init, ParallelMode mode, const ParallelState* ps, int chunks)
-    : mode_(mode), ps_(ps) {
-  const bool tp = ps && ps->tp_size() > 1;
+               bool bias, ParamInit weight_init, ParallelMode mode, Communicator* tp_group, bool sequence_parallel,
+               int chunks)
+    : mode_(mode), tp_(multi_rank(tp_group)), sequence_parallel_(tp_ && sequence_parallel) {
+  const bool tp = tp_ != nullptr;
   const int weight_dim = mode == ParallelMode::Column ? 0 : mode == ParallelMode::Row ? 1 : -1;
-  weight_ = params.add(prefix + ".weight", tp_shard({out_features, in_features}, weight_dim, ps, chunks),
+  weight_ = params.add(prefix + ".weight", tp_shard({out_features, in_features}, weight_dim, tp_, chunks),
                        /*no_weight_decay=*/false, weight_init);
   if (bias) {
     bias_ = params.add(prefix + ".bias",
-                       tp_shard({out_features}, mode == ParallelMode::Column ? 0 : -1, ps,
+                       tp_shard({out_features}, mode == ParallelMode::Column ? 0 : -1, tp_,
                                 mode == ParallelMode::Column ? chunks : 1),
                        /*no_weight_decay=*/true, ParamInit::Zeros);
     bias_->tp_duplicate = tp && mode != ParallelMode::Column;
   }
 }
 
-Linear::Linear(Parameter* shared_weight, ParallelMode mode, const ParallelState* ps)
-    : weight_(shared_weight), mode_(mode), ps_(ps) {}
+Linear::Linear(Parameter* shared_weight, ParallelMode mode, Communicator* tp_group, bool sequence_parallel)
+    : weight_(shared_weight), mode_(mode), tp_(multi_rank(tp_group)), sequence_parallel_(tp_ && sequence_parallel) {}
 
 Tensor Linear::forward(Context& ctx, const Tensor& x) const {
   Communicator* tp = tp_group();

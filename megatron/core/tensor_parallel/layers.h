@@ -17,7 +17,7 @@
 #include <string>
 
 #include "megatron/core/distributed/param_and_grad_buffer.h"
-#include "megatron/core/parallel_state.h"
+#include "megatron/core/process_groups_config.h"
 #include "megatron/runtime/context.h"
 
 namespace megatron {
@@ -27,13 +27,15 @@ enum class ParallelMode { None, Column, Row };
 class Linear {
  public:
   /// Registers "<prefix>.weight" (and "<prefix>.bias" when `bias`), sharded by `mode` over the
-  /// tensor-parallel group of `ps` (null or TP 1: unsharded). `chunks`: the output dimension holds
-  /// that many blocks each split over the ranks (SwiGLU's [gate; up]).
+  /// tensor-parallel group `tp` (null or one rank: unsharded); `sequence_parallel`: the config's
+  /// --sequence-parallel (it applies when tp has more than one rank). `chunks`: the output dimension
+  /// holds that many blocks each split over the ranks (SwiGLU's [gate; up]).
   Linear(ParamAndGradBuffer& params, const std::string& prefix, int64_t in_features, int64_t out_features, bool bias,
-         ParamInit weight_init, ParallelMode mode = ParallelMode::None, const ParallelState* ps = nullptr,
-         int chunks = 1);
+         ParamInit weight_init, ParallelMode mode = ParallelMode::None, Communicator* tp = nullptr,
+         bool sequence_parallel = false, int chunks = 1);
   /// A column-parallel layer on an existing weight (the tied output layer); no bias.
-  Linear(Parameter* shared_weight, ParallelMode mode = ParallelMode::None, const ParallelState* ps = nullptr);
+  Linear(Parameter* shared_weight, ParallelMode mode = ParallelMode::None, Communicator* tp = nullptr,
+         bool sequence_parallel = false);
 
   /// Forward as described above. The caller keeps x (as given) for backward.
   Tensor forward(Context& ctx, const Tensor& x) const;
@@ -53,17 +55,18 @@ class Linear {
   int64_t out_features() const { return weight_->data.size(0); }
 
  private:
-  Communicator* tp_group() const { return ps_ && ps_->tp_size() > 1 ? &ps_->tensor() : nullptr; }
-  bool sequence_parallel() const { return ps_ && ps_->tp_size() > 1 && ps_->sequence_parallel(); }
+  Communicator* tp_group() const { return tp_; }
+  bool sequence_parallel() const { return sequence_parallel_; }
 
   Parameter* weight_;
   Parameter* bias_ = nullptr;
   ParallelMode mode_ = ParallelMode::None;
-  const ParallelState* ps_ = nullptr;
+  Communicator* tp_ = nullptr;  // null: one rank
+  bool sequence_parallel_ = false;
 };
 
 /// The ShardSpec of a tensor-parallel parameter of global shape `shape` split along `dim` (-1:
-/// unsharded) over `ps`'s tensor-parallel group.
-ShardSpec tp_shard(const Shape& shape, int dim, const ParallelState* ps, int chunks = 1);
+/// unsharded) over the tensor-parallel group `tp` (null: one rank).
+ShardSpec tp_shard(const Shape& shape, int dim, const Communicator* tp, int chunks = 1);
 
 }  // namespace megatron

@@ -5,13 +5,15 @@
 // At tensor-parallel size 1 both are the default seed (the single-device run is unchanged).
 #pragma once
 
-#include "megatron/core/parallel_state.h"
+#include "megatron/core/process_groups_config.h"
+#include "megatron/runtime/context.h"
 
 namespace megatron::tensor_parallel {
 
-inline uint64_t region_seed(Context& ctx, const ParallelState* ps, bool tensor_parallel_region) {
-  if (!tensor_parallel_region || !ps || ps->tp_size() == 1) return ctx.rng().seed;
-  return ctx.rng().seed + 2718 + uint64_t(ps->tp_rank());
+/// `tp`: the tensor-parallel group (null: one rank).
+inline uint64_t region_seed(Context& ctx, const Communicator* tp, bool tensor_parallel_region) {
+  if (!tensor_parallel_region || group_size(tp) == 1) return ctx.rng().seed;
+  return ctx.rng().seed + 2718 + uint64_t(tp->rank());
 }
 
 }  // namespace megatron::tensor_parallel

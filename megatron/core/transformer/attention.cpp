@@ -7,27 +7,31 @@
 
 namespace megatron {
 
-SelfAttention::SelfAttention(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
-                             const ParallelState* ps)
-    : nq_(config.num_attention_heads / (ps ? ps->tp_size() : 1)),
-      ng_(config.num_query_groups / (ps ? ps->tp_size() : 1)),
+SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& spec, ParamAndGradBuffer& params,
+                             const std::string& prefix, const ProcessGroupCollection& pg)
+    : nq_(config.num_attention_heads / group_size(pg.tp)),
+      ng_(config.num_query_groups / group_size(pg.tp)),
       d_(config.kv_channels),
       softmax_scale_(1.0f / std::sqrt(float(config.kv_channels))),
       dropout_p_(config.attention_dropout),
       rope_interleaved_(config.rotary_interleaved),
-      ps_(ps),
+      tp_(multi_rank(pg.tp)),
       linear_qkv_(params, prefix + ".linear_qkv", config.hidden_size,
                   config.query_projection_size() + 2 * config.kv_projection_size(),
-                  config.add_bias_linear || config.add_qkv_bias, ParamInit::Normal, ParallelMode::Column, ps),
+                  config.add_bias_linear || config.add_qkv_bias, ParamInit::Normal, ParallelMode::Column, pg.tp,
+                  config.sequence_parallel),
       linear_proj_(params, prefix + ".linear_proj", config.query_projection_size(), config.hidden_size,
-                   config.add_bias_linear, ParamInit::ScaledNormal, ParallelMode::Row, ps) {}
+                   config.add_bias_linear, ParamInit::ScaledNormal, ParallelMode::Row, pg.tp,
+                   config.sequence_parallel) {
+  MG_ASSERT(spec.kind == MixerKind::SelfAttention, "SelfAttention built from a {} spec", mixer_kind_name(spec.kind));
+}
 
 void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const {
   const int64_t s = saved.qkv.size(0), b = saved.qkv.size(1);
   const DType dt = saved.x.dtype();
   saved.context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
   saved.lse = Tensor::empty({b, nq_, s}, DType::Float32, ctx.device());
-  const uint64_t seed = tensor_parallel::region_seed(ctx, ps_, true);
+  const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
   if (fused_qkv(freqs)) {
     ops::attention_forward_qkv(ctx, saved.qkv, softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.context,
                                saved.lse);
@@ -73,7 +77,7 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Tenso
   const int64_t s = saved.context.size(0);
   Tensor grad_context = linear_proj_.backward(ctx, grad_out.view({-1, h}), saved.context.view({s * b, nq_ * d_}));
   const DType dt = saved.x.dtype();
-  const uint64_t seed = tensor_parallel::region_seed(ctx, ps_, true);
+  const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
   Tensor grad_qkv;
   if (fused_qkv(freqs)) {
     grad_qkv = Tensor::empty(saved.qkv.shape(), dt, ctx.device());

@@ -19,15 +19,16 @@
 
 #include "megatron/core/tensor_parallel/layers.h"
 #include "megatron/core/transformer/transformer_config.h"
+#include "megatron/core/transformer/transformer_layer_spec.h"
 
 namespace megatron {
 
 class SelfAttention {
  public:
-  /// With tensor parallelism this rank holds num_attention_heads/tp heads and num_query_groups/tp
-  /// groups: linear_qkv is column-parallel, linear_proj row-parallel.
-  SelfAttention(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
-                const ParallelState* ps = nullptr);
+  /// With tensor parallelism (pg.tp) this rank holds num_attention_heads/tp heads and
+  /// num_query_groups/tp groups: linear_qkv is column-parallel, linear_proj row-parallel.
+  SelfAttention(const TransformerConfig& config, const MixerSpec& spec, ParamAndGradBuffer& params,
+                const std::string& prefix, const ProcessGroupCollection& pg = {});
 
   struct Saved {
     Tensor x;                      // input [s, b, h]
@@ -58,7 +59,7 @@ class SelfAttention {
   float softmax_scale_;
   float dropout_p_;
   bool rope_interleaved_;
-  const ParallelState* ps_;
+  Communicator* tp_;  // null: one rank
   Linear linear_qkv_;
   Linear linear_proj_;
 };

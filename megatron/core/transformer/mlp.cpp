@@ -4,16 +4,27 @@
 
 namespace megatron {
 
-MLP::MLP(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
-         const ParallelState* ps)
+namespace {
+int64_t ffn_size(const TransformerConfig& config, const MlpSpec& spec, const ProcessGroupCollection& pg) {
+  const int64_t ffn = spec.ffn_hidden_size > 0 ? spec.ffn_hidden_size : config.ffn_hidden_size;
+  MG_CHECK(ffn % group_size(pg.tp) == 0,
+           "the MLP's intermediate size {} must be divisible by --tensor-model-parallel-size ({})", ffn,
+           group_size(pg.tp));
+  return ffn;
+}
+}  // namespace
+
+MLP::MLP(const TransformerConfig& config, const MlpSpec& spec, ParamAndGradBuffer& params, const std::string& prefix,
+         const ProcessGroupCollection& pg)
     : swiglu_(config.gated_linear_unit),
-      ffn_(config.ffn_hidden_size / (ps ? ps->tp_size() : 1)),
+      ffn_(ffn_size(config, spec, pg) / group_size(pg.tp)),
       linear_fc1_(params, prefix + ".linear_fc1", config.hidden_size,
-                  config.gated_linear_unit ? 2 * int64_t(config.ffn_hidden_size) : config.ffn_hidden_size,
-                  config.add_bias_linear, ParamInit::Normal, ParallelMode::Column, ps,
+                  (config.gated_linear_unit ? 2 : 1) * ffn_size(config, spec, pg), config.add_bias_linear,
+                  ParamInit::Normal, ParallelMode::Column, pg.tp, config.sequence_parallel,
                   config.gated_linear_unit ? 2 : 1),
-      linear_fc2_(params, prefix + ".linear_fc2", config.ffn_hidden_size, config.hidden_size, config.add_bias_linear,
-                  ParamInit::ScaledNormal, ParallelMode::Row, ps) {}
+      linear_fc2_(params, prefix + ".linear_fc2", ffn_size(config, spec, pg), config.hidden_size,
+                  config.add_bias_linear, ParamInit::ScaledNormal, ParallelMode::Row, pg.tp,
+                  config.sequence_parallel) {}
 
 Tensor MLP::activation(Context& ctx, const Tensor& fc1) const {
   Tensor act = Tensor::empty({fc1.size(0), ffn_}, fc1.dtype(), ctx.device());

@@ -1,20 +1,22 @@
-// MLP: linear_fc1 -> activation -> linear_fc2 (Megatron-Core's MLP). With SwiGLU, fc1 produces
-// [gate; up] (2·ffn rows) and the activation is silu(gate)·up; with GeLU, fc1 produces ffn rows.
+// MLP: linear_fc1 -> activation -> linear_fc2 (Megatron-Core's MLP, the dense MLP of a layer spec).
+// With SwiGLU, fc1 produces [gate; up] (2·ffn rows) and the activation is silu(gate)·up; with GeLU,
+// fc1 produces ffn rows. ffn is the spec's intermediate size (the config's unless the spec says).
 #pragma once
 
 #include <string>
 
 #include "megatron/core/tensor_parallel/layers.h"
 #include "megatron/core/transformer/transformer_config.h"
+#include "megatron/core/transformer/transformer_layer_spec.h"
 
 namespace megatron {
 
 class MLP {
  public:
-  /// With tensor parallelism fc1 is column-parallel (SwiGLU: [gate; up] blocks split separately) and
-  /// fc2 row-parallel; this rank holds ffn/tp of the intermediate features.
-  MLP(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
-      const ParallelState* ps = nullptr);
+  /// With tensor parallelism (pg.tp) fc1 is column-parallel (SwiGLU: [gate; up] blocks split
+  /// separately) and fc2 row-parallel; this rank holds ffn/tp of the intermediate features.
+  MLP(const TransformerConfig& config, const MlpSpec& spec, ParamAndGradBuffer& params, const std::string& prefix,
+      const ProcessGroupCollection& pg = {});
 
   struct Saved {
     Tensor x;    // input [N, h]

@@ -4,19 +4,19 @@
 
 namespace megatron {
 
-Norm::Norm(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
-           const ParallelState* ps)
-    : rms_(config.use_rmsnorm()),
+Norm::Norm(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params, const std::string& prefix,
+           const ProcessGroupCollection& pg)
+    : rms_(kind == NormKind::RMSNorm),
       zero_centered_gamma_(config.layernorm_zero_centered_gamma),
       eps_(config.layernorm_epsilon) {
   const Shape shape{config.hidden_size};
   weight_ = params.add(prefix + ".weight", shape, /*no_weight_decay=*/true, ParamInit::Ones);
   if (!rms_) bias_ = params.add(prefix + ".bias", shape, /*no_weight_decay=*/true, ParamInit::Zeros);
-  const bool tp = ps && ps->tp_size() > 1;
+  const bool tp = group_size(pg.tp) > 1;
   for (Parameter* p : {weight_, bias_}) {
     if (!p) continue;
     p->tp_duplicate = tp;
-    p->sequence_parallel = tp && ps->sequence_parallel();
+    p->sequence_parallel = tp && config.sequence_parallel;
   }
 }
 

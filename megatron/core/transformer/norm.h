@@ -1,22 +1,24 @@
-// Norm: LayerNorm or RMSNorm over the hidden dimension, as the config says (Megatron's
+// Norm: LayerNorm or RMSNorm over the hidden dimension, as the layer spec says (Megatron's
 // TENorm / FusedLayerNorm choice). Parameters "<prefix>.weight" (and "<prefix>.bias" for LayerNorm).
+// Epsilon and zero-centered gamma (--apply-layernorm-1p) come from the config.
 #pragma once
 
 #include <string>
 
 #include "megatron/core/distributed/param_and_grad_buffer.h"
-#include "megatron/core/parallel_state.h"
+#include "megatron/core/process_groups_config.h"
 #include "megatron/core/transformer/transformer_config.h"
+#include "megatron/core/transformer/transformer_layer_spec.h"
 #include "megatron/runtime/context.h"
 
 namespace megatron {
 
 class Norm {
  public:
-  /// With tensor parallelism the weights are duplicated on every tensor-parallel rank; with
+  /// With tensor parallelism (pg.tp) the weights are duplicated on every tensor-parallel rank; with
   /// sequence parallelism their gradients are partial sums (all-reduced over the group later).
-  Norm(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
-       const ParallelState* ps = nullptr);
+  Norm(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params, const std::string& prefix,
+       const ProcessGroupCollection& pg = {});
 
   struct Saved {
     Tensor x;     // input [N, h]

@@ -22,25 +22,31 @@ std::vector<TransformerBlock::Segment> plan_segments(const TransformerConfig& c,
 LayerRange resolve(const TransformerConfig& c, LayerRange r) { return r.count > 0 ? r : LayerRange{0, c.num_layers}; }
 
 // Builds the layers before the final norm so parameters register in Megatron's order.
-std::vector<std::unique_ptr<TransformerLayer>> build_layers(const TransformerConfig& c, ParamAndGradBuffer& params,
-                                                            const std::string& prefix, const ParallelState* ps,
-                                                            LayerRange r) {
+std::vector<std::unique_ptr<TransformerLayer>> build_layers(const TransformerConfig& c,
+                                                            const TransformerBlockSpec& spec,
+                                                            ParamAndGradBuffer& params, const std::string& prefix,
+                                                            const ProcessGroupCollection& pg, LayerRange r) {
+  MG_CHECK(int64_t(spec.layers.size()) == c.num_layers, "the block spec has {} layer specs for {} layers",
+           spec.layers.size(), c.num_layers);
   std::vector<std::unique_ptr<TransformerLayer>> layers;
   for (int i = r.first; i < r.first + r.count; ++i) {
-    layers.push_back(std::make_unique<TransformerLayer>(c, params, fmt::format("{}.layers.{}", prefix, i), ps));
+    layers.push_back(std::make_unique<TransformerLayer>(c, spec.layers[size_t(i)], params,
+                                                        fmt::format("{}.layers.{}", prefix, i), pg));
   }
   return layers;
 }
 }  // namespace
 
-TransformerBlock::TransformerBlock(const TransformerConfig& config, ParamAndGradBuffer& params,
-                                   const std::string& prefix, const ParallelState* ps, LayerRange range,
-                                   bool final_norm)
+TransformerBlock::TransformerBlock(const TransformerConfig& config, const TransformerBlockSpec& spec,
+                                   ParamAndGradBuffer& params, const std::string& prefix,
+                                   const ProcessGroupCollection& pg, LayerRange range, bool final_norm)
     : selective_(config.recompute_granularity == "selective"),
       segments_(plan_segments(config, resolve(config, range).count)),
       first_layer_(resolve(config, range).first),
-      layers_(build_layers(config, params, prefix, ps, resolve(config, range))) {
-  if (final_norm) final_layernorm_ = std::make_unique<Norm>(config, params, prefix + ".final_layernorm", ps);
+      layers_(build_layers(config, spec, params, prefix, pg, resolve(config, range))) {
+  if (final_norm) {
+    final_layernorm_ = std::make_unique<Norm>(config, spec.final_layernorm, params, prefix + ".final_layernorm", pg);
+  }
 }
 
 Tensor TransformerBlock::run_segment(Context& ctx, const Segment& seg, const Tensor& x, const Tensor& freqs,
@@ -91,12 +97,13 @@ Tensor TransformerBlock::backward(Context& ctx, const Tensor& grad_out, const Te
 // ---- inference ---------------------------------------------------------------------------------
 
 Tensor TransformerBlock::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
-                                           const Tensor& starts, KVCache& cache) const {
-  MG_CHECK(cache.num_layers() == int64_t(layers_.size()), "the KV cache has {} layers, the model {}",
-           cache.num_layers(), layers_.size());
+                                           const Tensor& starts, std::vector<Tensor>& keys,
+                                           std::vector<Tensor>& values) const {
+  MG_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "the KV cache has {} layers, the model {}",
+           keys.size(), layers_.size());
   Tensor h = x;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    h = layers_[i]->forward_inference(ctx, h, freqs, slots, starts, cache.keys[i], cache.values[i]);
+    h = layers_[i]->forward_inference(ctx, h, freqs, slots, starts, keys[i], values[i]);
   }
   const int64_t s = h.size(0), b = h.size(1), hid = h.size(2);
   Norm::Saved final_norm;

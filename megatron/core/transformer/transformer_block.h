@@ -1,5 +1,6 @@
 // TransformerBlock: the stack of layers and the final norm ("decoder" in Megatron-Core's names),
-// with activation recomputation:
+// each layer built from its spec in the block spec (Megatron's TransformerBlockSubmodules), with
+// activation recomputation:
 //   none       every layer keeps its Saved activations;
 //   selective  layers drop their core-attention tensors (Note [Selective recomputation]);
 //   full       uniform: the layers are cut into chunks of --recompute-num-layers and only each
@@ -11,17 +12,19 @@
 #include <memory>
 #include <vector>
 
-#include "megatron/core/inference/kv_cache.h"
 #include "megatron/core/transformer/transformer_layer.h"
+#include "megatron/core/transformer/transformer_layer_spec.h"
 
 namespace megatron {
 
 class TransformerBlock {
  public:
   /// The layers `range` of the decoder (all of them by default; a pipeline stage's chunk otherwise),
-  /// named by their global index, and the final norm when `final_norm` (the last stage).
-  TransformerBlock(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
-                   const ParallelState* ps = nullptr, LayerRange range = {}, bool final_norm = true);
+  /// named by their global index and built from spec.layers[global index], and the final norm when
+  /// `final_norm` (the last stage).
+  TransformerBlock(const TransformerConfig& config, const TransformerBlockSpec& spec, ParamAndGradBuffer& params,
+                   const std::string& prefix, const ProcessGroupCollection& pg = {}, LayerRange range = {},
+                   bool final_norm = true);
 
   struct Segment {
     int begin = 0, end = 0;  // layers [begin, end)
@@ -40,10 +43,11 @@ class TransformerBlock {
   Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
   const std::vector<Segment>& segments() const { return segments_; }
 
-  /// Inference: x [s, b, h] -> final-normed [s, b, h], each layer appending to its cache entry
-  /// (TransformerLayer::forward_inference). slots, starts [b]: cache slot and first new position.
+  /// Inference: x [s, b, h] -> final-normed [s, b, h], layer i appending to keys[i]/values[i]
+  /// (TransformerLayer::forward_inference; KVCache holds them). slots, starts [b]: cache slot and
+  /// first new position.
   Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
-                           const Tensor& starts, KVCache& cache) const;
+                           const Tensor& starts, std::vector<Tensor>& keys, std::vector<Tensor>& values) const;
 
  private:
   Tensor run_segment(Context& ctx, const Segment& seg, const Tensor& x, const Tensor& freqs, Saved& saved,

@@ -5,28 +5,90 @@
 
 namespace megatron {
 
-TransformerLayer::TransformerLayer(const TransformerConfig& config, ParamAndGradBuffer& params,
-                                   const std::string& prefix, const ParallelState* ps)
+namespace {
+// The modules a spec names (the one place that maps spec kinds to module types).
+TransformerLayer::Mixer make_mixer(const TransformerConfig& config, const MixerSpec& spec, ParamAndGradBuffer& params,
+                                   const std::string& prefix, const ProcessGroupCollection& pg) {
+  switch (spec.kind) {
+    case MixerKind::SelfAttention:
+      return TransformerLayer::Mixer(std::in_place_type<SelfAttention>, config, spec, params,
+                                     prefix + ".self_attention", pg);
+  }
+  MG_CHECK(false, "unknown mixer kind {}", int(spec.kind));
+  __builtin_unreachable();
+}
+
+TransformerLayer::Mlp make_mlp(const TransformerConfig& config, const MlpSpec& spec, ParamAndGradBuffer& params,
+                               const std::string& prefix, const ProcessGroupCollection& pg) {
+  switch (spec.kind) {
+    case MlpKind::Dense:
+      return TransformerLayer::Mlp(std::in_place_type<MLP>, config, spec, params, prefix + ".mlp", pg);
+  }
+  MG_CHECK(false, "unknown MLP kind {}", int(spec.kind));
+  __builtin_unreachable();
+}
+
+// The alternative of `saved` that matches the module `m` (emplaced fresh in forward, read in backward).
+template <class Module, class SavedVariant>
+typename Module::Saved& fresh_saved(SavedVariant& saved) {
+  return saved.template emplace<typename Module::Saved>();
+}
+template <class Module, class SavedVariant>
+typename Module::Saved& saved_of(SavedVariant& saved) {
+  auto* s = std::get_if<typename Module::Saved>(&saved);
+  MG_ASSERT(s, "backward of a layer whose saved activations are of another module kind");
+  return *s;
+}
+}  // namespace
+
+TransformerLayer::TransformerLayer(const TransformerConfig& config, const TransformerLayerSpec& spec,
+                                   ParamAndGradBuffer& params, const std::string& prefix,
+                                   const ProcessGroupCollection& pg)
     : hidden_dropout_(config.hidden_dropout),
-      sequence_parallel_(ps && ps->tp_size() > 1 && ps->sequence_parallel()),
-      ps_(ps),
-      input_layernorm_(config, params, prefix + ".input_layernorm", ps),
-      self_attention_(config, params, prefix + ".self_attention", ps),
-      pre_mlp_layernorm_(config, params, prefix + ".pre_mlp_layernorm", ps),
-      mlp_(config, params, prefix + ".mlp", ps) {}
+      sequence_parallel_(group_size(pg.tp) > 1 && config.sequence_parallel),
+      tp_(multi_rank(pg.tp)),
+      input_layernorm_(config, spec.input_layernorm, params, prefix + ".input_layernorm", pg),
+      mixer_(make_mixer(config, spec.mixer, params, prefix, pg)),
+      pre_mlp_layernorm_(config, spec.pre_mlp_layernorm, params, prefix + ".pre_mlp_layernorm", pg),
+      mlp_(make_mlp(config, spec.mlp, params, prefix, pg)) {}
+
+Tensor TransformerLayer::mixer_forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t offset,
+                                       bool keep_core, MixerSaved& saved) const {
+  return std::visit(
+      [&](const auto& m) {
+        return m.forward(ctx, x, freqs, offset, keep_core, fresh_saved<std::decay_t<decltype(m)>>(saved));
+      },
+      mixer_);
+}
+
+Tensor TransformerLayer::mixer_backward(Context& ctx, const Tensor& grad, const Tensor& freqs,
+                                        MixerSaved& saved) const {
+  return std::visit(
+      [&](const auto& m) { return m.backward(ctx, grad, freqs, saved_of<std::decay_t<decltype(m)>>(saved)); }, mixer_);
+}
+
+Tensor TransformerLayer::mlp_forward(Context& ctx, const Tensor& x, MlpSaved& saved) const {
+  return std::visit([&](const auto& m) { return m.forward(ctx, x, fresh_saved<std::decay_t<decltype(m)>>(saved)); },
+                    mlp_);
+}
+
+Tensor TransformerLayer::mlp_backward(Context& ctx, const Tensor& grad, MlpSaved& saved) const {
+  return std::visit([&](const auto& m) { return m.backward(ctx, grad, saved_of<std::decay_t<decltype(m)>>(saved)); },
+                    mlp_);
+}
 
 Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t rng_base,
                                  bool keep_core_attention, Saved& saved) const {
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
   saved.rng_base = rng_base;
   Tensor h1 = input_layernorm_.forward(ctx, x.view({s * b, h}), saved.input_norm).view({s, b, h});
-  Tensor attn = self_attention_.forward(ctx, h1, freqs, rng_base, keep_core_attention, saved.attention);
+  Tensor attn = mixer_forward(ctx, h1, freqs, rng_base, keep_core_attention, saved.mixer);
   Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
-  ops::dropout_add_forward(ctx, attn, x, hidden_dropout_, tensor_parallel::region_seed(ctx, ps_, sequence_parallel_), rng_base + 1, x2);
+  ops::dropout_add_forward(ctx, attn, x, hidden_dropout_, tensor_parallel::region_seed(ctx, tp_, sequence_parallel_), rng_base + 1, x2);
   Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), saved.pre_mlp_norm);
-  Tensor mlp_out = mlp_.forward(ctx, h2, saved.mlp);
+  Tensor mlp_out = mlp_forward(ctx, h2, saved.mlp);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
-  ops::dropout_add_forward(ctx, mlp_out.view({s, b, h}), x2, hidden_dropout_, tensor_parallel::region_seed(ctx, ps_, sequence_parallel_), rng_base + 2, out);
+  ops::dropout_add_forward(ctx, mlp_out.view({s, b, h}), x2, hidden_dropout_, tensor_parallel::region_seed(ctx, tp_, sequence_parallel_), rng_base + 2, out);
   return out;
 }
 
@@ -35,14 +97,14 @@ Tensor TransformerLayer::backward(Context& ctx, const Tensor& grad_out, const Te
   const DType dt = grad_out.dtype();
   // out = x2 + dropout(mlp(norm2(x2)))
   Tensor grad_mlp = Tensor::empty({s * b, h}, dt, ctx.device());
-  ops::dropout_backward(ctx, grad_out.view({s * b, h}), hidden_dropout_, tensor_parallel::region_seed(ctx, ps_, sequence_parallel_), saved.rng_base + 2, grad_mlp);
-  Tensor grad_h2 = mlp_.backward(ctx, grad_mlp, saved.mlp);
+  ops::dropout_backward(ctx, grad_out.view({s * b, h}), hidden_dropout_, tensor_parallel::region_seed(ctx, tp_, sequence_parallel_), saved.rng_base + 2, grad_mlp);
+  Tensor grad_h2 = mlp_backward(ctx, grad_mlp, saved.mlp);
   Tensor grad_x2 = pre_mlp_layernorm_.backward(ctx, grad_h2, saved.pre_mlp_norm).view({s, b, h});
   ops::add(ctx, grad_x2, grad_out, grad_x2);
   // x2 = x + dropout(attention(norm1(x)))
   Tensor grad_attn = Tensor::empty({s, b, h}, dt, ctx.device());
-  ops::dropout_backward(ctx, grad_x2, hidden_dropout_, tensor_parallel::region_seed(ctx, ps_, sequence_parallel_), saved.rng_base + 1, grad_attn);
-  Tensor grad_h1 = self_attention_.backward(ctx, grad_attn, freqs, saved.attention);
+  ops::dropout_backward(ctx, grad_x2, hidden_dropout_, tensor_parallel::region_seed(ctx, tp_, sequence_parallel_), saved.rng_base + 1, grad_attn);
+  Tensor grad_h1 = mixer_backward(ctx, grad_attn, freqs, saved.mixer);
   Tensor grad_x = input_layernorm_.backward(ctx, grad_h1.view({s * b, h}), saved.input_norm).view({s, b, h});
   ops::add(ctx, grad_x, grad_x2, grad_x);
   return grad_x;
@@ -54,13 +116,15 @@ Tensor TransformerLayer::forward_inference(Context& ctx, const Tensor& x, const 
                                            const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const {
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
   Norm::Saved norm_saved;
-  MLP::Saved mlp_saved;
+  MlpSaved mlp_saved;
+  const auto* attention = std::get_if<SelfAttention>(&mixer_);
+  MG_CHECK(attention, "inference with a KV cache needs self-attention in every layer");
   Tensor h1 = input_layernorm_.forward(ctx, x.view({s * b, h}), norm_saved).view({s, b, h});
-  Tensor attn = self_attention_.forward_inference(ctx, h1, freqs, slots, starts, k_cache, v_cache);
+  Tensor attn = attention->forward_inference(ctx, h1, freqs, slots, starts, k_cache, v_cache);
   Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::add(ctx, attn, x, x2);
   Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), norm_saved);
-  Tensor mlp_out = mlp_.forward(ctx, h2, mlp_saved);
+  Tensor mlp_out = mlp_forward(ctx, h2, mlp_saved);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::add(ctx, mlp_out.view({s, b, h}), x2, out);
   return out;

@@ -1,17 +1,23 @@
-// TransformerLayer (pre-norm, Megatron-Core's TransformerLayer):
-//   h1 = input_layernorm(x);   x2 = x + dropout(self_attention(h1))
+// TransformerLayer (pre-norm, Megatron-Core's TransformerLayer), built from its layer spec:
+//   h1 = input_layernorm(x);   x2 = x + dropout(mixer(h1))
 //   h2 = pre_mlp_layernorm(x2); out = x2 + dropout(mlp(h2))
-// Each layer draws three random streams per forward (attention dropout, two hidden dropouts) at
+// The mixer and the MLP are alternatives (std::variant) of the kinds a spec can name, each with
+// its own saved-activation struct held in a matching variant of Saved; forward picks the kind's
+// Saved, backward reads it back. Adding a kind is its module plus one alternative here.
+//
+// Each layer draws three random streams per forward (the mixer's dropout, two hidden dropouts) at
 // consecutive offsets from a base recorded in its Saved, so recomputation replays them exactly.
 // Under sequence parallelism x is this rank's sequence shard [s/tp, b, h]; the norms, dropouts and
-// residuals work on the shard, the attention and MLP gather and scatter the sequence.
+// residuals work on the shard, the mixer and MLP gather and scatter the sequence.
 #pragma once
 
 #include <string>
+#include <variant>
 
 #include "megatron/core/transformer/attention.h"
 #include "megatron/core/transformer/mlp.h"
 #include "megatron/core/transformer/norm.h"
+#include "megatron/core/transformer/transformer_layer_spec.h"
 
 namespace megatron {
 
@@ -19,14 +25,21 @@ class TransformerLayer {
  public:
   static constexpr uint64_t kRandomStreams = 3;
 
-  TransformerLayer(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
-                   const ParallelState* ps = nullptr);
+  /// The modules `spec` names, over the groups of `pg`.
+  TransformerLayer(const TransformerConfig& config, const TransformerLayerSpec& spec, ParamAndGradBuffer& params,
+                   const std::string& prefix, const ProcessGroupCollection& pg = {});
+
+  /// The kinds a spec can name (TransformerLayerSpec), and their saved activations in the same order.
+  using Mixer = std::variant<SelfAttention>;
+  using MixerSaved = std::variant<SelfAttention::Saved>;
+  using Mlp = std::variant<MLP>;
+  using MlpSaved = std::variant<MLP::Saved>;
 
   struct Saved {
     Norm::Saved input_norm;
-    SelfAttention::Saved attention;
+    MixerSaved mixer;
     Norm::Saved pre_mlp_norm;
-    MLP::Saved mlp;
+    MlpSaved mlp;
     uint64_t rng_base = 0;
   };
   /// x [s, b, h] -> [s, b, h]. keep_core_attention=false drops the core attention tensors
@@ -36,17 +49,24 @@ class TransformerLayer {
   Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
 
   /// Inference with a KV cache (SelfAttention::forward_inference): x [s, b, h] -> [s, b, h], no dropout.
+  /// Refused for a mixer kind without a KV cache.
   Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
                            const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
 
  private:
+  Tensor mixer_forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t offset, bool keep_core,
+                       MixerSaved& saved) const;
+  Tensor mixer_backward(Context& ctx, const Tensor& grad, const Tensor& freqs, MixerSaved& saved) const;
+  Tensor mlp_forward(Context& ctx, const Tensor& x, MlpSaved& saved) const;
+  Tensor mlp_backward(Context& ctx, const Tensor& grad, MlpSaved& saved) const;
+
   float hidden_dropout_;
   bool sequence_parallel_;
-  const ParallelState* ps_;
+  Communicator* tp_;  // null: one rank
   Norm input_layernorm_;
-  SelfAttention self_attention_;
+  Mixer mixer_;
   Norm pre_mlp_layernorm_;
-  MLP mlp_;
+  Mlp mlp_;
 };
 
 }  // namespace megatron

@@ -1,7 +1,7 @@
 // The KV-cache inference path equals the training forward: the attention_kv_cache op against
 // attention_forward, and GPTModel::forward_inference (right-padded prefill of prompts of different
 // lengths, then decode steps at different positions) against forward_logits on each full sequence.
-#include "megatron/core/inference/kv_cache.h"
+#include "megatron/core/transformer/kv_cache.h"
 
 #include <gtest/gtest.h>
 

@@ -115,10 +115,10 @@ void run_rank(std::unique_ptr<Communicator> world, const Layout& l, bool llama, 
   ddp_config.overlap_param_gather = l.overlap && l.distopt;
   if (l.bucket > 0) ddp_config.bucket_size = l.bucket;
   std::vector<std::unique_ptr<GPTModel>> chunks;
-  std::vector<const GPTModel*> chunk_ptrs;
+  std::vector<const ModelChunk*> chunk_ptrs;
   std::vector<ParamAndGradBuffer*> buffers;
   for (int v = 0; v < l.vpp; ++v) {
-    chunks.push_back(std::make_unique<GPTModel>(c, Device::cpu(), &ps, v, ddp_config));
+    chunks.push_back(std::make_unique<GPTModel>(c, Device::cpu(), &ps, v));
     chunks.back()->init_weights(1234);
     chunk_ptrs.push_back(chunks.back().get());
     buffers.push_back(&chunks.back()->params());
@@ -156,7 +156,7 @@ void run_rank(std::unique_ptr<Communicator> world, const Layout& l, bool llama, 
     a.num_microbatches = num_mb;
     a.micro_batch_size = kMicroBatch;
     a.seq_length = kSeq;
-    LossSums sums = forward_backward(ctx, &ps, chunk_ptrs, forward_step, data, a, &ddp);
+    LossSums sums = forward_backward(ctx, &ps, chunk_ptrs, typed_forward_step<GPTModel>(forward_step), data, a, &ddp);
     finalize_model_grads(ctx, ddp);
     OptimizerStepResult r = optimizer.step(ctx);
     losses.push_back(sums.num_tokens > 0 ? sums.loss_sum / sums.num_tokens : 0.0);

@@ -48,10 +48,10 @@ TEST(FullCudaGraph, WarmupIsThePlainStepAndCaptureNeedsAGpu) {
   GPTModel model(c);
   model.init_weights(5);
   Context ctx;
-  ForwardStepFunc forward_step = [](Context& cx, const MicroBatch& b, const GPTModel& m, const Tensor& input,
-                                    GPTModel::Stash& stash) {
-    return ForwardOutput{m.forward_step(cx, b.tokens, b.position_ids, b.labels, input, stash), b.loss_mask};
-  };
+  ForwardStepFunc forward_step = typed_forward_step<GPTModel>(
+      [](Context& cx, const MicroBatch& b, const GPTModel& m, const Tensor& input, GPTModel::Stash& stash) {
+        return ForwardOutput{m.forward_step(cx, b.tokens, b.position_ids, b.labels, input, stash), b.loss_mask};
+      });
   BatchIterator data = [] { return batch({0, 5, 9, 1}, {5, 9, 1, 2}, {0, 1, 0, 1}); };
   ForwardBackwardArgs args;
   args.num_microbatches = 2;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "megatron/core/models/gpt/gpt_layer_specs.h"
+#include "megatron/core/parallel_state.h"
 #include "megatron/kernels/ops.h"
 
 namespace megatron {
@@ -14,9 +16,10 @@ TransformerConfig finalized(TransformerConfig c) {
 }  // namespace
 
 GPTModel::GPTModel(TransformerConfig config, Device device, const ParallelState* ps, int vp_stage,
-                   const DDPConfig& ddp)
+                   std::optional<TransformerBlockSpec> spec)
     : config_(finalized(std::move(config))),
       ps_(ps),
+      pg_(ProcessGroupCollection::from(ps)),
       params_(std::make_unique<ParamAndGradBuffer>(config_.params_dtype, device)) {
   if (ps_) {
     MG_ASSERT(config_.tensor_model_parallel_size == ps_->tp_size() &&
@@ -26,37 +29,54 @@ GPTModel::GPTModel(TransformerConfig config, Device device, const ParallelState*
               config_.tensor_model_parallel_size, config_.pipeline_model_parallel_size,
               config_.virtual_pipeline_model_parallel_size, ps_->describe());
     MG_ASSERT(vp_stage >= 0 && vp_stage < ps_->vpp_size(), "model chunk {} of {}", vp_stage, ps_->vpp_size());
+    MG_ASSERT(ps_->tp_size() == 1 || config_.sequence_parallel == ps_->sequence_parallel(),
+              "the model config's sequence parallelism ({}) differs from the parallel state's ({})",
+              config_.sequence_parallel, ps_->sequence_parallel());
     pre_process_ = ps_->pp_rank() == 0 && vp_stage == 0;
     post_process_ = ps_->pp_rank() == ps_->pp_size() - 1 && vp_stage == ps_->vpp_size() - 1;
   }
   const LayerRange layers =
       ps_ ? pipeline_layer_range(config_, ps_->pp_rank(), vp_stage) : LayerRange{0, config_.num_layers};
-  if (pre_process_) embedding_ = std::make_unique<LanguageModelEmbedding>(config_, *params_, "embedding", ps_);
+  if (pre_process_) embedding_ = std::make_unique<LanguageModelEmbedding>(config_, *params_, "embedding", pg_);
   if (config_.use_rope()) rotary_.emplace(config_);
-  decoder_ = std::make_unique<TransformerBlock>(config_, *params_, "decoder", ps_, layers, post_process_);
+  decoder_ = std::make_unique<TransformerBlock>(config_, spec ? *spec : get_gpt_decoder_block_spec(config_), *params_,
+                                                "decoder", pg_, layers, post_process_);
   if (post_process_) {
     if (!config_.share_embeddings_and_output_weights) {
       output_layer_ = std::make_unique<Linear>(*params_, "output_layer", config_.hidden_size,
                                                config_.padded_vocab_size, /*bias=*/false, ParamInit::Normal,
-                                               ParallelMode::Column, ps_);
+                                               ParallelMode::Column, pg_.tp, config_.sequence_parallel);
     } else if (pre_process_) {
-      output_layer_ = std::make_unique<Linear>(embedding_->word_embeddings(), ParallelMode::Column, ps_);
+      output_layer_ = std::make_unique<Linear>(embedding_->word_embeddings(), ParallelMode::Column, pg_.tp,
+                                               config_.sequence_parallel);
     } else {
       Parameter* copy = params_->add("embedding.word_embeddings.weight",
-                                     tp_shard({config_.padded_vocab_size, config_.hidden_size}, 0, ps_),
+                                     tp_shard({config_.padded_vocab_size, config_.hidden_size}, 0, pg_.tp),
                                      /*no_weight_decay=*/false, ParamInit::Normal);
       copy->shared_embedding_copy = true;
-      output_layer_ = std::make_unique<Linear>(copy, ParallelMode::Column, ps_);
+      output_layer_ = std::make_unique<Linear>(copy, ParallelMode::Column, pg_.tp, config_.sequence_parallel);
     }
   }
   if (pre_process_ && !post_process_ && config_.share_embeddings_and_output_weights) {
     embedding_->word_embeddings()->in_embedding_group = true;
   }
-  params_->allocate(ddp, ps_ ? ps_->data_context().size() : 1);
+  params_->allocate();
 }
 
 void GPTModel::init_weights(uint64_t seed) {
   params_->init_weights(seed, config_.init_method_std, config_.num_layers, config_.layernorm_zero_centered_gamma);
+}
+
+std::vector<std::pair<const Parameter*, int>> GPTModel::repeated_accumulations() const {
+  // Tied word embeddings on one stage accumulate twice per microbatch (output layer, embedding).
+  if (pre_process_ && post_process_ && config_.share_embeddings_and_output_weights) {
+    return {{embedding_->word_embeddings(), 2}};
+  }
+  return {};
+}
+
+ModelChunk::InputRanges GPTModel::input_ranges() const {
+  return {config_.padded_vocab_size, config_.use_learned_positions() ? config_.max_position_embeddings : 0};
 }
 
 uint64_t GPTModel::random_streams_per_microbatch() const {
@@ -64,7 +84,7 @@ uint64_t GPTModel::random_streams_per_microbatch() const {
 }
 
 Shape GPTModel::stage_activation_shape(int64_t micro_batch, int64_t seq_length) const {
-  const int64_t tp = tp_group() && ps_->sequence_parallel() ? ps_->tp_size() : 1;
+  const int64_t tp = tp_group() && config_.sequence_parallel ? tp_group()->size() : 1;
   return {seq_length / tp, micro_batch, config_.hidden_size};
 }
 
@@ -87,7 +107,7 @@ void GPTModel::forward_to_logits(Context& ctx, const Tensor& tokens, const Tenso
     MG_ASSERT(input.defined() && input.dim() == 3, "a pipeline stage after the first needs its input activations");
     x = input;
     b = input.size(1);
-    s = input.size(0) * (tp_group() && ps_->sequence_parallel() ? ps_->tp_size() : 1);
+    s = input.size(0) * (tp_group() && config_.sequence_parallel ? tp_group()->size() : 1);
   }
   if (rotary_) stash.freqs = rotary_->freqs(ctx, s);
   stash.hidden = decoder_->forward(ctx, x, stash.freqs, stash.rng_base + 1, stash.decoder);
@@ -218,7 +238,7 @@ Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std
   }
   Tensor slot_t = Tensor::from_ints(slots, {b}, DType::Int64, ctx.device());
   Tensor start_t = Tensor::from_ints(starts, {b}, DType::Int64, ctx.device());
-  Tensor hidden = decoder_->forward_inference(ctx, x, freqs, slot_t, start_t, cache);
+  Tensor hidden = decoder_->forward_inference(ctx, x, freqs, slot_t, start_t, cache.keys, cache.values);
   return output_layer_->forward(ctx, hidden.view({s * b, h})).view({s, b, v});
 }
 

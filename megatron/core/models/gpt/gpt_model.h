@@ -1,7 +1,13 @@
 // GPTModel (Megatron-Core's GPTModel): embedding -> TransformerBlock -> output layer -> per-token
 // cross entropy. One class serves the GPT-2 style (learned positions, LayerNorm, GeLU, biases, tied
 // embeddings) and the Llama style (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied output layer):
-// the TransformerConfig decides, as Megatron's layer specs do.
+// the TransformerConfig decides, and the decoder's layers are built from a block spec
+// (get_gpt_decoder_block_spec(config) unless one is given), as Megatron's layer specs do.
+//
+// The model owns its parameters (a ParamAndGradBuffer in registration order, one bucket);
+// DistributedDataParallel lays them out in its own buffers per reduction group once the model
+// exists (Note [Buffers per reduction group]). The modules get the process groups they use
+// (ProcessGroupCollection), not the ParallelState.
 //
 // forward() keeps what backward needs in a per-microbatch Stash, so pipeline schedules can hold
 // several microbatches in flight; backward() accumulates every parameter gradient into the fp32
@@ -27,19 +33,21 @@
 #include "megatron/core/models/common/embeddings/language_model_embedding.h"
 #include "megatron/core/models/common/embeddings/rotary_pos_embedding.h"
 #include "megatron/core/tensor_parallel/layers.h"
+#include "megatron/core/transformer/kv_cache.h"
+#include "megatron/core/transformer/module.h"
 #include "megatron/core/transformer/transformer_block.h"
 
 namespace megatron {
 
-class GPTModel {
+class GPTModel : public ModelChunk {
  public:
   /// Builds the modules, registers and allocates the parameters on `device` (not initialised:
-  /// call init_weights or load a checkpoint). Calls config.finalize() first.
-  /// `ddp`: the bucket layout of the parameter buffers (DistributedDataParallel's config).
+  /// call init_weights or load a checkpoint). Calls config.finalize() first. `spec`: one layer spec
+  /// per decoder layer (default: get_gpt_decoder_block_spec of the finalized config).
   GPTModel(TransformerConfig config, Device device = Device::cpu(), const ParallelState* ps = nullptr,
-           int vp_stage = 0, const DDPConfig& ddp = {});
+           int vp_stage = 0, std::optional<TransformerBlockSpec> spec = std::nullopt);
 
-  struct Stash {
+  struct Stash : ModelStash {
     uint64_t rng_base = 0;
     LanguageModelEmbedding::Saved embedding;
     TransformerBlock::Saved decoder;
@@ -67,12 +75,23 @@ class GPTModel {
   /// output_grad: grad_losses [b, s] on the last stage, else the gradient of this stage's output.
   /// Returns the gradient of `input` (undefined on the first stage).
   Tensor backward_step(Context& ctx, const Tensor& output_grad, Stash& stash) const;
-  bool pre_process() const { return pre_process_; }
-  bool post_process() const { return post_process_; }
+
+  // ---- ModelChunk ----
+  bool pre_process() const override { return pre_process_; }
+  bool post_process() const override { return post_process_; }
   /// The shape of the activations this chunk exchanges for a [b, s] microbatch.
-  Shape stage_activation_shape(int64_t micro_batch, int64_t seq_length) const;
+  Shape stage_activation_shape(int64_t micro_batch, int64_t seq_length) const override;
+  DType activation_dtype() const override { return config_.params_dtype; }
   /// Random offsets one microbatch uses (the same on every stage).
-  uint64_t random_streams_per_microbatch() const;
+  uint64_t random_streams_per_microbatch() const override;
+  std::unique_ptr<ModelStash> make_stash() const override { return std::make_unique<Stash>(); }
+  Tensor backward_step(Context& ctx, const Tensor& output_grad, ModelStash& stash) const override {
+    return backward_step(ctx, output_grad, stash_cast<Stash>(stash));
+  }
+  /// The word embeddings when the output layer shares them on this chunk (twice per microbatch).
+  std::vector<std::pair<const Parameter*, int>> repeated_accumulations() const override;
+  /// Token ids below the padded vocabulary; position ids below --max-position-embeddings (learned positions).
+  InputRanges input_ranges() const override;
 
   // ---- inference with a KV cache (megatron/core/inference) ----
   /// tokens [b, s] (int) are the next s tokens of b sequences: sequence i lives in cache slot
@@ -83,14 +102,15 @@ class GPTModel {
   Tensor forward_inference(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
                            const std::vector<int64_t>& starts, KVCache& cache) const;
 
-  void init_weights(uint64_t seed);
+  void init_weights(uint64_t seed) override;
   const TransformerConfig& config() const { return config_; }
-  ParamAndGradBuffer& params() { return *params_; }
-  const ParamAndGradBuffer& params() const { return *params_; }
+  ParamAndGradBuffer& params() override { return *params_; }
+  const ParamAndGradBuffer& params() const override { return *params_; }
 
  private:
   TransformerConfig config_;
   const ParallelState* ps_ = nullptr;  // null: single device
+  ProcessGroupCollection pg_;          // the groups of ps_ the modules use
   bool pre_process_ = true, post_process_ = true;
   std::unique_ptr<ParamAndGradBuffer> params_;
   std::unique_ptr<LanguageModelEmbedding> embedding_;
@@ -101,7 +121,7 @@ class GPTModel {
   // Embedding (or input) -> decoder -> output layer; fills the stash's activations and logits.
   void forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& input,
                          Stash& stash) const;
-  Communicator* tp_group() const { return ps_ && ps_->tp_size() > 1 ? &ps_->tensor() : nullptr; }
+  Communicator* tp_group() const { return pg_.tp; }
 };
 
 /// position_ids [b, s] = 0..s-1 for every sequence (int64, host).

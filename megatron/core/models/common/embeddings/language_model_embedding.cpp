@@ -8,20 +8,21 @@
 namespace megatron {
 
 LanguageModelEmbedding::LanguageModelEmbedding(const TransformerConfig& config, ParamAndGradBuffer& params,
-                                               const std::string& prefix, const ParallelState* ps)
+                                               const std::string& prefix, const ProcessGroupCollection& pg)
     : hidden_(config.hidden_size),
       vocab_size_(config.padded_vocab_size),
       dropout_p_(config.hidden_dropout),
       dtype_(config.params_dtype),
-      ps_(ps && ps->tp_size() > 1 ? ps : nullptr) {
+      tp_(multi_rank(pg.tp)),
+      sequence_parallel_(tp_ && config.sequence_parallel) {
   word_ = params.add(prefix + ".word_embeddings.weight",
-                     tp_shard({config.padded_vocab_size, config.hidden_size}, 0, ps_), /*no_weight_decay=*/false,
+                     tp_shard({config.padded_vocab_size, config.hidden_size}, 0, tp_), /*no_weight_decay=*/false,
                      ParamInit::Normal);
   if (config.use_learned_positions()) {
     position_ = params.add(prefix + ".position_embeddings.weight", {config.max_position_embeddings, config.hidden_size},
                            /*no_weight_decay=*/false, ParamInit::Normal);
-    position_->tp_duplicate = ps_ != nullptr;
-    position_->sequence_parallel = ps_ && ps_->sequence_parallel();
+    position_->tp_duplicate = tp_ != nullptr;
+    position_->sequence_parallel = sequence_parallel_;
   }
 }
 
@@ -32,13 +33,13 @@ Tensor LanguageModelEmbedding::forward(Context& ctx, const Tensor& tokens, const
   saved.position_ids = position_ ? position_ids : Tensor();
   saved.dropout_offset = dropout_offset;
   Tensor out = Tensor::empty({s, b, hidden_}, dtype_, ctx.device());
-  if (!ps_) {
+  if (!tp_) {
     ops::embedding_forward(ctx, tokens, saved.position_ids, word_->data, position_ ? position_->data : Tensor(), out);
     ops::dropout_forward(ctx, out, dropout_p_, ctx.rng().seed, saved.dropout_offset, out);
     return out;
   }
-  Communicator& tp = ps_->tensor();
-  const bool sp = ps_->sequence_parallel();
+  Communicator& tp = *tp_;
+  const bool sp = sequence_parallel_;
   ops::vocab_parallel_embedding_forward(ctx, tokens, word_->data, word_->data.size(0) * tp.rank(), vocab_size_, out);
   if (sp) {
     out = tensor_parallel::reduce_scatter_sequence(ctx, tp, out);
@@ -51,21 +52,21 @@ Tensor LanguageModelEmbedding::forward(Context& ctx, const Tensor& tokens, const
     Tensor mine = sp ? tensor_parallel::split_sequence(tp, pos) : pos;
     ops::add(ctx, out, mine, out);
   }
-  ops::dropout_forward(ctx, out, dropout_p_, tensor_parallel::region_seed(ctx, ps_, sp), saved.dropout_offset, out);
+  ops::dropout_forward(ctx, out, dropout_p_, tensor_parallel::region_seed(ctx, tp_, sp), saved.dropout_offset, out);
   return out;
 }
 
 void LanguageModelEmbedding::backward(Context& ctx, const Tensor& grad_out, const Saved& saved) const {
   Tensor grad = Tensor::empty(grad_out.shape(), grad_out.dtype(), ctx.device());
   Tensor no_grad;
-  if (!ps_) {
+  if (!tp_) {
     ops::dropout_backward(ctx, grad_out, dropout_p_, ctx.rng().seed, saved.dropout_offset, grad);
     ops::embedding_backward(ctx, saved.tokens, saved.position_ids, grad, word_->main_grad,
                             position_ ? position_->main_grad : no_grad);
   } else {
-    Communicator& tp = ps_->tensor();
-    const bool sp = ps_->sequence_parallel();
-    ops::dropout_backward(ctx, grad_out, dropout_p_, tensor_parallel::region_seed(ctx, ps_, sp), saved.dropout_offset,
+    Communicator& tp = *tp_;
+    const bool sp = sequence_parallel_;
+    ops::dropout_backward(ctx, grad_out, dropout_p_, tensor_parallel::region_seed(ctx, tp_, sp), saved.dropout_offset,
                           grad);
     if (position_) {
       // Under sequence parallelism this rank's rows of the position gradient (zeros elsewhere); the

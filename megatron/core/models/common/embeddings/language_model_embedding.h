@@ -9,7 +9,7 @@
 #pragma once
 
 #include "megatron/core/distributed/param_and_grad_buffer.h"
-#include "megatron/core/parallel_state.h"
+#include "megatron/core/process_groups_config.h"
 #include "megatron/core/transformer/transformer_config.h"
 #include "megatron/runtime/context.h"
 
@@ -17,8 +17,9 @@ namespace megatron {
 
 class LanguageModelEmbedding {
  public:
+  /// Tensor parallelism over pg.tp; sequence parallelism as the config says.
   LanguageModelEmbedding(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
-                         const ParallelState* ps = nullptr);
+                         const ProcessGroupCollection& pg = {});
 
   struct Saved {
     Tensor tokens, position_ids;
@@ -37,7 +38,8 @@ class LanguageModelEmbedding {
   int64_t vocab_size_;  // padded, all ranks
   float dropout_p_;
   DType dtype_;
-  const ParallelState* ps_;
+  Communicator* tp_;  // null: one rank
+  bool sequence_parallel_;
   Parameter* word_;
   Parameter* position_ = nullptr;
 };

@@ -1,8 +1,12 @@
-#include "megatron/core/optimizer/parameter.h"
+#include "megatron/core/parameter.h"
 
 #include "megatron/runtime/check.h"
 
 namespace megatron {
+
+const char* grad_reduce_group_name(GradReduceGroup g) {
+  return g == GradReduceGroup::DataContext ? "data-context-parallel" : "expert-data-parallel";
+}
 
 Shape local_shape(const ShardSpec& spec) {
   Shape s = spec.global_shape;

@@ -1,4 +1,4 @@
-#include "megatron/core/inference/kv_cache.h"
+#include "megatron/core/transformer/kv_cache.h"
 
 #include "megatron/runtime/check.h"
 

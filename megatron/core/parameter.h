@@ -1,6 +1,9 @@
-// A trainable parameter as the optimizer sees it: the model's tensor, its fp32 gradient in the
-// model's grad buffer (Megatron's param.main_grad), whether weight decay applies, and how the local
-// tensor sits in the full (unsharded) parameter under tensor parallelism.
+// A trainable parameter (what torch.nn.Parameter and its Megatron attributes are to Megatron): the
+// model's tensor, its fp32 gradient (Megatron's param.main_grad), whether weight decay applies, how
+// the local tensor sits in the full (unsharded) parameter under tensor parallelism, and which group
+// its gradient is reduced over. Modules create them (through a ParamAndGradBuffer, registration
+// order); the data-parallel wrapper (distributed/) lays them out in its buffers; the optimizer
+// (optimizer/) and checkpoints (dist_checkpointing/) read them — so it sits below all three.
 #pragma once
 
 #include <string>
@@ -54,6 +57,12 @@ std::vector<FlatRun> flat_runs(const ShardBox& box, const Shape& global_shape, c
 /// An unsharded spec for a tensor of `shape`.
 ShardSpec unsharded(const Shape& shape);
 
+/// The group a parameter's gradient is reduced (and its optimizer state sharded) over — Megatron's
+/// dense buffers (data × context parallel) and expert_parallel_buffers (expert-data parallel; the
+/// experts of a mixture-of-experts layer, param.allreduce = False in Megatron).
+enum class GradReduceGroup { DataContext, ExpertData };
+const char* grad_reduce_group_name(GradReduceGroup g);
+
 struct Parameter {
   std::string name;  // unique, e.g. "decoder.layers.0.self_attention.linear_qkv.weight"
   Tensor data;       // model dtype: fp32, bf16 or fp16
@@ -73,6 +82,8 @@ struct Parameter {
   /// The word embeddings of the first stage when the output layer shares them on another stage:
   /// gradients all-reduced over the embedding group.
   bool in_embedding_group = false;
+  /// The group DistributedDataParallel reduces the gradient over (one buffer per group).
+  GradReduceGroup reduce_group = GradReduceGroup::DataContext;
   /// Set by the data-parallel wrapper; modules call notify_grad_accumulated after accumulating.
   GradHook* grad_hook = nullptr;
 };

@@ -1,0 +1,18 @@
+#include "megatron/core/process_groups_config.h"
+
+#include "megatron/core/parallel_state.h"
+
+namespace megatron {
+
+ProcessGroupCollection ProcessGroupCollection::from(const ParallelState& ps) {
+  ProcessGroupCollection pg;
+  pg.tp = multi_rank(&ps.tensor());
+  pg.cp = multi_rank(&ps.context());
+  pg.dp = multi_rank(&ps.data());
+  pg.dp_cp = multi_rank(&ps.data_context());
+  pg.pp = multi_rank(&ps.pipeline());
+  pg.embd = ps.embedding();
+  return pg;
+}
+
+}  // namespace megatron

@@ -1,0 +1,46 @@
+// AuxLossTracker (Megatron's MoE aux-loss tracker: save_to_aux_losses_tracker,
+// reduce_aux_losses_tracker_across_ranks, track_moe_metrics): the extra losses modules compute
+// beside the language-model loss — a mixture of experts' load-balancing and z losses, later the
+// multi-token-prediction loss — collected per name and layer during a step, on the device, and
+// read once per step to reach the log line and TensorBoard.
+//
+// Every rank declares the same names (the model does, at construction, for every loss any of its
+// layers may report), so the reduction over the ranks is the same collective on each of them:
+// a name's per-layer values are summed over the pipeline ranks (each stage adds its own layers)
+// and averaged over the data-parallel ranks. The value reported is the mean over the layers that
+// reported the name of the per-microbatch mean.
+#pragma once
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "megatron/core/comm/communicator.h"
+
+namespace megatron {
+
+class AuxLossTracker {
+ public:
+  /// A loss that layers [0, num_layers) may report (idempotent; on every rank, before the first step).
+  void declare(const std::string& name, int num_layers);
+  bool empty() const { return entries_.empty(); }
+  /// Adds `value` (one fp32 element on ctx's device; no host wait) to layer `layer`'s `name`.
+  void add(Context& ctx, const std::string& name, int layer, const Tensor& value);
+  /// Reduces over `pp` (sum) and `dp` (mean) — either may be null — and returns, per declared name
+  /// in name order, the mean over the reporting layers of Σ values / num_microbatches; then
+  /// clears the values. One read of the device. Collective over pp and dp.
+  std::vector<std::pair<std::string, double>> report(Context& ctx, Communicator* pp, Communicator* dp,
+                                                     int num_microbatches);
+  /// Drops this step's values (evaluation steps do not report).
+  void clear();
+
+ private:
+  struct Entry {
+    Tensor values;               // [num_layers] fp32 on the device, allocated at the first add
+    std::vector<bool> reported;  // per layer, host-side
+  };
+  std::map<std::string, Entry> entries_;
+};
+
+}  // namespace megatron

@@ -1,0 +1,46 @@
+// Layer specs (Megatron-Core's ModuleSpec / TransformerLayerSubmodules, without the reflection):
+// which implementation each part of a decoder layer has — its mixer (the token-mixing sublayer:
+// self-attention now; multi-latent attention and Mamba are further kinds), its MLP (dense now;
+// mixture of experts next) and its norms — and the per-layer values that differ from the config.
+// A block spec holds one layer spec per decoder layer (by global layer index), so layouts such as
+// an MoE layer every other layer, dense first layers or a hybrid pattern are data, not code paths.
+//
+// Specs are made in one place (models/gpt/gpt_layer_specs.h, Megatron's get_gpt_decoder_block_spec);
+// TransformerLayer builds the modules a spec names. Adding a kind is its module, one alternative
+// in TransformerLayer's Mixer/Mlp variants and one case where specs are made: the block, the model,
+// the schedules and checkpointing do not change.
+#pragma once
+
+#include <vector>
+
+namespace megatron {
+
+enum class NormKind { LayerNorm, RMSNorm };
+enum class MixerKind { SelfAttention };
+enum class MlpKind { Dense };
+
+struct MixerSpec {
+  MixerKind kind = MixerKind::SelfAttention;
+};
+
+struct MlpSpec {
+  MlpKind kind = MlpKind::Dense;
+  int ffn_hidden_size = 0;  // intermediate size of this layer's MLP; 0: the config's --ffn-hidden-size
+};
+
+struct TransformerLayerSpec {
+  NormKind input_layernorm = NormKind::LayerNorm;
+  MixerSpec mixer;
+  NormKind pre_mlp_layernorm = NormKind::LayerNorm;
+  MlpSpec mlp;
+};
+
+struct TransformerBlockSpec {
+  std::vector<TransformerLayerSpec> layers;  // one per decoder layer, by global layer index
+  NormKind final_layernorm = NormKind::LayerNorm;
+};
+
+const char* mixer_kind_name(MixerKind k);
+const char* mlp_kind_name(MlpKind k);
+
+}  // namespace megatron
