@@ -6,7 +6,8 @@
 // the ranks' values in rank order, so every rank gets bitwise the same sum — into a private buffer,
 // and waits until every rank has finished reading (2) before writing its output (in-place forms
 // overwrite buffers the others read). Collectives therefore complete when they are called and their
-// CommWork is a no-op; the group's timeout bounds each call.
+// CommWork is a no-op; the group's timeout bounds each call. all_to_all_v posts its split lists
+// too, so every rank checks that each pair of ranks agrees on the rows between them.
 // Point-to-point sends are buffered (a copy is queued for the receiver, so a send never blocks);
 // a receive is matched at post time to the next message from its peer (MPI's order) and waits for
 // it in wait().
