@@ -1,7 +1,7 @@
 // The NCCL backend with one rank per GPU (every visible GPU, at least 2), the ranks as threads of
-// this process: every collective against expected values, the in-place forms, point-to-point in
-// both directions, split groups (ncclCommSplit), identical sums on every rank, and async works
-// waited in any order.
+// this process: every collective against expected values, the in-place forms, uneven all-to-all,
+// point-to-point in both directions, split groups (ncclCommSplit), identical sums on every rank,
+// and async works waited in any order.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -108,6 +108,13 @@ TEST(NcclCommunicator, BroadcastAndAllToAll) {
     Tensor out = Tensor::empty({2 * n}, DType::Float32, ctx.device());
     w.all_to_all(ctx, in, out)->wait();
     EXPECT_EQ(out.to_floats(), want);
+  });
+}
+
+TEST(NcclCommunicator, AllToAllVUnevenSplitsEveryDtype) {
+  on_every_gpu([](Communicator& w, Context& ctx) {
+    testing::expect_all_to_all_v_every_dtype(w, ctx);
+    testing::expect_all_to_all_v_argument_errors(w, ctx);
   });
 }
 

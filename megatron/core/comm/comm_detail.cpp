@@ -79,6 +79,57 @@ void check_all_to_all(const Communicator& g, const Tensor& input, const Tensor& 
            describe_group(g), input.str(), output.str(), g.size());
 }
 
+namespace {
+
+void check_splits(const Communicator& g, const char* which, const std::vector<int64_t>& splits, const Tensor& t) {
+  MG_CHECK(splits.size() == size_t(g.size()),
+           "all_to_all_v on {}: {} has {} entries for a group of {} ranks: pass one row count per rank",
+           describe_group(g), which, splits.size(), g.size());
+  int64_t sum = 0;
+  for (size_t i = 0; i < splits.size(); ++i) {
+    MG_CHECK(splits[i] >= 0, "all_to_all_v on {}: {}[{}] is {}: row counts must be non-negative", describe_group(g),
+             which, i, splits[i]);
+    sum += splits[i];
+  }
+  MG_CHECK(sum == t.size(0),
+           "all_to_all_v on {}: {} ({}) sum to {} rows but the tensor {} has {}: they must sum to its dim 0",
+           describe_group(g), which, fmt::join(splits, ", "), sum, t.str(), t.size(0));
+}
+
+}  // namespace
+
+void check_all_to_all_v(const Communicator& g, const Tensor& input, const std::vector<int64_t>& input_splits,
+                        const Tensor& output, const std::vector<int64_t>& output_splits) {
+  MG_CHECK(input.dim() >= 1 && output.dim() >= 1,
+           "all_to_all_v on {}: input {} and output {} need a dim 0 to split (give scalars the shape [1])",
+           describe_group(g), input.str(), output.str());
+  const bool same_rows =
+      std::equal(input.shape().begin() + 1, input.shape().end(), output.shape().begin() + 1, output.shape().end());
+  MG_CHECK(input.dtype() == output.dtype() && same_rows,
+           "all_to_all_v on {}: input {} and output {} must have the same dtype and the same shape after dim 0",
+           describe_group(g), input.str(), output.str());
+  check_splits(g, "input_splits", input_splits, input);
+  check_splits(g, "output_splits", output_splits, output);
+  const char* in = static_cast<const char*>(input.raw_data());
+  const char* out = static_cast<const char*>(output.raw_data());
+  const bool overlap = input.storage() == output.storage() && input.nbytes() > 0 && output.nbytes() > 0 &&
+                       in < out + output.nbytes() && out < in + input.nbytes();
+  MG_CHECK(!overlap, "all_to_all_v on {}: input {} and output {} overlap: pass a separate output tensor",
+           describe_group(g), input.str(), output.str());
+}
+
+int64_t row_numel(const Tensor& t) {
+  int64_t n = 1;
+  for (int d = 1; d < t.dim(); ++d) n *= t.size(d);
+  return n;
+}
+
+std::vector<int64_t> split_offsets(const std::vector<int64_t>& splits) {
+  std::vector<int64_t> offsets(splits.size(), 0);
+  for (size_t i = 1; i < splits.size(); ++i) offsets[i] = offsets[i - 1] + splits[i - 1];
+  return offsets;
+}
+
 void check_root(const Communicator& g, const char* op, int root) {
   MG_CHECK(root >= 0 && root < g.size(), "{} on {}: root {} is not a rank of the group (size {})", op,
            describe_group(g), root, g.size());

@@ -30,6 +30,14 @@ void check_device(const Communicator& g, const char* op, const Tensor& t, bool w
 void check_reduce_scatter(const Communicator& g, const Tensor& input, const Tensor& output);
 void check_all_gather(const Communicator& g, const Tensor& input, const Tensor& output);
 void check_all_to_all(const Communicator& g, const Tensor& input, const Tensor& output);
+/// all_to_all_v's arguments (communicator.h): splits of size() non-negative row counts summing to
+/// dim 0 of their tensor, the same dtype and trailing shape, input and output not overlapping.
+void check_all_to_all_v(const Communicator& g, const Tensor& input, const std::vector<int64_t>& input_splits,
+                        const Tensor& output, const std::vector<int64_t>& output_splits);
+/// Elements per row of dim 0 (the product of the trailing dims; 1 for a 1-D tensor).
+int64_t row_numel(const Tensor& t);
+/// Exclusive prefix sums of `splits`: the first row of each rank's part.
+std::vector<int64_t> split_offsets(const std::vector<int64_t>& splits);
 void check_root(const Communicator& g, const char* op, int root);
 void check_p2p(const Communicator& g, const std::vector<P2POp>& ops, bool want_cuda);
 /// Whether `part` is exactly block `index` (of part.numel() elements) of `whole`.

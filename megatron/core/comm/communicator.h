@@ -72,6 +72,16 @@ class Communicator {
   /// input and output hold size() equal blocks; block j of rank i's input becomes block i of rank
   /// j's output.
   virtual std::unique_ptr<CommWork> all_to_all(Context& ctx, const Tensor& input, Tensor& output) = 0;
+  /// Uneven all-to-all along dim 0 (torch's all_to_all_single with split sizes, as Megatron's MoE
+  /// token dispatcher calls it). A row is one index of dim 0 (the product of the trailing dims).
+  /// This rank sends rows [sum(input_splits[0, j)), +input_splits[j]) of `input` to rank j, and
+  /// receives output_splits[i] rows from rank i into `output`, in rank order. Both split lists
+  /// have size() entries, non-negative (zero allowed), summing to dim 0 of their tensor; input
+  /// and output have the same dtype and trailing shape and do not overlap; input_splits[j] here
+  /// must equal output_splits[this rank] on rank j.
+  virtual std::unique_ptr<CommWork> all_to_all_v(Context& ctx, const Tensor& input,
+                                                 const std::vector<int64_t>& input_splits, Tensor& output,
+                                                 const std::vector<int64_t>& output_splits) = 0;
   /// Sends and receives as one group (no ordering deadlock between them).
   virtual std::unique_ptr<CommWork> batch_isend_irecv(Context& ctx, const std::vector<P2POp>& ops) = 0;
   /// Returns when every rank has reached it (host-side on every backend).

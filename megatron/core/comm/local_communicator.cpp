@@ -6,7 +6,8 @@
 // the ranks' values in rank order, so every rank gets bitwise the same sum — into a private buffer,
 // and waits until every rank has finished reading (2) before writing its output (in-place forms
 // overwrite buffers the others read). Collectives therefore complete when they are called and their
-// CommWork is a no-op; the group's timeout bounds each call.
+// CommWork is a no-op; the group's timeout bounds each call. all_to_all_v posts its split lists
+// too, so every rank checks that each pair of ranks agrees on the rows between them.
 // Point-to-point sends are buffered (a copy is queued for the receiver, so a send never blocks);
 // a receive is matched at post time to the next message from its peer (MPI's order) and waits for
 // it in wait().
@@ -44,6 +45,8 @@ struct LocalGroup {
     DType dtype = DType::Float32;
     int64_t numel = 0;
     int color = 0, key = 0;  // split
+    const int64_t* send_splits = nullptr;  // all_to_all_v: rows to each rank
+    const int64_t* recv_splits = nullptr;  // all_to_all_v: rows from each rank
   };
 
   const int size;
@@ -166,6 +169,46 @@ class LocalCommunicator : public Communicator {
       }
     });
     std::memcpy(output.raw_data(), result.data(), result.size());
+    return std::make_unique<DoneWork>();
+  }
+
+  std::unique_ptr<CommWork> all_to_all_v(Context&, const Tensor& input, const std::vector<int64_t>& input_splits,
+                                         Tensor& output, const std::vector<int64_t>& output_splits) override {
+    check_local_device("all_to_all_v", input);
+    check_local_device("all_to_all_v", output);
+    check_all_to_all_v(*this, input, input_splits, output, output_splits);
+    if (size() == 1) return copy(input, output);
+    // The posts' numel is the row's, which every rank shares; the row counts are the splits.
+    const size_t row = size_t(row_numel(input)) * size_of(input.dtype());
+    LocalGroup::Post mine{nullptr, input.raw_data(), input.dtype(), row_numel(input)};
+    mine.send_splits = input_splits.data();
+    mine.recv_splits = output_splits.data();
+    std::vector<char> result(output.nbytes());
+    std::string mismatch;
+    collective("all_to_all_v", mine, [&](auto& posts) {
+      // Every rank checks every pair, so all of them fail alike (after the second rendezvous: the
+      // posts point into the callers' split vectors).
+      for (int i = 0; i < size() && mismatch.empty(); ++i) {
+        for (int j = 0; j < size() && mismatch.empty(); ++j) {
+          if (posts[i].send_splits[j] == posts[j].recv_splits[i]) continue;
+          mismatch = fmt::format(
+              "all_to_all_v on {}: group rank {}'s input_splits[{}] is {} but group rank {}'s output_splits[{}] is {}: "
+              "input_splits[j] on rank i must equal output_splits[i] on rank j",
+              describe_group(*this), i, j, posts[i].send_splits[j], j, i, posts[j].recv_splits[i]);
+        }
+      }
+      if (!mismatch.empty()) return;
+      size_t dst = 0;
+      for (int i = 0; i < size(); ++i) {
+        int64_t first = 0;  // the first row rank i sends to this rank
+        for (int j = 0; j < rank_; ++j) first += posts[i].send_splits[j];
+        const size_t n = size_t(output_splits[size_t(i)]) * row;
+        if (n > 0) std::memcpy(result.data() + dst, static_cast<const char*>(posts[i].data) + size_t(first) * row, n);
+        dst += n;
+      }
+    });
+    MG_CHECK(mismatch.empty(), "{}", mismatch);
+    if (!result.empty()) std::memcpy(output.raw_data(), result.data(), result.size());
     return std::make_unique<DoneWork>();
   }
 

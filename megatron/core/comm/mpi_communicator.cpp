@@ -106,6 +106,7 @@ class MpiWork : public CommWork {
 
   std::vector<MPI_Request> requests;
   std::vector<Tensor> keep;      // buffers MPI uses until completion
+  std::vector<int> counts;       // count and displacement arrays MPI reads until completion
   std::function<void()> finish;  // unstaging after completion
 
  private:
@@ -212,6 +213,41 @@ class MpiCommunicator : public Communicator {
     work->requests.resize(1);
     MPI_CHECK(MPI_Ialltoall(in.raw_data(), block, type, output.raw_data(), block, type, comm_, &work->requests[0]));
     work->keep = {in, output};
+    return work;
+  }
+
+  std::unique_ptr<CommWork> all_to_all_v(Context&, const Tensor& input, const std::vector<int64_t>& input_splits,
+                                         Tensor& output, const std::vector<int64_t>& output_splits) override {
+    check_device(*this, "all_to_all_v", input, false);
+    check_device(*this, "all_to_all_v", output, false);
+    check_all_to_all_v(*this, input, input_splits, output, output_splits);
+    // Counts and displacements are in rows of a one-row byte type, so MPI's int counts bound the
+    // rows (and the bytes of one row), not the elements.
+    const int64_t row_bytes = row_numel(input) * int64_t(size_of(input.dtype()));
+    if (row_bytes == 0) return std::make_unique<DoneWork>();  // every rank's rows are empty
+    MG_CHECK(row_bytes <= INT_MAX && input.size(0) <= INT_MAX && output.size(0) <= INT_MAX,
+             "all_to_all_v on {}: input {} or output {} exceeds MPI's int counts ({} rows of at most {} bytes): "
+             "use smaller buffers",
+             describe_group(*this), input.str(), output.str(), INT_MAX, INT_MAX);
+    auto work = std::make_unique<MpiWork>(*this, "all_to_all_v");
+    const size_t n = size_t(size_);
+    const std::vector<int64_t> send_at = split_offsets(input_splits), recv_at = split_offsets(output_splits);
+    work->counts.resize(4 * n);
+    for (size_t i = 0; i < n; ++i) {
+      work->counts[i] = int(input_splits[i]);
+      work->counts[n + i] = int(send_at[i]);
+      work->counts[2 * n + i] = int(output_splits[i]);
+      work->counts[3 * n + i] = int(recv_at[i]);
+    }
+    MPI_Datatype row;
+    MPI_CHECK(MPI_Type_contiguous(int(row_bytes), MPI_BYTE, &row));
+    MPI_CHECK(MPI_Type_commit(&row));
+    const int* c = work->counts.data();
+    work->requests.resize(1);
+    MPI_CHECK(MPI_Ialltoallv(input.raw_data(), c, c + n, row, output.raw_data(), c + 2 * n, c + 3 * n, row, comm_,
+                             &work->requests[0]));
+    work->finish = [row]() mutable { MPI_Type_free(&row); };
+    work->keep = {input, output};
     return work;
   }
 

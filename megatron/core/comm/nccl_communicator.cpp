@@ -186,6 +186,32 @@ class NcclCommunicator : public Communicator {
     });
   }
 
+  std::unique_ptr<CommWork> all_to_all_v(Context& ctx, const Tensor& input, const std::vector<int64_t>& input_splits,
+                                         Tensor& output, const std::vector<int64_t>& output_splits) override {
+    check_device(*this, "all_to_all_v", input, true);
+    check_device(*this, "all_to_all_v", output, true);
+    check_all_to_all_v(*this, input, input_splits, output, output_splits);
+    const size_t row = size_t(row_numel(input)) * size_of(input.dtype());
+    const std::vector<int64_t> send_at = split_offsets(input_splits), recv_at = split_offsets(output_splits);
+    // Empty parts are skipped on both sides (they match: rank j's output_splits[i] is rank i's
+    // input_splits[j]), as torch's NCCL all_to_all_single does.
+    return enqueue(ctx, "all_to_all_v", {input, output}, [&](cudaStream_t s) {
+      NCCL_CHECK(ncclGroupStart());
+      for (int j = 0; j < size_; ++j) {
+        const size_t sends = size_t(input_splits[size_t(j)]) * row, recvs = size_t(output_splits[size_t(j)]) * row;
+        if (sends > 0) {
+          NCCL_CHECK(ncclSend(static_cast<const char*>(input.raw_data()) + size_t(send_at[size_t(j)]) * row, sends,
+                              ncclUint8, j, comm_, s));
+        }
+        if (recvs > 0) {
+          NCCL_CHECK(ncclRecv(static_cast<char*>(output.raw_data()) + size_t(recv_at[size_t(j)]) * row, recvs,
+                              ncclUint8, j, comm_, s));
+        }
+      }
+      NCCL_CHECK(ncclGroupEnd());
+    });
+  }
+
   std::unique_ptr<CommWork> batch_isend_irecv(Context& ctx, const std::vector<P2POp>& ops) override {
     check_p2p(*this, ops, true);
     std::vector<Tensor> keep;

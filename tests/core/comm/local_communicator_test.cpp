@@ -1,5 +1,6 @@
 // The local backend (threads of one process): every collective against expected values, in-place
-// forms, split groups, point-to-point order, and timeouts that name the operation and the group.
+// forms, uneven all-to-all, split groups, point-to-point order, and timeouts that name the
+// operation and the group.
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -120,6 +121,47 @@ TEST(LocalCommunicator, BroadcastAndAllToAll) {
     c.all_to_all(ctx, in, in)->wait();  // in place
     EXPECT_EQ(in.to_floats(), out.to_floats());
   });
+}
+
+TEST(LocalCommunicator, AllToAllVUnevenSplitsEveryDtype) {
+  for (int size : {1, 2, 3, 4}) {
+    run_ranks(size, [](Communicator& c) {
+      Context ctx;
+      testing::expect_all_to_all_v_every_dtype(c, ctx);
+    });
+  }
+}
+
+TEST(LocalCommunicator, AllToAllVArgumentErrorsAreOneLine) {
+  run_ranks(3, [](Communicator& c) {
+    Context ctx;
+    testing::expect_all_to_all_v_argument_errors(c, ctx);
+  });
+}
+
+TEST(LocalCommunicator, AllToAllVSplitsThatDisagreeAcrossRanksAreAnErrorOnEveryRank) {
+  // Rank 0 sends one row to rank 1, which expects two: both ranks report the same pair.
+  std::vector<std::string> messages(2);
+  auto comms = make_local_group(2, "expert-model-parallel");
+  run_ranks(comms, [&](Communicator& c) {
+    Context ctx;
+    const int r = c.rank();
+    Tensor input = Tensor::zeros({2}, DType::Float32), output = Tensor::zeros({r == 0 ? 2 : 3}, DType::Float32);
+    const std::vector<int64_t> input_splits = {1, 1};
+    const std::vector<int64_t> output_splits = r == 0 ? std::vector<int64_t>{1, 1} : std::vector<int64_t>{2, 1};
+    try {
+      c.all_to_all_v(ctx, input, input_splits, output, output_splits)->wait();
+    } catch (const Error& e) {
+      messages[size_t(r)] = e.what();
+    }
+    c.barrier(ctx);  // the group is usable after the error
+  });
+  for (const std::string& m : messages) {
+    EXPECT_EQ(m,
+              "all_to_all_v on the expert-model-parallel group (world ranks 0, 1): group rank 0's input_splits[1] is 1 "
+              "but group rank 1's output_splits[0] is 2: input_splits[j] on rank i must equal output_splits[i] on "
+              "rank j");
+  }
 }
 
 TEST(LocalCommunicator, BatchSendRecvRingAndOrder) {

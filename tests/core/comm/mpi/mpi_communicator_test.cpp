@@ -1,6 +1,6 @@
 // The MPI backend under mpirun (any number of ranks; CTest runs 2 and 4): every collective against
-// expected values, the in-place forms, point-to-point, split groups, and identical results on
-// every rank.
+// expected values, the in-place forms, uneven all-to-all, point-to-point, split groups, and
+// identical results on every rank.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -115,6 +115,24 @@ TEST(MpiCommunicator, AllToAllAndAliased) {
   EXPECT_EQ(out.to_floats(), want);
   w.all_to_all(ctx, in, in)->wait();
   EXPECT_EQ(in.to_floats(), want);
+}
+
+TEST(MpiCommunicator, AllToAllVUnevenSplitsEveryDtype) {
+  Context ctx;
+  testing::expect_all_to_all_v_every_dtype(mpi_world(), ctx);
+}
+
+TEST(MpiCommunicator, AllToAllVArgumentErrorsAreOneLine) {
+  Context ctx;
+  testing::expect_all_to_all_v_argument_errors(mpi_world(), ctx);
+}
+
+TEST(MpiCommunicator, AllToAllVOnASplitGroup) {
+  // The parity groups: rank order within the group, not the world, decides where rows go.
+  Communicator& w = mpi_world();
+  auto g = w.split(w.rank() % 2, w.rank(), "parity");
+  Context ctx;
+  testing::expect_all_to_all_v_every_dtype(*g, ctx);
 }
 
 TEST(MpiCommunicator, BatchSendRecvRing) {
