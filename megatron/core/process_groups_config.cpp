@@ -12,6 +12,9 @@ ProcessGroupCollection ProcessGroupCollection::from(const ParallelState& ps) {
   pg.dp_cp = multi_rank(&ps.data_context());
   pg.pp = multi_rank(&ps.pipeline());
   pg.embd = ps.embedding();
+  pg.ep = multi_rank(&ps.expert_model());
+  pg.expt_tp = multi_rank(&ps.expert_tensor());
+  pg.expt_dp = multi_rank(&ps.expert_data());
   return pg;
 }
 

@@ -61,10 +61,7 @@ DistributedDataParallel::~DistributedDataParallel() {
 }
 
 Communicator& DistributedDataParallel::reduction_group(GradReduceGroup group) const {
-  MG_CHECK(group == GradReduceGroup::DataContext,
-           "expert parameters reduce over the expert-data-parallel group, which this build's parallel state does "
-           "not have");
-  return ps_.data_context();
+  return group == GradReduceGroup::DataContext ? ps_.data_context() : ps_.expert_data();
 }
 
 Communicator& DistributedDataParallel::reduction_group_of(const std::string& name) const {

@@ -37,7 +37,7 @@ std::vector<std::pair<std::string, double>> AuxLossTracker::report(Context& ctx,
     // values and the layers that reported, in one tensor so one reduction carries both.
     Tensor both = Tensor::zeros({2 * n}, DType::Float32, ctx.device());
     if (e.values.defined()) both.flat_slice(0, n).copy_from(e.values);
-    std::vector<float> flags(size_t(n));
+    std::vector<float> flags(static_cast<size_t>(n), 0.0f);
     for (int64_t i = 0; i < n; ++i) flags[size_t(i)] = e.reported[size_t(i)] ? 1.0f : 0.0f;
     both.flat_slice(n, n).copy_from(Tensor::from_floats(flags, {n}, DType::Float32, ctx.device()));
     if (pp && pp->size() > 1) pp->all_reduce(ctx, both)->wait();

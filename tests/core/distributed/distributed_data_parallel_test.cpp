@@ -483,5 +483,59 @@ TEST(DistributedOptimizer, TensorParallelDuplicatesAreCountedOnce) {
   }
 }
 
+// Note [Buffers per reduction group]: dense parameters reduce over data × context parallel, expert
+// parameters over expert-data parallel, each in a buffer of its own made from the model's
+// parameters (whose values move into it), sharded over its own group by the distributed optimizer.
+TEST(DistributedDataParallel, ExpertParametersReduceOverTheExpertDataGroup) {
+  ParallelConfig ep2;
+  ep2.expert_model_parallel_size = 2;  // world 4: dense dp 4; expert groups {0,1},{2,3}, expert-data {0,2},{1,3}
+  for (bool dist_opt : {false, true}) {
+    SCOPED_TRACE(dist_opt ? "distributed optimizer" : "all-reduce");
+    run_world(4, ep2, [&](ParallelState& ps) {
+      Context ctx;
+      ParamAndGradBuffer model(DType::Float32, Device::cpu());  // the model's own layout: one bucket, no padding
+      Parameter* dense = model.add("decoder.layers.0.mlp.router.weight", {6, 5}, false, ParamInit::Normal);
+      Parameter* expert = model.add("decoder.layers.0.mlp.experts.weight", {7, 3}, false, ParamInit::Normal);
+      expert->reduce_group = GradReduceGroup::ExpertData;
+      model.allocate();
+      model.init_weights(9, 1.0f, 1, false);
+      const std::vector<float> dense_values = dense->data.to_floats(), expert_values = expert->data.to_floats();
+      DistributedDataParallel ddp(ps, {&model}, ddp_config(dist_opt, 0));
+      ASSERT_EQ(ddp.num_buffers(), 2);
+      EXPECT_EQ(ddp.buffer_group(0), GradReduceGroup::DataContext);
+      EXPECT_EQ(ddp.buffer_group(1), GradReduceGroup::ExpertData);
+      EXPECT_EQ(ddp.buffer(0).dp_size(), 4);
+      EXPECT_EQ(ddp.buffer(1).dp_size(), 2);
+      EXPECT_EQ(&ddp.reduction_group_of(expert->name), &ps.expert_data());
+      EXPECT_EQ(dense->data.to_floats(), dense_values) << "the values move into the DDP's buffers";
+      EXPECT_EQ(expert->data.to_floats(), expert_values);
+      EXPECT_EQ(dense->data.storage(), ddp.buffer(0).param_buffer().storage());
+      EXPECT_EQ(expert->main_grad.storage(), ddp.buffer(1).grad_buffer().storage());
+      ddp.zero_grad(ctx);
+      auto value = [](int rank, int i) { return float(rank) * 4.0f + 0.5f * float(i); };
+      std::vector<float> gd(30), ge(21);
+      for (int i = 0; i < 30; ++i) gd[size_t(i)] = value(ps.rank(), i);
+      for (int i = 0; i < 21; ++i) ge[size_t(i)] = value(ps.rank(), i);
+      set_grad(*dense, gd);
+      set_grad(*expert, ge);
+      finalize_model_grads(ctx, ddp);
+      std::vector<float> want_d(30), want_e(21);
+      const std::vector<int>& edp = ps.expert_data().global_ranks();
+      ASSERT_EQ(edp.size(), 2u);
+      for (int i = 0; i < 30; ++i)
+        want_d[size_t(i)] = (value(0, i) + value(1, i) + value(2, i) + value(3, i)) / 4;
+      for (int i = 0; i < 21; ++i) want_e[size_t(i)] = (value(edp[0], i) + value(edp[1], i)) / 2;
+      const ParamShard own_d = ddp.owned_shard(dense->name), own_e = ddp.owned_shard(expert->name);
+      expect_near(slice(dense->main_grad.to_floats(), own_d), slice(want_d, own_d), 1e-6, dense->name);
+      expect_near(slice(expert->main_grad.to_floats(), own_e), slice(want_e, own_e), 1e-6, expert->name);
+      if (dist_opt) {  // the expert buffer's shards cover it once over the two expert-data ranks
+        int64_t covered = 0;
+        for (int r = 0; r < 2; ++r) covered += ddp.shard(expert->name, r).count;
+        EXPECT_EQ(covered, expert->data.numel());
+      }
+    });
+  }
+}
+
 }  // namespace
 }  // namespace megatron

@@ -21,6 +21,7 @@
 
 #include "megatron/core/comm/communicator.h"
 #include "megatron/core/distributed/distributed_data_parallel.h"
+#include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/core/pipeline_parallel/schedules.h"
 #include "megatron/runtime/philox.h"

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/runtime/check.h"
 #include "tests/test_util.h"
 

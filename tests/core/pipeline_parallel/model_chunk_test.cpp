@@ -138,9 +138,9 @@ TEST(AuxLossTracker, AveragesOverTheLayersThatReportedAndRefusesUndeclaredNames)
   const auto r = aux.report(ctx, nullptr, nullptr, 2);
   ASSERT_EQ(r.size(), 1u);
   EXPECT_DOUBLE_EQ(r[0].second, ((1.0 + 2.0) / 2 + (5.0 + 5.0) / 2) / 2);  // layers 1 and 3 of 4
-  const std::string e = error_of([&] { aux.add(ctx, "z_loss", 0, Tensor::from_floats({1.0f}, {1})); });
+  const std::string e = testing::error_of([&] { aux.add(ctx, "z_loss", 0, Tensor::from_floats({1.0f}, {1})); });
   EXPECT_NE(e.find("aux loss 'z_loss' was not declared"), std::string::npos) << e;
-  EXPECT_NE(error_of([&] { aux.add(ctx, "load_balancing_loss", 4, Tensor::from_floats({1.0f}, {1})); })
+  EXPECT_NE(testing::error_of([&] { aux.add(ctx, "load_balancing_loss", 4, Tensor::from_floats({1.0f}, {1})); })
                 .find("reported for layer 4 of 4"),
             std::string::npos);
 }
