@@ -58,8 +58,9 @@ Results run_cpu(const Dims& dm, const Inputs& in, float scale, float p) {
   Context cpu;
   Results r{Tensor::empty(dm.heads(), DType::Float32), Tensor::empty(dm.lse(), DType::Float32),
             Tensor::empty(dm.fused(), DType::Float32)};
-  cpu::attention_forward_qkv(cpu, in.qkv, scale, p, kSeed, kOffset, r.out, r.lse);
-  cpu::attention_backward_qkv(cpu, in.grad_out, in.qkv, r.out, r.lse, scale, p, kSeed, kOffset, r.grad_qkv);
+  cpu::attention_forward_qkv(cpu, in.qkv, AttnMask::causal(), scale, p, kSeed, kOffset, r.out, r.lse);
+  cpu::attention_backward_qkv(cpu, in.grad_out, in.qkv, r.out, r.lse, AttnMask::causal(), scale, p, kSeed, kOffset,
+                              r.grad_qkv);
   return r;
 }
 
@@ -74,8 +75,9 @@ Results run_gpu(Context& ctx, const Dims& dm, const Tensor& qkv, const Tensor& g
                 uint64_t seed = kSeed, uint64_t offset = kOffset) {
   const DType dt = qkv.dtype();
   Results r{poisoned(dm.heads(), dt), poisoned(dm.lse(), DType::Float32), poisoned(dm.fused(), dt)};
-  cuda::attention_forward_qkv(ctx, qkv, scale, p, seed, offset, r.out, r.lse);
-  cuda::attention_backward_qkv(ctx, grad_out, qkv, r.out, r.lse, scale, p, seed, offset, r.grad_qkv);
+  cuda::attention_forward_qkv(ctx, qkv, AttnMask::causal(), scale, p, seed, offset, r.out, r.lse);
+  cuda::attention_backward_qkv(ctx, grad_out, qkv, r.out, r.lse, AttnMask::causal(), scale, p, seed, offset,
+                               r.grad_qkv);
   ctx.synchronize();
   return r;
 }
@@ -96,9 +98,10 @@ Results run_gpu_split(Context& ctx, const Dims& dm, const Inputs& in, float scal
          v = Tensor::empty(dm.heads(), dt, dev);
   cuda::qkv_split_forward(ctx, qkv, q, k, v);
   Results r{poisoned(dm.heads(), dt), poisoned(dm.lse(), DType::Float32), poisoned(dm.fused(), dt)};
-  cuda::attention_forward(ctx, q, k, v, scale, p, kSeed, kOffset, r.out, r.lse);
+  cuda::attention_forward(ctx, q, k, v, AttnMask::causal(), scale, p, kSeed, kOffset, r.out, r.lse);
   Tensor gq = poisoned(dm.heads(), dt), gk = poisoned(dm.heads(), dt), gv = poisoned(dm.heads(), dt);
-  cuda::attention_backward(ctx, grad_out, q, k, v, r.out, r.lse, scale, p, kSeed, kOffset, gq, gk, gv);
+  cuda::attention_backward(ctx, grad_out, q, k, v, r.out, r.lse, AttnMask::causal(), scale, p, kSeed, kOffset, gq, gk,
+                           gv);
   cuda::qkv_split_backward(ctx, gq, gk, gv, r.grad_qkv);
   ctx.synchronize();
   return r;
@@ -168,7 +171,7 @@ TEST_P(AttentionQkvHalf, MatchesCpu) {
     const Tensor out = Tensor::empty(c.dims.heads(), c.dtype, Device::cuda(0));
     for (bool backward : {false, true}) {
       const cuda::CudnnAttentionSupport support =
-          cuda::cudnn_attention_qkv_support(ctx, qkv, out, scale, 0.0f, backward);
+          cuda::cudnn_attention_qkv_support(ctx, qkv, out, AttnMask::causal(), scale, 0.0f, backward);
       ASSERT_TRUE(support.supported) << (backward ? "backward: " : "forward: ") << support.reason;
     }
   }
@@ -208,7 +211,7 @@ TEST(AttentionQkvUnaligned, FallsBackToTheSplitCopies) {
   // With dropout the fused op takes the split copies (Note [Fused QKV and dropout]), which are
   // aligned, so the misaligned buffer works there too.
   Tensor out = poisoned(dm.heads(), DType::BFloat16), lse = poisoned(dm.lse(), DType::Float32);
-  cuda::attention_forward_qkv(ctx, qkv, scale, 0.2f, kSeed, kOffset, out, lse);
+  cuda::attention_forward_qkv(ctx, qkv, AttnMask::causal(), scale, 0.2f, kSeed, kOffset, out, lse);
   ctx.synchronize();
   for (float v : out.to_floats()) ASSERT_TRUE(std::isfinite(v));
 }
@@ -247,7 +250,8 @@ TEST(AttentionQkvCudnnDropout, SameMaskAsSplitPathAndConsistent) {
   const Tensor qkv = in.qkv.to(dev), grad_out = in.grad_out.to(dev);
   {
     const Tensor out = Tensor::empty(dm.heads(), DType::BFloat16, dev);
-    const cuda::CudnnAttentionSupport support = cuda::cudnn_attention_qkv_support(ctx, qkv, out, scale, p, false);
+    const cuda::CudnnAttentionSupport support =
+        cuda::cudnn_attention_qkv_support(ctx, qkv, out, AttnMask::causal(), scale, p, false);
     ASSERT_TRUE(support.supported) << support.reason;
   }
   const Results a = run_gpu(ctx, dm, qkv, grad_out, scale, p);

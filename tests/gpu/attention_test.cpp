@@ -90,9 +90,9 @@ Results run_cpu(const Inputs& in, float scale, float p) {
   Results r{Tensor::empty(qs, DType::Float32), Tensor::empty({qs[1], qs[2], qs[0]}, DType::Float32),
             Tensor::empty(qs, DType::Float32), Tensor::empty(in.k.shape(), DType::Float32),
             Tensor::empty(in.k.shape(), DType::Float32)};
-  cpu::attention_forward(cpu, in.q, in.k, in.v, scale, p, kSeed, kOffset, r.out, r.lse);
-  cpu::attention_backward(cpu, in.grad_out, in.q, in.k, in.v, r.out, r.lse, scale, p, kSeed, kOffset, r.grad_q,
-                          r.grad_k, r.grad_v);
+  cpu::attention_forward(cpu, in.q, in.k, in.v, AttnMask::causal(), scale, p, kSeed, kOffset, r.out, r.lse);
+  cpu::attention_backward(cpu, in.grad_out, in.q, in.k, in.v, r.out, r.lse, AttnMask::causal(), scale, p, kSeed,
+                          kOffset, r.grad_q, r.grad_k, r.grad_v);
   return r;
 }
 
@@ -107,13 +107,13 @@ Results run_gpu(Context& ctx, const Inputs& in, float scale, float p, Path path,
   Results r{poisoned(qs, q.dtype()), poisoned({qs[1], qs[2], qs[0]}, DType::Float32), poisoned(qs, q.dtype()),
             poisoned(k.shape(), k.dtype()), poisoned(k.shape(), k.dtype())};
   if (path == Path::Dispatch) {
-    cuda::attention_forward(ctx, q, k, v, scale, p, seed, offset, r.out, r.lse);
-    cuda::attention_backward(ctx, grad_out, q, k, v, r.out, r.lse, scale, p, seed, offset, r.grad_q, r.grad_k,
-                             r.grad_v);
+    cuda::attention_forward(ctx, q, k, v, AttnMask::causal(), scale, p, seed, offset, r.out, r.lse);
+    cuda::attention_backward(ctx, grad_out, q, k, v, r.out, r.lse, AttnMask::causal(), scale, p, seed, offset, r.grad_q,
+                             r.grad_k, r.grad_v);
   } else {
-    cuda::attention_forward_rowwise(ctx, q, k, v, scale, p, seed, offset, r.out, r.lse);
-    cuda::attention_backward_rowwise(ctx, grad_out, q, k, v, r.out, r.lse, scale, p, seed, offset, r.grad_q, r.grad_k,
-                                     r.grad_v);
+    cuda::attention_forward_rowwise(ctx, q, k, v, AttnMask::causal(), scale, p, seed, offset, r.out, r.lse);
+    cuda::attention_backward_rowwise(ctx, grad_out, q, k, v, r.out, r.lse, AttnMask::causal(), scale, p, seed, offset,
+                                     r.grad_q, r.grad_k, r.grad_v);
   }
   ctx.synchronize();
   return r;
@@ -192,7 +192,7 @@ TEST(AttentionRowwise, UnalignedBf16FallsBack) {
   q.copy_from(in.q);
   const Tensor k = in.k.to(dev), v = in.v.to(dev);
   Tensor out = poisoned(q.shape(), q.dtype()), lse = poisoned({2, 4, 64}, DType::Float32);
-  cuda::attention_forward(ctx, q, k, v, scale, 0.0f, kSeed, kOffset, out, lse);
+  cuda::attention_forward(ctx, q, k, v, AttnMask::causal(), scale, 0.0f, kSeed, kOffset, out, lse);
   ctx.synchronize();
   const Results want = run_cpu(in, scale, 0.0f);
   expect_close(out, want.out, 2e-2, "out");
@@ -216,7 +216,8 @@ TEST_P(AttentionCudnn, MatchesCpu) {
   Context ctx(Device::cuda(0));
   const Tensor q_dev = in.q.to(Device::cuda(0)), k_dev = in.k.to(Device::cuda(0));
   for (bool backward : {false, true}) {
-    const cuda::CudnnAttentionSupport support = cuda::cudnn_attention_support(ctx, q_dev, k_dev, scale, 0.0f, backward);
+    const cuda::CudnnAttentionSupport support =
+        cuda::cudnn_attention_support(ctx, q_dev, k_dev, AttnMask::causal(), scale, 0.0f, backward);
     ASSERT_TRUE(support.supported) << (backward ? "backward: " : "forward: ") << support.reason;
   }
   expect_results_close(run_gpu(ctx, in, scale, 0.0f, Path::Dispatch), run_cpu(in, scale, 0.0f), 2e-2, 1e-3);
@@ -242,7 +243,8 @@ TEST(AttentionCudnnDropout, DeterministicFiniteAndLseUnchanged) {
   const float scale = 0.125f, p = 0.2f;
   Context ctx(Device::cuda(0));
   const Tensor q_dev = in.q.to(Device::cuda(0)), k_dev = in.k.to(Device::cuda(0));
-  const cuda::CudnnAttentionSupport support = cuda::cudnn_attention_support(ctx, q_dev, k_dev, scale, p, false);
+  const cuda::CudnnAttentionSupport support =
+      cuda::cudnn_attention_support(ctx, q_dev, k_dev, AttnMask::causal(), scale, p, false);
   ASSERT_TRUE(support.supported) << support.reason;
 
   const Results a = run_gpu(ctx, in, scale, p, Path::Dispatch);
