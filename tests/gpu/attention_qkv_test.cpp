@@ -54,13 +54,12 @@ struct Results {
 };
 
 // The CPU reference, outputs in fp32 (exact math on the stored inputs).
-Results run_cpu(const Dims& dm, const Inputs& in, float scale, float p) {
+Results run_cpu(const Dims& dm, const Inputs& in, float scale, float p, const AttnMask& mask = AttnMask::causal()) {
   Context cpu;
   Results r{Tensor::empty(dm.heads(), DType::Float32), Tensor::empty(dm.lse(), DType::Float32),
             Tensor::empty(dm.fused(), DType::Float32)};
-  cpu::attention_forward_qkv(cpu, in.qkv, AttnMask::causal(), scale, p, kSeed, kOffset, r.out, r.lse);
-  cpu::attention_backward_qkv(cpu, in.grad_out, in.qkv, r.out, r.lse, AttnMask::causal(), scale, p, kSeed, kOffset,
-                              r.grad_qkv);
+  cpu::attention_forward_qkv(cpu, in.qkv, mask, scale, p, kSeed, kOffset, r.out, r.lse);
+  cpu::attention_backward_qkv(cpu, in.grad_out, in.qkv, r.out, r.lse, mask, scale, p, kSeed, kOffset, r.grad_qkv);
   return r;
 }
 
@@ -71,13 +70,13 @@ Tensor poisoned(const Shape& shape, DType dtype) {
 }
 
 // Forward then backward through the fused ops on the device, outputs poisoned with NaN first.
+// (mask: its cu_seqlens on the device.)
 Results run_gpu(Context& ctx, const Dims& dm, const Tensor& qkv, const Tensor& grad_out, float scale, float p,
-                uint64_t seed = kSeed, uint64_t offset = kOffset) {
+                uint64_t seed = kSeed, uint64_t offset = kOffset, const AttnMask& mask = AttnMask::causal()) {
   const DType dt = qkv.dtype();
   Results r{poisoned(dm.heads(), dt), poisoned(dm.lse(), DType::Float32), poisoned(dm.fused(), dt)};
-  cuda::attention_forward_qkv(ctx, qkv, AttnMask::causal(), scale, p, seed, offset, r.out, r.lse);
-  cuda::attention_backward_qkv(ctx, grad_out, qkv, r.out, r.lse, AttnMask::causal(), scale, p, seed, offset,
-                               r.grad_qkv);
+  cuda::attention_forward_qkv(ctx, qkv, mask, scale, p, seed, offset, r.out, r.lse);
+  cuda::attention_backward_qkv(ctx, grad_out, qkv, r.out, r.lse, mask, scale, p, seed, offset, r.grad_qkv);
   ctx.synchronize();
   return r;
 }
@@ -278,6 +277,36 @@ TEST(AttentionQkvCudnnDropout, SameMaskAsSplitPathAndConsistent) {
   expect_close(a.out, split.out, 2e-2, "out vs split path", 0.05);
   expect_close(a.lse, split.lse, 1e-5, "lse vs split path", 0.05);
   expect_close(a.grad_qkv, split.grad_qkv, 2e-2, "grad_qkv vs split path", 0.05);
+}
+
+}  // namespace
+}  // namespace megatron
+
+namespace megatron {
+namespace {
+
+// Documents on the fused buffer: cuDNN's ragged offsets over the strided views (Note [Documents on
+// cuDNN]), against the CPU; the shared form, b = 1 (THD) and b = 2, an empty document included.
+TEST(AttentionQkvDocuments, CudnnMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const Tensor cu = Tensor::from_ints({0, 90, 91, 91, 200, 256}, {6}, DType::Int32);
+  const AttnMask host = AttnMask::documents(cu), device = AttnMask::documents(cu.to(Device::cuda(0)));
+  Context ctx(Device::cuda(0));
+  for (DType dt : {DType::BFloat16, DType::Float16})
+    for (Dims dm : {Dims{256, 1, 8, 64}, Dims{256, 2, 4, 128}}) {
+      SCOPED_TRACE(std::string(to_string(dt)) + "_" + dims_name(dm));
+      const Inputs in = make_inputs(dm, dt, 31);
+      const float scale = 1.0f / std::sqrt(float(dm.d));
+      const Tensor qkv = in.qkv.to(Device::cuda(0)), grad_out = in.grad_out.to(Device::cuda(0));
+      const Tensor out = Tensor::empty(dm.heads(), dt, Device::cuda(0));
+      for (bool backward : {false, true}) {
+        const cuda::CudnnAttentionSupport support =
+            cuda::cudnn_attention_qkv_support(ctx, qkv, out, device, scale, 0.0f, backward);
+        ASSERT_TRUE(support.supported) << (backward ? "backward: " : "forward: ") << support.reason;
+      }
+      expect_results_close(run_gpu(ctx, dm, qkv, grad_out, scale, 0.0f, kSeed, kOffset, device),
+                           run_cpu(dm, in, scale, 0.0f, host), 2e-2, 1e-3);
+    }
 }
 
 }  // namespace
