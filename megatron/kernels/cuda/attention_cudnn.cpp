@@ -104,25 +104,9 @@ namespace {
 namespace fe = cudnn_frontend;
 
 // Tensor uids of the graphs' variant packs.
-enum Uid : int64_t {
-  kQ = 1,
-  kK,
-  kV,
-  kO,
-  kStats,
-  kSeed,
-  kOffset,
-  kGradO,
-  kGradQ,
-  kGradK,
-  kGradV,
-  kSeqLenQ,
-  kSeqLenKV,
-  kRaggedQ,
-  kRaggedK,
-  kRaggedO,
-  kRaggedStats  // Note [Documents on cuDNN]
-};
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kSeed, kOffset, kGradO, kGradQ, kGradK, kGradV };
+// The Documents mask's index tensors (Note [Documents on cuDNN]).
+enum DocumentUid : int64_t { kSeqLenQ = kGradV + 1, kSeqLenKV, kRaggedQ, kRaggedK, kRaggedO, kRaggedStats };
 
 // The cuDNN kernels move q/k/v/o with 16-byte vector loads: every pointer must be 16-byte aligned.
 constexpr uintptr_t kAlignment = 16;
@@ -274,7 +258,7 @@ struct Ragged {
 
 Ragged ragged_tensors(fe::graph::Graph& graph, const GraphKey& k) {
   if (k.docs == 0) return {};
-  auto index = [&](const char* name, Uid uid, int64_t n, fe::DataType_t type) {
+  auto index = [&](const char* name, DocumentUid uid, int64_t n, fe::DataType_t type) {
     return graph.tensor(fe::graph::Tensor_attributes()
                             .set_name(name)
                             .set_uid(uid)
