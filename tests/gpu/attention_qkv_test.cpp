@@ -287,26 +287,30 @@ namespace {
 
 // Documents on the fused buffer: cuDNN's ragged offsets over the strided views (Note [Documents on
 // cuDNN]), against the CPU; the shared form, b = 1 (THD) and b = 2, an empty document included.
-TEST(AttentionQkvDocuments, CudnnMatchesCpu) {
+// And CausalWithOffset as the band's right bound over the same views.
+TEST(AttentionQkvMasks, CudnnMatchesCpu) {
   SKIP_WITHOUT_GPU();
   const Tensor cu = Tensor::from_ints({0, 90, 91, 91, 200, 256}, {6}, DType::Int32);
-  const AttnMask host = AttnMask::documents(cu), device = AttnMask::documents(cu.to(Device::cuda(0)));
   Context ctx(Device::cuda(0));
-  for (DType dt : {DType::BFloat16, DType::Float16})
-    for (Dims dm : {Dims{256, 1, 8, 64}, Dims{256, 2, 4, 128}}) {
-      SCOPED_TRACE(std::string(to_string(dt)) + "_" + dims_name(dm));
-      const Inputs in = make_inputs(dm, dt, 31);
-      const float scale = 1.0f / std::sqrt(float(dm.d));
-      const Tensor qkv = in.qkv.to(Device::cuda(0)), grad_out = in.grad_out.to(Device::cuda(0));
-      const Tensor out = Tensor::empty(dm.heads(), dt, Device::cuda(0));
-      for (bool backward : {false, true}) {
-        const cuda::CudnnAttentionSupport support =
-            cuda::cudnn_attention_qkv_support(ctx, qkv, out, device, scale, 0.0f, backward);
-        ASSERT_TRUE(support.supported) << (backward ? "backward: " : "forward: ") << support.reason;
+  for (const auto& [host, device] :
+       {std::pair{AttnMask::documents(cu), AttnMask::documents(cu.to(Device::cuda(0)))},
+        std::pair{AttnMask::causal_with_offset(40, 3), AttnMask::causal_with_offset(40, 3)}})
+    for (DType dt : {DType::BFloat16, DType::Float16})
+      for (Dims dm : {Dims{256, 1, 8, 64}, Dims{256, 2, 4, 128}}) {
+        SCOPED_TRACE(std::string(host.kind == AttnMask::Kind::Documents ? "documents_" : "offset_") +
+                     std::string(to_string(dt)) + "_" + dims_name(dm));
+        const Inputs in = make_inputs(dm, dt, 31);
+        const float scale = 1.0f / std::sqrt(float(dm.d));
+        const Tensor qkv = in.qkv.to(Device::cuda(0)), grad_out = in.grad_out.to(Device::cuda(0));
+        const Tensor out = Tensor::empty(dm.heads(), dt, Device::cuda(0));
+        for (bool backward : {false, true}) {
+          const cuda::CudnnAttentionSupport support =
+              cuda::cudnn_attention_qkv_support(ctx, qkv, out, device, scale, 0.0f, backward);
+          ASSERT_TRUE(support.supported) << (backward ? "backward: " : "forward: ") << support.reason;
+        }
+        expect_results_close(run_gpu(ctx, dm, qkv, grad_out, scale, 0.0f, kSeed, kOffset, device),
+                             run_cpu(dm, in, scale, 0.0f, host), 2e-2, 1e-3);
       }
-      expect_results_close(run_gpu(ctx, dm, qkv, grad_out, scale, 0.0f, kSeed, kOffset, device),
-                           run_cpu(dm, in, scale, 0.0f, host), 2e-2, 1e-3);
-    }
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 // fallback) must match it, dropout included (same Philox mask); cuDNN's fused attention (bf16,
 // fp16) must match it without dropout, and with dropout be finite, deterministic in (seed, offset)
 // and leave lse unchanged (its mask differs from the CPU's: Note [Attention dropout on the GPU]).
-// Both masks the GPU takes, Causal and Documents (Note [Documents on cuDNN]), are compared; the
-// GPU refuses CausalWithOffset.
+// Every mask is compared: Causal, Documents (Note [Documents on cuDNN]) and CausalWithOffset (cuDNN's
+// band when q_offset >= k_offset, the row-wise kernels otherwise).
 #include "megatron/kernels/cuda/attention.h"
 
 #include <gtest/gtest.h>
@@ -409,13 +409,68 @@ TEST(AttentionDocumentsCudnn, DropoutDeterministicAndFinite) {
   expect_close(a.lse, run_cpu(in, 0.125f, 0.0f, mask).lse, 1e-3, "lse with dropout vs the CPU without");
 }
 
-TEST(AttentionMaskOnGpu, CausalWithOffsetIsRefused) {
-  SKIP_WITHOUT_GPU();
-  const Inputs in = make_inputs({64, 1, 4, 2, 64}, DType::BFloat16, 76);
-  Context ctx(Device::cuda(0));
-  EXPECT_THROW(run_gpu(ctx, in, 0.125f, 0.0f, Path::Dispatch, kSeed, kOffset, AttnMask::causal_with_offset(0, 0)),
-               Error);
+// CausalWithOffset: sq queries at q_offset.. against sk keys at k_offset.. (context-parallel chunks).
+struct OffsetCase {
+  std::string name;
+  int64_t sq, sk, q_offset, k_offset;
+};
+
+std::vector<OffsetCase> offset_cases() {
+  return {
+      {"BottomRight", 64, 128, 64, 0},       // the last 64 queries of 128 positions
+      {"RowsWithoutKeys", 96, 64, 0, 32},    // queries 0..31 see no key: out 0, lse -inf
+      {"EqualOffsets", 128, 128, 7, 7},      // Causal
+      {"PastBottomRight", 33, 77, 50, 0},    // every query sees 51 keys or more
+      {"TopLeftLongerKeys", 128, 256, 0, 0}  // sk > sq, aligned at the top
+  };
 }
+
+Inputs make_offset_inputs(const OffsetCase& c, DType dtype, uint64_t seed) {
+  const int64_t b = 2, nq = 8, ng = 2, d = 64;
+  return {random_tensor({c.sq, b, nq, d}, seed, 1.0f, dtype), random_tensor({c.sk, b, ng, d}, seed + 1, 1.0f, dtype),
+          random_tensor({c.sk, b, ng, d}, seed + 2, 1.0f, dtype),
+          random_tensor({c.sq, b, nq, d}, seed + 3, 1.0f, dtype)};
+}
+
+class AttentionOffsets : public ::testing::TestWithParam<OffsetCase> {};
+
+// fp32 runs the row-wise kernels: the CPU's result, dropout mask included.
+TEST_P(AttentionOffsets, RowwiseFp32MatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const OffsetCase& c = GetParam();
+  const Inputs in = make_offset_inputs(c, DType::Float32, 81);
+  const AttnMask mask = AttnMask::causal_with_offset(c.q_offset, c.k_offset);
+  Context ctx(Device::cuda(0));
+  for (float p : {0.0f, 0.2f}) {
+    SCOPED_TRACE(p);
+    expect_results_close(run_gpu(ctx, in, 0.125f, p, Path::Dispatch, kSeed, kOffset, mask),
+                         run_cpu(in, 0.125f, p, mask), 1e-4, 1e-5);
+  }
+}
+
+// bf16, fp16: cuDNN's band when the shift is not negative, else the row-wise kernels.
+TEST_P(AttentionOffsets, HalfMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const OffsetCase& c = GetParam();
+  const AttnMask mask = AttnMask::causal_with_offset(c.q_offset, c.k_offset);
+  Context ctx(Device::cuda(0));
+  for (DType dt : {DType::BFloat16, DType::Float16}) {
+    SCOPED_TRACE(to_string(dt));
+    const Inputs in = make_offset_inputs(c, dt, 82);
+    const Tensor q_dev = in.q.to(Device::cuda(0)), k_dev = in.k.to(Device::cuda(0));
+    for (bool backward : {false, true}) {
+      const cuda::CudnnAttentionSupport support =
+          cuda::cudnn_attention_support(ctx, q_dev, k_dev, mask, 0.125f, 0.0f, backward);
+      EXPECT_EQ(support.supported, c.q_offset >= c.k_offset)
+          << (backward ? "backward: " : "forward: ") << support.reason;
+    }
+    expect_results_close(run_gpu(ctx, in, 0.125f, 0.0f, Path::Dispatch, kSeed, kOffset, mask),
+                         run_cpu(in, 0.125f, 0.0f, mask), 2e-2, 1e-3);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Chunks, AttentionOffsets, ::testing::ValuesIn(offset_cases()),
+                         [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace megatron

@@ -12,12 +12,15 @@
 //    2. one block per (key row j, group g, batch b): loops over the group's heads and the queries
 //       i >= j, recomputing P_ij and dS_ij, and sums dV_j = Σ P̃_ij dO_i, dK_j = scale·Σ dS_ij q_i.
 // The score row lives in shared memory (4·s bytes), so s is bounded by the block's shared memory.
-// Masks: Causal, and Documents, where query i sees keys [start of its document, i] and key j is
-// seen by queries [j, end of its document): each block finds those bounds by a binary search of
-// cu_seqlens (AttnDims::key_begin / query_end), the loops being the causal ones with another start
-// or end. cu_seqlens' values are not checked on the device (that would wait for the GPU; the CPU
-// reference checks them): bounds are clamped so that bad values cannot reach outside the tensors.
-// CausalWithOffset (sq != sk) is refused until context parallelism needs it.
+// Masks: every kind lets query i see one interval of keys and key j be seen by one interval of
+// queries (AttnDims::key_begin/key_end, query_begin/query_end), so the loops are the causal ones with
+// other bounds. Causal: keys [0, i], queries [j, s). CausalWithOffset (q [sq, ...], k [sk, ...],
+// shift = q_offset - k_offset): keys [0, i + shift] within [0, sk), queries [j - shift, sq) within
+// [0, sq); a row that sees no key gets out 0 and lse -inf (m = -inf, Σ = 0: -inf + log 0), dQ 0.
+// Documents: keys [start of i's document, i], queries [j, end of j's document), each block finding
+// the document by a binary search of cu_seqlens. cu_seqlens' values are not checked on the device
+// (that would wait for the GPU; the CPU reference checks them): bounds are clamped so that bad
+// values cannot reach outside the tensors.
 // With dropout, a forward and its backward must take the same path: cuDNN's mask is not the CPU's
 // (Note [Attention dropout on the GPU] in attention_cudnn.cpp).
 // The fused-QKV forms (MHA) hand cuDNN strided views of the QKV buffer; where cuDNN declines that
@@ -27,6 +30,7 @@
 // its backward take the same path.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -42,16 +46,18 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 
-// Sequence-first offsets: row (position, batch, head) of q/o/dq (nq heads) and of k/v/dk/dv (ng),
-// and the mask's bounds: causal when cu is null, else Documents with cu_seqlens cu (cu_n1 entries
-// per batch row, rows cu_stride apart: 0 when one row serves every batch row).
+// Sequence-first offsets: row (position, batch, head) of q/o/dq (nq heads, s = sq positions) and of
+// k/v/dk/dv (ng heads, sk positions), and the mask's bounds: causal with shift = q_offset - k_offset
+// (0 for Causal) when cu is null, else Documents with cu_seqlens cu (cu_n1 entries per batch row,
+// rows cu_stride apart: 0 when one row serves every batch row).
 struct AttnDims {
   int64_t s = 0, b = 0, nq = 0, ng = 0, d = 0;
+  int64_t sk = 0, shift = 0;
   const int32_t* cu = nullptr;
   int64_t cu_n1 = 0, cu_stride = 0;
   __host__ __device__ int64_t q_row(int64_t pos, int64_t bi, int64_t h) const { return ((pos * b + bi) * nq + h) * d; }
   __host__ __device__ int64_t k_row(int64_t pos, int64_t bi, int64_t g) const { return ((pos * b + bi) * ng + g) * d; }
-  // Index into lse / D [b, nq, s]; times s plus the key position it is the Philox element.
+  // Index into lse / D [b, nq, s]; times sk plus the key position it is the Philox element.
   __host__ __device__ int64_t stat(int64_t bi, int64_t h, int64_t i) const { return (bi * nq + h) * s + i; }
   // The document t of position i in batch row bi: cu[t] <= i < cu[t + 1] (its index into the row).
   __device__ int64_t document(int64_t bi, int64_t i) const {
@@ -66,11 +72,13 @@ struct AttnDims {
     }
     return lo;
   }
-  // The first key query i sees, and one past the last query that sees key j.
+  // The keys [key_begin, key_end) query i sees, and the queries [query_begin, query_end) that see key j.
   __device__ int64_t key_begin(int64_t bi, int64_t i) const {
     if (!cu) return 0;
     return min(max(int64_t(cu[bi * cu_stride + document(bi, i)]), int64_t(0)), i);
   }
+  __device__ int64_t key_end(int64_t i) const { return min(max(i + shift + 1, int64_t(0)), sk); }
+  __device__ int64_t query_begin(int64_t j) const { return min(max(j - shift, int64_t(0)), s); }
   __device__ int64_t query_end(int64_t bi, int64_t j) const {
     if (!cu) return s;
     return min(max(int64_t(cu[bi * cu_stride + document(bi, j) + 1]), j + 1), s);
@@ -133,12 +141,12 @@ __global__ void __launch_bounds__(kThreads)
   if (shift) offset += *shift;
   const int64_t i = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
   const int64_t g = h / (a.nq / a.ng);
-  const int64_t j0 = a.key_begin(bi, i), n = i + 1;  // keys j0..i
+  const int64_t j0 = a.key_begin(bi, i), n = a.key_end(i);  // keys j0 .. n - 1
   const int64_t d = a.d;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* qs = smem;               // [d]
-  float* p = qs + d;              // [s]: scores, then P̃
-  float* acc = p + a.s;           // [kWarps, d]
+  float* p = qs + d;              // [sk]: scores, then P̃
+  float* acc = p + a.sk;          // [kWarps, d]
   float* red = acc + kWarps * d;  // [kWarps]
 
   const T* qrow = q + a.q_row(i, bi, h);
@@ -167,7 +175,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) lse[row] = m + logf(sum);
 
   const float inv = 1.0f / sum;
-  const uint64_t base = uint64_t(row) * uint64_t(a.s);
+  const uint64_t base = uint64_t(row) * uint64_t(a.sk);
   for (int64_t j = j0 + threadIdx.x; j < n; j += kThreads)
     p[j] = apply_dropout(p[j] * inv, dropout_p, seed, offset, base + uint64_t(j));
   float* mine = acc + warp * d;
@@ -195,13 +203,13 @@ __global__ void __launch_bounds__(kThreads)
   if (shift) offset += *shift;
   const int64_t i = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
   const int64_t g = h / (a.nq / a.ng);
-  const int64_t j0 = a.key_begin(bi, i), n = i + 1;
+  const int64_t j0 = a.key_begin(bi, i), n = a.key_end(i);
   const int64_t d = a.d;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* qs = smem;               // [d]
   float* dos = qs + d;            // [d]
-  float* ds = dos + d;            // [s]
-  float* acc = ds + a.s;          // [kWarps, d]
+  float* ds = dos + d;            // [sk]
+  float* acc = ds + a.sk;         // [kWarps, d]
   float* red = acc + kWarps * d;  // [kWarps]
 
   const T* qrow = q + a.q_row(i, bi, h);
@@ -218,7 +226,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = a.stat(bi, h, i);
   if (threadIdx.x == 0) delta[row] = di;
   const float l = lse[row];
-  const uint64_t base = uint64_t(row) * uint64_t(a.s);
+  const uint64_t base = uint64_t(row) * uint64_t(a.sk);
 
   for (int64_t j = j0 + warp; j < n; j += kWarps) {
     const T* krow = k + a.k_row(j, bi, g);
@@ -260,7 +268,7 @@ __global__ void __launch_bounds__(kThreads)
   if (shift) offset += *shift;
   const int64_t j = blockIdx.x, g = blockIdx.y, bi = blockIdx.z;
   const int64_t group = a.nq / a.ng;
-  const int64_t rows = a.query_end(bi, j) - j;  // queries j .. query_end - 1 see key j
+  const int64_t i0 = a.query_begin(j), rows = max(a.query_end(bi, j) - i0, int64_t(0));  // queries i0 .. i0 + rows - 1
   const int64_t d = a.d;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* ks = smem;                   // [d]
@@ -280,7 +288,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   for (int64_t t = warp; t < group * rows; t += kWarps) {
-    const int64_t h = g * group + t / rows, i = j + t % rows;
+    const int64_t h = g * group + t / rows, i = i0 + t % rows;
     const T* qrow = q + a.q_row(i, bi, h);
     const T* dorow = dout + a.q_row(i, bi, h);
     float qk = 0.0f, dpv = 0.0f;
@@ -292,7 +300,7 @@ __global__ void __launch_bounds__(kThreads)
     dpv = warp_sum(dpv);
     const int64_t row = a.stat(bi, h, i);
     const float pij = expf(qk - lse[row]);
-    const float pd = apply_dropout(pij, dropout_p, seed, offset, uint64_t(row) * uint64_t(a.s) + uint64_t(j));
+    const float pd = apply_dropout(pij, dropout_p, seed, offset, uint64_t(row) * uint64_t(a.sk) + uint64_t(j));
     const float dsij = pd * dpv - pij * delta[row];
     for (int64_t c = lane; c < d; c += 32) {
       mine_k[c] += dsij * load_float(qrow[c]);
@@ -363,12 +371,12 @@ void check_like(const Context& ctx, const Tensor& t, const Tensor& like, const c
             name, t.str(), like.str());
 }
 
-// The mask on the device: Causal or Documents (AttnDims' bounds); CausalWithOffset is refused.
-void check_mask(const Context& ctx, const AttnMask& mask, int64_t b, int64_t sq, int64_t sk, AttnDims& a) {
-  MG_CHECK(mask.kind != AttnMask::Kind::CausalWithOffset,
-           "attention: the CausalWithOffset mask on the GPU needs context parallelism, which is not built yet; "
-           "run it on the CPU or use Causal or Documents");
-  ops::check_attention_mask(mask, ctx.device(), b, sq, sk);
+// The mask as AttnDims' bounds (a.s = sq is set; sets sk, shift and the documents).
+void check_mask(const Context& ctx, const AttnMask& mask, int64_t sk, AttnDims& a) {
+  ops::check_attention_mask(mask, ctx.device(), a.b, a.s, sk);
+  a.sk = sk;
+  // Clamped to [-sq, sk]: no row sees a key below -sq, every row sees every key from sk on.
+  if (mask.kind == AttnMask::Kind::CausalWithOffset) a.shift = std::clamp(mask.q_offset - mask.k_offset, -a.s, sk);
   if (mask.kind != AttnMask::Kind::Documents) return;
   const Tensor& cu = mask.cu_seqlens;
   a.cu = dev_ptr<const int32_t>(cu);
@@ -387,9 +395,8 @@ AttnDims check_inputs(const Context& ctx, const Tensor& q, const Tensor& k, cons
   MG_ASSERT(q.dim() == 4 && k.dim() == 4 && k.dtype() == q.dtype(),
             "attention expects q [s, b, nq, d], k/v [s, b, ng, d] of one dtype; got {}, {}", q.str(), k.str());
   AttnDims a{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
-  check_mask(ctx, mask, a.b, q.size(0), k.size(0), a);
-  MG_ASSERT(k.size(0) == a.s && k.size(1) == a.b && k.size(3) == a.d && a.ng > 0 && a.nq % a.ng == 0 &&
-                a.nq >= a.ng,
+  check_mask(ctx, mask, k.size(0), a);
+  MG_ASSERT(k.size(1) == a.b && k.size(3) == a.d && a.ng > 0 && a.nq % a.ng == 0 && a.nq >= a.ng,
             "q {} and k {} do not fit causal GQA attention", q.str(), k.str());
   MG_ASSERT(a.d > 0, "attention head dimension must be positive, q is {}", q.str());
   MG_ASSERT(dropout_p >= 0.0f && dropout_p < 1.0f, "attention dropout_p {} must be in [0, 1)", dropout_p);
@@ -433,16 +440,16 @@ void reserve_shared_memory(Kernel* kernel, size_t bytes, const AttnDims& a) {
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   MG_CHECK(bytes <= size_t(optin),
-           "attention: s = {}, d = {} needs {} bytes of shared memory per block in the row-wise kernels "
+           "attention: sk = {}, d = {} needs {} bytes of shared memory per block in the row-wise kernels "
            "(the device allows {}); use bf16/fp16 (cuDNN) or a shorter sequence",
-           a.s, a.d, bytes, optin);
+           a.sk, a.d, bytes, optin);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
 void launch_forward_rowwise(Context& ctx, const AttnDims& a, const Tensor& q, const Tensor& k, const Tensor& v,
                             float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, Tensor& out,
                             Tensor& lse) {
-  const size_t smem = sizeof(float) * size_t(a.d + a.s + kWarps * a.d + kWarps);
+  const size_t smem = sizeof(float) * size_t(a.d + a.sk + kWarps * a.d + kWarps);
   const dim3 grid = row_grid(a.s, a.nq, a.b);
   dispatch_float(q.dtype(), [&]<typename T>() {
     reserve_shared_memory(attention_forward_rowwise_kernel<T>, smem, a);
@@ -460,10 +467,10 @@ void launch_backward_rowwise(Context& ctx, const AttnDims& a, const Tensor& grad
   // D [b, nq, s] fp32, written by pass 1 and read by pass 2 (same stream).
   Tensor delta_buf = ctx.workspace(sizeof(float) * size_t(a.b * a.nq * a.s));
   float* delta = static_cast<float*>(delta_buf.raw_data());
-  const size_t smem_dq = sizeof(float) * size_t(2 * a.d + a.s + kWarps * a.d + kWarps);
+  const size_t smem_dq = sizeof(float) * size_t(2 * a.d + a.sk + kWarps * a.d + kWarps);
   const size_t smem_dkv = sizeof(float) * size_t(2 * a.d + 2 * kWarps * a.d);
   const dim3 grid_dq = row_grid(a.s, a.nq, a.b);
-  const dim3 grid_dkv = row_grid(a.s, a.ng, a.b);
+  const dim3 grid_dkv = row_grid(a.sk, a.ng, a.b);
   dispatch_float(q.dtype(), [&]<typename T>() {
     reserve_shared_memory(attention_backward_dq_kernel<T>, smem_dq, a);
     reserve_shared_memory(attention_backward_dkv_kernel<T>, smem_dkv, a);
@@ -472,6 +479,7 @@ void launch_backward_rowwise(Context& ctx, const AttnDims& a, const Tensor& grad
         dev_ptr<const T>(out), dev_ptr<const float>(lse), dev_ptr<T>(grad_q), delta, a, softmax_scale, dropout_p,
         seed, offset, rng_shift_of(ctx));
     CUDA_CHECK_LAUNCH();
+    if (a.sk == 0) return;  // no keys: nothing to differentiate
     attention_backward_dkv_kernel<T><<<grid_dkv, kThreads, smem_dkv, stream_of(ctx)>>>(
         dev_ptr<const T>(grad_out), dev_ptr<const T>(q), dev_ptr<const T>(k), dev_ptr<const T>(v),
         dev_ptr<const float>(lse), delta, dev_ptr<T>(grad_k), dev_ptr<T>(grad_v), a, softmax_scale, dropout_p, seed,
@@ -496,7 +504,7 @@ AttnDims check_qkv(const Context& ctx, const Tensor& qkv, const Tensor& out, con
             "got {}, {}",
             qkv.str(), out.str());
   AttnDims a{out.size(0), out.size(1), out.size(2), out.size(2), out.size(3)};
-  check_mask(ctx, mask, a.b, a.s, a.s, a);
+  check_mask(ctx, mask, a.s, a);
   MG_ASSERT(a.d > 0 && a.nq > 0, "attention heads and head dimension must be positive, out is {}", out.str());
   MG_ASSERT(dropout_p >= 0.0f && dropout_p < 1.0f, "attention dropout_p {} must be in [0, 1)", dropout_p);
   check_on_device(ctx, lse, "lse");
@@ -556,7 +564,7 @@ void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Ten
                        float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
   const AttnDims a = check_forward(ctx, q, k, v, mask, dropout_p, out, lse);
   if (is_empty(a)) return;
-  if (q.dtype() != DType::Float32 &&
+  if (q.dtype() != DType::Float32 && a.sk > 0 &&
       cudnn_attention_forward(ctx, q, k, v, mask, softmax_scale, dropout_p, seed, offset, out, lse))
     return;
   launch_forward_rowwise(ctx, a, q, k, v, softmax_scale, dropout_p, seed, offset, out, lse);
@@ -568,8 +576,9 @@ void attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, c
                         Tensor& grad_v) {
   const AttnDims a = check_backward(ctx, grad_out, q, k, v, out, lse, mask, dropout_p, grad_q, grad_k, grad_v);
   if (is_empty(a)) return;
-  if (q.dtype() != DType::Float32 && cudnn_attention_backward(ctx, grad_out, q, k, v, out, lse, mask, softmax_scale,
-                                                              dropout_p, seed, offset, grad_q, grad_k, grad_v))
+  if (q.dtype() != DType::Float32 && a.sk > 0 &&
+      cudnn_attention_backward(ctx, grad_out, q, k, v, out, lse, mask, softmax_scale, dropout_p, seed, offset, grad_q,
+                               grad_k, grad_v))
     return;
   launch_backward_rowwise(ctx, a, grad_out, q, k, v, out, lse, softmax_scale, dropout_p, seed, offset, grad_q,
                           grad_k, grad_v);

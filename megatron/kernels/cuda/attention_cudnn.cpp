@@ -7,7 +7,9 @@
 // logical dims [b, h, s, d]; we give it those dims with the strides of our memory,
 // {h·d, d, b·h·d, 1}, so nothing is transposed. GQA is native: k/v declare ng heads, and cuDNN sums
 // dK/dV over the nq/ng query heads of each group. The causal mask is the top-left diagonal band
-// with right bound 0 (key j <= query i).
+// with right bound 0 (key j <= query i); CausalWithOffset (sq queries, sk keys) is the top-left band
+// with right bound q_offset - k_offset (key j <= query i + that), which cuDNN takes when it is not
+// negative (no row then goes without keys): a negative shift runs the row-wise kernels.
 //
 // Note [Documents on cuDNN]: the Documents mask (causal within each document of cu_seqlens) is
 // cuDNN's variable-length attention: every document is a batch entry of its own, b·n of them for
@@ -70,6 +72,7 @@
 
 #include <cudnn_frontend.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <exception>
@@ -123,6 +126,7 @@ struct GraphKey {
   void* handle = nullptr;
   int device = 0;
   int64_t b = 0, s = 0, nq = 0, ng = 0, d = 0;
+  int64_t sk = 0, shift = 0;  // key positions; the band's right bound (CausalWithOffset, else 0)
   DType dtype = DType::BFloat16;
   uint32_t scale_bits = 0, dropout_bits = 0;
   bool backward = false;
@@ -140,7 +144,7 @@ struct GraphKeyHash {
     size_t h = std::hash<void*>()(k.handle);
     auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
     mix(uint64_t(k.device));
-    for (int64_t v : {k.b, k.s, k.nq, k.ng, k.d, k.docs}) mix(uint64_t(v));
+    for (int64_t v : {k.b, k.s, k.nq, k.ng, k.d, k.sk, k.shift, k.docs}) mix(uint64_t(v));
     mix(uint64_t(k.dtype));
     mix(k.scale_bits);
     mix(k.dropout_bits);
@@ -165,7 +169,13 @@ struct Geometry {
   DType dtype = DType::BFloat16;
   bool fused_qkv = false;
   int64_t docs = 0;
+  int64_t sk = 0, shift = 0;
 };
+
+// The band's right bound for sk keys: a bound past the last key is the same as sk (all keys seen).
+int64_t band_shift(const AttnMask& mask, int64_t sk) {
+  return mask.kind == AttnMask::Kind::CausalWithOffset ? std::min(mask.q_offset - mask.k_offset, sk) : 0;
+}
 
 // Documents per batch row (the shape of cu_seqlens), 0 for the causal mask.
 int64_t documents(const AttnMask& mask) {
@@ -173,12 +183,21 @@ int64_t documents(const AttnMask& mask) {
   return mask.cu_seqlens.size(mask.cu_seqlens.dim() - 1) - 1;
 }
 
+// The mask's part of the geometry: documents per row, key positions and the band's right bound.
+Geometry with_mask(Geometry g, const AttnMask& mask, int64_t sk) {
+  g.docs = documents(mask);
+  g.sk = sk;
+  g.shift = band_shift(mask, sk);
+  return g;
+}
+
 Geometry split_geometry(const Tensor& q, const Tensor& k, const AttnMask& mask) {
-  return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.dtype(), false, documents(mask)};
+  return with_mask({q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.dtype(), false}, mask, k.size(0));
 }
 
 Geometry fused_geometry(const Tensor& qkv, const Tensor& out, const AttnMask& mask) {
-  return {out.size(0), out.size(1), out.size(2), out.size(2), out.size(3), qkv.dtype(), true, documents(mask)};
+  return with_mask({out.size(0), out.size(1), out.size(2), out.size(2), out.size(3), qkv.dtype(), true}, mask,
+                   out.size(0));
 }
 
 GraphKey make_key(Context& ctx, const Geometry& g, float softmax_scale, float dropout_p, bool backward) {
@@ -199,6 +218,8 @@ GraphKey make_key(Context& ctx, const Geometry& g, float softmax_scale, float dr
   key.fused_qkv = g.fused_qkv;
   key.deterministic = backward && ctx.deterministic();
   key.docs = g.docs;
+  key.sk = g.sk;
+  key.shift = g.shift;
   return key;
 }
 
@@ -212,8 +233,8 @@ fe::DataType_t io_type(DType t) {
   return fe::DataType_t::NOT_SET;
 }
 
-// Logical [b, h, s, d] over sequence-first memory [s, b, h, d].
-std::vector<int64_t> bhsd_dims(const GraphKey& k, int64_t heads) { return {k.batch(), heads, k.s, k.d}; }
+// Logical [b, h, s, d] over sequence-first memory [s, b, h, d]; seq is k.s (queries) or k.sk (keys).
+std::vector<int64_t> bhsd_dims(const GraphKey& k, int64_t heads, int64_t seq) { return {k.batch(), heads, seq, k.d}; }
 std::vector<int64_t> sbhd_strides(const GraphKey& k, int64_t heads) {
   return {heads * k.d, k.d, k.b * heads * k.d, 1};
 }
@@ -227,15 +248,15 @@ std::vector<int64_t> qkv_strides(const GraphKey& k, int64_t heads) {
 
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
-TensorPtr activation(fe::graph::Graph& graph, const GraphKey& k, const char* name, Uid uid, int64_t heads,
+TensorPtr activation(fe::graph::Graph& graph, const GraphKey& k, const char* name, Uid uid, int64_t heads, int64_t seq,
                      const std::vector<int64_t>& strides) {
   return graph.tensor(
-      fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(bhsd_dims(k, heads)).set_stride(strides));
+      fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(bhsd_dims(k, heads, seq)).set_stride(strides));
 }
 
-void mark_activation_output(const TensorPtr& t, const GraphKey& k, Uid uid, int64_t heads,
+void mark_activation_output(const TensorPtr& t, const GraphKey& k, Uid uid, int64_t heads, int64_t seq,
                             const std::vector<int64_t>& strides) {
-  t->set_output(true).set_uid(uid).set_dim(bhsd_dims(k, heads)).set_stride(strides);
+  t->set_output(true).set_uid(uid).set_dim(bhsd_dims(k, heads, seq)).set_stride(strides);
 }
 
 // Our lse [b, nq, s] as cuDNN's Stats [b, nq, s, 1].
@@ -289,9 +310,9 @@ void set_documents(Options& options, const GraphKey& k, const Ragged& r) {
 
 void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
   const Ragged r = ragged_tensors(graph, k);
-  TensorPtr q = activation(graph, k, "q", kQ, k.nq, qkv_strides(k, k.nq));
-  TensorPtr kk = activation(graph, k, "k", kK, k.ng, qkv_strides(k, k.ng));
-  TensorPtr v = activation(graph, k, "v", kV, k.ng, qkv_strides(k, k.ng));
+  TensorPtr q = activation(graph, k, "q", kQ, k.nq, k.s, qkv_strides(k, k.nq));
+  TensorPtr kk = activation(graph, k, "k", kK, k.ng, k.sk, qkv_strides(k, k.ng));
+  TensorPtr v = activation(graph, k, "v", kV, k.ng, k.sk, qkv_strides(k, k.ng));
   set_ragged(q, r.q);
   set_ragged(kk, r.k);
   set_ragged(v, r.k);
@@ -300,12 +321,12 @@ void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
                      .set_generate_stats(true)
                      .set_attn_scale(k.scale())
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
-                     .set_diagonal_band_right_bound(0);
+                     .set_diagonal_band_right_bound(int(k.shift));
   set_documents(options, k, r);
   if (k.dropout_bits != 0)
     options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
   auto [o, stats] = graph.sdpa(q, kk, v, options);
-  mark_activation_output(o, k, kO, k.nq, sbhd_strides(k, k.nq));
+  mark_activation_output(o, k, kO, k.nq, k.s, sbhd_strides(k, k.nq));
   set_ragged(o, r.o);
   stats->set_output(true)
       .set_uid(kStats)
@@ -317,11 +338,11 @@ void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
 
 void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
   const Ragged r = ragged_tensors(graph, k);
-  TensorPtr q = activation(graph, k, "q", kQ, k.nq, qkv_strides(k, k.nq));
-  TensorPtr kk = activation(graph, k, "k", kK, k.ng, qkv_strides(k, k.ng));
-  TensorPtr v = activation(graph, k, "v", kV, k.ng, qkv_strides(k, k.ng));
-  TensorPtr o = activation(graph, k, "o", kO, k.nq, sbhd_strides(k, k.nq));
-  TensorPtr grad_o = activation(graph, k, "grad_o", kGradO, k.nq, sbhd_strides(k, k.nq));
+  TensorPtr q = activation(graph, k, "q", kQ, k.nq, k.s, qkv_strides(k, k.nq));
+  TensorPtr kk = activation(graph, k, "k", kK, k.ng, k.sk, qkv_strides(k, k.ng));
+  TensorPtr v = activation(graph, k, "v", kV, k.ng, k.sk, qkv_strides(k, k.ng));
+  TensorPtr o = activation(graph, k, "o", kO, k.nq, k.s, sbhd_strides(k, k.nq));
+  TensorPtr grad_o = activation(graph, k, "grad_o", kGradO, k.nq, k.s, sbhd_strides(k, k.nq));
   TensorPtr stats = graph.tensor(fe::graph::Tensor_attributes()
                                      .set_name("stats")
                                      .set_uid(kStats)
@@ -338,7 +359,7 @@ void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
                      .set_name("attention_backward")
                      .set_attn_scale(k.scale())
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
-                     .set_diagonal_band_right_bound(0);
+                     .set_diagonal_band_right_bound(int(k.shift));
   set_documents(options, k, r);
   // Without it, dQ is accumulated with atomics over the key blocks: the last bits vary from run to
   // run. The deterministic algorithm goes through a dP workspace of b·h·s·s·2 bytes instead.
@@ -346,9 +367,9 @@ void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
   if (k.dropout_bits != 0)
     options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
   auto [grad_q, grad_k, grad_v] = graph.sdpa_backward(q, kk, v, o, grad_o, stats, options);
-  mark_activation_output(grad_q, k, kGradQ, k.nq, qkv_strides(k, k.nq));
-  mark_activation_output(grad_k, k, kGradK, k.ng, qkv_strides(k, k.ng));
-  mark_activation_output(grad_v, k, kGradV, k.ng, qkv_strides(k, k.ng));
+  mark_activation_output(grad_q, k, kGradQ, k.nq, k.s, qkv_strides(k, k.nq));
+  mark_activation_output(grad_k, k, kGradK, k.ng, k.sk, qkv_strides(k, k.ng));
+  mark_activation_output(grad_v, k, kGradV, k.ng, k.sk, qkv_strides(k, k.ng));
   set_ragged(grad_q, r.q);
   set_ragged(grad_k, r.k);
   set_ragged(grad_v, r.k);
@@ -446,6 +467,9 @@ struct Lookup {
 };
 
 Lookup lookup(Context& ctx, const Geometry& g, float softmax_scale, float dropout_p, bool backward) {
+  if (g.shift < 0)
+    return {nullptr, "cuDNN's diagonal band takes no negative right bound (q_offset - k_offset = " +
+                         std::to_string(g.shift) + ")"};
   auto entry = graph_cache().get(make_key(ctx, g, softmax_scale, dropout_p, backward));
   if (!entry->graph) return {nullptr, entry->unsupported};
   if (dropout_p > 0.0f) {
