@@ -3,15 +3,17 @@
 //
 // bf16 and fp16 go to cuDNN's fused flash attention (attention_cudnn.cpp). fp32, and any config
 // cuDNN declines, run the row-wise kernels below: fp32 compute, correctness over speed.
-//  * forward, one block per (query row i, head h, batch b): S_j = scale·q_i·k_j for j <= i into
-//    shared memory, softmax (lse saved), dropout exactly as the CPU (Philox element
-//    ((b·nq + h)·s + i)·s + j), then O_i = Σ_j P̃_j v_j with each warp summing its own keys.
+//  * forward, one block per (query row i, head h, batch b): S_j = scale·q_i·k_j for the keys j the
+//    mask lets i see (j <= i when causal) into shared memory, softmax (lse saved), dropout exactly
+//    as the CPU (Philox element ((b·nq + h)·sq + i)·sk + j), then O_i = Σ_j P̃_j v_j with each warp
+//    summing its own keys.
 //  * backward, two passes and no atomics (deterministic):
 //    1. one block per query row: D_i = dO_i·O_i (saved), P_j = exp(S_j - lse_i) recomputed,
 //       dP̃_j = dO_i·v_j, dS_j = P̃_j·dP̃_j - P_j·D_i, dQ_i = scale·Σ_j dS_j k_j;
 //    2. one block per (key row j, group g, batch b): loops over the group's heads and the queries
-//       i >= j, recomputing P_ij and dS_ij, and sums dV_j = Σ P̃_ij dO_i, dK_j = scale·Σ dS_ij q_i.
-// The score row lives in shared memory (4·s bytes), so s is bounded by the block's shared memory.
+//       that see j (i >= j when causal), recomputing P_ij and dS_ij, and sums dV_j = Σ P̃_ij dO_i,
+//       dK_j = scale·Σ dS_ij q_i.
+// The score row lives in shared memory (4·sk bytes), so sk is bounded by the block's shared memory.
 // Masks: every kind lets query i see one interval of keys and key j be seen by one interval of
 // queries (AttnDims::key_begin/key_end, query_begin/query_end), so the loops are the causal ones with
 // other bounds. Causal: keys [0, i], queries [j, s). CausalWithOffset (q [sq, ...], k [sk, ...],
