@@ -213,57 +213,70 @@ void rope_backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, bo
   return cpu::rope_backward(ctx, grad_out, freqs, interleaved, grad_in);
 }
 
-void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float softmax_scale,
-                       float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
+void check_attention_mask(const AttnMask& mask, const Device& device, int64_t b, int64_t sq, int64_t sk) {
+  MG_CHECK(mask.kind == AttnMask::Kind::CausalWithOffset || sq == sk,
+           "attention: q has {} positions and k {}; only the CausalWithOffset mask takes different lengths", sq, sk);
+  if (mask.kind != AttnMask::Kind::Documents) return;
+  const Tensor& cu = mask.cu_seqlens;
+  MG_CHECK(cu.defined() && cu.dtype() == DType::Int32 && cu.device() == device &&
+               ((cu.dim() == 1 && cu.size(0) >= 2) || (cu.dim() == 2 && cu.size(0) == b && cu.size(1) >= 2)),
+           "attention: the Documents mask takes cu_seqlens int32 [n + 1] or [{}, n + 1] on {}, got {}", b, device.str(),
+           cu.defined() ? cu.str() : std::string("an undefined tensor"));
+}
+
+void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const AttnMask& mask,
+                       float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
   ProfileScope profile(ctx, "attention_forward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "attention_forward"))
-    return cuda::attention_forward(ctx, q, k, v, softmax_scale, dropout_p, seed, offset, out, lse);
+    return cuda::attention_forward(ctx, q, k, v, mask, softmax_scale, dropout_p, seed, offset, out, lse);
 #else
   on_cuda(ctx, "attention_forward");
 #endif
-  return cpu::attention_forward(ctx, q, k, v, softmax_scale, dropout_p, seed, offset, out, lse);
+  return cpu::attention_forward(ctx, q, k, v, mask, softmax_scale, dropout_p, seed, offset, out, lse);
 }
 
 void attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& out, const Tensor& lse, float softmax_scale, float dropout_p, uint64_t seed,
-                        uint64_t offset, Tensor& grad_q, Tensor& grad_k, Tensor& grad_v) {
+                        const Tensor& out, const Tensor& lse, const AttnMask& mask, float softmax_scale,
+                        float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q, Tensor& grad_k,
+                        Tensor& grad_v) {
   ProfileScope profile(ctx, "attention_backward");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "attention_backward"))
-    return cuda::attention_backward(ctx, grad_out, q, k, v, out, lse, softmax_scale, dropout_p, seed, offset, grad_q,
-                                    grad_k, grad_v);
+    return cuda::attention_backward(ctx, grad_out, q, k, v, out, lse, mask, softmax_scale, dropout_p, seed, offset,
+                                    grad_q, grad_k, grad_v);
 #else
   on_cuda(ctx, "attention_backward");
 #endif
-  return cpu::attention_backward(ctx, grad_out, q, k, v, out, lse, softmax_scale, dropout_p, seed, offset, grad_q,
+  return cpu::attention_backward(ctx, grad_out, q, k, v, out, lse, mask, softmax_scale, dropout_p, seed, offset, grad_q,
                                  grad_k, grad_v);
 }
 
-void attention_forward_qkv(Context& ctx, const Tensor& qkv, float softmax_scale, float dropout_p, uint64_t seed,
-                           uint64_t offset, Tensor& out, Tensor& lse) {
+void attention_forward_qkv(Context& ctx, const Tensor& qkv, const AttnMask& mask, float softmax_scale, float dropout_p,
+                           uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
   ProfileScope profile(ctx, "attention_forward_qkv");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "attention_forward_qkv"))
-    return cuda::attention_forward_qkv(ctx, qkv, softmax_scale, dropout_p, seed, offset, out, lse);
+    return cuda::attention_forward_qkv(ctx, qkv, mask, softmax_scale, dropout_p, seed, offset, out, lse);
 #else
   on_cuda(ctx, "attention_forward_qkv");
 #endif
-  return cpu::attention_forward_qkv(ctx, qkv, softmax_scale, dropout_p, seed, offset, out, lse);
+  return cpu::attention_forward_qkv(ctx, qkv, mask, softmax_scale, dropout_p, seed, offset, out, lse);
 }
 
 void attention_backward_qkv(Context& ctx, const Tensor& grad_out, const Tensor& qkv, const Tensor& out,
-                            const Tensor& lse, float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset,
-                            Tensor& grad_qkv) {
+                            const Tensor& lse, const AttnMask& mask, float softmax_scale, float dropout_p,
+                            uint64_t seed, uint64_t offset, Tensor& grad_qkv) {
   ProfileScope profile(ctx, "attention_backward_qkv");
 #ifdef MEGATRON_WITH_CUDA_OPS
   if (on_cuda(ctx, "attention_backward_qkv"))
-    return cuda::attention_backward_qkv(ctx, grad_out, qkv, out, lse, softmax_scale, dropout_p, seed, offset,
+    return cuda::attention_backward_qkv(ctx, grad_out, qkv, out, lse, mask, softmax_scale, dropout_p, seed, offset,
                                         grad_qkv);
 #else
   on_cuda(ctx, "attention_backward_qkv");
 #endif
-  return cpu::attention_backward_qkv(ctx, grad_out, qkv, out, lse, softmax_scale, dropout_p, seed, offset, grad_qkv);
+  return cpu::attention_backward_qkv(ctx, grad_out, qkv, out, lse, mask, softmax_scale, dropout_p, seed, offset,
+                                     grad_qkv);
 }
 
 void attention_kv_cache_forward(Context& ctx, const Tensor& q, const Tensor& k_new, const Tensor& v_new,

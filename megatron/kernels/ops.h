@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "megatron/runtime/context.h"
 #include "megatron/runtime/tensor.h"
@@ -40,6 +41,24 @@ struct AdamTensors {
   float weight_decay = 0.0f;
 };
 
+/// Which keys each query of the attention ops sees: Note [Attention masks] in op_list.inc.
+struct AttnMask {
+  enum class Kind {
+    Causal,            // key j <= query i (Megatron's AttnMaskType.causal)
+    CausalWithOffset,  // j + k_offset <= i + q_offset, sq and sk may differ (context-parallel chunks)
+    Documents,         // causal within each document of cu_seqlens (PackedSeqParams, THD)
+  };
+  Kind kind = Kind::Causal;
+  int64_t q_offset = 0, k_offset = 0;  // CausalWithOffset: global positions of query row 0 and key row 0
+  Tensor cu_seqlens;                   // Documents: int32 [n + 1] for every batch row, or [b, n + 1]
+
+  static AttnMask causal() { return {}; }
+  static AttnMask causal_with_offset(int64_t q_offset, int64_t k_offset) {
+    return {Kind::CausalWithOffset, q_offset, k_offset, Tensor()};
+  }
+  static AttnMask documents(Tensor cu_seqlens) { return {Kind::Documents, 0, 0, std::move(cu_seqlens)}; }
+};
+
 struct GradStats {
   double sum_sq = 0.0;
   bool found_inf_or_nan = false;
@@ -58,6 +77,11 @@ bool has_cuda_kernels();
 [[noreturn]] void throw_bad_table_id(const char* what, int64_t id, int64_t flat, int64_t s, int64_t rows);
 /// The same for a label outside the vocabulary [0, vocab) at flat `position`.
 [[noreturn]] void throw_bad_label(int64_t label, int64_t position, int64_t vocab);
+
+/// The checks of an attention mask that need no look at its values, worded once for the CPU
+/// reference and the CUDA ops: the kind against the query and key lengths (only CausalWithOffset
+/// takes sq != sk) and Documents' cu_seqlens (int32 [n + 1] or [b, n + 1] on `device`, n >= 1).
+void check_attention_mask(const AttnMask& mask, const Device& device, int64_t b, int64_t sq, int64_t sk);
 
 #include "megatron/kernels/op_list.inc"
 }  // namespace megatron::ops

@@ -54,12 +54,12 @@ struct Results {
 };
 
 // The CPU reference, outputs in fp32 (exact math on the stored inputs).
-Results run_cpu(const Dims& dm, const Inputs& in, float scale, float p) {
+Results run_cpu(const Dims& dm, const Inputs& in, float scale, float p, const AttnMask& mask = AttnMask::causal()) {
   Context cpu;
   Results r{Tensor::empty(dm.heads(), DType::Float32), Tensor::empty(dm.lse(), DType::Float32),
             Tensor::empty(dm.fused(), DType::Float32)};
-  cpu::attention_forward_qkv(cpu, in.qkv, scale, p, kSeed, kOffset, r.out, r.lse);
-  cpu::attention_backward_qkv(cpu, in.grad_out, in.qkv, r.out, r.lse, scale, p, kSeed, kOffset, r.grad_qkv);
+  cpu::attention_forward_qkv(cpu, in.qkv, mask, scale, p, kSeed, kOffset, r.out, r.lse);
+  cpu::attention_backward_qkv(cpu, in.grad_out, in.qkv, r.out, r.lse, mask, scale, p, kSeed, kOffset, r.grad_qkv);
   return r;
 }
 
@@ -70,12 +70,13 @@ Tensor poisoned(const Shape& shape, DType dtype) {
 }
 
 // Forward then backward through the fused ops on the device, outputs poisoned with NaN first.
+// (mask: its cu_seqlens on the device.)
 Results run_gpu(Context& ctx, const Dims& dm, const Tensor& qkv, const Tensor& grad_out, float scale, float p,
-                uint64_t seed = kSeed, uint64_t offset = kOffset) {
+                uint64_t seed = kSeed, uint64_t offset = kOffset, const AttnMask& mask = AttnMask::causal()) {
   const DType dt = qkv.dtype();
   Results r{poisoned(dm.heads(), dt), poisoned(dm.lse(), DType::Float32), poisoned(dm.fused(), dt)};
-  cuda::attention_forward_qkv(ctx, qkv, scale, p, seed, offset, r.out, r.lse);
-  cuda::attention_backward_qkv(ctx, grad_out, qkv, r.out, r.lse, scale, p, seed, offset, r.grad_qkv);
+  cuda::attention_forward_qkv(ctx, qkv, mask, scale, p, seed, offset, r.out, r.lse);
+  cuda::attention_backward_qkv(ctx, grad_out, qkv, r.out, r.lse, mask, scale, p, seed, offset, r.grad_qkv);
   ctx.synchronize();
   return r;
 }
@@ -96,9 +97,10 @@ Results run_gpu_split(Context& ctx, const Dims& dm, const Inputs& in, float scal
          v = Tensor::empty(dm.heads(), dt, dev);
   cuda::qkv_split_forward(ctx, qkv, q, k, v);
   Results r{poisoned(dm.heads(), dt), poisoned(dm.lse(), DType::Float32), poisoned(dm.fused(), dt)};
-  cuda::attention_forward(ctx, q, k, v, scale, p, kSeed, kOffset, r.out, r.lse);
+  cuda::attention_forward(ctx, q, k, v, AttnMask::causal(), scale, p, kSeed, kOffset, r.out, r.lse);
   Tensor gq = poisoned(dm.heads(), dt), gk = poisoned(dm.heads(), dt), gv = poisoned(dm.heads(), dt);
-  cuda::attention_backward(ctx, grad_out, q, k, v, r.out, r.lse, scale, p, kSeed, kOffset, gq, gk, gv);
+  cuda::attention_backward(ctx, grad_out, q, k, v, r.out, r.lse, AttnMask::causal(), scale, p, kSeed, kOffset, gq, gk,
+                           gv);
   cuda::qkv_split_backward(ctx, gq, gk, gv, r.grad_qkv);
   ctx.synchronize();
   return r;
@@ -168,7 +170,7 @@ TEST_P(AttentionQkvHalf, MatchesCpu) {
     const Tensor out = Tensor::empty(c.dims.heads(), c.dtype, Device::cuda(0));
     for (bool backward : {false, true}) {
       const cuda::CudnnAttentionSupport support =
-          cuda::cudnn_attention_qkv_support(ctx, qkv, out, scale, 0.0f, backward);
+          cuda::cudnn_attention_qkv_support(ctx, qkv, out, AttnMask::causal(), scale, 0.0f, backward);
       ASSERT_TRUE(support.supported) << (backward ? "backward: " : "forward: ") << support.reason;
     }
   }
@@ -208,7 +210,7 @@ TEST(AttentionQkvUnaligned, FallsBackToTheSplitCopies) {
   // With dropout the fused op takes the split copies (Note [Fused QKV and dropout]), which are
   // aligned, so the misaligned buffer works there too.
   Tensor out = poisoned(dm.heads(), DType::BFloat16), lse = poisoned(dm.lse(), DType::Float32);
-  cuda::attention_forward_qkv(ctx, qkv, scale, 0.2f, kSeed, kOffset, out, lse);
+  cuda::attention_forward_qkv(ctx, qkv, AttnMask::causal(), scale, 0.2f, kSeed, kOffset, out, lse);
   ctx.synchronize();
   for (float v : out.to_floats()) ASSERT_TRUE(std::isfinite(v));
 }
@@ -247,7 +249,8 @@ TEST(AttentionQkvCudnnDropout, SameMaskAsSplitPathAndConsistent) {
   const Tensor qkv = in.qkv.to(dev), grad_out = in.grad_out.to(dev);
   {
     const Tensor out = Tensor::empty(dm.heads(), DType::BFloat16, dev);
-    const cuda::CudnnAttentionSupport support = cuda::cudnn_attention_qkv_support(ctx, qkv, out, scale, p, false);
+    const cuda::CudnnAttentionSupport support =
+        cuda::cudnn_attention_qkv_support(ctx, qkv, out, AttnMask::causal(), scale, p, false);
     ASSERT_TRUE(support.supported) << support.reason;
   }
   const Results a = run_gpu(ctx, dm, qkv, grad_out, scale, p);
@@ -274,6 +277,40 @@ TEST(AttentionQkvCudnnDropout, SameMaskAsSplitPathAndConsistent) {
   expect_close(a.out, split.out, 2e-2, "out vs split path", 0.05);
   expect_close(a.lse, split.lse, 1e-5, "lse vs split path", 0.05);
   expect_close(a.grad_qkv, split.grad_qkv, 2e-2, "grad_qkv vs split path", 0.05);
+}
+
+}  // namespace
+}  // namespace megatron
+
+namespace megatron {
+namespace {
+
+// Documents on the fused buffer: cuDNN's ragged offsets over the strided views (Note [Documents on
+// cuDNN]), against the CPU; the shared form, b = 1 (THD) and b = 2, an empty document included.
+// And CausalWithOffset as the band's right bound over the same views.
+TEST(AttentionQkvMasks, CudnnMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const Tensor cu = Tensor::from_ints({0, 90, 91, 91, 200, 256}, {6}, DType::Int32);
+  Context ctx(Device::cuda(0));
+  for (const auto& [host, device] :
+       {std::pair{AttnMask::documents(cu), AttnMask::documents(cu.to(Device::cuda(0)))},
+        std::pair{AttnMask::causal_with_offset(40, 3), AttnMask::causal_with_offset(40, 3)}})
+    for (DType dt : {DType::BFloat16, DType::Float16})
+      for (Dims dm : {Dims{256, 1, 8, 64}, Dims{256, 2, 4, 128}}) {
+        SCOPED_TRACE(std::string(host.kind == AttnMask::Kind::Documents ? "documents_" : "offset_") +
+                     std::string(to_string(dt)) + "_" + dims_name(dm));
+        const Inputs in = make_inputs(dm, dt, 31);
+        const float scale = 1.0f / std::sqrt(float(dm.d));
+        const Tensor qkv = in.qkv.to(Device::cuda(0)), grad_out = in.grad_out.to(Device::cuda(0));
+        const Tensor out = Tensor::empty(dm.heads(), dt, Device::cuda(0));
+        for (bool backward : {false, true}) {
+          const cuda::CudnnAttentionSupport support =
+              cuda::cudnn_attention_qkv_support(ctx, qkv, out, device, scale, 0.0f, backward);
+          ASSERT_TRUE(support.supported) << (backward ? "backward: " : "forward: ") << support.reason;
+        }
+        expect_results_close(run_gpu(ctx, dm, qkv, grad_out, scale, 0.0f, kSeed, kOffset, device),
+                             run_cpu(dm, in, scale, 0.0f, host), 2e-2, 1e-3);
+      }
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
-// Causal GQA attention on CUDA against the CPU reference: the row-wise kernels (fp32, and bf16 as
-// the fallback) must match it, dropout included (same Philox mask); cuDNN's fused attention (bf16,
+// GQA attention on CUDA against the CPU reference: the row-wise kernels (fp32, and bf16 as the
+// fallback) must match it, dropout included (same Philox mask); cuDNN's fused attention (bf16,
 // fp16) must match it without dropout, and with dropout be finite, deterministic in (seed, offset)
 // and leave lse unchanged (its mask differs from the CPU's: Note [Attention dropout on the GPU]).
+// Every mask is compared: Causal, Documents (Note [Documents on cuDNN]) and CausalWithOffset (cuDNN's
+// band when q_offset >= k_offset, the row-wise kernels otherwise).
 #include "megatron/kernels/cuda/attention.h"
 
 #include <gtest/gtest.h>
@@ -84,36 +86,44 @@ struct Results {
 };
 
 // The CPU reference in fp32 (outputs fp32 whatever the input dtype: exact math on the stored inputs).
-Results run_cpu(const Inputs& in, float scale, float p) {
+Results run_cpu(const Inputs& in, float scale, float p, const AttnMask& mask = AttnMask::causal()) {
   Context cpu;
   const Shape& qs = in.q.shape();
   Results r{Tensor::empty(qs, DType::Float32), Tensor::empty({qs[1], qs[2], qs[0]}, DType::Float32),
             Tensor::empty(qs, DType::Float32), Tensor::empty(in.k.shape(), DType::Float32),
             Tensor::empty(in.k.shape(), DType::Float32)};
-  cpu::attention_forward(cpu, in.q, in.k, in.v, scale, p, kSeed, kOffset, r.out, r.lse);
-  cpu::attention_backward(cpu, in.grad_out, in.q, in.k, in.v, r.out, r.lse, scale, p, kSeed, kOffset, r.grad_q,
+  cpu::attention_forward(cpu, in.q, in.k, in.v, mask, scale, p, kSeed, kOffset, r.out, r.lse);
+  cpu::attention_backward(cpu, in.grad_out, in.q, in.k, in.v, r.out, r.lse, mask, scale, p, kSeed, kOffset, r.grad_q,
                           r.grad_k, r.grad_v);
   return r;
 }
 
 enum class Path { Dispatch, Rowwise };
 
-// Forward then backward on the device, outputs poisoned with NaN first.
+// The mask with its cu_seqlens on the device.
+AttnMask on_device(const AttnMask& mask) {
+  AttnMask m = mask;
+  if (m.cu_seqlens.defined()) m.cu_seqlens = m.cu_seqlens.to(Device::cuda(0));
+  return m;
+}
+
+// Forward then backward on the device, outputs poisoned with NaN first; `host_mask` as run_cpu takes it.
 Results run_gpu(Context& ctx, const Inputs& in, float scale, float p, Path path, uint64_t seed = kSeed,
-                uint64_t offset = kOffset) {
+                uint64_t offset = kOffset, const AttnMask& host_mask = AttnMask::causal()) {
   const Device dev = Device::cuda(0);
+  const AttnMask mask = on_device(host_mask);
   const Tensor q = in.q.to(dev), k = in.k.to(dev), v = in.v.to(dev), grad_out = in.grad_out.to(dev);
   const Shape& qs = q.shape();
   Results r{poisoned(qs, q.dtype()), poisoned({qs[1], qs[2], qs[0]}, DType::Float32), poisoned(qs, q.dtype()),
             poisoned(k.shape(), k.dtype()), poisoned(k.shape(), k.dtype())};
   if (path == Path::Dispatch) {
-    cuda::attention_forward(ctx, q, k, v, scale, p, seed, offset, r.out, r.lse);
-    cuda::attention_backward(ctx, grad_out, q, k, v, r.out, r.lse, scale, p, seed, offset, r.grad_q, r.grad_k,
+    cuda::attention_forward(ctx, q, k, v, mask, scale, p, seed, offset, r.out, r.lse);
+    cuda::attention_backward(ctx, grad_out, q, k, v, r.out, r.lse, mask, scale, p, seed, offset, r.grad_q, r.grad_k,
                              r.grad_v);
   } else {
-    cuda::attention_forward_rowwise(ctx, q, k, v, scale, p, seed, offset, r.out, r.lse);
-    cuda::attention_backward_rowwise(ctx, grad_out, q, k, v, r.out, r.lse, scale, p, seed, offset, r.grad_q, r.grad_k,
-                                     r.grad_v);
+    cuda::attention_forward_rowwise(ctx, q, k, v, mask, scale, p, seed, offset, r.out, r.lse);
+    cuda::attention_backward_rowwise(ctx, grad_out, q, k, v, r.out, r.lse, mask, scale, p, seed, offset, r.grad_q,
+                                     r.grad_k, r.grad_v);
   }
   ctx.synchronize();
   return r;
@@ -192,7 +202,7 @@ TEST(AttentionRowwise, UnalignedBf16FallsBack) {
   q.copy_from(in.q);
   const Tensor k = in.k.to(dev), v = in.v.to(dev);
   Tensor out = poisoned(q.shape(), q.dtype()), lse = poisoned({2, 4, 64}, DType::Float32);
-  cuda::attention_forward(ctx, q, k, v, scale, 0.0f, kSeed, kOffset, out, lse);
+  cuda::attention_forward(ctx, q, k, v, AttnMask::causal(), scale, 0.0f, kSeed, kOffset, out, lse);
   ctx.synchronize();
   const Results want = run_cpu(in, scale, 0.0f);
   expect_close(out, want.out, 2e-2, "out");
@@ -216,7 +226,8 @@ TEST_P(AttentionCudnn, MatchesCpu) {
   Context ctx(Device::cuda(0));
   const Tensor q_dev = in.q.to(Device::cuda(0)), k_dev = in.k.to(Device::cuda(0));
   for (bool backward : {false, true}) {
-    const cuda::CudnnAttentionSupport support = cuda::cudnn_attention_support(ctx, q_dev, k_dev, scale, 0.0f, backward);
+    const cuda::CudnnAttentionSupport support =
+        cuda::cudnn_attention_support(ctx, q_dev, k_dev, AttnMask::causal(), scale, 0.0f, backward);
     ASSERT_TRUE(support.supported) << (backward ? "backward: " : "forward: ") << support.reason;
   }
   expect_results_close(run_gpu(ctx, in, scale, 0.0f, Path::Dispatch), run_cpu(in, scale, 0.0f), 2e-2, 1e-3);
@@ -242,7 +253,8 @@ TEST(AttentionCudnnDropout, DeterministicFiniteAndLseUnchanged) {
   const float scale = 0.125f, p = 0.2f;
   Context ctx(Device::cuda(0));
   const Tensor q_dev = in.q.to(Device::cuda(0)), k_dev = in.k.to(Device::cuda(0));
-  const cuda::CudnnAttentionSupport support = cuda::cudnn_attention_support(ctx, q_dev, k_dev, scale, p, false);
+  const cuda::CudnnAttentionSupport support =
+      cuda::cudnn_attention_support(ctx, q_dev, k_dev, AttnMask::causal(), scale, p, false);
   ASSERT_TRUE(support.supported) << support.reason;
 
   const Results a = run_gpu(ctx, in, scale, p, Path::Dispatch);
@@ -286,6 +298,179 @@ TEST(AttentionCudnnDeterministic, SameBitsEveryCallAndMatchesCpu) {
   }
   expect_results_close(first, run_cpu(in, scale, 0.0f), 2e-2, 1e-3);
 }
+
+}  // namespace
+}  // namespace megatron
+
+namespace megatron {
+namespace {
+
+// ---- masks: Documents on the row-wise kernels and on cuDNN; CausalWithOffset refused --------------
+
+// cu_seqlens of documents of the given lengths, [n + 1] for every batch row or [b, n + 1].
+AttnMask documents(const std::vector<std::vector<int64_t>>& lengths) {
+  std::vector<int64_t> cu;
+  for (const auto& row : lengths) {
+    cu.push_back(0);
+    for (int64_t len : row) cu.push_back(cu.back() + len);
+  }
+  const int64_t n1 = int64_t(lengths[0].size()) + 1;
+  const Shape shape = lengths.size() == 1 ? Shape{n1} : Shape{int64_t(lengths.size()), n1};
+  return AttnMask::documents(Tensor::from_ints(cu, shape, DType::Int32));
+}
+
+struct DocumentsCase {
+  std::string name;
+  int64_t s, b, nq, ng, d;
+  std::vector<std::vector<int64_t>> lengths;  // one row shared, or one per batch row
+};
+
+std::vector<DocumentsCase> documents_cases() {
+  return {
+      {"THD_b1", 256, 1, 8, 2, 64, {{100, 1, 27, 128}}},
+      {"THD_b1_d128_MHA", 512, 1, 4, 4, 128, {{300, 200, 12}}},
+      {"Shared_b2", 256, 2, 8, 2, 64, {{64, 64, 128}}},
+      {"PerRow_b2_EmptyDocument", 256, 2, 8, 2, 64, {{17, 0, 239}, {128, 100, 28}}},
+  };
+}
+
+class AttentionDocuments : public ::testing::TestWithParam<DocumentsCase> {};
+
+// The row-wise kernels on fp32, dropout included: the CPU's result and the CPU's dropout mask.
+TEST_P(AttentionDocuments, RowwiseFp32MatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const DocumentsCase& c = GetParam();
+  const Inputs in = make_inputs({c.s, c.b, c.nq, c.ng, c.d}, DType::Float32, 71);
+  const AttnMask mask = documents(c.lengths);
+  const float scale = 1.0f / std::sqrt(float(c.d));
+  Context ctx(Device::cuda(0));
+  for (float p : {0.0f, 0.2f}) {
+    SCOPED_TRACE(p);
+    expect_results_close(run_gpu(ctx, in, scale, p, Path::Dispatch, kSeed, kOffset, mask), run_cpu(in, scale, p, mask),
+                         1e-4, 1e-5);
+  }
+}
+
+TEST_P(AttentionDocuments, RowwiseBf16MatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const DocumentsCase& c = GetParam();
+  const Inputs in = make_inputs({c.s, c.b, c.nq, c.ng, c.d}, DType::BFloat16, 72);
+  const AttnMask mask = documents(c.lengths);
+  const float scale = 1.0f / std::sqrt(float(c.d));
+  Context ctx(Device::cuda(0));
+  expect_results_close(run_gpu(ctx, in, scale, 0.0f, Path::Rowwise, kSeed, kOffset, mask),
+                       run_cpu(in, scale, 0.0f, mask), 2e-2, 1e-5);
+}
+
+// cuDNN's variable-length attention, bf16 and fp16, against the CPU.
+TEST_P(AttentionDocuments, CudnnMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const DocumentsCase& c = GetParam();
+  const AttnMask mask = documents(c.lengths);
+  const float scale = 1.0f / std::sqrt(float(c.d));
+  Context ctx(Device::cuda(0));
+  for (DType dt : {DType::BFloat16, DType::Float16}) {
+    SCOPED_TRACE(to_string(dt));
+    const Inputs in = make_inputs({c.s, c.b, c.nq, c.ng, c.d}, dt, 73);
+    const Tensor q_dev = in.q.to(Device::cuda(0)), k_dev = in.k.to(Device::cuda(0));
+    for (bool backward : {false, true}) {
+      const cuda::CudnnAttentionSupport support =
+          cuda::cudnn_attention_support(ctx, q_dev, k_dev, on_device(mask), scale, 0.0f, backward);
+      ASSERT_TRUE(support.supported) << (backward ? "backward: " : "forward: ") << support.reason;
+    }
+    expect_results_close(run_gpu(ctx, in, scale, 0.0f, Path::Dispatch, kSeed, kOffset, mask),
+                         run_cpu(in, scale, 0.0f, mask), 2e-2, 1e-3);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionDocuments, ::testing::ValuesIn(documents_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// One document covering the sequence is the causal mask on cuDNN too.
+TEST(AttentionDocumentsCudnn, OneDocumentEqualsCausal) {
+  SKIP_WITHOUT_GPU();
+  const Inputs in = make_inputs({512, 1, 8, 2, 64}, DType::BFloat16, 74);
+  Context ctx(Device::cuda(0));
+  const Results causal = run_gpu(ctx, in, 0.125f, 0.0f, Path::Dispatch);
+  const Results one = run_gpu(ctx, in, 0.125f, 0.0f, Path::Dispatch, kSeed, kOffset, documents({{512}}));
+  expect_results_close(one, causal, 1e-2, 1e-4);
+}
+
+// With dropout a Documents forward and its backward stay on one path: finite and repeatable.
+TEST(AttentionDocumentsCudnn, DropoutDeterministicAndFinite) {
+  SKIP_WITHOUT_GPU();
+  const Inputs in = make_inputs({256, 1, 8, 2, 64}, DType::BFloat16, 75);
+  const AttnMask mask = documents({{100, 156}});
+  Context ctx(Device::cuda(0));
+  const Results a = run_gpu(ctx, in, 0.125f, 0.2f, Path::Dispatch, kSeed, kOffset, mask);
+  const Results again = run_gpu(ctx, in, 0.125f, 0.2f, Path::Dispatch, kSeed, kOffset, mask);
+  for (const Tensor* t : {&a.out, &a.lse, &a.grad_q, &a.grad_k, &a.grad_v}) expect_finite(*t, t->str());
+  EXPECT_TRUE(a.out.to_floats() == again.out.to_floats()) << "same (seed, offset), different output";
+  expect_close(a.lse, run_cpu(in, 0.125f, 0.0f, mask).lse, 1e-3, "lse with dropout vs the CPU without");
+}
+
+// CausalWithOffset: sq queries at q_offset.. against sk keys at k_offset.. (context-parallel chunks).
+struct OffsetCase {
+  std::string name;
+  int64_t sq, sk, q_offset, k_offset;
+};
+
+std::vector<OffsetCase> offset_cases() {
+  return {
+      {"BottomRight", 64, 128, 64, 0},       // the last 64 queries of 128 positions
+      {"RowsWithoutKeys", 96, 64, 0, 32},    // queries 0..31 see no key: out 0, lse -inf
+      {"EqualOffsets", 128, 128, 7, 7},      // Causal
+      {"PastBottomRight", 33, 77, 50, 0},    // every query sees 51 keys or more
+      {"TopLeftLongerKeys", 128, 256, 0, 0}  // sk > sq, aligned at the top
+  };
+}
+
+Inputs make_offset_inputs(const OffsetCase& c, DType dtype, uint64_t seed) {
+  const int64_t b = 2, nq = 8, ng = 2, d = 64;
+  return {random_tensor({c.sq, b, nq, d}, seed, 1.0f, dtype), random_tensor({c.sk, b, ng, d}, seed + 1, 1.0f, dtype),
+          random_tensor({c.sk, b, ng, d}, seed + 2, 1.0f, dtype),
+          random_tensor({c.sq, b, nq, d}, seed + 3, 1.0f, dtype)};
+}
+
+class AttentionOffsets : public ::testing::TestWithParam<OffsetCase> {};
+
+// fp32 runs the row-wise kernels: the CPU's result, dropout mask included.
+TEST_P(AttentionOffsets, RowwiseFp32MatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const OffsetCase& c = GetParam();
+  const Inputs in = make_offset_inputs(c, DType::Float32, 81);
+  const AttnMask mask = AttnMask::causal_with_offset(c.q_offset, c.k_offset);
+  Context ctx(Device::cuda(0));
+  for (float p : {0.0f, 0.2f}) {
+    SCOPED_TRACE(p);
+    expect_results_close(run_gpu(ctx, in, 0.125f, p, Path::Dispatch, kSeed, kOffset, mask),
+                         run_cpu(in, 0.125f, p, mask), 1e-4, 1e-5);
+  }
+}
+
+// bf16, fp16: cuDNN's band when the shift is not negative, else the row-wise kernels.
+TEST_P(AttentionOffsets, HalfMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const OffsetCase& c = GetParam();
+  const AttnMask mask = AttnMask::causal_with_offset(c.q_offset, c.k_offset);
+  Context ctx(Device::cuda(0));
+  for (DType dt : {DType::BFloat16, DType::Float16}) {
+    SCOPED_TRACE(to_string(dt));
+    const Inputs in = make_offset_inputs(c, dt, 82);
+    const Tensor q_dev = in.q.to(Device::cuda(0)), k_dev = in.k.to(Device::cuda(0));
+    for (bool backward : {false, true}) {
+      const cuda::CudnnAttentionSupport support =
+          cuda::cudnn_attention_support(ctx, q_dev, k_dev, mask, 0.125f, 0.0f, backward);
+      EXPECT_EQ(support.supported, c.q_offset >= c.k_offset)
+          << (backward ? "backward: " : "forward: ") << support.reason;
+    }
+    expect_results_close(run_gpu(ctx, in, 0.125f, 0.0f, Path::Dispatch, kSeed, kOffset, mask),
+                         run_cpu(in, 0.125f, 0.0f, mask), 2e-2, 1e-3);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Chunks, AttentionOffsets, ::testing::ValuesIn(offset_cases()),
+                         [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace megatron

@@ -71,18 +71,19 @@ TEST_P(AttentionQkv, EqualsSplitAttentionMerge) {
 
   // Reference: the separate tensors through the existing ops, gradients merged.
   Tensor out_ref = Tensor::empty(heads, c.dtype), lse_ref = Tensor::empty(lse_shape, DType::Float32);
-  cpu::attention_forward(ctx, f.q, f.k, f.v, scale, c.dropout_p, kSeed, kOffset, out_ref, lse_ref);
+  cpu::attention_forward(ctx, f.q, f.k, f.v, AttnMask::causal(), scale, c.dropout_p, kSeed, kOffset, out_ref, lse_ref);
   Tensor gq = Tensor::empty(heads, c.dtype), gk = Tensor::empty(heads, c.dtype), gv = Tensor::empty(heads, c.dtype);
-  cpu::attention_backward(ctx, grad_out, f.q, f.k, f.v, out_ref, lse_ref, scale, c.dropout_p, kSeed, kOffset, gq, gk,
-                          gv);
+  cpu::attention_backward(ctx, grad_out, f.q, f.k, f.v, out_ref, lse_ref, AttnMask::causal(), scale, c.dropout_p, kSeed,
+                          kOffset, gq, gk, gv);
   Tensor grad_qkv_ref = Tensor::empty(f.qkv.shape(), c.dtype);
   cpu::qkv_split_backward(ctx, gq, gk, gv, grad_qkv_ref);
 
   Tensor out = Tensor::empty(heads, c.dtype), lse = Tensor::empty(lse_shape, DType::Float32);
-  cpu::attention_forward_qkv(ctx, f.qkv, scale, c.dropout_p, kSeed, kOffset, out, lse);
+  cpu::attention_forward_qkv(ctx, f.qkv, AttnMask::causal(), scale, c.dropout_p, kSeed, kOffset, out, lse);
   Tensor grad_qkv = Tensor::empty(f.qkv.shape(), c.dtype);
   grad_qkv.fill_(std::nanf(""));
-  cpu::attention_backward_qkv(ctx, grad_out, f.qkv, out, lse, scale, c.dropout_p, kSeed, kOffset, grad_qkv);
+  cpu::attention_backward_qkv(ctx, grad_out, f.qkv, out, lse, AttnMask::causal(), scale, c.dropout_p, kSeed, kOffset,
+                              grad_qkv);
 
   EXPECT_EQ(out.to_floats(), out_ref.to_floats());
   EXPECT_EQ(lse.to_floats(), lse_ref.to_floats());
@@ -100,10 +101,12 @@ TEST_P(AttentionQkv, DispatchMatchesReference) {
   Tensor out_a = Tensor::empty(heads, c.dtype), lse_a = Tensor::empty(lse_shape, DType::Float32);
   Tensor out_b = Tensor::empty(heads, c.dtype), lse_b = Tensor::empty(lse_shape, DType::Float32);
   Tensor grad_a = Tensor::empty(f.qkv.shape(), c.dtype), grad_b = Tensor::empty(f.qkv.shape(), c.dtype);
-  ops::attention_forward_qkv(ctx, f.qkv, scale, c.dropout_p, kSeed, kOffset, out_a, lse_a);
-  ops::attention_backward_qkv(ctx, grad_out, f.qkv, out_a, lse_a, scale, c.dropout_p, kSeed, kOffset, grad_a);
-  cpu::attention_forward_qkv(ctx, f.qkv, scale, c.dropout_p, kSeed, kOffset, out_b, lse_b);
-  cpu::attention_backward_qkv(ctx, grad_out, f.qkv, out_b, lse_b, scale, c.dropout_p, kSeed, kOffset, grad_b);
+  ops::attention_forward_qkv(ctx, f.qkv, AttnMask::causal(), scale, c.dropout_p, kSeed, kOffset, out_a, lse_a);
+  ops::attention_backward_qkv(ctx, grad_out, f.qkv, out_a, lse_a, AttnMask::causal(), scale, c.dropout_p, kSeed,
+                              kOffset, grad_a);
+  cpu::attention_forward_qkv(ctx, f.qkv, AttnMask::causal(), scale, c.dropout_p, kSeed, kOffset, out_b, lse_b);
+  cpu::attention_backward_qkv(ctx, grad_out, f.qkv, out_b, lse_b, AttnMask::causal(), scale, c.dropout_p, kSeed,
+                              kOffset, grad_b);
   EXPECT_EQ(out_a.to_floats(), out_b.to_floats());
   EXPECT_EQ(lse_a.to_floats(), lse_b.to_floats());
   EXPECT_EQ(grad_a.to_floats(), grad_b.to_floats());
@@ -134,12 +137,13 @@ TEST(AttentionQkvGrad, FiniteDifferences) {
     Tensor qkv = random_tensor({s, b, 3 * nq * d}, 41);
     Tensor out = Tensor::empty({s, b, nq, d}, DType::Float32), lse = Tensor::empty({b, nq, s}, DType::Float32);
     GradCheck gc([&] {
-      cpu::attention_forward_qkv(ctx, qkv, scale, p, kSeed, kOffset, out, lse);
+      cpu::attention_forward_qkv(ctx, qkv, AttnMask::causal(), scale, p, kSeed, kOffset, out, lse);
       return std::vector<Tensor>{out.clone()};
     });
     gc.loss();  // out and lse of the unperturbed input
     Tensor grad_qkv = Tensor::empty(qkv.shape(), DType::Float32);
-    cpu::attention_backward_qkv(ctx, gc.upstream(), qkv, out, lse, scale, p, kSeed, kOffset, grad_qkv);
+    cpu::attention_backward_qkv(ctx, gc.upstream(), qkv, out, lse, AttnMask::causal(), scale, p, kSeed, kOffset,
+                                grad_qkv);
     gc.check("grad_qkv", qkv, grad_qkv);
   }
 }
@@ -149,7 +153,7 @@ TEST(AttentionQkvShapes, RejectsAMismatchedBuffer) {
   Context ctx;
   Tensor qkv = Tensor::zeros({4, 2, 5 * 3}, DType::Float32);  // GQA-shaped: nq 3, ng 1, d 3
   Tensor out = Tensor::empty({4, 2, 3, 3}, DType::Float32), lse = Tensor::empty({2, 3, 4}, DType::Float32);
-  EXPECT_ANY_THROW(cpu::attention_forward_qkv(ctx, qkv, 1.0f, 0.0f, kSeed, kOffset, out, lse));
+  EXPECT_ANY_THROW(cpu::attention_forward_qkv(ctx, qkv, AttnMask::causal(), 1.0f, 0.0f, kSeed, kOffset, out, lse));
 }
 
 }  // namespace

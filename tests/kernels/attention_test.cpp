@@ -66,7 +66,7 @@ class Attention : public ::testing::TestWithParam<AttnCase> {
  protected:
   void forward(Tensor& out, Tensor& lse) {
     const AttnCase& c = GetParam();
-    cpu::attention_forward(ctx, q, k, v, scale, c.dropout_p, kSeed, kOffset, out, lse);
+    cpu::attention_forward(ctx, q, k, v, AttnMask::causal(), scale, c.dropout_p, kSeed, kOffset, out, lse);
   }
 
   Context ctx;
@@ -94,8 +94,8 @@ TEST_P(Attention, GradCheck) {
   gc.loss();  // out and lse of the unperturbed inputs
   Tensor grad_q = Tensor::empty(q.shape(), DType::Float32);
   Tensor grad_k = Tensor::empty(k.shape(), DType::Float32), grad_v = Tensor::empty(v.shape(), DType::Float32);
-  cpu::attention_backward(ctx, gc.upstream(), q, k, v, out, lse, scale, GetParam().dropout_p, kSeed, kOffset, grad_q,
-                          grad_k, grad_v);
+  cpu::attention_backward(ctx, gc.upstream(), q, k, v, out, lse, AttnMask::causal(), scale, GetParam().dropout_p, kSeed,
+                          kOffset, grad_q, grad_k, grad_v);
   gc.check("grad_q", q, grad_q);
   gc.check("grad_k", k, grad_k);
   gc.check("grad_v", v, grad_v);
@@ -105,10 +105,10 @@ TEST_P(Attention, Bf16StorageTracksFp32) {
   Tensor q16 = q.to(DType::BFloat16), k16 = k.to(DType::BFloat16), v16 = v.to(DType::BFloat16);
   Tensor out = Tensor::empty(q.shape(), DType::Float32), out16 = Tensor::empty(q.shape(), DType::BFloat16);
   const float p = GetParam().dropout_p;
-  cpu::attention_forward(ctx, q16.to(DType::Float32), k16.to(DType::Float32), v16.to(DType::Float32), scale, p, kSeed,
-                         kOffset, out, lse);
+  cpu::attention_forward(ctx, q16.to(DType::Float32), k16.to(DType::Float32), v16.to(DType::Float32),
+                         AttnMask::causal(), scale, p, kSeed, kOffset, out, lse);
   Tensor lse16 = Tensor::empty(lse.shape(), DType::Float32);
-  cpu::attention_forward(ctx, q16, k16, v16, scale, p, kSeed, kOffset, out16, lse16);
+  cpu::attention_forward(ctx, q16, k16, v16, AttnMask::causal(), scale, p, kSeed, kOffset, out16, lse16);
   EXPECT_LT(max_abs_error(out16.to_floats(), out.to_floats()), 2e-2);
   EXPECT_LT(max_abs_error(lse16.to_floats(), lse.to_floats()), 1e-6);
 }
@@ -127,8 +127,8 @@ TEST(AttentionDropout, ZeroProbabilityIgnoresTheStream) {
          v = random_tensor({kS, kB, 1, kD}, 6);
   Tensor a = Tensor::empty(q.shape(), DType::Float32), b = Tensor::empty(q.shape(), DType::Float32);
   Tensor lse = Tensor::empty({kB, 2, kS}, DType::Float32);
-  cpu::attention_forward(ctx, q, k, v, 0.5f, 0.0f, 1, 2, a, lse);
-  cpu::attention_forward(ctx, q, k, v, 0.5f, 0.0f, 99, 1000, b, lse);
+  cpu::attention_forward(ctx, q, k, v, AttnMask::causal(), 0.5f, 0.0f, 1, 2, a, lse);
+  cpu::attention_forward(ctx, q, k, v, AttnMask::causal(), 0.5f, 0.0f, 99, 1000, b, lse);
   EXPECT_EQ(a.to_floats(), b.to_floats());
   // The first query position attends only to the first key: its output is v[0] of its group.
   for (int64_t x = 0; x < kD; ++x) EXPECT_FLOAT_EQ(a.item(x), v.item(x));

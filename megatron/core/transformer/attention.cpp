@@ -33,8 +33,8 @@ void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved
   saved.lse = Tensor::empty({b, nq_, s}, DType::Float32, ctx.device());
   const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
   if (fused_qkv(freqs)) {
-    ops::attention_forward_qkv(ctx, saved.qkv, softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.context,
-                               saved.lse);
+    ops::attention_forward_qkv(ctx, saved.qkv, AttnMask::causal(), softmax_scale_, dropout_p_, seed,
+                               saved.dropout_offset, saved.context, saved.lse);
     return;
   }
   Tensor q = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
@@ -45,8 +45,8 @@ void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved
     ops::rope_forward(ctx, q, freqs, rope_interleaved_, q);
     ops::rope_forward(ctx, k, freqs, rope_interleaved_, k);
   }
-  ops::attention_forward(ctx, q, k, v, softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.context,
-                         saved.lse);
+  ops::attention_forward(ctx, q, k, v, AttnMask::causal(), softmax_scale_, dropout_p_, seed, saved.dropout_offset,
+                         saved.context, saved.lse);
   saved.q = q, saved.k = k, saved.v = v;
 }
 
@@ -82,13 +82,14 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Tenso
   if (fused_qkv(freqs)) {
     grad_qkv = Tensor::empty(saved.qkv.shape(), dt, ctx.device());
     ops::attention_backward_qkv(ctx, grad_context.view({s, b, nq_, d_}), saved.qkv, saved.context, saved.lse,
-                                softmax_scale_, dropout_p_, seed, saved.dropout_offset, grad_qkv);
+                                AttnMask::causal(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, grad_qkv);
   } else {
     Tensor gq = Tensor::empty(saved.q.shape(), dt, ctx.device());
     Tensor gk = Tensor::empty(saved.k.shape(), dt, ctx.device());
     Tensor gv = Tensor::empty(saved.v.shape(), dt, ctx.device());
     ops::attention_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.q, saved.k, saved.v, saved.context,
-                            saved.lse, softmax_scale_, dropout_p_, seed, saved.dropout_offset, gq, gk, gv);
+                            saved.lse, AttnMask::causal(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, gq,
+                            gk, gv);
     if (freqs.defined()) {
       ops::rope_backward(ctx, gq, freqs, rope_interleaved_, gq);
       ops::rope_backward(ctx, gk, freqs, rope_interleaved_, gk);

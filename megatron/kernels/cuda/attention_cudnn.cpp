@@ -7,7 +7,25 @@
 // logical dims [b, h, s, d]; we give it those dims with the strides of our memory,
 // {h·d, d, b·h·d, 1}, so nothing is transposed. GQA is native: k/v declare ng heads, and cuDNN sums
 // dK/dV over the nq/ng query heads of each group. The causal mask is the top-left diagonal band
-// with right bound 0 (key j <= query i).
+// with right bound 0 (key j <= query i); CausalWithOffset (sq queries, sk keys) is the top-left band
+// with right bound q_offset - k_offset (key j <= query i + that), which cuDNN takes when it is not
+// negative (no row then goes without keys): a negative shift runs the row-wise kernels.
+//
+// Note [Documents on cuDNN]: the Documents mask (causal within each document of cu_seqlens) is
+// cuDNN's variable-length attention: every document is a batch entry of its own, b·n of them for
+// b batch rows of n documents (entry bi·n + t is document t of row bi), with
+//  * ragged offsets (int64, in elements) to the document's first row: (cu[t]·b + bi)·(elements per
+//    (position, batch row)) in q, k, v, out and their gradients, bi·nq·s + cu[t] in lse. cuDNN
+//    replaces the batch stride by the offset and keeps our other strides, so the sequence stride
+//    stays b·h·d and nothing is packed or copied;
+//  * seq_len_q = seq_len_kv = the document's length, with the padding mask on, so the top-left
+//    causal band applies within each document and an empty document computes nothing;
+//  * the sequence dimension declared as s, a bound on every document's length.
+// The index is written by a kernel (attention.cu) into the workspace before each call, from
+// cu_seqlens on the device: nothing waits for the GPU, and the graph depends only on (b, n, s).
+// With b = 1 the layout is THD exactly (Megatron's packed sequences) and the frontend is told the
+// total token count (max_total_seq_len = s) to size its workspace; with b > 1 the rows of different
+// documents interleave and it keeps its dense bound b·n·s.
 //
 // Fused QKV (attention_forward_qkv, MHA): q, k and v are not copied out of the QKV projection's
 // output [s, b, nq·3·d] (per head: its query, key, value) but declared as strided views of it:
@@ -54,6 +72,7 @@
 
 #include <cudnn_frontend.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <exception>
@@ -89,6 +108,8 @@ namespace fe = cudnn_frontend;
 
 // Tensor uids of the graphs' variant packs.
 enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kSeed, kOffset, kGradO, kGradQ, kGradK, kGradV };
+// The Documents mask's index tensors (Note [Documents on cuDNN]).
+enum DocumentUid : int64_t { kSeqLenQ = kGradV + 1, kSeqLenKV, kRaggedQ, kRaggedK, kRaggedO, kRaggedStats };
 
 // The cuDNN kernels move q/k/v/o with 16-byte vector loads: every pointer must be 16-byte aligned.
 constexpr uintptr_t kAlignment = 16;
@@ -96,21 +117,24 @@ constexpr uintptr_t kAlignment = 16;
 // 16-byte aligned); cuDNN's own workspace follows at this offset.
 constexpr size_t kDropoutStateBytes = 256;
 
-// One graph per (handle, device, shape, dtype, attn_scale, dropout probability, direction); the mask
-// is always causal. A graph is built with, and executed with, the handle of one Context, so Contexts
-// never share a graph (nor execute one concurrently). A handle freed with its Context may come back
-// at the same address for a new Context: the key then matches, and the graph's handle is that live
-// handle on the same device, so reuse is sound. Entries of dead handles stay (one per shape).
+// One graph per (handle, device, shape, dtype, attn_scale, dropout probability, direction, documents
+// per batch row: 0 for the causal mask). A graph is built with, and executed with, the handle of one Context, so
+// Contexts never share a graph (nor execute one concurrently). A handle freed with its Context may come back at the
+// same address for a new Context: the key then matches, and the graph's handle is that live handle on the same device,
+// so reuse is sound. Entries of dead handles stay (one per shape).
 struct GraphKey {
   void* handle = nullptr;
   int device = 0;
   int64_t b = 0, s = 0, nq = 0, ng = 0, d = 0;
+  int64_t sk = 0, shift = 0;  // key positions; the band's right bound (CausalWithOffset, else 0)
   DType dtype = DType::BFloat16;
   uint32_t scale_bits = 0, dropout_bits = 0;
   bool backward = false;
   bool fused_qkv = false;  // q/k/v (and their gradients) are views of one [s, b, 3·nq·d] buffer
   bool deterministic = false;  // backward: cuDNN's deterministic dQ (Context::deterministic)
+  int64_t docs = 0;            // Documents mask: n documents per batch row (Note [Documents on cuDNN])
   bool operator==(const GraphKey&) const = default;
+  int64_t batch() const { return docs > 0 ? b * docs : b; }  // cuDNN's batch dimension
   float dropout_p() const { return std::bit_cast<float>(dropout_bits); }
   float scale() const { return std::bit_cast<float>(scale_bits); }
 };
@@ -120,7 +144,7 @@ struct GraphKeyHash {
     size_t h = std::hash<void*>()(k.handle);
     auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
     mix(uint64_t(k.device));
-    for (int64_t v : {k.b, k.s, k.nq, k.ng, k.d}) mix(uint64_t(v));
+    for (int64_t v : {k.b, k.s, k.nq, k.ng, k.d, k.sk, k.shift, k.docs}) mix(uint64_t(v));
     mix(uint64_t(k.dtype));
     mix(k.scale_bits);
     mix(k.dropout_bits);
@@ -144,14 +168,36 @@ struct Geometry {
   int64_t s = 0, b = 0, nq = 0, ng = 0, d = 0;
   DType dtype = DType::BFloat16;
   bool fused_qkv = false;
+  int64_t docs = 0;
+  int64_t sk = 0, shift = 0;
 };
 
-Geometry split_geometry(const Tensor& q, const Tensor& k) {
-  return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.dtype(), false};
+// The band's right bound for sk keys: a bound past the last key is the same as sk (all keys seen).
+int64_t band_shift(const AttnMask& mask, int64_t sk) {
+  return mask.kind == AttnMask::Kind::CausalWithOffset ? std::min(mask.q_offset - mask.k_offset, sk) : 0;
 }
 
-Geometry fused_geometry(const Tensor& qkv, const Tensor& out) {
-  return {out.size(0), out.size(1), out.size(2), out.size(2), out.size(3), qkv.dtype(), true};
+// Documents per batch row (the shape of cu_seqlens), 0 for the causal mask.
+int64_t documents(const AttnMask& mask) {
+  if (mask.kind != AttnMask::Kind::Documents) return 0;
+  return mask.cu_seqlens.size(mask.cu_seqlens.dim() - 1) - 1;
+}
+
+// The mask's part of the geometry: documents per row, key positions and the band's right bound.
+Geometry with_mask(Geometry g, const AttnMask& mask, int64_t sk) {
+  g.docs = documents(mask);
+  g.sk = sk;
+  g.shift = band_shift(mask, sk);
+  return g;
+}
+
+Geometry split_geometry(const Tensor& q, const Tensor& k, const AttnMask& mask) {
+  return with_mask({q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.dtype(), false}, mask, k.size(0));
+}
+
+Geometry fused_geometry(const Tensor& qkv, const Tensor& out, const AttnMask& mask) {
+  return with_mask({out.size(0), out.size(1), out.size(2), out.size(2), out.size(3), qkv.dtype(), true}, mask,
+                   out.size(0));
 }
 
 GraphKey make_key(Context& ctx, const Geometry& g, float softmax_scale, float dropout_p, bool backward) {
@@ -171,6 +217,9 @@ GraphKey make_key(Context& ctx, const Geometry& g, float softmax_scale, float dr
   key.backward = backward;
   key.fused_qkv = g.fused_qkv;
   key.deterministic = backward && ctx.deterministic();
+  key.docs = g.docs;
+  key.sk = g.sk;
+  key.shift = g.shift;
   return key;
 }
 
@@ -184,8 +233,8 @@ fe::DataType_t io_type(DType t) {
   return fe::DataType_t::NOT_SET;
 }
 
-// Logical [b, h, s, d] over sequence-first memory [s, b, h, d].
-std::vector<int64_t> bhsd_dims(const GraphKey& k, int64_t heads) { return {k.b, heads, k.s, k.d}; }
+// Logical [b, h, s, d] over sequence-first memory [s, b, h, d]; seq is k.s (queries) or k.sk (keys).
+std::vector<int64_t> bhsd_dims(const GraphKey& k, int64_t heads, int64_t seq) { return {k.batch(), heads, seq, k.d}; }
 std::vector<int64_t> sbhd_strides(const GraphKey& k, int64_t heads) {
   return {heads * k.d, k.d, k.b * heads * k.d, 1};
 }
@@ -199,19 +248,19 @@ std::vector<int64_t> qkv_strides(const GraphKey& k, int64_t heads) {
 
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
-TensorPtr activation(fe::graph::Graph& graph, const GraphKey& k, const char* name, Uid uid, int64_t heads,
+TensorPtr activation(fe::graph::Graph& graph, const GraphKey& k, const char* name, Uid uid, int64_t heads, int64_t seq,
                      const std::vector<int64_t>& strides) {
   return graph.tensor(
-      fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(bhsd_dims(k, heads)).set_stride(strides));
+      fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(bhsd_dims(k, heads, seq)).set_stride(strides));
 }
 
-void mark_activation_output(const TensorPtr& t, const GraphKey& k, Uid uid, int64_t heads,
+void mark_activation_output(const TensorPtr& t, const GraphKey& k, Uid uid, int64_t heads, int64_t seq,
                             const std::vector<int64_t>& strides) {
-  t->set_output(true).set_uid(uid).set_dim(bhsd_dims(k, heads)).set_stride(strides);
+  t->set_output(true).set_uid(uid).set_dim(bhsd_dims(k, heads, seq)).set_stride(strides);
 }
 
 // Our lse [b, nq, s] as cuDNN's Stats [b, nq, s, 1].
-std::vector<int64_t> stats_dims(const GraphKey& k) { return {k.b, k.nq, k.s, 1}; }
+std::vector<int64_t> stats_dims(const GraphKey& k) { return {k.batch(), k.nq, k.s, 1}; }
 std::vector<int64_t> stats_strides(const GraphKey& k) { return {k.nq * k.s, k.s, 1, 1}; }
 
 TensorPtr int64_scalar(fe::graph::Graph& graph, const char* name, Uid uid) {
@@ -223,53 +272,107 @@ TensorPtr int64_scalar(fe::graph::Graph& graph, const char* name, Uid uid) {
                           .set_data_type(fe::DataType_t::INT64));
 }
 
+// The Documents mask's tensors (Note [Documents on cuDNN]); all null for the causal mask.
+struct Ragged {
+  TensorPtr q, k, o, stats, seq_len_q, seq_len_kv;
+};
+
+Ragged ragged_tensors(fe::graph::Graph& graph, const GraphKey& k) {
+  if (k.docs == 0) return {};
+  auto index = [&](const char* name, DocumentUid uid, int64_t n, fe::DataType_t type) {
+    return graph.tensor(fe::graph::Tensor_attributes()
+                            .set_name(name)
+                            .set_uid(uid)
+                            .set_dim({n, 1, 1, 1})
+                            .set_stride({1, 1, 1, 1})
+                            .set_data_type(type));
+  };
+  const int64_t n = k.batch();
+  return {index("q_offsets", kRaggedQ, n + 1, fe::DataType_t::INT64),
+          index("k_offsets", kRaggedK, n + 1, fe::DataType_t::INT64),
+          index("o_offsets", kRaggedO, n + 1, fe::DataType_t::INT64),
+          index("stats_offsets", kRaggedStats, n + 1, fe::DataType_t::INT64),
+          index("seq_len_q", kSeqLenQ, n, fe::DataType_t::INT32),
+          index("seq_len_kv", kSeqLenKV, n, fe::DataType_t::INT32)};
+}
+
+void set_ragged(const TensorPtr& t, const TensorPtr& offsets) {
+  if (offsets) t->set_ragged_offset(offsets);
+}
+
+// The padding mask with the documents' lengths, on SDPA_attributes or SDPA_backward_attributes.
+template <typename Options>
+void set_documents(Options& options, const GraphKey& k, const Ragged& r) {
+  if (k.docs == 0) return;
+  options.set_padding_mask(true).set_seq_len_q(r.seq_len_q).set_seq_len_kv(r.seq_len_kv);
+  if (k.b == 1) options.set_max_total_seq_len_q(k.s).set_max_total_seq_len_kv(k.s);
+}
+
 void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
-  TensorPtr q = activation(graph, k, "q", kQ, k.nq, qkv_strides(k, k.nq));
-  TensorPtr kk = activation(graph, k, "k", kK, k.ng, qkv_strides(k, k.ng));
-  TensorPtr v = activation(graph, k, "v", kV, k.ng, qkv_strides(k, k.ng));
+  const Ragged r = ragged_tensors(graph, k);
+  TensorPtr q = activation(graph, k, "q", kQ, k.nq, k.s, qkv_strides(k, k.nq));
+  TensorPtr kk = activation(graph, k, "k", kK, k.ng, k.sk, qkv_strides(k, k.ng));
+  TensorPtr v = activation(graph, k, "v", kV, k.ng, k.sk, qkv_strides(k, k.ng));
+  set_ragged(q, r.q);
+  set_ragged(kk, r.k);
+  set_ragged(v, r.k);
   auto options = fe::graph::SDPA_attributes()
                      .set_name("attention_forward")
                      .set_generate_stats(true)
                      .set_attn_scale(k.scale())
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
-                     .set_diagonal_band_right_bound(0);
+                     .set_diagonal_band_right_bound(int(k.shift));
+  set_documents(options, k, r);
   if (k.dropout_bits != 0)
     options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
   auto [o, stats] = graph.sdpa(q, kk, v, options);
-  mark_activation_output(o, k, kO, k.nq, sbhd_strides(k, k.nq));
+  mark_activation_output(o, k, kO, k.nq, k.s, sbhd_strides(k, k.nq));
+  set_ragged(o, r.o);
   stats->set_output(true)
       .set_uid(kStats)
       .set_data_type(fe::DataType_t::FLOAT)
       .set_dim(stats_dims(k))
       .set_stride(stats_strides(k));
+  set_ragged(stats, r.stats);
 }
 
 void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
-  TensorPtr q = activation(graph, k, "q", kQ, k.nq, qkv_strides(k, k.nq));
-  TensorPtr kk = activation(graph, k, "k", kK, k.ng, qkv_strides(k, k.ng));
-  TensorPtr v = activation(graph, k, "v", kV, k.ng, qkv_strides(k, k.ng));
-  TensorPtr o = activation(graph, k, "o", kO, k.nq, sbhd_strides(k, k.nq));
-  TensorPtr grad_o = activation(graph, k, "grad_o", kGradO, k.nq, sbhd_strides(k, k.nq));
+  const Ragged r = ragged_tensors(graph, k);
+  TensorPtr q = activation(graph, k, "q", kQ, k.nq, k.s, qkv_strides(k, k.nq));
+  TensorPtr kk = activation(graph, k, "k", kK, k.ng, k.sk, qkv_strides(k, k.ng));
+  TensorPtr v = activation(graph, k, "v", kV, k.ng, k.sk, qkv_strides(k, k.ng));
+  TensorPtr o = activation(graph, k, "o", kO, k.nq, k.s, sbhd_strides(k, k.nq));
+  TensorPtr grad_o = activation(graph, k, "grad_o", kGradO, k.nq, k.s, sbhd_strides(k, k.nq));
   TensorPtr stats = graph.tensor(fe::graph::Tensor_attributes()
                                      .set_name("stats")
                                      .set_uid(kStats)
                                      .set_dim(stats_dims(k))
                                      .set_stride(stats_strides(k))
                                      .set_data_type(fe::DataType_t::FLOAT));
+  set_ragged(q, r.q);
+  set_ragged(kk, r.k);
+  set_ragged(v, r.k);
+  set_ragged(o, r.o);
+  set_ragged(grad_o, r.o);
+  set_ragged(stats, r.stats);
   auto options = fe::graph::SDPA_backward_attributes()
                      .set_name("attention_backward")
                      .set_attn_scale(k.scale())
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
-                     .set_diagonal_band_right_bound(0);
+                     .set_diagonal_band_right_bound(int(k.shift));
+  set_documents(options, k, r);
   // Without it, dQ is accumulated with atomics over the key blocks: the last bits vary from run to
   // run. The deterministic algorithm goes through a dP workspace of b·h·s·s·2 bytes instead.
   if (k.deterministic) options.set_deterministic_algorithm(true);
   if (k.dropout_bits != 0)
     options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
   auto [grad_q, grad_k, grad_v] = graph.sdpa_backward(q, kk, v, o, grad_o, stats, options);
-  mark_activation_output(grad_q, k, kGradQ, k.nq, qkv_strides(k, k.nq));
-  mark_activation_output(grad_k, k, kGradK, k.ng, qkv_strides(k, k.ng));
-  mark_activation_output(grad_v, k, kGradV, k.ng, qkv_strides(k, k.ng));
+  mark_activation_output(grad_q, k, kGradQ, k.nq, k.s, qkv_strides(k, k.nq));
+  mark_activation_output(grad_k, k, kGradK, k.ng, k.sk, qkv_strides(k, k.ng));
+  mark_activation_output(grad_v, k, kGradV, k.ng, k.sk, qkv_strides(k, k.ng));
+  set_ragged(grad_q, r.q);
+  set_ragged(grad_k, r.k);
+  set_ragged(grad_v, r.k);
 }
 
 // The error codes by which the frontend says "this configuration is not supported" while building
@@ -364,6 +467,9 @@ struct Lookup {
 };
 
 Lookup lookup(Context& ctx, const Geometry& g, float softmax_scale, float dropout_p, bool backward) {
+  if (g.shift < 0)
+    return {nullptr, "cuDNN's diagonal band takes no negative right bound (q_offset - k_offset = " +
+                         std::to_string(g.shift) + ")"};
   auto entry = graph_cache().get(make_key(ctx, g, softmax_scale, dropout_p, backward));
   if (!entry->graph) return {nullptr, entry->unsupported};
   if (dropout_p > 0.0f) {
@@ -403,10 +509,33 @@ QkvPointers fused_pointers(const Tensor& qkv, int64_t d) {
   return {base, base + head, base + 2 * head};
 }
 
+// What execute() needs to write Note [Documents on cuDNN]'s index; mask null for the causal mask.
+struct DocumentRows {
+  const AttnMask* mask = nullptr;
+  int64_t b = 0, s = 0, nq = 0, q_row = 0, k_row = 0, o_row = 0;
+};
+
+DocumentRows split_rows(const AttnMask& mask, const Tensor& q, const Tensor& k) {
+  if (mask.kind != AttnMask::Kind::Documents) return {};
+  return {&mask, q.size(1), q.size(0), q.size(2), q.size(2) * q.size(3), k.size(2) * k.size(3), q.size(2) * q.size(3)};
+}
+
+DocumentRows fused_rows(const AttnMask& mask, const Tensor& out) {
+  if (mask.kind != AttnMask::Kind::Documents) return {};
+  const int64_t row = out.size(2) * out.size(3);
+  return {&mask, out.size(1), out.size(0), out.size(2), 3 * row, 3 * row, row};
+}
+
+size_t round_up(size_t bytes) { return (bytes + kDropoutStateBytes - 1) / kDropoutStateBytes * kDropoutStateBytes; }
+
 void execute(Context& ctx, const CachedGraph& entry, std::unordered_map<int64_t, void*>& pack, float dropout_p,
-             uint64_t seed, uint64_t offset) {
+             uint64_t seed, uint64_t offset, const DocumentRows& docs) {
   const size_t state_bytes = dropout_p > 0.0f ? kDropoutStateBytes : 0;
-  const size_t total = state_bytes + size_t(entry.workspace_bytes);
+  // Note [Documents on cuDNN]: four offset arrays of entries + 1 int64 and the lengths, each 16-byte aligned.
+  const int64_t entries = docs.mask ? docs.b * documents(*docs.mask) : 0;
+  const size_t offsets_bytes = (size_t(entries + 1) * sizeof(int64_t) + 15) / 16 * 16;
+  const size_t index_bytes = docs.mask ? round_up(4 * offsets_bytes + size_t(entries) * sizeof(int32_t)) : 0;
+  const size_t total = state_bytes + index_bytes + size_t(entry.workspace_bytes);
   Tensor workspace;
   char* base = nullptr;
   if (total > 0) {
@@ -422,7 +551,21 @@ void execute(Context& ctx, const CachedGraph& entry, std::unordered_map<int64_t,
     pack[kSeed] = base;
     pack[kOffset] = base + sizeof(int64_t);
   }
-  void* cudnn_workspace = entry.workspace_bytes > 0 ? base + state_bytes : nullptr;
+  if (docs.mask) {
+    char* at = base + state_bytes;
+    const CudnnDocumentIndex index{reinterpret_cast<int64_t*>(at), reinterpret_cast<int64_t*>(at + offsets_bytes),
+                                   reinterpret_cast<int64_t*>(at + 2 * offsets_bytes),
+                                   reinterpret_cast<int64_t*>(at + 3 * offsets_bytes),
+                                   reinterpret_cast<int32_t*>(at + 4 * offsets_bytes)};
+    write_cudnn_document_index(ctx, *docs.mask, docs.b, docs.s, docs.nq, docs.q_row, docs.k_row, docs.o_row, index);
+    pack[kRaggedQ] = index.q_offsets;
+    pack[kRaggedK] = index.k_offsets;
+    pack[kRaggedO] = index.o_offsets;
+    pack[kRaggedStats] = index.stats_offsets;
+    pack[kSeqLenQ] = index.seq_lens;
+    pack[kSeqLenKV] = index.seq_lens;
+  }
+  void* cudnn_workspace = entry.workspace_bytes > 0 ? base + state_bytes + index_bytes : nullptr;
   rethrow_frontend_exceptions("executing the attention graph", [&] {
     CUDNN_FE_CHECK(entry.graph->execute(static_cast<cudnnHandle_t>(ctx.cudnn_handle()), pack, cudnn_workspace));
   });
@@ -430,31 +573,32 @@ void execute(Context& ctx, const CachedGraph& entry, std::unordered_map<int64_t,
 
 }  // namespace
 
-CudnnAttentionSupport cudnn_attention_support(Context& ctx, const Tensor& q, const Tensor& k, float softmax_scale,
-                                              float dropout_p, bool backward) {
+CudnnAttentionSupport cudnn_attention_support(Context& ctx, const Tensor& q, const Tensor& k, const AttnMask& mask,
+                                              float softmax_scale, float dropout_p, bool backward) {
   if (q.dtype() != DType::BFloat16 && q.dtype() != DType::Float16)
     return {false, "cuDNN attention takes bf16 or fp16, not " + std::string(to_string(q.dtype()))};
-  Lookup found = lookup(ctx, split_geometry(q, k), softmax_scale, dropout_p, backward);
+  Lookup found = lookup(ctx, split_geometry(q, k, mask), softmax_scale, dropout_p, backward);
   return {found.entry != nullptr, found.unsupported};
 }
 
-bool cudnn_attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, float softmax_scale,
-                             float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
-  auto entry = lookup(ctx, split_geometry(q, k), softmax_scale, dropout_p, /*backward=*/false).entry;
+bool cudnn_attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const AttnMask& mask,
+                             float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, Tensor& out,
+                             Tensor& lse) {
+  auto entry = lookup(ctx, split_geometry(q, k, mask), softmax_scale, dropout_p, /*backward=*/false).entry;
   if (!entry) return false;
   if (!check_alignment({q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(), lse.raw_data()}, dropout_p))
     return false;
   std::unordered_map<int64_t, void*> pack = {
       {kQ, q.raw_data()}, {kK, k.raw_data()}, {kV, v.raw_data()}, {kO, out.raw_data()}, {kStats, lse.raw_data()}};
-  execute(ctx, *entry, pack, dropout_p, seed, offset);
+  execute(ctx, *entry, pack, dropout_p, seed, offset, split_rows(mask, q, k));
   return true;
 }
 
-bool cudnn_attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                              const Tensor& v, const Tensor& out, const Tensor& lse, float softmax_scale,
+bool cudnn_attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, const AttnMask& mask, float softmax_scale,
                               float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q, Tensor& grad_k,
                               Tensor& grad_v) {
-  auto entry = lookup(ctx, split_geometry(q, k), softmax_scale, dropout_p, /*backward=*/true).entry;
+  auto entry = lookup(ctx, split_geometry(q, k, mask), softmax_scale, dropout_p, /*backward=*/true).entry;
   if (!entry) return false;
   if (!check_alignment({grad_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(),
                         lse.raw_data(), grad_q.raw_data(), grad_k.raw_data(), grad_v.raw_data()},
@@ -464,34 +608,35 @@ bool cudnn_attention_backward(Context& ctx, const Tensor& grad_out, const Tensor
       {kQ, q.raw_data()},          {kK, k.raw_data()},          {kV, v.raw_data()},
       {kO, out.raw_data()},        {kGradO, grad_out.raw_data()}, {kStats, lse.raw_data()},
       {kGradQ, grad_q.raw_data()}, {kGradK, grad_k.raw_data()}, {kGradV, grad_v.raw_data()}};
-  execute(ctx, *entry, pack, dropout_p, seed, offset);
+  execute(ctx, *entry, pack, dropout_p, seed, offset, split_rows(mask, q, k));
   return true;
 }
 
 CudnnAttentionSupport cudnn_attention_qkv_support(Context& ctx, const Tensor& qkv, const Tensor& out,
-                                                  float softmax_scale, float dropout_p, bool backward) {
+                                                  const AttnMask& mask, float softmax_scale, float dropout_p,
+                                                  bool backward) {
   if (qkv.dtype() != DType::BFloat16 && qkv.dtype() != DType::Float16)
     return {false, "cuDNN attention takes bf16 or fp16, not " + std::string(to_string(qkv.dtype()))};
-  Lookup found = lookup(ctx, fused_geometry(qkv, out), softmax_scale, dropout_p, backward);
+  Lookup found = lookup(ctx, fused_geometry(qkv, out, mask), softmax_scale, dropout_p, backward);
   return {found.entry != nullptr, found.unsupported};
 }
 
-bool cudnn_attention_forward_qkv(Context& ctx, const Tensor& qkv, float softmax_scale, float dropout_p,
-                                 uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
-  auto entry = lookup(ctx, fused_geometry(qkv, out), softmax_scale, dropout_p, /*backward=*/false).entry;
+bool cudnn_attention_forward_qkv(Context& ctx, const Tensor& qkv, const AttnMask& mask, float softmax_scale,
+                                 float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
+  auto entry = lookup(ctx, fused_geometry(qkv, out, mask), softmax_scale, dropout_p, /*backward=*/false).entry;
   if (!entry) return false;
   const QkvPointers in = fused_pointers(qkv, out.size(3));
   if (!check_alignment({in.q, in.k, in.v, out.raw_data(), lse.raw_data()}, dropout_p)) return false;
   std::unordered_map<int64_t, void*> pack = {
       {kQ, in.q}, {kK, in.k}, {kV, in.v}, {kO, out.raw_data()}, {kStats, lse.raw_data()}};
-  execute(ctx, *entry, pack, dropout_p, seed, offset);
+  execute(ctx, *entry, pack, dropout_p, seed, offset, fused_rows(mask, out));
   return true;
 }
 
 bool cudnn_attention_backward_qkv(Context& ctx, const Tensor& grad_out, const Tensor& qkv, const Tensor& out,
-                                  const Tensor& lse, float softmax_scale, float dropout_p, uint64_t seed,
-                                  uint64_t offset, Tensor& grad_qkv) {
-  auto entry = lookup(ctx, fused_geometry(qkv, out), softmax_scale, dropout_p, /*backward=*/true).entry;
+                                  const Tensor& lse, const AttnMask& mask, float softmax_scale, float dropout_p,
+                                  uint64_t seed, uint64_t offset, Tensor& grad_qkv) {
+  auto entry = lookup(ctx, fused_geometry(qkv, out, mask), softmax_scale, dropout_p, /*backward=*/true).entry;
   if (!entry) return false;
   const QkvPointers in = fused_pointers(qkv, out.size(3)), grad = fused_pointers(grad_qkv, out.size(3));
   if (!check_alignment({grad_out.raw_data(), in.q, in.k, in.v, out.raw_data(), lse.raw_data(), grad.q, grad.k,
@@ -502,7 +647,7 @@ bool cudnn_attention_backward_qkv(Context& ctx, const Tensor& grad_out, const Te
       {kQ, in.q},         {kK, in.k},          {kV, in.v},
       {kO, out.raw_data()}, {kGradO, grad_out.raw_data()}, {kStats, lse.raw_data()},
       {kGradQ, grad.q},   {kGradK, grad.k},    {kGradV, grad.v}};
-  execute(ctx, *entry, pack, dropout_p, seed, offset);
+  execute(ctx, *entry, pack, dropout_p, seed, offset, fused_rows(mask, out));
   return true;
 }
 

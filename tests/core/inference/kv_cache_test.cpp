@@ -39,7 +39,7 @@ TEST(AttentionKVCache, FromEmptyCacheEqualsCausalAttention) {
   Tensor q = testing::random_tensor({s, b, nq, d}, 1), k = testing::random_tensor({s, b, ng, d}, 2),
          v = testing::random_tensor({s, b, ng, d}, 3);
   Tensor ref = Tensor::empty({s, b, nq, d}, DType::Float32), lse = Tensor::empty({b, nq, s}, DType::Float32);
-  ops::attention_forward(ctx, q, k, v, 0.3f, 0.0f, 0, 0, ref, lse);
+  ops::attention_forward(ctx, q, k, v, AttnMask::causal(), 0.3f, 0.0f, 0, 0, ref, lse);
   // Slots in reverse order, a cache longer than the sequence.
   Tensor kc = Tensor::zeros({4, 10, ng, d}, DType::Float32), vc = Tensor::zeros({4, 10, ng, d}, DType::Float32);
   Tensor out = Tensor::empty({s, b, nq, d}, DType::Float32);
