@@ -83,5 +83,9 @@ bool has_cuda_kernels();
 /// takes sq != sk) and Documents' cu_seqlens (int32 [n + 1] or [b, n + 1] on `device`, n >= 1).
 void check_attention_mask(const AttnMask& mask, const Device& device, int64_t b, int64_t sq, int64_t sk);
 
+#define MG_OP(ret, name, params, args) ret name params;
+#define MG_OP_AS(ret, name, label, params, args) ret name params;
 #include "megatron/kernels/op_list.inc"
+#undef MG_OP
+#undef MG_OP_AS
 }  // namespace megatron::ops
