@@ -27,6 +27,8 @@ struct Style {
   bool rms = true, rope = true, gqa = true, zero_centered_gamma = false;
 };
 
+void PrintTo(const Style& st, std::ostream* os) { *os << st.name; }
+
 TransformerConfig tiny_config(const Style& st, int layers = 1) {
   TransformerConfig c;
   c.num_layers = layers;
