@@ -535,8 +535,7 @@ void from_config(const TransformerConfig&, std::nullptr_t, V&) {}
 
 TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab_size) {
   TransformerConfig c;
-#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) \
-  to_config(c, config, a.field);
+#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) to_config(c, config, a.field);
 #include "megatron/training/model_arguments.inc"
 #undef MG_MODEL_ARG
   // Note [Model arguments that are not 1:1].

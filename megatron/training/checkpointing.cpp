@@ -252,9 +252,9 @@ void check_identity(const nlohmann::json& saved, const char* key, const char* fl
 void check_model_identity(const nlohmann::json& meta, const Arguments& a, const fs::path& dir) {
   if (!meta.contains("args")) return;
   const nlohmann::json& saved = meta.at("args");
-#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help)  \
-  if constexpr (ModelArgCheckpoint::checkpoint == ModelArgCheckpoint::identity) {          \
-    check_identity<type>(saved, #field, flag, default_value, a.field, dir);                \
+#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) \
+  if constexpr (ModelArgCheckpoint::checkpoint == ModelArgCheckpoint::identity) {         \
+    check_identity<type>(saved, #field, flag, default_value, a.field, dir);               \
   }
 #include "megatron/training/model_arguments.inc"
 #undef MG_MODEL_ARG

@@ -117,12 +117,42 @@ TEST(Convert, Qwen3RoundTripIsExactAndLogitsMatch) {
 // that export goes through megatron.cpp and back unchanged.
 TEST(Convert, QkLayernormCheckpointExportsAsQwen3) {
   ScratchDir dir("convert_qk");
-  const std::vector<std::string> flags = {
-      "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
-      "--num-query-groups", "2", "--seq-length", "32", "--qk-layernorm", "--normalization", "RMSNorm", "--swiglu",
-      "--disable-bias-linear", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-      "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "100",
-      "--eval-iters", "1", "--device", "cpu", "--save", "ckpt", "--save-interval", "2"};
+  const std::vector<std::string> flags = {"--num-layers",
+                                          "2",
+                                          "--hidden-size",
+                                          "64",
+                                          "--num-attention-heads",
+                                          "4",
+                                          "--group-query-attention",
+                                          "--num-query-groups",
+                                          "2",
+                                          "--seq-length",
+                                          "32",
+                                          "--qk-layernorm",
+                                          "--normalization",
+                                          "RMSNorm",
+                                          "--swiglu",
+                                          "--disable-bias-linear",
+                                          "--position-embedding-type",
+                                          "rope",
+                                          "--untie-embeddings-and-output-weights",
+                                          "--micro-batch-size",
+                                          "2",
+                                          "--train-iters",
+                                          "2",
+                                          "--lr",
+                                          "1e-3",
+                                          "--mock-data",
+                                          "--vocab-size",
+                                          "100",
+                                          "--eval-iters",
+                                          "1",
+                                          "--device",
+                                          "cpu",
+                                          "--save",
+                                          "ckpt",
+                                          "--save-interval",
+                                          "2"};
   RunResult train = run(concat({bin("pretrain_gpt")}, flags), dir.path);
   ASSERT_EQ(train.exit_code, 0) << train.output;
   RunResult to_hf = run({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf"}, dir.path);

@@ -116,10 +116,9 @@ TEST_P(GoldenModel, LogitsLossAndGradients) {
     ++checked;
   }
   EXPECT_EQ(checked, int(grads.size())) << "every parameter has a reference gradient";
-  std::printf("golden %s (%s, %s): logits %.2e, loss %.2e, %d gradients (worst %.2e) against %s\n",
-              GetParam().c_str(), g.info.model_type.c_str(), g.info.config.qk_layernorm ? "qk-layernorm" : "no qk-layernorm",
-              logits_error, std::fabs(loss - ref_loss) / std::fabs(ref_loss), checked, worst_grad,
-              g.io_file->path().c_str());
+  std::printf("golden %s (%s, %s): logits %.2e, loss %.2e, %d gradients (worst %.2e) against %s\n", GetParam().c_str(),
+              g.info.model_type.c_str(), g.info.config.qk_layernorm ? "qk-layernorm" : "no qk-layernorm", logits_error,
+              std::fabs(loss - ref_loss) / std::fabs(ref_loss), checked, worst_grad, g.io_file->path().c_str());
 }
 
 TEST_P(GoldenModel, AdamWTrajectory) {
