@@ -1,5 +1,5 @@
 // convert_checkpoint: HuggingFace <-> megatron.cpp checkpoints for the GPT-2 and Llama families
-// (Llama, Mistral, Qwen2).
+// (Llama, Mistral, Qwen2, Qwen3).
 //
 //   HF -> megatron.cpp (written as "release", loadable with pretrain_gpt --load / --finetune):
 //     build/bin/convert_checkpoint --from hf --load /path/to/hf_model --save ckpt
@@ -85,29 +85,11 @@ struct HFWeights {
   }
 };
 
-// pretrain_gpt's model arguments for a TransformerConfig (stored in the checkpoint's metadata).
+// pretrain_gpt's model arguments for a TransformerConfig (stored in the checkpoint's metadata):
+// model_arguments.inc's mapping back from the config, and what an HF model has no flag for.
 Arguments arguments_for(const TransformerConfig& c) {
-  Arguments a;
-  a.num_layers = c.num_layers;
-  a.hidden_size = c.hidden_size;
-  a.ffn_hidden_size = c.ffn_hidden_size;
-  a.num_attention_heads = c.num_attention_heads;
-  a.kv_channels = c.kv_channels;
-  a.group_query_attention = c.num_query_groups != c.num_attention_heads;
-  a.num_query_groups = c.num_query_groups;
-  a.max_position_embeddings = c.max_position_embeddings;
-  a.seq_length = c.max_position_embeddings;
-  a.make_vocab_size_divisible_by = c.make_vocab_size_divisible_by;
-  a.untie_embeddings_and_output_weights = !c.share_embeddings_and_output_weights;
-  a.disable_bias_linear = !c.add_bias_linear;
-  a.add_qkv_bias = c.add_qkv_bias && !c.add_bias_linear;
-  a.normalization = c.normalization;
-  a.norm_epsilon = c.layernorm_epsilon;
-  a.swiglu = c.gated_linear_unit;
-  a.position_embedding_type = c.position_embedding_type;
-  a.rotary_base = c.rotary_base;
-  a.rotary_percent = c.rotary_percent;
-  a.rotary_interleaved = c.rotary_interleaved;
+  Arguments a = model_arguments_from_config(c);
+  a.seq_length = c.max_position_embeddings;  // an HF config has no training length
   a.vocab_size = c.vocab_size;
   return a;
 }
@@ -152,10 +134,12 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save) {
     info = config_from_hf(hf_config, config.make_vocab_size_divisible_by);
   } else {
     info.family = config.gated_linear_unit ? HFFamily::Llama : HFFamily::GPT2;
+    info.model_type = config.qk_layernorm ? "qwen3" : info.family == HFFamily::Llama ? "llama" : "gpt2";
     info.config = config;
+    const std::string architecture = info.model_type == "qwen3" ? "Qwen3ForCausalLM" : "LlamaForCausalLM";
     hf_config = info.family == HFFamily::Llama
-                    ? nlohmann::json{{"model_type", "llama"},
-                                     {"architectures", {"LlamaForCausalLM"}},
+                    ? nlohmann::json{{"model_type", info.model_type},
+                                     {"architectures", {architecture}},
                                      {"hidden_size", config.hidden_size},
                                      {"intermediate_size", config.ffn_hidden_size},
                                      {"num_hidden_layers", config.num_layers},
@@ -181,9 +165,10 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save) {
                                      {"activation_function", "gelu_new"},
                                      {"tie_word_embeddings", true}};
     MG_CHECK(config.normalization == (info.family == HFFamily::Llama ? "RMSNorm" : "LayerNorm") &&
-                 config.position_embedding_type == (info.family == HFFamily::Llama ? "rope" : "learned_absolute"),
+                 config.position_embedding_type == (info.family == HFFamily::Llama ? "rope" : "learned_absolute") &&
+                 !(config.qk_layernorm && info.family == HFFamily::GPT2),
              "this checkpoint's architecture has no HuggingFace equivalent (GPT-2: LayerNorm, GeLU, learned "
-             "positions; Llama: RMSNorm, SwiGLU, RoPE)");
+             "positions; Llama: RMSNorm, SwiGLU, RoPE; Qwen3: Llama with --qk-layernorm)");
   }
   TensorMap hf = megatron_to_hf(info, model_state_dict(model));
   fs::create_directories(save);

@@ -1,5 +1,6 @@
 // The flag table (CLI11) and Megatron's validation rules. Flags are declared group by group in the
-// order of Megatron's arguments.py; a few Megatron flags that select implementations we do not have
+// order of Megatron's arguments.py, the model group from model_arguments.inc (which also gives the
+// mapping to TransformerConfig below); a few Megatron flags that select implementations we do not have
 // (TransformerEngine, apex fusions, flash-attn) are accepted with a warning and no effect, so
 // launch scripts run unchanged.
 #include "megatron/training/arguments.h"
@@ -54,6 +55,16 @@ const char* const kNoEffectOptions[] = {
     "--wandb-exp-name",   "--wandb-save-dir",    "--eval-split", "--num-dataset-builder-threads",
 };
 
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  for (size_t start = 0; start <= s.size();) {
+    const size_t end = std::min(s.find(sep, start), s.size());
+    out.push_back(s.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
 struct Parser {
   CLI::App app;
   Arguments& a;
@@ -68,9 +79,14 @@ struct Parser {
     app.get_formatter()->column_width(44);
   }
 
+  // `name` may hold aliases ("--a,--b"), as CLI11 takes them; each is a known flag.
+  void add_names(const std::string& name) {
+    for (std::string& n : split(name, ',')) flags.push_back(std::move(n));
+  }
+
   template <typename T>
   CLI::Option* opt(const char* group, const char* name, T& field, const char* help) {
-    flags.push_back(name);
+    add_names(name);
     // A repeated flag takes its last value, as argparse does (launch scripts append overrides).
     CLI::Option* o = app.add_option(name, field, help)->group(group)->capture_default_str();
     if constexpr (!std::is_same_v<T, std::vector<std::string>> && !std::is_same_v<T, std::vector<int64_t>>) {
@@ -79,8 +95,18 @@ struct Parser {
     return o;
   }
   CLI::Option* flag(const char* group, const char* name, bool& field, const char* help) {
-    flags.push_back(name);
+    add_names(name);
     return app.add_flag(name, field, help)->group(group);
+  }
+  // A model_arguments.inc row: a switch for bool, else an option; `choices` "A|B" restricts it.
+  template <typename T>
+  void model_arg(const char* group, const char* name, T& field, const std::string& choices, const char* help) {
+    if constexpr (std::is_same_v<T, bool>) {
+      flag(group, name, field, help);
+    } else {
+      CLI::Option* o = opt(group, name, field, help);
+      if (!choices.empty()) o->check(CLI::IsMember(split(choices, '|')));
+    }
   }
   void no_effect() {
     for (const char* name : kNoEffectFlags) {
@@ -97,44 +123,10 @@ struct Parser {
 
   void define() {
     const char* g = "Model";
-    opt(g, "--num-layers", a.num_layers, "Number of transformer layers");
-    opt(g, "--hidden-size", a.hidden_size, "Transformer hidden size");
-    opt(g, "--ffn-hidden-size", a.ffn_hidden_size,
-        "MLP hidden size (default 4h; with --swiglu 2/3 of that, rounded to 64)");
-    opt(g, "--num-attention-heads", a.num_attention_heads, "Number of attention heads");
-    opt(g, "--kv-channels", a.kv_channels, "Head dimension (default hidden / heads)");
-    flag(g, "--group-query-attention", a.group_query_attention, "Use grouped-query attention");
-    opt(g, "--num-query-groups", a.num_query_groups, "Number of query groups with --group-query-attention");
-    opt(g, "--seq-length", a.seq_length, "Sequence length");
-    opt(g, "--max-position-embeddings", a.max_position_embeddings,
-        "Position-embedding table size (default seq length)");
-    opt(g, "--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by,
-        "Pad the vocabulary to a multiple of this (times TP)");
-    flag(g, "--untie-embeddings-and-output-weights", a.untie_embeddings_and_output_weights,
-         "Separate output layer weights");
-    flag(g, "--disable-bias-linear", a.disable_bias_linear, "No biases in linear layers");
-    flag(g, "--add-qkv-bias", a.add_qkv_bias, "Bias in the QKV projection even with --disable-bias-linear");
-    opt(g, "--attention-dropout", a.attention_dropout, "Dropout on attention probabilities");
-    opt(g, "--hidden-dropout", a.hidden_dropout, "Dropout on the residual branches and embeddings");
-    opt(g, "--init-method-std", a.init_method_std, "Standard deviation of the weight initialisation");
-    opt(g, "--seed", a.seed, "Random seed (initialisation, dropout, data order)");
-    flag(g, "--deterministic-mode", a.deterministic_mode,
-         "The same results at every run: deterministic algorithms where the fast one is not (slower)");
-    opt(g, "--normalization", a.normalization, "LayerNorm or RMSNorm")->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
-    opt(g, "--norm-epsilon", a.norm_epsilon, "Epsilon of the norms");
-    opt(g, "--layernorm-epsilon", a.norm_epsilon, "Alias of --norm-epsilon");
-    flag(g, "--swiglu", a.swiglu, "SwiGLU MLP");
-    opt(g, "--position-embedding-type", a.position_embedding_type, "learned_absolute, rope or none")
-        ->check(CLI::IsMember({"learned_absolute", "rope", "none"}));
-    flag(g, "--use-rotary-position-embeddings", a.use_rotary_position_embeddings,
-         "Alias of --position-embedding-type rope");
-    opt(g, "--rotary-base", a.rotary_base, "RoPE base");
-    opt(g, "--rotary-percent", a.rotary_percent, "Fraction of each head's channels RoPE rotates");
-    flag(g, "--rotary-interleaved", a.rotary_interleaved, "Interleaved RoPE channel pairs");
-    flag(g, "--apply-layernorm-1p", a.apply_layernorm_1p, "Norm weights stored as gamma - 1");
-    flag(g, "--qk-layernorm", a.qk_layernorm, "LayerNorm on queries and keys");
-    flag(g, "--apply-residual-connection-post-layernorm", a.apply_residual_connection_post_layernorm,
-         "Post-norm residuals");
+#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) \
+  model_arg(g, flag, a.field, choices, help);
+#include "megatron/training/model_arguments.inc"
+#undef MG_MODEL_ARG
 
     g = "Parallelism";
     opt(g, "--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size");
@@ -370,7 +362,6 @@ void validate_args(Arguments& a) {
   MG_CHECK(a.expert_model_parallel_size == 1 && a.num_experts == 0,
            "mixture of experts (--num-experts, --expert-model-parallel-size) is not supported yet");
   if (a.sequence_parallel && a.tensor_model_parallel_size == 1) a.sequence_parallel = false;  // as Megatron
-  MG_CHECK(!a.qk_layernorm, "--qk-layernorm is not supported yet");
   MG_CHECK(!a.apply_residual_connection_post_layernorm, "--apply-residual-connection-post-layernorm is not supported");
   MG_CHECK(a.fp8_format.empty(), "--fp8-format is not supported yet");
 
@@ -509,33 +500,53 @@ void check_deterministic_nccl(const Arguments& a, bool uses_nccl) {
            "CollnetChain, ^NVLS (got '{}'): export it before the launch", v);
 }
 
+// ---- model arguments <-> TransformerConfig -----------------------------------------------------
+// The MG_CFG columns of model_arguments.inc are assigned field to field, both ways.
+// Note [Model arguments that are not 1:1]: the rows marked MG_NO_CFG whose flags still shape the
+// config follow these rules, written by hand because a flag there is not one config field:
+//   --group-query-attention       gates --num-query-groups: without it, one group per head (MHA)
+//   --disable-bias-linear         add_bias_linear is its negation
+//   --swiglu                      activation "swiglu" and gated_linear_unit (else "gelu")
+//   --untie-embeddings-and-output-weights   share_embeddings_and_output_weights is its negation
+//   --use-rotary-position-embeddings        position_embedding_type "rope" (an alias)
+// and back (model_arguments_from_config): group_query_attention when the groups are fewer than the
+// heads; add_qkv_bias only where it adds something (without the linear biases), as checkpoints
+// converted before this table recorded it.
+namespace {
+
+#define MG_CFG(field) &TransformerConfig::field
+#define MG_NO_CFG nullptr
+
+template <typename C, typename V>
+void to_config(TransformerConfig& c, C TransformerConfig::*member, const V& value) {
+  c.*member = C(value);
+}
+template <typename V>
+void to_config(TransformerConfig&, std::nullptr_t, const V&) {}
+
+template <typename C, typename V>
+void from_config(const TransformerConfig& c, C TransformerConfig::*member, V& value) {
+  value = V(c.*member);
+}
+template <typename V>
+void from_config(const TransformerConfig&, std::nullptr_t, V&) {}
+
+}  // namespace
+
 TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab_size) {
   TransformerConfig c;
-  c.num_layers = a.num_layers;
-  c.hidden_size = a.hidden_size;
-  c.ffn_hidden_size = a.ffn_hidden_size;
-  c.num_attention_heads = a.num_attention_heads;
-  c.num_query_groups = a.num_query_groups;
-  c.kv_channels = a.kv_channels;
-  c.max_position_embeddings = a.max_position_embeddings;
-  c.seq_length = a.seq_length;
-  c.vocab_size = int(vocab_size);
-  c.make_vocab_size_divisible_by = a.make_vocab_size_divisible_by;
-  c.normalization = a.normalization;
-  c.layernorm_zero_centered_gamma = a.apply_layernorm_1p;
-  c.layernorm_epsilon = a.norm_epsilon;
+#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) to_config(c, config, a.field);
+#include "megatron/training/model_arguments.inc"
+#undef MG_MODEL_ARG
+  // Note [Model arguments that are not 1:1].
+  c.num_query_groups = a.group_query_attention ? a.num_query_groups : a.num_attention_heads;
   c.add_bias_linear = !a.disable_bias_linear;
-  c.add_qkv_bias = a.add_qkv_bias;
   c.activation = a.swiglu ? "swiglu" : "gelu";
   c.gated_linear_unit = a.swiglu;
-  c.position_embedding_type = a.position_embedding_type;
-  c.rotary_base = a.rotary_base;
-  c.rotary_percent = a.rotary_percent;
-  c.rotary_interleaved = a.rotary_interleaved;
   c.share_embeddings_and_output_weights = !a.untie_embeddings_and_output_weights;
-  c.hidden_dropout = a.hidden_dropout;
-  c.attention_dropout = a.attention_dropout;
-  c.init_method_std = a.init_method_std;
+  if (a.use_rotary_position_embeddings) c.position_embedding_type = "rope";
+
+  c.vocab_size = int(vocab_size);
   c.bf16 = a.bf16;
   c.fp16 = a.fp16;
   c.recompute_granularity = a.recompute_granularity;
@@ -550,6 +561,25 @@ TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab
   c.finalize();
   return c;
 }
+
+Arguments model_arguments_from_config(const TransformerConfig& c) {
+  Arguments a;
+#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) \
+  from_config(c, config, a.field);
+#include "megatron/training/model_arguments.inc"
+#undef MG_MODEL_ARG
+  // Note [Model arguments that are not 1:1].
+  a.group_query_attention = c.num_query_groups != c.num_attention_heads;
+  a.num_query_groups = c.num_query_groups;
+  a.disable_bias_linear = !c.add_bias_linear;
+  a.add_qkv_bias = c.add_qkv_bias && !c.add_bias_linear;
+  a.swiglu = c.gated_linear_unit;
+  a.untie_embeddings_and_output_weights = !c.share_embeddings_and_output_weights;
+  return a;
+}
+
+#undef MG_CFG
+#undef MG_NO_CFG
 
 TokenizerArgs tokenizer_args_from_args(const Arguments& a) {
   TokenizerArgs t;

@@ -1,6 +1,8 @@
 // Megatron's command line: every flag of pretrain_gpt with Megatron's spelling, meaning and default
 // (megatron/training/arguments.py), parsed with CLI11 and validated as Megatron's validate_args
 // does. Unknown flags are an error naming the nearest known flag; --help lists the flags by group.
+// The model flags are one table, model_arguments.inc: their members here, their definitions, their
+// TransformerConfig fields and their place in checkpoints all come from it.
 #pragma once
 
 #include <cstdint>
@@ -17,35 +19,10 @@ struct OptimizerConfig;
 struct SchedulerConfig;
 
 struct Arguments {
-  // ---- model
-  int num_layers = 0;
-  int hidden_size = 0;
-  int ffn_hidden_size = 0;
-  int num_attention_heads = 0;
-  int kv_channels = 0;
-  bool group_query_attention = false;
-  int num_query_groups = 1;
-  int seq_length = 0;
-  int max_position_embeddings = 0;
-  int make_vocab_size_divisible_by = 128;
-  bool untie_embeddings_and_output_weights = false;
-  bool disable_bias_linear = false;
-  bool add_qkv_bias = false;
-  float attention_dropout = 0.1f;
-  float hidden_dropout = 0.1f;
-  float init_method_std = 0.02f;
-  int64_t seed = 1234;
-  std::string normalization = "LayerNorm";
-  float norm_epsilon = 1e-5f;
-  bool swiglu = false;
-  std::string position_embedding_type = "learned_absolute";
-  bool use_rotary_position_embeddings = false;
-  float rotary_base = 10000.0f;
-  float rotary_percent = 1.0f;
-  bool rotary_interleaved = false;
-  bool apply_layernorm_1p = false;
-  bool qk_layernorm = false;
-  bool apply_residual_connection_post_layernorm = false;
+  // ---- model: the table in model_arguments.inc
+#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) type field = default_value;
+#include "megatron/training/model_arguments.inc"
+#undef MG_MODEL_ARG
 
   // ---- parallelism
   int tensor_model_parallel_size = 1;
@@ -173,8 +150,6 @@ struct Arguments {
   int num_experts = 0;
   int moe_router_topk = 2;
 
-  bool deterministic_mode = false;  // the same bits at every run (cuDNN's deterministic attention backward)
-
   // ---- CUDA graphs (core/full_cuda_graph.h)
   std::string cuda_graph_impl = "none";         // none | local | transformer_engine
   std::vector<std::string> cuda_graph_scope;    // local: full_iteration
@@ -199,6 +174,9 @@ void validate_args(Arguments& args);
 
 /// The pieces other modules take.
 TransformerConfig transformer_config_from_args(const Arguments& args, int64_t vocab_size);
+/// The inverse for the model arguments: those that give `config` (a converted checkpoint's
+/// arguments). Only the model_arguments.inc fields are set.
+Arguments model_arguments_from_config(const TransformerConfig& config);
 TokenizerArgs tokenizer_args_from_args(const Arguments& args);
 
 /// Every flag name (for the nearest-flag suggestion and documentation), e.g. "--num-layers".

@@ -224,32 +224,55 @@ std::string checkpoint_dir_name(int64_t iteration, bool release) {
   return release ? "release" : fmt::format("iter_{:07d}", iteration);
 }
 
+// The model arguments a checkpoint carries: model_arguments.inc's saved and identity rows, then
+// vocab_size, tokenizer_type, bf16 and fp16 (not model flags, written by hand). The keys are the
+// field names; nlohmann::json orders them, so metadata.json does not depend on the table's order.
+namespace {
+
+enum class ModelArgCheckpoint { none, saved, identity };
+
+// "--norm-epsilon" of "--norm-epsilon,--layernorm-epsilon".
+std::string first_name(const char* flag) {
+  const std::string f = flag;
+  return f.substr(0, f.find(','));
+}
+
+// A model_arguments.inc identity row: the checkpoint's value (its default when an older checkpoint
+// lacks the key) must be this run's.
+template <typename T>
+void check_identity(const nlohmann::json& saved, const char* key, const char* flag, const T& fallback, const T& ours,
+                    const fs::path& dir) {
+  const T theirs = saved.contains(key) ? saved.at(key).get<T>() : fallback;
+  MG_CHECK(theirs == ours,
+           "checkpoint {} was saved from another model: {} is {} there and {} in this run (give the checkpoint's "
+           "model flags, or --use-checkpoint-args)",
+           dir.string(), first_name(flag), nlohmann::json(theirs).dump(), nlohmann::json(ours).dump());
+}
+
+void check_model_identity(const nlohmann::json& meta, const Arguments& a, const fs::path& dir) {
+  if (!meta.contains("args")) return;
+  const nlohmann::json& saved = meta.at("args");
+#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) \
+  if constexpr (ModelArgCheckpoint::checkpoint == ModelArgCheckpoint::identity) {         \
+    check_identity<type>(saved, #field, flag, default_value, a.field, dir);               \
+  }
+#include "megatron/training/model_arguments.inc"
+#undef MG_MODEL_ARG
+}
+
+}  // namespace
+
 nlohmann::json model_args_to_json(const Arguments& a) {
-  return {{"num_layers", a.num_layers},
-          {"hidden_size", a.hidden_size},
-          {"ffn_hidden_size", a.ffn_hidden_size},
-          {"num_attention_heads", a.num_attention_heads},
-          {"kv_channels", a.kv_channels},
-          {"group_query_attention", a.group_query_attention},
-          {"num_query_groups", a.num_query_groups},
-          {"seq_length", a.seq_length},
-          {"max_position_embeddings", a.max_position_embeddings},
-          {"make_vocab_size_divisible_by", a.make_vocab_size_divisible_by},
-          {"untie_embeddings_and_output_weights", a.untie_embeddings_and_output_weights},
-          {"disable_bias_linear", a.disable_bias_linear},
-          {"add_qkv_bias", a.add_qkv_bias},
-          {"normalization", a.normalization},
-          {"norm_epsilon", a.norm_epsilon},
-          {"swiglu", a.swiglu},
-          {"position_embedding_type", a.position_embedding_type},
-          {"rotary_base", a.rotary_base},
-          {"rotary_percent", a.rotary_percent},
-          {"rotary_interleaved", a.rotary_interleaved},
-          {"apply_layernorm_1p", a.apply_layernorm_1p},
-          {"vocab_size", a.vocab_size},
-          {"tokenizer_type", a.tokenizer_type},
-          {"bf16", a.bf16},
-          {"fp16", a.fp16}};
+  nlohmann::json j = nlohmann::json::object();
+#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) \
+  if constexpr (ModelArgCheckpoint::checkpoint != ModelArgCheckpoint::none) j[#field] = a.field;
+#include "megatron/training/model_arguments.inc"
+#undef MG_MODEL_ARG
+  j["vocab_size"] = a.vocab_size;
+  j["tokenizer_type"] = a.tokenizer_type;
+  j["bf16"] = a.bf16;
+  j["fp16"] = a.fp16;
+  return j;
 }
 
 void apply_checkpoint_args(Arguments& a, const std::string& load_dir) {
@@ -261,27 +284,11 @@ void apply_checkpoint_args(Arguments& a, const std::string& load_dir) {
   auto set = [&](const char* key, auto& field) {
     if (m.contains(key)) field = m.at(key).get<std::decay_t<decltype(field)>>();
   };
-  set("num_layers", a.num_layers);
-  set("hidden_size", a.hidden_size);
-  set("ffn_hidden_size", a.ffn_hidden_size);
-  set("num_attention_heads", a.num_attention_heads);
-  set("kv_channels", a.kv_channels);
-  set("group_query_attention", a.group_query_attention);
-  set("num_query_groups", a.num_query_groups);
-  set("seq_length", a.seq_length);
-  set("max_position_embeddings", a.max_position_embeddings);
-  set("make_vocab_size_divisible_by", a.make_vocab_size_divisible_by);
-  set("untie_embeddings_and_output_weights", a.untie_embeddings_and_output_weights);
-  set("disable_bias_linear", a.disable_bias_linear);
-  set("add_qkv_bias", a.add_qkv_bias);
-  set("normalization", a.normalization);
-  set("norm_epsilon", a.norm_epsilon);
-  set("swiglu", a.swiglu);
-  set("position_embedding_type", a.position_embedding_type);
-  set("rotary_base", a.rotary_base);
-  set("rotary_percent", a.rotary_percent);
-  set("rotary_interleaved", a.rotary_interleaved);
-  set("apply_layernorm_1p", a.apply_layernorm_1p);
+#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) \
+  if constexpr (ModelArgCheckpoint::checkpoint != ModelArgCheckpoint::none) set(#field, a.field);
+#include "megatron/training/model_arguments.inc"
+#undef MG_MODEL_ARG
+  // The run's tokenizer wins; bf16/fp16 are the run's choice.
   if (a.vocab_size == 0) set("vocab_size", a.vocab_size);
   if (a.tokenizer_type.empty()) set("tokenizer_type", a.tokenizer_type);
 }
@@ -493,6 +500,7 @@ std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::stri
   const bool release = latest->first == "release";
   const fs::path dir = fs::path(load_dir) / latest->first;
   const nlohmann::json meta = read_metadata(dir);
+  check_model_identity(meta, args_, dir);
 
   // Model weights: every parameter must be there with its global shape (else: another model).
   uint64_t bytes = 0;

@@ -34,6 +34,11 @@
 // updates the tracker); with several ranks the publication is collective, so it happens on the
 // main thread in finalize() (called by the next save() and at the end of training).
 //
+// Model identity: load() first compares the checkpoint's model arguments marked identity in
+// model_arguments.inc (--qk-layernorm, --normalization, ...) with the run's and refuses a
+// difference in one line: those change what the model computes while every tensor it needs may
+// still be in the checkpoint with the right shape. Shapes are checked tensor by tensor after that.
+//
 // RNG: a single process restores the checkpoint's (seed, offset); in a parallel run only the offset
 // (each rank's seed is derived from --seed and its ranks when it starts).
 #pragma once
@@ -68,7 +73,8 @@ struct TrainingProgress {
 /// "iter_0000100" (or "release").
 std::string checkpoint_dir_name(int64_t iteration, bool release = false);
 
-/// The model arguments stored in a checkpoint (Megatron's --use-checkpoint-args set).
+/// The model arguments stored in a checkpoint (Megatron's --use-checkpoint-args set): the saved and
+/// identity rows of model_arguments.inc, vocab_size, tokenizer_type, bf16 and fp16.
 nlohmann::json model_args_to_json(const Arguments& args);
 /// Overwrites the model arguments of `args` with those of the checkpoint under `load_dir`.
 void apply_checkpoint_args(Arguments& args, const std::string& load_dir);

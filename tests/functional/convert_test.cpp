@@ -1,5 +1,6 @@
 // tools/convert_checkpoint: HF -> megatron.cpp -> HF is exact, and the converted fixture models
-// loaded into GPTModel give the fixture logits.
+// loaded into GPTModel give the fixture logits (GPT-2, Llama, Qwen3); a --qk-layernorm model
+// trained here exports as Qwen3.
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/training/checkpointing.h"
@@ -57,6 +58,120 @@ TEST_P(Convert, RoundTripIsExactAndLogitsMatch) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Convert, ::testing::Values("gpt2", "llama"),
                          [](const auto& info) { return info.param; });
+
+// The Qwen3 fixture (per-head q/k RMSNorms: --qk-layernorm) from $MEGATRON_FIXTURES, or the
+// repository's copy where that folder predates it.
+fs::path qwen3_fixture(const std::string& file) {
+  const fs::path shared = fs::absolute(fixtures_dir()) / file;
+  return fs::exists(shared) ? shared : fs::path(MEGATRON_SOURCE_DIR) / "tests/fixtures" / file;
+}
+
+// HF -> megatron.cpp -> HF is exact for Qwen3, the checkpoint records --qk-layernorm, and the
+// converted checkpoint gives the fixture's logits.
+TEST(Convert, Qwen3RoundTripIsExactAndLogitsMatch) {
+  ScratchDir dir("convert_qwen3");
+  safetensors::File src(qwen3_fixture("qwen3_model.safetensors").string());
+  fs::create_directories(dir.path / "hf");
+  fs::copy_file(src.path(), dir.path / "hf/model.safetensors");
+  std::ofstream(dir.path / "hf/config.json") << src.metadata().at("config");
+  RunResult to = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt"}, dir.path);
+  ASSERT_EQ(to.exit_code, 0) << to.output;
+  RunResult back =
+      run({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf_back"}, dir.path);
+  ASSERT_EQ(back.exit_code, 0) << back.output;
+  safetensors::File out((dir.path / "hf_back/model.safetensors").string());
+  ASSERT_EQ(out.names(), src.names());
+  int norms = 0;
+  for (const std::string& n : src.names()) {
+    EXPECT_EQ(out.read(n).to_floats(), src.read(n).to_floats()) << n;
+    norms += n.find("self_attn.q_norm") != std::string::npos || n.find("self_attn.k_norm") != std::string::npos;
+  }
+  EXPECT_EQ(norms, 4);
+  EXPECT_EQ(nlohmann::json::parse(read_file(dir.path / "hf_back/config.json")),
+            nlohmann::json::parse(src.metadata().at("config")));
+
+  Arguments args;
+  apply_checkpoint_args(args, (dir.path / "ckpt").string());
+  EXPECT_TRUE(args.qk_layernorm);
+  TransformerConfig config = transformer_config_from_args(args, args.vocab_size);
+  config.hidden_dropout = config.attention_dropout = 0.0f;
+  GPTModel model(config);
+  Context ctx;
+  ASSERT_TRUE(Checkpointer(args).load(ctx, (dir.path / "ckpt").string(), model, nullptr, nullptr).has_value());
+  safetensors::File io(qwen3_fixture("qwen3_io.safetensors").string());
+  Tensor logits = model.forward_logits(ctx, io.read("tokens"), Tensor());  // [s, b, V]
+  std::vector<float> ours = logits.to_floats(), ref = io.read("logits").to_floats();
+  const int64_t s = logits.size(0), b = logits.size(1), v = io.read("logits").size(2), vp = logits.size(2);
+  double worst = 0, scale = 0;
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t j = 0; j < s; ++j)
+      for (int64_t k = 0; k < v; ++k) {
+        const double r = ref[size_t((i * s + j) * v + k)];
+        worst = std::max(worst, std::fabs(double(ours[size_t((j * b + i) * vp + k)]) - r));
+        scale = std::max(scale, std::fabs(r));
+      }
+  EXPECT_LE(worst / scale, 1e-5);
+}
+
+// A model trained here with --qk-layernorm (no HF config in its checkpoint) exports as Qwen3, and
+// that export goes through megatron.cpp and back unchanged.
+TEST(Convert, QkLayernormCheckpointExportsAsQwen3) {
+  ScratchDir dir("convert_qk");
+  const std::vector<std::string> flags = {"--num-layers",
+                                          "2",
+                                          "--hidden-size",
+                                          "64",
+                                          "--num-attention-heads",
+                                          "4",
+                                          "--group-query-attention",
+                                          "--num-query-groups",
+                                          "2",
+                                          "--seq-length",
+                                          "32",
+                                          "--qk-layernorm",
+                                          "--normalization",
+                                          "RMSNorm",
+                                          "--swiglu",
+                                          "--disable-bias-linear",
+                                          "--position-embedding-type",
+                                          "rope",
+                                          "--untie-embeddings-and-output-weights",
+                                          "--micro-batch-size",
+                                          "2",
+                                          "--train-iters",
+                                          "2",
+                                          "--lr",
+                                          "1e-3",
+                                          "--mock-data",
+                                          "--vocab-size",
+                                          "100",
+                                          "--eval-iters",
+                                          "1",
+                                          "--device",
+                                          "cpu",
+                                          "--save",
+                                          "ckpt",
+                                          "--save-interval",
+                                          "2"};
+  RunResult train = run(concat({bin("pretrain_gpt")}, flags), dir.path);
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  RunResult to_hf = run({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf"}, dir.path);
+  ASSERT_EQ(to_hf.exit_code, 0) << to_hf.output;
+  const nlohmann::json config = nlohmann::json::parse(read_file(dir.path / "hf/config.json"));
+  EXPECT_EQ(config.at("model_type"), "qwen3");
+  EXPECT_EQ(config.at("architectures"), nlohmann::json({"Qwen3ForCausalLM"}));
+  safetensors::File hf((dir.path / "hf/model.safetensors").string());
+  const auto names = hf.names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "model.layers.1.self_attn.k_norm.weight"), names.end());
+  RunResult in = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt2"}, dir.path);
+  ASSERT_EQ(in.exit_code, 0) << in.output;
+  RunResult out = run({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt2", "--save", "hf2"}, dir.path);
+  ASSERT_EQ(out.exit_code, 0) << out.output;
+  safetensors::File again((dir.path / "hf2/model.safetensors").string());
+  ASSERT_EQ(again.names(), names);
+  for (const std::string& n : names) EXPECT_EQ(again.read(n).to_floats(), hf.read(n).to_floats()) << n;
+  EXPECT_EQ(nlohmann::json::parse(read_file(dir.path / "hf2/config.json")), config);
+}
 
 TEST(Convert, MissingFilesAreClearErrors) {
   ScratchDir dir("convert_bad");

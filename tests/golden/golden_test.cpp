@@ -1,8 +1,10 @@
-// Golden tests against HuggingFace transformers (../shared/fixtures, or $MEGATRON_FIXTURES):
-// <model>_model.safetensors holds the HF weights with the config.json in its metadata, and
-// <model>_io.safetensors the tokens, labels, logits, loss, every parameter gradient and a 3-step
-// AdamW trajectory. Every shape and hyperparameter comes from the files, so any fixture made the
-// same way must pass. Tolerances are those stated in the fixture README (fp32 on CPU).
+// Golden tests against HuggingFace transformers (../shared/fixtures, or $MEGATRON_FIXTURES; a
+// fixture found only in the repository's tests/fixtures, such as one newer than the shared copy,
+// is read from there): <model>_model.safetensors holds the HF weights with the config.json in its
+// metadata, and <model>_io.safetensors the tokens, labels, logits, loss, every parameter gradient
+// and a 3-step AdamW trajectory. Every shape and hyperparameter comes from the files, so any
+// fixture made the same way must pass; each prints one line with what it checked. Tolerances are
+// those stated in the fixture README (fp32 on CPU).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,6 +33,23 @@ double scaled_error(const Tensor& a, const Tensor& b) {
   return diff / std::max(scale, 1e-30);
 }
 
+constexpr const char* kModelSuffix = "_model.safetensors";
+
+// The folders fixtures are read from, in order of preference.
+std::vector<std::string> fixture_dirs() {
+  return {testing::fixtures_dir(), std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures"};
+}
+
+// The first folder that holds both files of fixture `name`.
+std::string fixture_dir_of(const std::string& name) {
+  for (const std::string& dir : fixture_dirs()) {
+    if (std::filesystem::exists(dir + "/" + name + kModelSuffix) &&
+        std::filesystem::exists(dir + "/" + name + "_io.safetensors"))
+      return dir;
+  }
+  return testing::fixtures_dir();
+}
+
 struct Golden {
   std::unique_ptr<safetensors::File> model_file, io_file;
   HFModelInfo info;
@@ -38,7 +57,7 @@ struct Golden {
   Tensor tokens, labels;
 
   explicit Golden(const std::string& name) {
-    const std::string dir = testing::fixtures_dir();
+    const std::string dir = fixture_dir_of(name);
     model_file = std::make_unique<safetensors::File>(dir + "/" + name + "_model.safetensors");
     io_file = std::make_unique<safetensors::File>(dir + "/" + name + "_io.safetensors");
     auto config = nlohmann::json::parse(model_file->metadata().at("config"));
@@ -79,20 +98,27 @@ TEST_P(GoldenModel, LogitsLossAndGradients) {
   g.model->params().zero_grad();
   float loss = g.step(ctx, stash, &logits);
 
-  EXPECT_LE(scaled_error(logits, g.io_file->read("logits")), 1e-5);
+  const double logits_error = scaled_error(logits, g.io_file->read("logits"));
+  EXPECT_LE(logits_error, 1e-5);
   const float ref_loss = g.io_file->read("loss").item(0);
   EXPECT_NEAR(loss, ref_loss, 1e-5 * std::fabs(ref_loss)) << "loss";
 
   TensorMap grads = megatron_to_hf(g.info, model_grad_dict(*g.model));
   int checked = 0;
+  double worst_grad = 0;
   for (const std::string& name : g.io_file->names()) {
     if (name.rfind("grad.", 0) != 0) continue;
     const std::string param = name.substr(5);
     ASSERT_TRUE(grads.count(param)) << param;
-    EXPECT_LE(scaled_error(grads[param], g.io_file->read(name)), 1e-4) << param;
+    const double e = scaled_error(grads[param], g.io_file->read(name));
+    EXPECT_LE(e, 1e-4) << param;
+    worst_grad = std::max(worst_grad, e);
     ++checked;
   }
   EXPECT_EQ(checked, int(grads.size())) << "every parameter has a reference gradient";
+  std::printf("golden %s (%s, %s): logits %.2e, loss %.2e, %d gradients (worst %.2e) against %s\n", GetParam().c_str(),
+              g.info.model_type.c_str(), g.info.config.qk_layernorm ? "qk-layernorm" : "no qk-layernorm", logits_error,
+              std::fabs(loss - ref_loss) / std::fabs(ref_loss), checked, worst_grad, g.io_file->path().c_str());
 }
 
 TEST_P(GoldenModel, AdamWTrajectory) {
@@ -157,18 +183,20 @@ TEST_P(GoldenModel, AdamWTrajectory) {
   std::printf("AdamW: %zu of %zu elements in Adam's undetermined regime\n", undetermined, total);
 }
 
-// Every <name>_model.safetensors with its <name>_io.safetensors in the fixture folder.
+// Every <name>_model.safetensors with its <name>_io.safetensors in the fixture folders.
 std::vector<std::string> fixture_models() {
   std::vector<std::string> names;
-  const std::string dir = testing::fixtures_dir();
-  if (!std::filesystem::is_directory(dir)) return names;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    const std::string f = e.path().filename().string(), suffix = "_model.safetensors";
-    if (f.size() <= suffix.size() || f.compare(f.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
-    const std::string name = f.substr(0, f.size() - suffix.size());
-    if (std::filesystem::exists(dir + "/" + name + "_io.safetensors")) names.push_back(name);
+  for (const std::string& dir : fixture_dirs()) {
+    if (!std::filesystem::is_directory(dir)) continue;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      const std::string f = e.path().filename().string(), suffix = kModelSuffix;
+      if (f.size() <= suffix.size() || f.compare(f.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+      const std::string name = f.substr(0, f.size() - suffix.size());
+      if (std::filesystem::exists(dir + "/" + name + "_io.safetensors")) names.push_back(name);
+    }
   }
   std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
   return names;
 }
 

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "megatron/core/tensor_parallel/mappings.h"
 #include "megatron/core/tensor_parallel/random.h"
 #include "megatron/kernels/ops.h"
 
@@ -22,8 +23,79 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
                   config.sequence_parallel),
       linear_proj_(params, prefix + ".linear_proj", config.query_projection_size(), config.hidden_size,
                    config.add_bias_linear, ParamInit::ScaledNormal, ParallelMode::Row, pg.tp,
-                   config.sequence_parallel) {
+                   config.sequence_parallel),
+      norm_rms_(config.use_rmsnorm()),
+      norm_zero_centered_gamma_(config.layernorm_zero_centered_gamma),
+      norm_eps_(config.layernorm_epsilon) {
   MG_ASSERT(spec.kind == MixerKind::SelfAttention, "SelfAttention built from a {} spec", mixer_kind_name(spec.kind));
+  if (config.qk_layernorm) {
+    q_norm_ = add_head_norm(params, prefix + ".q_layernorm");
+    k_norm_ = add_head_norm(params, prefix + ".k_layernorm");
+  }
+}
+
+// ---- the per-head norms of q and k (Note [QK layernorm]) ----------------------------------------
+
+SelfAttention::HeadNorm SelfAttention::add_head_norm(ParamAndGradBuffer& params, const std::string& name) const {
+  HeadNorm n;
+  n.weight = params.add(name + ".weight", {d_}, /*no_weight_decay=*/true, ParamInit::Ones);
+  if (!norm_rms_) n.bias = params.add(name + ".bias", {d_}, /*no_weight_decay=*/true, ParamInit::Zeros);
+  for (Parameter* p : {n.weight, n.bias}) {
+    if (p) p->tp_duplicate = tp_ != nullptr;
+  }
+  return n;
+}
+
+Tensor SelfAttention::head_norm_forward(Context& ctx, const HeadNorm& n, const Tensor& x, Norm::Saved& saved) const {
+  const int64_t rows = x.numel() / d_;
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
+  Tensor x_rows = x.view({rows, d_}), out_rows = out.view({rows, d_});
+  saved.x = x;
+  saved.rstd = Tensor::empty({rows}, DType::Float32, ctx.device());
+  if (norm_rms_) {
+    ops::rmsnorm_forward(ctx, x_rows, n.weight->data, norm_eps_, norm_zero_centered_gamma_, out_rows, saved.rstd);
+  } else {
+    saved.mean = Tensor::empty({rows}, DType::Float32, ctx.device());
+    ops::layernorm_forward(ctx, x_rows, n.weight->data, n.bias->data, norm_eps_, norm_zero_centered_gamma_, out_rows,
+                           saved.mean, saved.rstd);
+  }
+  return out;
+}
+
+Tensor SelfAttention::head_norm_backward(Context& ctx, const HeadNorm& n, const Tensor& grad_out,
+                                         const Norm::Saved& saved, Tensor& weight_grad, Tensor& bias_grad) const {
+  const int64_t rows = saved.x.numel() / d_;
+  Tensor grad_in = Tensor::empty(saved.x.shape(), saved.x.dtype(), ctx.device());
+  Tensor g_rows = grad_out.view({rows, d_}), x_rows = saved.x.view({rows, d_}), gi_rows = grad_in.view({rows, d_});
+  if (norm_rms_) {
+    ops::rmsnorm_backward(ctx, g_rows, x_rows, n.weight->data, saved.rstd, norm_zero_centered_gamma_, gi_rows,
+                          weight_grad);
+  } else {
+    ops::layernorm_backward(ctx, g_rows, x_rows, n.weight->data, saved.mean, saved.rstd, norm_zero_centered_gamma_,
+                            gi_rows, weight_grad, bias_grad);
+  }
+  return grad_in;
+}
+
+void SelfAttention::qk_norm_backward(Context& ctx, Tensor& grad_q, Tensor& grad_k, const Saved& saved) const {
+  Parameter* const params[] = {q_norm_.weight, k_norm_.weight, q_norm_.bias, k_norm_.bias};
+  // Where the weight gradients accumulate: main_grad, or under tensor parallelism one buffer of this
+  // rank's partial sums, summed over the group and then added (Note [QK layernorm]).
+  Tensor grads[4], partial;
+  const bool tp = tp_ != nullptr;
+  if (tp) partial = Tensor::zeros({4, d_}, DType::Float32, ctx.device());
+  for (int i = 0; i < 4; ++i) {
+    if (params[i]) grads[i] = tp ? partial.slice(i, i + 1).view({d_}) : params[i]->main_grad;
+  }
+  grad_q = head_norm_backward(ctx, q_norm_, grad_q, saved.q_norm, grads[0], grads[2]);
+  grad_k = head_norm_backward(ctx, k_norm_, grad_k, saved.k_norm, grads[1], grads[3]);
+  if (tp) {
+    tensor_parallel::all_reduce_(ctx, *tp_, partial);
+    for (int i = 0; i < 4; ++i) {
+      if (params[i]) ops::add(ctx, params[i]->main_grad, grads[i], params[i]->main_grad);
+    }
+  }
+  for (Parameter* p : params) notify_grad_accumulated(ctx, p);
 }
 
 void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const {
@@ -41,6 +113,10 @@ void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved
   Tensor k = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
   Tensor v = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
   ops::qkv_split_forward(ctx, saved.qkv, q, k, v);
+  if (q_norm_.weight) {
+    q = head_norm_forward(ctx, q_norm_, q, saved.q_norm);
+    k = head_norm_forward(ctx, k_norm_, k, saved.k_norm);
+  }
   if (freqs.defined()) {
     ops::rope_forward(ctx, q, freqs, rope_interleaved_, q);
     ops::rope_forward(ctx, k, freqs, rope_interleaved_, k);
@@ -67,6 +143,7 @@ Tensor SelfAttention::forward(Context& ctx, const Tensor& x, const Tensor& freqs
     if (!fused_qkv(freqs)) saved.qkv = Tensor();
   } else {
     saved.q = saved.k = saved.v = saved.context = saved.lse = Tensor();
+    saved.q_norm = saved.k_norm = Norm::Saved();
   }
   return out;
 }
@@ -94,6 +171,7 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Tenso
       ops::rope_backward(ctx, gq, freqs, rope_interleaved_, gq);
       ops::rope_backward(ctx, gk, freqs, rope_interleaved_, gk);
     }
+    if (q_norm_.weight) qk_norm_backward(ctx, gq, gk, saved);
     grad_qkv = Tensor::empty({s, b, (nq_ + 2 * ng_) * d_}, dt, ctx.device());
     ops::qkv_split_backward(ctx, gq, gk, gv, grad_qkv);
   }
@@ -111,6 +189,11 @@ Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Ten
   Tensor k = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
   Tensor v = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
   ops::qkv_split_forward(ctx, qkv, q, k, v);
+  if (q_norm_.weight) {
+    Norm::Saved unused;
+    q = head_norm_forward(ctx, q_norm_, q, unused);
+    k = head_norm_forward(ctx, k_norm_, k, unused);
+  }
   if (freqs.defined()) {  // one angle row per (position, sequence): the sequences sit at different positions
     Tensor q_rows = q.view({s * b, 1, nq_, d_}), k_rows = k.view({s * b, 1, ng_, d_});
     ops::rope_forward(ctx, q_rows, freqs, rope_interleaved_, q_rows);

@@ -1,12 +1,27 @@
 // SelfAttention (Megatron-Core's SelfAttention with the local core attention): the fused QKV
-// projection (grouped per query group), rotary embedding of q and k, causal softmax attention with
-// GQA and attention dropout, and the output projection.
+// projection (grouped per query group), optionally the per-head norms of q and k, rotary embedding
+// of q and k, causal softmax attention with GQA and attention dropout, and the output projection.
 //
 // Note [Fused QKV attention]: with MHA (nq == ng) and no RoPE the core attention reads q, k and v
 // straight from the fused QKV projection (ops::attention_forward_qkv: on the GPU cuDNN takes them
 // as strided views) and its backward writes the fused gradient, so there are no split and merge
 // copies; Saved keeps the projection itself instead of q/k/v. GQA (one key/value head for several
-// query heads is no single stride) and RoPE (q and k are rotated out of place) keep the split path.
+// query heads is no single stride), RoPE (q and k are rotated out of place) and --qk-layernorm (q
+// and k are normalised out of place) keep the split path.
+//
+// Note [QK layernorm]: with --qk-layernorm (Megatron's qk_layernorm; Qwen3, OLMo-2) each query and
+// key head is normalised over its d channels after the QKV split and before RoPE, with the
+// model's --normalization (RMSNorm or LayerNorm, --apply-layernorm-1p and the epsilon included)
+// and one weight [d] (and bias, LayerNorm) for q and one for k, shared by every head:
+// "<prefix>.q_layernorm.weight" and "<prefix>.k_layernorm.weight". The norms run over rows
+// [s·b·heads, d] with the ordinary norm ops. Under tensor parallelism the weights are duplicated
+// on the tensor-parallel ranks (tp_duplicate) while the heads are sharded, so each rank's weight
+// gradient is a partial sum over its own heads: Megatron all-reduces the gradients of
+// q_layernorm/k_layernorm over the tensor-parallel group (finalize_model_grads, with or without
+// sequence parallelism). Here backward computes them into one small buffer, all-reduces it over
+// the tensor-parallel group and adds it to main_grad, so the gradient the data-parallel reduction
+// and the optimizer see is already the full one (and the parameters are not marked
+// sequence_parallel, which would reduce them a second time under --sequence-parallel).
 //
 // Note [Selective recomputation]: with --recompute-granularity selective the core attention's
 // tensors (split q/k/v after RoPE where the split path runs, the attention output and its
@@ -18,6 +33,7 @@
 #include <string>
 
 #include "megatron/core/tensor_parallel/layers.h"
+#include "megatron/core/transformer/norm.h"
 #include "megatron/core/transformer/transformer_config.h"
 #include "megatron/core/transformer/transformer_layer_spec.h"
 
@@ -35,6 +51,7 @@ class SelfAttention {
     Tensor qkv;                    // fused projection [s, b, ng·(nq/ng+2)·d]; dropped once q/k/v are split out
     Tensor q, k, v, context, lse;  // core attention (dropped under selective recomputation); q/k/v
                                    // stay undefined on the fused path (Note [Fused QKV attention])
+    Norm::Saved q_norm, k_norm;    // --qk-layernorm: the split q/k and their statistics (core tensors)
     uint64_t dropout_offset = 0;
   };
   /// x [s, b, h] -> [s, b, h] (output projection applied, its bias included). freqs: rotary angles
@@ -53,7 +70,21 @@ class SelfAttention {
  private:
   void core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const;
   /// Note [Fused QKV attention]: whether the core attention reads the QKV projection directly.
-  bool fused_qkv(const Tensor& freqs) const { return nq_ == ng_ && !freqs.defined(); }
+  bool fused_qkv(const Tensor& freqs) const { return nq_ == ng_ && !freqs.defined() && !q_norm_.weight; }
+
+  // Note [QK layernorm]: one head norm's parameters (bias with LayerNorm only; none without the flag).
+  struct HeadNorm {
+    Parameter* weight = nullptr;
+    Parameter* bias = nullptr;
+  };
+  HeadNorm add_head_norm(ParamAndGradBuffer& params, const std::string& name) const;
+  /// x [s, b, n, d] -> normalised over d, every head with the same weight; fills `saved`.
+  Tensor head_norm_forward(Context& ctx, const HeadNorm& norm, const Tensor& x, Norm::Saved& saved) const;
+  /// Returns the input gradient; accumulates the weight (and bias) gradient into weight_grad (bias_grad).
+  Tensor head_norm_backward(Context& ctx, const HeadNorm& norm, const Tensor& grad_out, const Norm::Saved& saved,
+                            Tensor& weight_grad, Tensor& bias_grad) const;
+  /// The q/k norms' backward, their weight gradients summed over the tensor-parallel ranks.
+  void qk_norm_backward(Context& ctx, Tensor& grad_q, Tensor& grad_k, const Saved& saved) const;
 
   int64_t nq_, ng_, d_;
   float softmax_scale_;
@@ -62,6 +93,9 @@ class SelfAttention {
   Communicator* tp_;  // null: one rank
   Linear linear_qkv_;
   Linear linear_proj_;
+  bool norm_rms_, norm_zero_centered_gamma_;
+  float norm_eps_;
+  HeadNorm q_norm_, k_norm_;  // Note [QK layernorm]
 };
 
 }  // namespace megatron

@@ -36,6 +36,7 @@ struct TransformerConfig {
   float rotary_percent = 1.0f;
   bool rotary_interleaved = false;
   bool share_embeddings_and_output_weights = true;  // false with --untie-embeddings-and-output-weights
+  bool qk_layernorm = false;  // per-head norm of queries and keys (`normalization`, over kv_channels)
   bool apply_residual_connection_post_layernorm = false;
 
   // ---- regularisation and initialisation

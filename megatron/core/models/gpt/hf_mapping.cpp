@@ -129,7 +129,8 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
     c.init_method_std = num("initializer_range", 0.02f);
     MG_CHECK(!num("scale_attn_by_inverse_layer_idx", false) && !num("reorder_and_upcast_attn", false),
              "GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported");
-  } else if (info.model_type == "llama" || info.model_type == "mistral" || info.model_type == "qwen2") {
+  } else if (info.model_type == "llama" || info.model_type == "mistral" || info.model_type == "qwen2" ||
+             info.model_type == "qwen3") {
     info.family = HFFamily::Llama;
     c.num_layers = num("num_hidden_layers", 0);
     c.hidden_size = num("hidden_size", 0);
@@ -147,6 +148,8 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
     c.add_bias_linear = num("mlp_bias", false);
     MG_CHECK(!c.add_bias_linear, "mlp_bias=true is not supported");
     c.add_qkv_bias = info.model_type == "qwen2" ? true : num("attention_bias", false);
+    c.qk_layernorm = info.model_type == "qwen3";  // q_norm / k_norm: RMSNorm over each head
+    MG_CHECK(!num("use_sliding_window", false), "use_sliding_window=true is not supported: only full attention");
     c.position_embedding_type = "rope";
     float theta = num("rope_theta", 10000.0f);
     if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
@@ -162,7 +165,8 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
     c.attention_dropout = num("attention_dropout", 0.0f);
     c.init_method_std = num("initializer_range", 0.02f);
   } else {
-    MG_CHECK(false, "HF model_type '{}' is not supported: expected gpt2, llama, mistral or qwen2", info.model_type);
+    MG_CHECK(false, "HF model_type '{}' is not supported: expected gpt2, llama, mistral, qwen2 or qwen3",
+             info.model_type);
   }
   c.finalize();
   return info;
@@ -212,6 +216,10 @@ TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(con
       out[layer(i, "self_attention.linear_qkv.bias")] =
           merge_qkv(hf(p("self_attn.q_proj.bias"), {nq * d}), hf(p("self_attn.k_proj.bias"), {ng * d}),
                     hf(p("self_attn.v_proj.bias"), {ng * d}), nq, ng, d);
+    }
+    if (c.qk_layernorm) {
+      out[layer(i, "self_attention.q_layernorm.weight")] = hf(p("self_attn.q_norm.weight"), {d});
+      out[layer(i, "self_attention.k_layernorm.weight")] = hf(p("self_attn.k_norm.weight"), {d});
     }
     out[layer(i, "self_attention.linear_proj.weight")] = hf(p("self_attn.o_proj.weight"), {h, nq * d});
     out[layer(i, "pre_mlp_layernorm.weight")] = hf(p("post_attention_layernorm.weight"), {h});
@@ -273,6 +281,10 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
     if (c.add_qkv_bias) {
       split_qkv(get(layer(i, "self_attention.linear_qkv.bias")), nq, ng, d, q, k, vv);
       out[p("self_attn.q_proj.bias")] = q, out[p("self_attn.k_proj.bias")] = k, out[p("self_attn.v_proj.bias")] = vv;
+    }
+    if (c.qk_layernorm) {
+      out[p("self_attn.q_norm.weight")] = get(layer(i, "self_attention.q_layernorm.weight"));
+      out[p("self_attn.k_norm.weight")] = get(layer(i, "self_attention.k_layernorm.weight"));
     }
     out[p("self_attn.o_proj.weight")] = get(layer(i, "self_attention.linear_proj.weight"));
     out[p("post_attention_layernorm.weight")] = get(layer(i, "pre_mlp_layernorm.weight"));

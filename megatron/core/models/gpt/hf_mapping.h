@@ -1,5 +1,6 @@
 // HuggingFace <-> Megatron-Core names and layouts for the GPT-2 and Llama families (Llama, Mistral,
-// Qwen2: the same tensor names; Qwen2 adds q/k/v biases).
+// Qwen2, Qwen3: the same tensor names; Qwen2 adds q/k/v biases, Qwen3 the per-head RMSNorms of
+// queries and keys, self_attn.q_norm/k_norm <-> self_attention.q_layernorm/k_layernorm).
 //
 //   GPT-2: Conv1D weights are [in, out] (transposed here); c_attn packs q, k, v along `out`.
 //   Llama: q_proj/k_proj/v_proj are separate; gate_proj and up_proj become linear_fc1 = [gate; up].
@@ -28,7 +29,7 @@ struct HFModelInfo {
   TransformerConfig config;  // finalized
 };
 
-/// Reads a HuggingFace config.json (GPT-2, Llama, Mistral, Qwen2). Unknown model types and
+/// Reads a HuggingFace config.json (GPT-2, Llama, Mistral, Qwen2, Qwen3). Unknown model types and
 /// unsupported options (e.g. rope scaling, sliding windows) are refused with a clear message.
 /// make_vocab_size_divisible_by sets the padding of the vocabulary.
 HFModelInfo config_from_hf(const nlohmann::json& hf_config, int make_vocab_size_divisible_by = 128);

@@ -1,0 +1,195 @@
+// The model arguments a checkpoint carries (model_arguments.inc): the keys and values written for
+// the flags that existed before the table are unchanged (older checkpoints load, newer ones read
+// the same), --use-checkpoint-args takes them back, and an identity flag (--qk-layernorm here)
+// that differs between the checkpoint and the run refuses the load with one line.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "megatron/training/arguments.h"
+#include "megatron/training/checkpointing.h"
+#include "tests/test_util.h"
+
+namespace megatron {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_of;
+
+Arguments parse(std::vector<std::string> flags) {
+  std::vector<const char*> argv = {"pretrain_gpt"};
+  for (const std::string& f : flags) argv.push_back(f.c_str());
+  auto a = parse_args(int(argv.size()), argv.data(), "test");
+  EXPECT_TRUE(a.has_value());
+  return *a;
+}
+
+std::vector<std::string> concat_flags(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+std::vector<std::string> llama_flags() {
+  return {"--num-layers",
+          "2",
+          "--hidden-size",
+          "32",
+          "--num-attention-heads",
+          "4",
+          "--group-query-attention",
+          "--num-query-groups",
+          "2",
+          "--kv-channels",
+          "12",
+          "--seq-length",
+          "16",
+          "--max-position-embeddings",
+          "16",
+          "--swiglu",
+          "--normalization",
+          "RMSNorm",
+          "--norm-epsilon",
+          "1e-6",
+          "--disable-bias-linear",
+          "--position-embedding-type",
+          "rope",
+          "--rotary-base",
+          "500000",
+          "--untie-embeddings-and-output-weights",
+          "--micro-batch-size",
+          "2",
+          "--train-iters",
+          "1",
+          "--lr",
+          "1e-3",
+          "--mock-data",
+          "--vocab-size",
+          "40",
+          "--make-vocab-size-divisible-by",
+          "8",
+          "--bf16"};
+}
+
+// The checkpoint "args" as written before model_arguments.inc (key for key), plus qk_layernorm.
+TEST(CheckpointArgs, KeysAndValuesOfTheEarlierFormatAreUnchanged) {
+  Arguments a = parse(llama_flags());
+  validate_args(a);
+  const nlohmann::json before = {{"num_layers", a.num_layers},
+                                 {"hidden_size", a.hidden_size},
+                                 {"ffn_hidden_size", a.ffn_hidden_size},
+                                 {"num_attention_heads", a.num_attention_heads},
+                                 {"kv_channels", a.kv_channels},
+                                 {"group_query_attention", a.group_query_attention},
+                                 {"num_query_groups", a.num_query_groups},
+                                 {"seq_length", a.seq_length},
+                                 {"max_position_embeddings", a.max_position_embeddings},
+                                 {"make_vocab_size_divisible_by", a.make_vocab_size_divisible_by},
+                                 {"untie_embeddings_and_output_weights", a.untie_embeddings_and_output_weights},
+                                 {"disable_bias_linear", a.disable_bias_linear},
+                                 {"add_qkv_bias", a.add_qkv_bias},
+                                 {"normalization", a.normalization},
+                                 {"norm_epsilon", a.norm_epsilon},
+                                 {"swiglu", a.swiglu},
+                                 {"position_embedding_type", a.position_embedding_type},
+                                 {"rotary_base", a.rotary_base},
+                                 {"rotary_percent", a.rotary_percent},
+                                 {"rotary_interleaved", a.rotary_interleaved},
+                                 {"apply_layernorm_1p", a.apply_layernorm_1p},
+                                 {"vocab_size", a.vocab_size},
+                                 {"tokenizer_type", a.tokenizer_type},
+                                 {"bf16", a.bf16},
+                                 {"fp16", a.fp16}};
+  nlohmann::json now = model_args_to_json(a);
+  EXPECT_EQ(now.at("qk_layernorm"), false);
+  now.erase("qk_layernorm");
+  EXPECT_EQ(now.dump(2), before.dump(2));
+  EXPECT_EQ(now.at("norm_epsilon").dump(), nlohmann::json(1e-6f).dump());
+}
+
+// The config mapping and its inverse (the converter's) agree on every model flag of a Llama shape.
+TEST(CheckpointArgs, ConfigMappingRoundTrips) {
+  Arguments a = parse(concat_flags(llama_flags(), {"--qk-layernorm", "--apply-layernorm-1p"}));
+  validate_args(a);
+  const TransformerConfig c = transformer_config_from_args(a, 40);
+  EXPECT_TRUE(c.qk_layernorm);
+  EXPECT_TRUE(c.layernorm_zero_centered_gamma);
+  EXPECT_EQ(c.num_query_groups, 2);
+  EXPECT_EQ(c.activation, "swiglu");
+  Arguments back = model_arguments_from_config(c);
+  back.vocab_size = a.vocab_size;
+  back.tokenizer_type = a.tokenizer_type;
+  back.bf16 = a.bf16;
+  EXPECT_EQ(model_args_to_json(back), model_args_to_json(a));
+}
+
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const std::string& name)
+      : path(fs::temp_directory_path() / fmt::format("megatron_{}_{}", name, ::getpid())) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+TEST(CheckpointArgs, QkLayernormIsPartOfTheModelIdentity) {
+  TempDir dir("qk_identity");
+  Arguments with = parse(concat_flags(llama_flags(), {"--qk-layernorm"}));
+  validate_args(with);
+  with.bf16 = false;
+  GPTModel saved_model(transformer_config_from_args(with, with.vocab_size));
+  saved_model.init_weights(1);
+  save_model_checkpoint(dir.path.string(), saved_model, with, /*release=*/true);
+
+  // Without the flag the weights would load (every tensor of the smaller model is there) and the
+  // model would compute something else: refused, in one line naming the flag.
+  Arguments without = with;
+  without.qk_layernorm = false;
+  GPTModel plain(transformer_config_from_args(without, without.vocab_size));
+  Context ctx;
+  const std::string e = error_of([&] { Checkpointer(without).load(ctx, dir.path.string(), plain, nullptr, nullptr); });
+  EXPECT_NE(e.find("was saved from another model: --qk-layernorm is true there and false in this run"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(e.find('\n'), std::string::npos) << "one line: " << e;
+
+  // --use-checkpoint-args takes it from the checkpoint, and then the checkpoint loads.
+  Arguments restored = without;
+  apply_checkpoint_args(restored, dir.path.string());
+  EXPECT_TRUE(restored.qk_layernorm);
+  GPTModel model(transformer_config_from_args(restored, restored.vocab_size));
+  EXPECT_TRUE(Checkpointer(restored).load(ctx, dir.path.string(), model, nullptr, nullptr).has_value());
+  const Parameter* w = model.params().find("decoder.layers.1.self_attention.k_layernorm.weight");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->data.to_floats(), saved_model.params().find(w->name)->data.to_floats());
+}
+
+// A checkpoint written before --qk-layernorm existed has no such key: it counts as off.
+TEST(CheckpointArgs, AMissingIdentityKeyCountsAsItsDefault) {
+  TempDir dir("qk_missing");
+  Arguments a = parse(llama_flags());
+  validate_args(a);
+  a.bf16 = false;
+  GPTModel model(transformer_config_from_args(a, a.vocab_size));
+  model.init_weights(1);
+  save_model_checkpoint(dir.path.string(), model, a, /*release=*/true);
+  const fs::path meta_path = dir.path / "release/metadata.json";
+  nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
+  ASSERT_TRUE(meta["args"].contains("qk_layernorm"));
+  meta["args"].erase("qk_layernorm");
+  std::ofstream(meta_path) << meta.dump(2);
+
+  Context ctx;
+  EXPECT_TRUE(Checkpointer(a).load(ctx, dir.path.string(), model, nullptr, nullptr).has_value());
+  Arguments qk = a;
+  qk.qk_layernorm = true;
+  GPTModel qk_model(transformer_config_from_args(qk, qk.vocab_size));
+  const std::string e = error_of([&] { Checkpointer(qk).load(ctx, dir.path.string(), qk_model, nullptr, nullptr); });
+  EXPECT_NE(e.find("--qk-layernorm is false there and true in this run"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace megatron
