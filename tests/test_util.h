@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -29,6 +30,42 @@ inline std::string data_fixtures_dir() {
   std::string shared = fixtures_dir() + "/megatron_data";
   if (std::filesystem::is_directory(shared)) return shared;
   return std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures/megatron_data";
+}
+
+/// The folders HuggingFace golden fixtures are read from, in order of preference: fixtures_dir(),
+/// then the repository's tests/fixtures (fixtures newer than a shared folder live there).
+inline std::vector<std::string> golden_fixture_dirs() {
+  return {fixtures_dir(), std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures"};
+}
+
+/// The first folder that holds both files of golden fixture `name` (<name>_model.safetensors and
+/// <name>_io.safetensors), else fixtures_dir().
+inline std::string golden_fixture_dir_of(const std::string& name) {
+  for (const std::string& dir : golden_fixture_dirs()) {
+    if (std::filesystem::exists(dir + "/" + name + "_model.safetensors") &&
+        std::filesystem::exists(dir + "/" + name + "_io.safetensors"))
+      return dir;
+  }
+  return fixtures_dir();
+}
+
+/// Every golden fixture name: each <name>_model.safetensors with its <name>_io.safetensors in the
+/// golden fixture folders, sorted, once.
+inline std::vector<std::string> golden_fixture_models() {
+  const std::string suffix = "_model.safetensors";
+  std::vector<std::string> names;
+  for (const std::string& dir : golden_fixture_dirs()) {
+    if (!std::filesystem::is_directory(dir)) continue;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      const std::string f = e.path().filename().string();
+      if (f.size() <= suffix.size() || f.compare(f.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+      const std::string name = f.substr(0, f.size() - suffix.size());
+      if (std::filesystem::exists(dir + "/" + name + "_io.safetensors")) names.push_back(name);
+    }
+  }
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  return names;
 }
 
 /// A tensor of normal(0, std) values from a Philox stream (reproducible).

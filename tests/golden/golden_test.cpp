@@ -33,23 +33,6 @@ double scaled_error(const Tensor& a, const Tensor& b) {
   return diff / std::max(scale, 1e-30);
 }
 
-constexpr const char* kModelSuffix = "_model.safetensors";
-
-// The folders fixtures are read from, in order of preference.
-std::vector<std::string> fixture_dirs() {
-  return {testing::fixtures_dir(), std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures"};
-}
-
-// The first folder that holds both files of fixture `name`.
-std::string fixture_dir_of(const std::string& name) {
-  for (const std::string& dir : fixture_dirs()) {
-    if (std::filesystem::exists(dir + "/" + name + kModelSuffix) &&
-        std::filesystem::exists(dir + "/" + name + "_io.safetensors"))
-      return dir;
-  }
-  return testing::fixtures_dir();
-}
-
 struct Golden {
   std::unique_ptr<safetensors::File> model_file, io_file;
   HFModelInfo info;
@@ -57,7 +40,7 @@ struct Golden {
   Tensor tokens, labels;
 
   explicit Golden(const std::string& name) {
-    const std::string dir = fixture_dir_of(name);
+    const std::string dir = testing::golden_fixture_dir_of(name);
     model_file = std::make_unique<safetensors::File>(dir + "/" + name + "_model.safetensors");
     io_file = std::make_unique<safetensors::File>(dir + "/" + name + "_io.safetensors");
     auto config = nlohmann::json::parse(model_file->metadata().at("config"));
@@ -183,29 +166,12 @@ TEST_P(GoldenModel, AdamWTrajectory) {
   std::printf("AdamW: %zu of %zu elements in Adam's undetermined regime\n", undetermined, total);
 }
 
-// Every <name>_model.safetensors with its <name>_io.safetensors in the fixture folders.
-std::vector<std::string> fixture_models() {
-  std::vector<std::string> names;
-  for (const std::string& dir : fixture_dirs()) {
-    if (!std::filesystem::is_directory(dir)) continue;
-    for (const auto& e : std::filesystem::directory_iterator(dir)) {
-      const std::string f = e.path().filename().string(), suffix = kModelSuffix;
-      if (f.size() <= suffix.size() || f.compare(f.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
-      const std::string name = f.substr(0, f.size() - suffix.size());
-      if (std::filesystem::exists(dir + "/" + name + "_io.safetensors")) names.push_back(name);
-    }
-  }
-  std::sort(names.begin(), names.end());
-  names.erase(std::unique(names.begin(), names.end()), names.end());
-  return names;
-}
-
 TEST(GoldenFixtures, AreFound) {
-  EXPECT_FALSE(fixture_models().empty()) << "no <name>_model.safetensors + <name>_io.safetensors pairs in "
+  EXPECT_FALSE(testing::golden_fixture_models().empty()) << "no <name>_model.safetensors + <name>_io.safetensors pairs in "
                                          << testing::fixtures_dir() << ": set MEGATRON_FIXTURES";
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenModel, ::testing::ValuesIn(fixture_models()),
+INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenModel, ::testing::ValuesIn(testing::golden_fixture_models()),
                          [](const auto& info) { return info.param; });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(GoldenModel);
 

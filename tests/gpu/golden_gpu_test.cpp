@@ -1,5 +1,7 @@
-// The HuggingFace golden fixtures on the GPU: the converted fixture models run on CUDA in fp32
-// (the fixture's tolerances) and in bf16 (bf16 tolerances): logits, loss and every gradient.
+// The HuggingFace golden fixtures on the GPU: every fixture of the golden folders
+// (testing::golden_fixture_models: $MEGATRON_FIXTURES, then tests/fixtures), converted and run on
+// CUDA in fp32 (the fixture's tolerances) and in bf16 (bf16 tolerances): logits, loss and every
+// gradient, one line per fixture and precision.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -32,7 +34,7 @@ class GoldenGpu : public ::testing::TestWithParam<Case> {};
 TEST_P(GoldenGpu, LogitsLossAndGradients) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU";
   const Case c = GetParam();
-  const std::string dir = testing::fixtures_dir();
+  const std::string dir = testing::golden_fixture_dir_of(c.model);
   safetensors::File model_file(dir + "/" + c.model + "_model.safetensors");
   safetensors::File io(dir + "/" + c.model + "_io.safetensors");
   HFModelInfo info = config_from_hf(nlohmann::json::parse(model_file.metadata().at("config")), 1);
@@ -75,10 +77,16 @@ TEST_P(GoldenGpu, LogitsLossAndGradients) {
               c.bf16 ? "bf16" : "fp32", loss, ref_loss, worst);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenGpu,
-                         ::testing::Values(Case{"gpt2", false}, Case{"llama", false}, Case{"gpt2", true},
-                                           Case{"llama", true}),
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  for (bool bf16 : {false, true})
+    for (const std::string& name : testing::golden_fixture_models()) v.push_back(Case{name, bf16});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenGpu, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.model + (info.param.bf16 ? "_bf16" : "_fp32"); });
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(GoldenGpu);
 
 }  // namespace
 }  // namespace megatron

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/training/arguments.h"
 #include "megatron/training/checkpointing.h"
 #include "tests/test_util.h"

@@ -13,7 +13,8 @@
 #include <thread>
 
 #include "megatron/core/comm/communicator.h"
-#include "megatron/core/inference/kv_cache.h"
+#include "megatron/core/parallel_state.h"
+#include "megatron/core/transformer/kv_cache.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/runtime/philox.h"
 #include "tests/kernels/gradcheck.h"
