@@ -75,6 +75,11 @@ struct Parameter {
   /// Computed on sequence shards under --sequence-parallel (norm weights and biases, row-parallel
   /// biases): its gradient is all-reduced over the tensor-parallel group.
   bool sequence_parallel = false;
+  /// Its gradient on each tensor-parallel rank is a partial sum over that rank's share of the work
+  /// although the values are whole on every rank (the q/k layernorms over this rank's heads,
+  /// Megatron's q_layernorm/k_layernorm): all-reduced over the tensor-parallel group by
+  /// finalize_model_grads, with or without --sequence-parallel.
+  bool tp_partial_grad = false;
   /// The last pipeline stage's copy of the tied word embeddings (Megatron's output_layer.weight with
   /// share_embeddings_and_output_weights): same name and values as the first stage's, gradients
   /// all-reduced over the embedding group, not counted in norms and not saved.

@@ -266,15 +266,16 @@ void all_reduce_main_grads(Context& ctx, Communicator& group, const std::vector<
 void finalize_model_grads(Context& ctx, DistributedDataParallel& ddp) {
   ddp.finish_grad_sync(ctx);
   ParallelState& ps = ddp.parallel_state();
-  std::vector<Parameter*> sequence_parallel, embedding;
+  std::vector<Parameter*> tp_partial, embedding;
+  const bool sp = ps.sequence_parallel() && ps.tp_size() > 1;
   for (int c = 0; c < ddp.num_chunks(); ++c) {
     for (Parameter* p : ddp.chunk(c).parameters()) {
-      if (p->sequence_parallel) sequence_parallel.push_back(p);
+      if ((sp && p->sequence_parallel) || p->tp_partial_grad) tp_partial.push_back(p);
       if (p->shared_embedding_copy || p->in_embedding_group) embedding.push_back(p);
     }
   }
-  // Megatron's _allreduce_non_tensor_model_parallel_grads (layernorm grads under SP).
-  if (ps.sequence_parallel() && ps.tp_size() > 1) all_reduce_main_grads(ctx, ps.tensor(), sequence_parallel);
+  // Megatron's _allreduce_layernorm_grads: norm and bias gradients under SP, and the q/k layernorms'.
+  if (ps.tp_size() > 1) all_reduce_main_grads(ctx, ps.tensor(), tp_partial);
   // Megatron's _allreduce_word_embedding_grads.
   if (ps.pp_size() > 1 && ps.embedding()) all_reduce_main_grads(ctx, *ps.embedding(), embedding);
 }

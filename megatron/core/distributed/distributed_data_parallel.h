@@ -151,7 +151,8 @@ class DistributedDataParallel : public GradHook {
 };
 
 /// Megatron's finalize_model_grads: finish_grad_sync, then all-reduce over the tensor-parallel group
-/// the main grads of sequence_parallel parameters (with --sequence-parallel and TP > 1), and over the
+/// the main grads of sequence_parallel parameters (with --sequence-parallel and TP > 1) and of
+/// tp_partial_grad parameters (TP > 1), and over the
 /// embedding group those of shared_embedding_copy / in_embedding_group parameters (PP > 1, on the
 /// first and last stage). Every rank of those groups must hold the same such parameters in the same
 /// order. With the distributed optimizer the results are right on each rank's owned shard (the

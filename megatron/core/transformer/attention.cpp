@@ -2,7 +2,6 @@
 
 #include <cmath>
 
-#include "megatron/core/tensor_parallel/mappings.h"
 #include "megatron/core/tensor_parallel/random.h"
 #include "megatron/kernels/ops.h"
 
@@ -41,7 +40,9 @@ SelfAttention::HeadNorm SelfAttention::add_head_norm(ParamAndGradBuffer& params,
   n.weight = params.add(name + ".weight", {d_}, /*no_weight_decay=*/true, ParamInit::Ones);
   if (!norm_rms_) n.bias = params.add(name + ".bias", {d_}, /*no_weight_decay=*/true, ParamInit::Zeros);
   for (Parameter* p : {n.weight, n.bias}) {
-    if (p) p->tp_duplicate = tp_ != nullptr;
+    if (!p) continue;
+    p->tp_duplicate = tp_ != nullptr;
+    p->tp_partial_grad = tp_ != nullptr;  // Note [QK layernorm]: reduced by finalize_model_grads
   }
   return n;
 }
@@ -78,24 +79,13 @@ Tensor SelfAttention::head_norm_backward(Context& ctx, const HeadNorm& n, const 
 }
 
 void SelfAttention::qk_norm_backward(Context& ctx, Tensor& grad_q, Tensor& grad_k, const Saved& saved) const {
-  Parameter* const params[] = {q_norm_.weight, k_norm_.weight, q_norm_.bias, k_norm_.bias};
-  // Where the weight gradients accumulate: main_grad, or under tensor parallelism one buffer of this
-  // rank's partial sums, summed over the group and then added (Note [QK layernorm]).
-  Tensor grads[4], partial;
-  const bool tp = tp_ != nullptr;
-  if (tp) partial = Tensor::zeros({4, d_}, DType::Float32, ctx.device());
-  for (int i = 0; i < 4; ++i) {
-    if (params[i]) grads[i] = tp ? partial.slice(i, i + 1).view({d_}) : params[i]->main_grad;
-  }
-  grad_q = head_norm_backward(ctx, q_norm_, grad_q, saved.q_norm, grads[0], grads[2]);
-  grad_k = head_norm_backward(ctx, k_norm_, grad_k, saved.k_norm, grads[1], grads[3]);
-  if (tp) {
-    tensor_parallel::all_reduce_(ctx, *tp_, partial);
-    for (int i = 0; i < 4; ++i) {
-      if (params[i]) ops::add(ctx, params[i]->main_grad, grads[i], params[i]->main_grad);
-    }
-  }
-  for (Parameter* p : params) notify_grad_accumulated(ctx, p);
+  // Under tensor parallelism this rank's partial sums over its heads; finalize_model_grads adds the
+  // other ranks' (Note [QK layernorm]).
+  Tensor none;
+  auto grad_of = [&](Parameter* p) -> Tensor& { return p ? p->main_grad : none; };
+  grad_q = head_norm_backward(ctx, q_norm_, grad_q, saved.q_norm, q_norm_.weight->main_grad, grad_of(q_norm_.bias));
+  grad_k = head_norm_backward(ctx, k_norm_, grad_k, saved.k_norm, k_norm_.weight->main_grad, grad_of(k_norm_.bias));
+  for (Parameter* p : {q_norm_.weight, k_norm_.weight, q_norm_.bias, k_norm_.bias}) notify_grad_accumulated(ctx, p);
 }
 
 void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const {

@@ -16,12 +16,10 @@
 // "<prefix>.q_layernorm.weight" and "<prefix>.k_layernorm.weight". The norms run over rows
 // [s·b·heads, d] with the ordinary norm ops. Under tensor parallelism the weights are duplicated
 // on the tensor-parallel ranks (tp_duplicate) while the heads are sharded, so each rank's weight
-// gradient is a partial sum over its own heads: Megatron all-reduces the gradients of
-// q_layernorm/k_layernorm over the tensor-parallel group (finalize_model_grads, with or without
-// sequence parallelism). Here backward computes them into one small buffer, all-reduces it over
-// the tensor-parallel group and adds it to main_grad, so the gradient the data-parallel reduction
-// and the optimizer see is already the full one (and the parameters are not marked
-// sequence_parallel, which would reduce them a second time under --sequence-parallel).
+// gradient is a partial sum over its own heads: as Megatron, finalize_model_grads all-reduces the
+// gradients of q_layernorm/k_layernorm over the tensor-parallel group once per step, with or
+// without sequence parallelism (Parameter::tp_partial_grad; they are not marked sequence_parallel,
+// which would reduce them a second time under --sequence-parallel).
 //
 // Note [Selective recomputation]: with --recompute-granularity selective the core attention's
 // tensors (split q/k/v after RoPE where the split path runs, the attention output and its

@@ -234,6 +234,19 @@ TEST_F(ParallelTraining, LlamaTP2DP2DistributedOptimizer) {
         Layout{"llama_tp2dp2", 4, {"--tensor-model-parallel-size", "2", "--use-distributed-optimizer"}});
 }
 
+// --qk-layernorm (Qwen3 style): the q/k norms' weight gradients are partial sums over each rank's
+// heads, reduced once per step by finalize_model_grads (Note [QK layernorm]); TP 2 × DP 2 with
+// sequence parallelism, the distributed optimizer and overlapped reduction equals one process.
+TEST_F(ParallelTraining, QkLayernormTP2DP2) {
+  const std::vector<std::string> qwen = concat(kLlama, {"--qk-layernorm"});
+  TrainRun single =
+      train(dir_->path, "qk_single", 1, concat(qwen, {"--train-iters", "5", "--save", (dir_->path / "qk_single").string()}));
+  check(qwen, single, "qk_single",
+        Layout{"qk_tp2dp2_sp_distopt", 4,
+               {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+                "--overlap-grad-reduce", "--ddp-bucket-size", "20000"}});
+}
+
 // Dropout masks do not depend on the data-parallel or pipeline layout (schedules.h).
 TEST_F(ParallelTraining, DropoutMatchesAcrossDataAndPipelineParallel) {
   std::vector<std::string> model = kGpt;

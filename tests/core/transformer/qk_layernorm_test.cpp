@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "megatron/core/comm/communicator.h"
+#include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/parallel_state.h"
 #include "megatron/core/transformer/kv_cache.h"
 #include "megatron/core/models/gpt/gpt_model.h"
@@ -179,7 +180,8 @@ INSTANTIATE_TEST_SUITE_P(Styles, QKLayernorm, ::testing::ValuesIn(kStyles),
                          [](const auto& info) { return info.param.name; });
 
 // One forward and backward on every rank of a tensor-parallel group (threads over a local
-// communicator); returns the gradients of the q/k norm parameters, which every rank must hold alike.
+// communicator), then finalize_model_grads as a training step ends; returns the gradients of the
+// q/k norm parameters, which every rank must hold alike.
 std::map<std::string, std::vector<float>> tp_gradients(const Style& st, int tp, bool sp) {
   std::vector<std::map<std::string, std::vector<float>>> per_rank(static_cast<size_t>(tp));
   auto comms = make_local_group(tp);
@@ -198,10 +200,12 @@ std::map<std::string, std::vector<float>> tp_gradients(const Style& st, int tp, 
         GPTModel model(c, Device::cpu(), &ps);
         init(model);
         Context ctx(Device::cpu(), 1234);
-        model.params().zero_grad();
+        DistributedDataParallel ddp(ps, {&model.params()}, DDPConfig{});
+        ddp.zero_grad(ctx);
         GPTModel::Stash stash;
         Tensor losses = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash);
         model.backward(ctx, testing::random_tensor(losses.shape(), 5, 1.0f, DType::Float32), stash);
+        finalize_model_grads(ctx, ddp);
         for (Parameter* p : model.params().parameters()) {
           if (!is_qk_norm(p->name)) continue;
           EXPECT_EQ(p->tp_duplicate, tp > 1) << p->name;
