@@ -118,6 +118,19 @@ TEST(NcclCommunicator, AllToAllVUnevenSplitsEveryDtype) {
   });
 }
 
+// The same on a one-rank NCCL world (one GPU suffices): the part a rank sends itself goes through
+// NCCL's grouped send/recv on the communicator's stream like any other.
+TEST(NcclCommunicator, AllToAllVOnOneRank) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "no GPU";
+  const std::vector<char> id = comm_detail::nccl_unique_id();
+  auto world = comm_detail::make_nccl_world(0, 1, Device::cuda(0), id, std::chrono::seconds(60));
+  Context ctx(Device::cuda(0));
+  ASSERT_EQ(world->backend(), "nccl");
+  testing::expect_all_to_all_v_every_dtype(*world, ctx);
+  testing::expect_all_to_all_v_argument_errors(*world, ctx);
+  ctx.synchronize();
+}
+
 TEST(NcclCommunicator, BatchSendRecvRingBothWays) {
   on_every_gpu([](Communicator& w, Context& ctx) {
     const int r = w.rank(), n = w.size();

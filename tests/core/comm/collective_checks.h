@@ -36,12 +36,12 @@ inline void expect_all_reduce_every_dtype_and_op(Communicator& w, Context& ctx) 
 }
 
 /// all_to_all_v with uneven splits, empty parts among them, over every dtype, the five launched
-/// before any is waited for: rank i sends (i + 2j) % 3 rows of shape [2, 2] to rank j, row k
+/// before any is waited for: rank i sends (i + 2j + 1) % 3 rows of shape [2, 2] to rank j, row k
 /// holding {v, -v, 0, 1} with v = 32 i + 4 j + k, so a row from or to the wrong rank, or a part at
 /// the wrong offset, shows. Then the exchange where every part is empty.
 inline void expect_all_to_all_v_every_dtype(Communicator& w, Context& ctx) {
   const int r = w.rank(), n = w.size();
-  auto rows = [](int from, int to) { return int64_t((from + 2 * to) % 3); };
+  auto rows = [](int from, int to) { return int64_t((from + 2 * to + 1) % 3); };  // a one-rank group sends 1
   auto append_rows = [&](std::vector<float>& v, int from, int to) {
     for (int64_t k = 0; k < rows(from, to); ++k) {
       const float x = float(32 * from + 4 * to + k);
