@@ -1,0 +1,335 @@
+#include "megatron/core/transformer/moe/moe_utils.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "megatron/runtime/check.h"
+
+namespace megatron::moe {
+
+namespace {
+constexpr float kNormEps = 1e-20f;  // Megatron's denominator guard for normalised sigmoid scores
+
+// Indices of the k largest of v (descending; ties to the lower index), over entries not masked.
+std::vector<int64_t> top_indices(const float* v, int64_t n, int k, const std::vector<bool>* allowed = nullptr) {
+  std::vector<int64_t> idx;
+  for (int64_t i = 0; i < n; ++i)
+    if (!allowed || (*allowed)[size_t(i)]) idx.push_back(i);
+  std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return v[a] > v[b]; });
+  idx.resize(size_t(k));
+  return idx;
+}
+
+// Megatron's group_limited_topk: the experts of the group_topk groups whose top (topk/group_topk)
+// scores sum highest, then the top-k of those.
+std::vector<int64_t> select(const RouterConfig& c, const float* scores, int64_t e) {
+  if (c.group_topk <= 0) return top_indices(scores, e, c.topk);
+  const int64_t per_group = e / c.num_groups;
+  std::vector<float> group_score(static_cast<size_t>(c.num_groups));
+  for (int g = 0; g < c.num_groups; ++g) {
+    std::vector<int64_t> best = top_indices(scores + g * per_group, per_group, c.topk / c.group_topk);
+    float sum = 0;
+    for (int64_t i : best) sum += scores[g * per_group + i];
+    group_score[size_t(g)] = sum;
+  }
+  std::vector<int64_t> groups = top_indices(group_score.data(), c.num_groups, c.group_topk);
+  std::vector<bool> allowed(static_cast<size_t>(e), false);
+  for (int64_t g : groups)
+    for (int64_t i = 0; i < per_group; ++i) allowed[size_t(g * per_group + i)] = true;
+  return top_indices(scores, e, c.topk, &allowed);
+}
+
+void softmax_row(const float* x, int64_t n, float* out) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(double(x[i]) - m);
+  for (int64_t i = 0; i < n; ++i) out[i] = float(std::exp(double(x[i]) - m) / sum);
+}
+
+float sigmoid(float x) { return float(1.0 / (1.0 + std::exp(-double(x)))); }
+
+// The load-balancing losses' scores of one token (compute_routing_scores_for_aux_loss).
+void aux_scores_row(const RouterConfig& c, const float* l, int64_t e, float* out) {
+  if (c.score_function == "softmax") return softmax_row(l, e, out);
+  double sum = 0;
+  for (int64_t i = 0; i < e; ++i) sum += out[i] = sigmoid(l[i]);
+  for (int64_t i = 0; i < e; ++i) out[i] = float(out[i] / (sum + kNormEps));
+}
+
+bool aux_on(const RouterConfig& c) { return c.aux_loss_coeff > 0 || c.seq_aux_loss_coeff > 0; }
+}  // namespace
+
+void RouterConfig::validate() const {
+  MG_CHECK(num_experts > 0, "the router needs --num-experts > 0 (got {})", num_experts);
+  MG_CHECK(topk >= 1 && topk <= num_experts, "--moe-router-topk {} must be between 1 and --num-experts {}", topk,
+           num_experts);
+  MG_CHECK(score_function == "softmax" || score_function == "sigmoid",
+           "--moe-router-score-function must be softmax or sigmoid (got '{}')", score_function);
+  MG_CHECK(!pre_softmax || score_function == "softmax", "--moe-router-pre-softmax needs the softmax score function");
+  if (group_topk > 0) {
+    MG_CHECK(num_groups > 0 && num_experts % num_groups == 0 && topk % group_topk == 0 && group_topk <= num_groups,
+             "group-limited routing needs --moe-router-num-groups dividing --num-experts ({}) and "
+             "--moe-router-group-topk ({}) dividing --moe-router-topk ({}) and at most the groups ({})",
+             num_experts, group_topk, topk, num_groups);
+  }
+  MG_CHECK(!expert_bias || score_function == "sigmoid",
+           "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as Megatron)");
+  MG_CHECK(drop_policy == "probs" || drop_policy == "position",
+           "--moe-token-drop-policy must be probs or position (got '{}')", drop_policy);
+  MG_CHECK(!pad_to_capacity || capacity_factor.has_value(),
+           "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");
+}
+
+int64_t expert_capacity(int64_t num_tokens, int num_experts, float capacity_factor) {
+  return int64_t(std::ceil(double(num_tokens) / double(num_experts) * double(capacity_factor)));
+}
+
+RoutingOutput routing_forward(const RouterConfig& c, const Tensor& logits_in, const Tensor& expert_bias,
+                              int64_t seq_length, int64_t micro_batch, RoutingSaved& saved) {
+  c.validate();
+  MG_CHECK(logits_in.dim() == 2 && logits_in.size(1) == c.num_experts, "router logits {} for {} experts",
+           shape_str(logits_in.shape()), c.num_experts);
+  const int64_t t_count = logits_in.size(0), e = c.num_experts, k = c.topk;
+  MG_CHECK(seq_length * micro_batch == t_count, "router logits of {} tokens for a sequence of {} × micro-batch {}",
+           t_count, seq_length, micro_batch);
+  MG_CHECK(!c.expert_bias || (expert_bias.defined() && expert_bias.numel() == e),
+           "the expert bias must hold one value per expert ({})", e);
+  const Tensor logits = logits_in.to(Device::cpu()).to(DType::Float32);
+  const std::vector<float> l = logits.to_floats();
+  const std::vector<float> bias = c.expert_bias ? expert_bias.to_floats() : std::vector<float>();
+  std::vector<float> probs(static_cast<size_t>(t_count * e), 0.0f), row(static_cast<size_t>(e)), routing(static_cast<size_t>(e));
+  saved.top.assign(size_t(t_count * k), 0);
+  for (int64_t t = 0; t < t_count; ++t) {
+    const float* lt = &l[size_t(t * e)];
+    float* pt = &probs[size_t(t * e)];
+    std::vector<int64_t> top;
+    if (c.score_function == "softmax" && !c.pre_softmax) {  // top-k of the logits, softmax over them
+      top = select(c, lt, e);
+      std::vector<float> sel(static_cast<size_t>(k)), p(static_cast<size_t>(k));
+      for (int64_t j = 0; j < k; ++j) sel[size_t(j)] = lt[top[size_t(j)]];
+      softmax_row(sel.data(), k, p.data());
+      for (int64_t j = 0; j < k; ++j) pt[top[size_t(j)]] = p[size_t(j)];
+    } else if (c.score_function == "softmax") {  // softmax over every expert, then top-k
+      softmax_row(lt, e, row.data());
+      top = select(c, row.data(), e);
+      for (int64_t i : top) pt[i] = row[size_t(i)];
+    } else {  // sigmoid; the bias steers the choice only
+      for (int64_t i = 0; i < e; ++i) row[size_t(i)] = sigmoid(lt[i]);
+      for (int64_t i = 0; i < e; ++i) routing[size_t(i)] = row[size_t(i)] + (bias.empty() ? 0.0f : bias[size_t(i)]);
+      top = select(c, bias.empty() ? row.data() : routing.data(), e);
+      float sum = 0;
+      for (int64_t i : top) sum += row[size_t(i)];
+      for (int64_t i : top) pt[i] = k > 1 ? row[size_t(i)] / (sum + kNormEps) : row[size_t(i)];
+    }
+    if (c.topk_scaling_factor > 0)
+      for (int64_t i : top) pt[i] *= c.topk_scaling_factor;
+    std::copy(top.begin(), top.end(), saved.top.begin() + t * k);
+  }
+  std::vector<uint8_t> map(static_cast<size_t>(t_count * e), 0);
+  for (int64_t t = 0; t < t_count; ++t)
+    for (int64_t j = 0; j < k; ++j) map[size_t(t * e + saved.top[size_t(t * k + j)])] = 1;
+  saved.probs_before_drop = Tensor::from_floats(probs, {t_count, e});
+
+  // Token dropping (apply_router_token_dropping): each expert keeps its `capacity` tokens of highest
+  // probability (or its first routed tokens, by position); with padding, exactly `capacity` tokens.
+  if (c.capacity_factor) {
+    const int64_t capacity = expert_capacity(t_count * k, int(e), *c.capacity_factor);
+    if (capacity <= t_count) {
+      std::vector<uint8_t> keep(static_cast<size_t>(t_count * e), 0);
+      std::vector<float> column(static_cast<size_t>(t_count));
+      for (int64_t x = 0; x < e; ++x) {
+        for (int64_t t = 0; t < t_count; ++t)
+          column[size_t(t)] = c.drop_policy == "probs" ? probs[size_t(t * e + x)] : float(map[size_t(t * e + x)]);
+        for (int64_t t : top_indices(column.data(), t_count, int(capacity))) keep[size_t(t * e + x)] = 1;
+      }
+      for (size_t i = 0; i < map.size(); ++i) {
+        map[i] = c.pad_to_capacity ? keep[i] : uint8_t(map[i] & keep[i]);
+        if (!map[i]) probs[i] = 0.0f;
+      }
+    }
+  }
+
+  RoutingOutput out;
+  out.probs = Tensor::from_floats(probs, {t_count, e});
+  std::vector<int64_t> map_ints(map.begin(), map.end());
+  out.routing_map = Tensor::from_ints(map_ints, {t_count, e}, DType::UInt8);
+  std::vector<float> tokens(static_cast<size_t>(e), 0.0f);
+  for (int64_t t = 0; t < t_count; ++t)
+    for (int64_t x = 0; x < e; ++x) tokens[size_t(x)] += float(map[size_t(t * e + x)]);
+  out.tokens_per_expert = Tensor::from_floats(tokens, {e});
+
+  // z loss (z_loss_func): coeff · mean over tokens of logsumexp(logits)².
+  if (c.z_loss_coeff > 0) {
+    double sum = 0;
+    for (int64_t t = 0; t < t_count; ++t) {
+      const float* lt = &l[size_t(t * e)];
+      const float m = *std::max_element(lt, lt + e);
+      double s = 0;
+      for (int64_t i = 0; i < e; ++i) s += std::exp(double(lt[i]) - m);
+      const double lse = m + std::log(s);
+      sum += lse * lse;
+    }
+    out.z_loss = sum / double(t_count) * c.z_loss_coeff;
+  }
+
+  // Load balancing (switch_load_balancing_loss_func over the aux scores and their plain top-k).
+  if (aux_on(c)) {
+    std::vector<float> scores(static_cast<size_t>(t_count * e));
+    std::vector<int64_t> amap(static_cast<size_t>(t_count * e), 0);
+    for (int64_t t = 0; t < t_count; ++t) {
+      aux_scores_row(c, &l[size_t(t * e)], e, &scores[size_t(t * e)]);
+      for (int64_t i : top_indices(&scores[size_t(t * e)], e, int(k))) amap[size_t(t * e + i)] = 1;
+    }
+    saved.aux_scores = Tensor::from_floats(scores, {t_count, e});
+    saved.aux_map = Tensor::from_ints(amap, {t_count, e}, DType::UInt8);
+    if (c.aux_loss_coeff > 0) {
+      const double scale = double(e) * c.aux_loss_coeff / (double(k) * double(t_count) * double(t_count));
+      double loss = 0;
+      for (int64_t x = 0; x < e; ++x) {
+        double p = 0, n = 0;
+        for (int64_t t = 0; t < t_count; ++t) p += scores[size_t(t * e + x)], n += double(amap[size_t(t * e + x)]);
+        loss += p * n;
+      }
+      out.aux_loss = loss * scale;
+    }
+    if (c.seq_aux_loss_coeff > 0) {  // per sequence b: its tokens' scores and counts, averaged over b
+      const double scale = double(e) * c.seq_aux_loss_coeff /
+                           (double(k) * double(seq_length) * double(seq_length)) / double(micro_batch);
+      double loss = 0;
+      for (int64_t b = 0; b < micro_batch; ++b)
+        for (int64_t x = 0; x < e; ++x) {
+          double p = 0, n = 0;
+          for (int64_t s = 0; s < seq_length; ++s) {
+            const size_t i = size_t((s * micro_batch + b) * e + x);
+            p += scores[i], n += double(amap[i]);
+          }
+          loss += p * n;
+        }
+      out.seq_aux_loss = loss * scale;
+    }
+  }
+  saved.logits = logits;
+  saved.routing_map = out.routing_map;
+  saved.seq_length = seq_length;
+  saved.micro_batch = micro_batch;
+  return out;
+}
+
+Tensor routing_backward(const RouterConfig& c, const Tensor& grad_probs, const RoutingSaved& saved,
+                        float aux_loss_scale) {
+  const int64_t t_count = saved.logits.size(0), e = c.num_experts, k = c.topk;
+  MG_CHECK(grad_probs.numel() == t_count * e, "grad_probs {} for router logits [{}, {}]", shape_str(grad_probs.shape()),
+           t_count, e);
+  const std::vector<float> l = saved.logits.to_floats(), g = grad_probs.to(Device::cpu()).to_floats();
+  const std::vector<int64_t> map = saved.routing_map.to_ints();
+  std::vector<float> grad(static_cast<size_t>(t_count * e), 0.0f), row(static_cast<size_t>(e));
+  const float sf = c.topk_scaling_factor > 0 ? c.topk_scaling_factor : 1.0f;
+  for (int64_t t = 0; t < t_count; ++t) {
+    const float* lt = &l[size_t(t * e)];
+    float* gt = &grad[size_t(t * e)];
+    const int64_t* top = &saved.top[size_t(t * k)];
+    // The gradient of the kept probabilities (dropped and padded slots carry none), unscaled.
+    std::vector<double> gsel(static_cast<size_t>(k));
+    for (int64_t j = 0; j < k; ++j) {
+      const size_t i = size_t(t * e + top[j]);
+      gsel[size_t(j)] = map[i] ? double(g[i]) * sf : 0.0;
+    }
+    if (c.score_function == "softmax" && !c.pre_softmax) {  // p = softmax(l[top])
+      std::vector<float> sel(static_cast<size_t>(k)), p(static_cast<size_t>(k));
+      for (int64_t j = 0; j < k; ++j) sel[size_t(j)] = lt[top[j]];
+      softmax_row(sel.data(), k, p.data());
+      double dot = 0;
+      for (int64_t j = 0; j < k; ++j) dot += gsel[size_t(j)] * p[size_t(j)];
+      for (int64_t j = 0; j < k; ++j) gt[top[j]] += float(p[size_t(j)] * (gsel[size_t(j)] - dot));
+    } else if (c.score_function == "softmax") {  // p = softmax(l)[top]
+      softmax_row(lt, e, row.data());
+      double dot = 0;
+      for (int64_t j = 0; j < k; ++j) dot += gsel[size_t(j)] * row[size_t(top[j])];
+      std::vector<double> gs(static_cast<size_t>(e), 0.0);
+      for (int64_t j = 0; j < k; ++j) gs[size_t(top[j])] = gsel[size_t(j)];
+      for (int64_t i = 0; i < e; ++i) gt[i] += float(row[size_t(i)] * (gs[size_t(i)] - dot));
+    } else {  // p = σ(l)[top] / (Σ σ(l)[top] + eps) (k > 1), σ(l)[top] (k = 1)
+      std::vector<double> s(static_cast<size_t>(k)), gs(static_cast<size_t>(k));
+      double sum = 0, dot = 0;
+      for (int64_t j = 0; j < k; ++j) sum += s[size_t(j)] = sigmoid(lt[top[j]]);
+      for (int64_t j = 0; j < k; ++j) dot += gsel[size_t(j)] * s[size_t(j)];
+      const double den = sum + kNormEps;
+      for (int64_t j = 0; j < k; ++j)
+        gs[size_t(j)] = k > 1 ? (gsel[size_t(j)] * den - dot) / (den * den) : gsel[size_t(j)];
+      for (int64_t j = 0; j < k; ++j) gt[top[j]] += float(gs[size_t(j)] * s[size_t(j)] * (1.0 - s[size_t(j)]));
+    }
+    // z loss: coeff · mean lse² -> 2 · coeff · lse / T · softmax(l).
+    if (c.z_loss_coeff > 0) {
+      softmax_row(lt, e, row.data());
+      const float m = *std::max_element(lt, lt + e);
+      double s = 0;
+      for (int64_t i = 0; i < e; ++i) s += std::exp(double(lt[i]) - m);
+      const double lse = m + std::log(s), f = 2.0 * c.z_loss_coeff * lse / double(t_count) * aux_loss_scale;
+      for (int64_t i = 0; i < e; ++i) gt[i] += float(f * row[size_t(i)]);
+    }
+  }
+  if (aux_on(c)) {
+    // d(loss)/d(aux score [t, x]) = count of expert x (over the batch, or the token's sequence) · scale.
+    const std::vector<float> scores = saved.aux_scores.to_floats();
+    const std::vector<int64_t> amap = saved.aux_map.to_ints();
+    const int64_t sl = saved.seq_length, mb = saved.micro_batch;
+    std::vector<double> gscore(static_cast<size_t>(t_count * e), 0.0);
+    if (c.aux_loss_coeff > 0) {
+      const double scale = double(e) * c.aux_loss_coeff / (double(k) * double(t_count) * double(t_count));
+      for (int64_t x = 0; x < e; ++x) {
+        double n = 0;
+        for (int64_t t = 0; t < t_count; ++t) n += double(amap[size_t(t * e + x)]);
+        for (int64_t t = 0; t < t_count; ++t) gscore[size_t(t * e + x)] += n * scale * aux_loss_scale;
+      }
+    }
+    if (c.seq_aux_loss_coeff > 0) {
+      const double scale = double(e) * c.seq_aux_loss_coeff / (double(k) * double(sl) * double(sl)) / double(mb);
+      for (int64_t b = 0; b < mb; ++b)
+        for (int64_t x = 0; x < e; ++x) {
+          double n = 0;
+          for (int64_t s = 0; s < sl; ++s) n += double(amap[size_t((s * mb + b) * e + x)]);
+          for (int64_t s = 0; s < sl; ++s) gscore[size_t((s * mb + b) * e + x)] += n * scale * aux_loss_scale;
+        }
+    }
+    for (int64_t t = 0; t < t_count; ++t) {
+      const float* lt = &l[size_t(t * e)];
+      const float* st = &scores[size_t(t * e)];
+      const double* gst = &gscore[size_t(t * e)];
+      float* gt = &grad[size_t(t * e)];
+      if (c.score_function == "softmax") {
+        double dot = 0;
+        for (int64_t i = 0; i < e; ++i) dot += gst[i] * st[i];
+        for (int64_t i = 0; i < e; ++i) gt[i] += float(st[i] * (gst[i] - dot));
+      } else {  // st = σ / (Σσ + eps)
+        double sum = 0, dot = 0;
+        for (int64_t i = 0; i < e; ++i) sum += row[size_t(i)] = sigmoid(lt[i]);
+        for (int64_t i = 0; i < e; ++i) dot += gst[i] * row[size_t(i)];
+        const double den = sum + kNormEps;
+        for (int64_t i = 0; i < e; ++i) {
+          const double gsig = (gst[i] * den - dot) / (den * den);
+          gt[i] += float(gsig * row[size_t(i)] * (1.0 - row[size_t(i)]));
+        }
+      }
+    }
+  }
+  return Tensor::from_floats(grad, {t_count, e});
+}
+
+Tensor updated_expert_bias(const Tensor& tokens_per_expert, const Tensor& expert_bias, float update_rate) {
+  const std::vector<float> n = tokens_per_expert.to_floats(), b = expert_bias.to_floats();
+  MG_CHECK(n.size() == b.size(), "tokens per expert ({}) and expert bias ({}) differ in length", n.size(), b.size());
+  float mean = 0;
+  for (float x : n) mean += x;
+  mean /= float(n.size());
+  std::vector<float> out(b.size());
+  for (size_t i = 0; i < b.size(); ++i) {
+    const float off = mean - n[i];
+    out[i] = b[i] + (off > 0 ? 1.0f : off < 0 ? -1.0f : 0.0f) * update_rate;
+  }
+  return Tensor::from_floats(out, {int64_t(out.size())});
+}
+
+}  // namespace megatron::moe

@@ -1,0 +1,85 @@
+// Megatron-Core's routing functions (megatron/core/transformer/moe/moe_utils.py and the loss
+// handling of router.py's TopKRouter.routing), forward and backward side by side, as the CPU
+// reference: top-k routing with a score function, group-limited routing, the top-k scaling factor
+// and the aux-loss-free expert bias, token dropping to the expert capacity, and the load-balancing
+// (aux_loss, seq_aux_loss) and z losses with their gradients.
+//
+// Layout: logits [T, E] fp32 with T = seq_length · micro_batch tokens, sequence-major (token
+// t = s·B + b), as Megatron's router sees them. Outputs: probs [T, E] (zero off the chosen
+// experts), routing_map [T, E] uint8.
+//
+// Note [Router losses' gradients]: Megatron attaches the aux losses to the probs and the z loss to
+// the logits with MoEAuxLossAutoScaler, whose backward gives each loss the gradient
+// `aux_loss_scale` (the main loss's backward scale: 1 for one microbatch of a single rank). The
+// load-balancing losses see scores of their own (compute_routing_scores_for_aux_loss: the softmax
+// over every expert, or the sigmoid normalised over every expert) and the plain top-k of those,
+// not the routed selection; the expert bias changes only which experts are chosen, never a value,
+// so it passes no gradient.
+//
+// Not yet here: sinkhorn and global_aux_loss routing, input jitter, padding masks, the reduction of
+// the token counts over tp × cp for the aux losses (world size 1 only), and a CUDA path; the model
+// refuses --num-experts until the MoE layer exists.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "megatron/runtime/tensor.h"
+
+namespace megatron::moe {
+
+struct RouterConfig {
+  int num_experts = 0;
+  int topk = 2;                            // --moe-router-topk
+  std::string score_function = "softmax";  // --moe-router-score-function softmax | sigmoid
+  bool pre_softmax = false;                // --moe-router-pre-softmax
+  int num_groups = 0, group_topk = 0;      // --moe-router-num-groups, --moe-router-group-topk (0: off)
+  float topk_scaling_factor = 0.0f;        // --moe-router-topk-scaling-factor (0: none)
+  float aux_loss_coeff = 0.0f;             // aux_loss (switch load balancing) coefficient
+  float seq_aux_loss_coeff = 0.0f;         // seq_aux_loss coefficient
+  float z_loss_coeff = 0.0f;               // --moe-z-loss-coeff
+  std::optional<float> capacity_factor;    // --moe-expert-capacity-factor (unset: dropless)
+  std::string drop_policy = "probs";       // --moe-token-drop-policy probs | position
+  bool pad_to_capacity = false;            // --moe-pad-expert-input-to-capacity
+  bool expert_bias = false;                // --moe-router-enable-expert-bias
+
+  /// One clear line for a combination Megatron refuses or this file does not have.
+  void validate() const;
+};
+
+/// What routing_backward needs.
+struct RoutingSaved {
+  Tensor logits;                   // [T, E]
+  std::vector<int64_t> top;        // [T, topk]: the chosen experts of each token
+  Tensor probs_before_drop;        // [T, E] after scaling, before token dropping
+  Tensor routing_map;              // [T, E] uint8, after token dropping
+  Tensor aux_scores, aux_map;      // the aux losses' scores and top-k map (defined when an aux loss is on)
+  int64_t seq_length = 0, micro_batch = 0;
+};
+
+struct RoutingOutput {
+  Tensor probs;              // [T, E] fp32
+  Tensor routing_map;        // [T, E] uint8
+  Tensor tokens_per_expert;  // [E] fp32: Σ over tokens of routing_map
+  double aux_loss = 0, seq_aux_loss = 0, z_loss = 0;  // with their coefficients, as Megatron's functions return them
+};
+
+/// Megatron's TopKRouter.routing (after the gating GEMM). expert_bias [E] fp32 (undefined unless
+/// config.expert_bias).
+RoutingOutput routing_forward(const RouterConfig& config, const Tensor& logits, const Tensor& expert_bias,
+                              int64_t seq_length, int64_t micro_batch, RoutingSaved& saved);
+/// grad_logits [T, E] from grad_probs [T, E] plus the gradients of the aux and z losses, each given
+/// the backward scale `aux_loss_scale` (Note [Router losses' gradients]).
+Tensor routing_backward(const RouterConfig& config, const Tensor& grad_probs, const RoutingSaved& saved,
+                        float aux_loss_scale);
+
+/// Megatron's get_updated_expert_bias: bias + sign(mean(tokens) - tokens) · rate, tokens being the
+/// tokens per expert summed over tp × cp × dp and the step's microbatches.
+Tensor updated_expert_bias(const Tensor& tokens_per_expert, const Tensor& expert_bias, float update_rate);
+
+/// Megatron's get_capacity: ceil(num_tokens / num_experts · capacity_factor).
+int64_t expert_capacity(int64_t num_tokens, int num_experts, float capacity_factor);
+
+}  // namespace megatron::moe

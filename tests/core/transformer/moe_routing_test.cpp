@@ -1,0 +1,216 @@
+// Megatron-Core's routing functions' own outputs (fixtures/moe/router_<config>.safetensors, made
+// with moe_utils.py at the reference commit): for every fixture in $MEGATRON_MOE_FIXTURES (default
+// <fixtures>/moe), the probs, routing map, tokens per expert, aux/seq-aux/z losses, the gradient of
+// sum(probs·W) + the losses with respect to the logits, and the expert-bias update — each shape and
+// option read from the file. One line per fixture checked.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/transformer/moe/moe_utils.h"
+#include "tests/test_util.h"
+
+namespace megatron {
+namespace {
+
+// $MEGATRON_MOE_FIXTURES, else <fixtures>/moe, else the copy of the routing fixtures in tests/fixtures/moe.
+std::string moe_fixtures_dir() {
+  if (const char* e = std::getenv("MEGATRON_MOE_FIXTURES"); e && *e) return e;
+  const std::string shared = testing::fixtures_dir() + "/moe";
+  if (std::filesystem::exists(shared + "/router_mixtral.safetensors")) return shared;
+  return std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures/moe";
+}
+
+std::vector<std::string> router_fixtures() {
+  std::vector<std::string> out;
+  const std::string dir = moe_fixtures_dir();
+  if (!std::filesystem::is_directory(dir)) return out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind("router_", 0) == 0 && f.size() > 12 && f.substr(f.size() - 12) == ".safetensors") out.push_back(f);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// The fixture's options (its metadata's "options" JSON) as a RouterConfig.
+moe::RouterConfig config_of(const safetensors::File& f) {
+  const auto& m = f.metadata();
+  moe::RouterConfig c;
+  c.num_experts = std::stoi(m.at("experts"));
+  c.topk = std::stoi(m.at("topk"));
+  const nlohmann::json o = nlohmann::json::parse(m.at("options"));
+  for (const auto& [key, value] : o.items()) {
+    if (key == "aux") c.aux_loss_coeff = value.get<float>();
+    else if (key == "seq_aux") c.seq_aux_loss_coeff = value.get<float>();
+    else if (key == "z") c.z_loss_coeff = value.get<float>();
+    else if (key == "pre_softmax") c.pre_softmax = value.get<bool>();
+    else if (key == "score") c.score_function = value.get<std::string>();
+    else if (key == "groups") c.num_groups = value.get<int>();
+    else if (key == "group_topk") c.group_topk = value.get<int>();
+    else if (key == "scale") c.topk_scaling_factor = value.get<float>();
+    else if (key == "bias") c.expert_bias = value.get<bool>();
+    else if (key == "capacity") c.capacity_factor = value.get<float>();
+    else if (key == "pad") c.pad_to_capacity = value.get<bool>();
+    else if (key == "drop_policy") c.drop_policy = value.get<std::string>();
+    else ADD_FAILURE() << "option '" << key << "' is not understood: extend config_of";
+  }
+  return c;
+}
+
+double rel_error(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
+    diff = std::max(diff, std::fabs(double(got[i]) - double(want[i])));
+    scale = std::max(scale, std::fabs(double(want[i])));
+  }
+  return got.size() == want.size() ? diff / std::max(scale, 1e-30) : INFINITY;
+}
+
+class MegatronRouting : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MegatronRouting, MatchesMegatronsRoutingFunctions) {
+  safetensors::File f(moe_fixtures_dir() + "/" + GetParam());
+  const moe::RouterConfig c = config_of(f);
+  const int64_t seq = std::stoll(f.metadata().at("seq_length")), mb = std::stoll(f.metadata().at("micro_batch"));
+  const Tensor bias = c.expert_bias ? f.read("expert_bias") : Tensor();
+  moe::RoutingSaved saved;
+  const moe::RoutingOutput r = moe::routing_forward(c, f.read("logits"), bias, seq, mb, saved);
+
+  const std::vector<float> want_probs = f.read("probs").to_floats();
+  EXPECT_LE(rel_error(r.probs.to_floats(), want_probs), 1e-5);
+  const std::vector<int64_t> map = r.routing_map.to_ints(), want_map = f.read("routing_map").to_ints();
+  ASSERT_EQ(map.size(), want_map.size());
+  const int64_t e = c.num_experts, t_count = int64_t(map.size()) / e;
+  if (c.pad_to_capacity) {
+    // Padded slots carry probability 0; which zero-probability tokens fill them is PyTorch's top-k
+    // tie-break, not part of the routing: the routed tokens and each expert's count must agree.
+    for (int64_t x = 0; x < e; ++x) {
+      int64_t n = 0, want_n = 0;
+      for (int64_t t = 0; t < t_count; ++t) {
+        const size_t i = size_t(t * e + x);
+        n += map[i], want_n += want_map[i];
+        if (want_probs[i] != 0.0f) EXPECT_EQ(map[i], 1) << "token " << t << " expert " << x;
+      }
+      EXPECT_EQ(n, want_n) << "expert " << x;
+    }
+  } else {
+    EXPECT_EQ(map, want_map);
+  }
+  EXPECT_EQ(r.tokens_per_expert.to_floats(), f.read("tokens_per_expert").to_floats());
+  const double aux = f.read("aux_loss").item(0), seq_aux = f.read("seq_aux_loss").item(0), z = f.read("z_loss").item(0);
+  EXPECT_NEAR(r.aux_loss, aux, 1e-5 * std::fabs(aux) + 1e-12);
+  EXPECT_NEAR(r.seq_aux_loss, seq_aux, 1e-5 * std::fabs(seq_aux) + 1e-12);
+  EXPECT_NEAR(r.z_loss, z, 1e-5 * std::fabs(z) + 1e-12);
+
+  const Tensor grad = moe::routing_backward(c, f.read("W"), saved, /*aux_loss_scale=*/1.0f);
+  const double grad_err = rel_error(grad.to_floats(), f.read("grad_logits").to_floats());
+  EXPECT_LE(grad_err, 1e-5);
+  if (c.expert_bias) {
+    EXPECT_EQ(moe::updated_expert_bias(r.tokens_per_expert, bias, 1e-3f).to_floats(),
+              f.read("expert_bias_after_update").to_floats());
+  }
+  std::printf("router %s: top-%d of %d, %s%s%s%s: probs, map, tokens per expert, aux %.3e, seq-aux %.3e, z %.3e%s; "
+              "grad_logits within %.1e of Megatron's\n",
+              GetParam().c_str(), c.topk, c.num_experts, c.score_function.c_str(), c.pre_softmax ? ", pre-softmax" : "",
+              c.group_topk ? ", group-limited" : "", c.capacity_factor ? (c.pad_to_capacity ? ", capacity, padded" : ", capacity") : "",
+              r.aux_loss, r.seq_aux_loss, r.z_loss, c.expert_bias ? ", expert-bias update" : "", grad_err);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, MegatronRouting, ::testing::ValuesIn(router_fixtures()),
+                         [](const auto& info) {
+                           std::string n = info.param.substr(7, info.param.size() - 7 - 12);
+                           return n;
+                         });
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(MegatronRouting);
+
+// routing_backward against central finite differences of L = Σ probs·W + aux + seq_aux + z, for
+// each score function and option (random logits: a small step changes no expert choice).
+TEST(Routing, GradientsMatchFiniteDifferences) {
+  struct Case {
+    const char* name;
+    moe::RouterConfig c;
+  };
+  auto base = [] {
+    moe::RouterConfig c;
+    c.num_experts = 8;
+    c.topk = 2;
+    c.aux_loss_coeff = 0.3f;
+    c.seq_aux_loss_coeff = 0.2f;
+    c.z_loss_coeff = 0.1f;
+    return c;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"softmax", base()});
+  cases.push_back({"pre-softmax", base()});
+  cases.back().c.pre_softmax = true;
+  cases.push_back({"sigmoid, groups, scaling", base()});
+  cases.back().c.score_function = "sigmoid";
+  cases.back().c.topk = 4;
+  cases.back().c.num_groups = 4;
+  cases.back().c.group_topk = 2;
+  cases.back().c.topk_scaling_factor = 2.5f;
+  cases.push_back({"sigmoid top-1", base()});
+  cases.back().c.score_function = "sigmoid";
+  cases.back().c.topk = 1;
+  cases.push_back({"capacity (position)", base()});
+  cases.back().c.capacity_factor = 0.5f;
+  cases.back().c.drop_policy = "position";
+  const int64_t seq = 6, mb = 2, t_count = seq * mb;
+  for (const Case& k : cases) {
+    const int64_t e = k.c.num_experts;
+    Tensor logits = testing::random_tensor({t_count, e}, 11, 1.0f), w = testing::random_tensor({t_count, e}, 12, 1.0f);
+    auto loss = [&](const Tensor& l) {
+      moe::RoutingSaved saved;
+      moe::RoutingOutput r = moe::routing_forward(k.c, l, Tensor(), seq, mb, saved);
+      const std::vector<float> p = r.probs.to_floats(), wv = w.to_floats();
+      double sum = r.aux_loss + r.seq_aux_loss + r.z_loss;
+      for (size_t i = 0; i < p.size(); ++i) sum += double(p[i]) * wv[i];
+      return sum;
+    };
+    moe::RoutingSaved saved;
+    moe::routing_forward(k.c, logits, Tensor(), seq, mb, saved);
+    const std::vector<float> grad = moe::routing_backward(k.c, w, saved, 1.0f).to_floats();
+    double worst = 0;
+    for (int64_t i = 0; i < t_count * e; i += 5) {
+      Tensor up = logits.to(DType::Float32), down = logits.to(DType::Float32);
+      const float h = 1e-3f;
+      up.data<float>()[i] += h;
+      down.data<float>()[i] -= h;
+      const double numeric = (loss(up) - loss(down)) / (2.0 * h);
+      worst = std::max(worst, std::fabs(numeric - grad[size_t(i)]));
+      EXPECT_NEAR(grad[size_t(i)], numeric, 2e-3 + 1e-2 * std::fabs(numeric)) << k.name << " logit " << i;
+    }
+    std::printf("routing %s: finite differences agree, worst |error| %.1e\n", k.name, worst);
+  }
+}
+
+TEST(Routing, BadOptionsAreClearErrors) {
+  moe::RouterConfig c;
+  c.num_experts = 8;
+  c.topk = 2;
+  c.expert_bias = true;
+  EXPECT_NE(testing::error_of([&] { c.validate(); }).find("needs --moe-router-score-function sigmoid"),
+            std::string::npos);
+  c.expert_bias = false;
+  c.score_function = "sigmoid";
+  c.num_groups = 3;
+  c.group_topk = 2;
+  EXPECT_NE(testing::error_of([&] { c.validate(); }).find("group-limited routing needs"), std::string::npos);
+  c.num_groups = c.group_topk = 0;
+  c.topk = 9;
+  EXPECT_NE(testing::error_of([&] { c.validate(); }).find("--moe-router-topk 9 must be between 1 and --num-experts 8"),
+            std::string::npos);
+}
+
+TEST(MegatronRouting, FixturesAreFound) {
+  EXPECT_FALSE(router_fixtures().empty()) << "no router_*.safetensors in " << moe_fixtures_dir()
+                                          << ": set MEGATRON_MOE_FIXTURES";
+}
+
+}  // namespace
+}  // namespace megatron
