@@ -207,6 +207,64 @@ TEST(Routing, BadOptionsAreClearErrors) {
             std::string::npos);
 }
 
+// Note [Permuted order], written out for one map: expert-major, token order within each expert;
+// with drop-and-pad, the unrouted tokens after the routed ones up to the capacity.
+TEST(Permutation, OrderIsMegatrons) {
+  // tokens 0..3, experts 0..2: token 0 -> {0, 2}, token 1 -> {1}, token 2 -> {0, 1}, token 3 -> {2}
+  const Tensor map = Tensor::from_ints({1, 0, 1, 0, 1, 0, 1, 1, 0, 0, 0, 1}, {4, 3}, DType::UInt8);
+  const moe::Permutation p = moe::make_permutation(map);
+  EXPECT_EQ(p.sorted_indices, (std::vector<int64_t>{0, 2, 1, 2, 0, 3}));
+  EXPECT_EQ(p.row_expert, (std::vector<int64_t>{0, 0, 1, 1, 2, 2}));
+  EXPECT_EQ(p.tokens_per_expert, (std::vector<int64_t>{2, 2, 2}));
+  const moe::Permutation padded = moe::make_permutation(map, 3);
+  EXPECT_EQ(padded.sorted_indices, (std::vector<int64_t>{0, 2, 1, 1, 2, 0, 0, 3, 1}));
+  EXPECT_EQ(padded.tokens_per_expert, (std::vector<int64_t>{3, 3, 3}));
+}
+
+// permute then unpermute with the routing probabilities is Σ_e p[t, e] · x[t] (experts as the
+// identity); the backward passes agree with finite differences of a weighted sum.
+TEST(Permutation, RoundTripAndGradients) {
+  const int64_t t_count = 6, e = 4, h = 3;
+  moe::RouterConfig c;
+  c.num_experts = int(e);
+  c.topk = 2;
+  moe::RoutingSaved saved;
+  const moe::RoutingOutput r = moe::routing_forward(c, testing::random_tensor({t_count, e}, 3), Tensor(), 3, 2, saved);
+  const moe::Permutation p = moe::make_permutation(r.routing_map);
+  const Tensor x = testing::random_tensor({t_count, h}, 4), w = testing::random_tensor({t_count, h}, 5);
+  const Tensor probs = moe::permute_probs(r.probs, p);
+  const Tensor y = moe::unpermute_forward(moe::permute_forward(x, p), probs, p);
+  const std::vector<float> xv = x.to_floats(), yv = y.to_floats(), pv = r.probs.to_floats();
+  for (int64_t t = 0; t < t_count; ++t) {
+    double sum = 0;
+    for (int64_t k = 0; k < e; ++k) sum += pv[size_t(t * e + k)];
+    for (int64_t j = 0; j < h; ++j) EXPECT_NEAR(yv[size_t(t * h + j)], sum * xv[size_t(t * h + j)], 1e-6);
+  }
+  // L = Σ w ⊙ unpermute(permute(x), probs): gradients of x and of the probs.
+  auto loss = [&](const Tensor& xi, const Tensor& pi) {
+    Tensor px = moe::permute_forward(xi, p);
+    const std::vector<float> v = moe::unpermute_forward(px, moe::permute_probs(pi, p), p).to_floats(), wv = w.to_floats();
+    double s = 0;
+    for (size_t i = 0; i < v.size(); ++i) s += double(v[i]) * wv[i];
+    return s;
+  };
+  Tensor grad_permuted, grad_probs_perm;
+  moe::unpermute_backward(w, moe::permute_forward(x, p), probs, p, grad_permuted, grad_probs_perm);
+  const std::vector<float> gx = moe::permute_backward(grad_permuted, p).to_floats();
+  const std::vector<float> gp = moe::permute_probs_backward(grad_probs_perm, p, e).to_floats();
+  const float eps = 1e-3f;
+  for (int64_t i = 0; i < t_count * h; ++i) {
+    Tensor up = x.to(DType::Float32), down = x.to(DType::Float32);
+    up.data<float>()[i] += eps, down.data<float>()[i] -= eps;
+    EXPECT_NEAR(gx[size_t(i)], (loss(up, r.probs) - loss(down, r.probs)) / (2 * eps), 1e-3) << "x " << i;
+  }
+  for (int64_t i = 0; i < t_count * e; ++i) {
+    Tensor up = r.probs.to(DType::Float32), down = r.probs.to(DType::Float32);
+    up.data<float>()[i] += eps, down.data<float>()[i] -= eps;
+    EXPECT_NEAR(gp[size_t(i)], (loss(x, up) - loss(x, down)) / (2 * eps), 1e-3) << "probs " << i;
+  }
+}
+
 TEST(MegatronRouting, FixturesAreFound) {
   EXPECT_FALSE(router_fixtures().empty()) << "no router_*.safetensors in " << moe_fixtures_dir()
                                           << ": set MEGATRON_MOE_FIXTURES";

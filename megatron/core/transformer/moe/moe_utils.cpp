@@ -332,4 +332,99 @@ Tensor updated_expert_bias(const Tensor& tokens_per_expert, const Tensor& expert
   return Tensor::from_floats(out, {int64_t(out.size())});
 }
 
+// ---- token permutation (Note [Permuted order]) ----------------------------------------------------
+
+Permutation make_permutation(const Tensor& routing_map, int64_t capacity) {
+  MG_CHECK(routing_map.dim() == 2, "routing map {} must be [tokens, experts]", shape_str(routing_map.shape()));
+  const int64_t t_count = routing_map.size(0), e = routing_map.size(1);
+  MG_CHECK(capacity >= 0 && capacity <= t_count, "expert capacity {} for {} tokens", capacity, t_count);
+  const std::vector<int64_t> map = routing_map.to_ints();
+  Permutation p;
+  p.num_tokens = t_count;
+  p.tokens_per_expert.assign(size_t(e), 0);
+  for (int64_t x = 0; x < e; ++x) {
+    int64_t rows = 0;
+    for (int pass = 0; pass < (capacity > 0 ? 2 : 1); ++pass) {  // routed tokens, then (padding) the others
+      for (int64_t t = 0; t < t_count && (capacity == 0 || rows < capacity); ++t) {
+        if ((map[size_t(t * e + x)] != 0) != (pass == 0)) continue;
+        p.sorted_indices.push_back(t);
+        p.row_expert.push_back(x);
+        ++rows;
+      }
+    }
+    p.tokens_per_expert[size_t(x)] = rows;
+  }
+  return p;
+}
+
+Tensor permute_forward(const Tensor& tokens, const Permutation& perm) {
+  MG_CHECK(tokens.dim() == 2 && tokens.size(0) == perm.num_tokens, "tokens {} for a permutation of {} tokens",
+           shape_str(tokens.shape()), perm.num_tokens);
+  const int64_t h = tokens.size(1), n = int64_t(perm.sorted_indices.size());
+  const std::vector<float> x = tokens.to_floats();
+  std::vector<float> out(size_t(n * h));
+  for (int64_t r = 0; r < n; ++r)
+    std::copy_n(x.begin() + perm.sorted_indices[size_t(r)] * h, h, out.begin() + r * h);
+  return Tensor::from_floats(out, {n, h}, tokens.dtype());
+}
+
+Tensor permute_backward(const Tensor& grad_permuted, const Permutation& perm) {
+  const int64_t h = grad_permuted.size(1), n = int64_t(perm.sorted_indices.size());
+  MG_CHECK(grad_permuted.size(0) == n, "gradient of {} permuted rows for {}", grad_permuted.size(0), n);
+  const std::vector<float> g = grad_permuted.to_floats();
+  std::vector<float> out(size_t(perm.num_tokens * h), 0.0f);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < h; ++j) out[size_t(perm.sorted_indices[size_t(r)] * h + j)] += g[size_t(r * h + j)];
+  return Tensor::from_floats(out, {perm.num_tokens, h}, grad_permuted.dtype());
+}
+
+Tensor permute_probs(const Tensor& probs, const Permutation& perm) {
+  const int64_t e = probs.size(1), n = int64_t(perm.sorted_indices.size());
+  const std::vector<float> p = probs.to_floats();
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r)
+    out[size_t(r)] = p[size_t(perm.sorted_indices[size_t(r)] * e + perm.row_expert[size_t(r)])];
+  return Tensor::from_floats(out, {n});
+}
+
+Tensor permute_probs_backward(const Tensor& grad_probs_permuted, const Permutation& perm, int64_t num_experts) {
+  const std::vector<float> g = grad_probs_permuted.to_floats();
+  std::vector<float> out(size_t(perm.num_tokens * num_experts), 0.0f);
+  for (size_t r = 0; r < g.size(); ++r)
+    out[size_t(perm.sorted_indices[r] * num_experts + perm.row_expert[r])] += g[r];
+  return Tensor::from_floats(out, {perm.num_tokens, num_experts});
+}
+
+Tensor unpermute_forward(const Tensor& permuted, const Tensor& probs_permuted, const Permutation& perm) {
+  const int64_t h = permuted.size(1), n = int64_t(perm.sorted_indices.size());
+  MG_CHECK(permuted.size(0) == n, "{} permuted rows for a permutation of {}", permuted.size(0), n);
+  const std::vector<float> x = permuted.to_floats();
+  const std::vector<float> w = probs_permuted.defined() ? probs_permuted.to_floats() : std::vector<float>(size_t(n), 1.0f);
+  std::vector<float> out(size_t(perm.num_tokens * h), 0.0f);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < h; ++j)
+      out[size_t(perm.sorted_indices[size_t(r)] * h + j)] += w[size_t(r)] * x[size_t(r * h + j)];
+  return Tensor::from_floats(out, {perm.num_tokens, h}, permuted.dtype());
+}
+
+void unpermute_backward(const Tensor& grad_out, const Tensor& permuted, const Tensor& probs_permuted,
+                        const Permutation& perm, Tensor& grad_permuted, Tensor& grad_probs) {
+  const int64_t h = grad_out.size(1), n = int64_t(perm.sorted_indices.size());
+  const std::vector<float> g = grad_out.to_floats(), x = permuted.to_floats();
+  const bool weighted = probs_permuted.defined();
+  const std::vector<float> w = weighted ? probs_permuted.to_floats() : std::vector<float>(size_t(n), 1.0f);
+  std::vector<float> gx(size_t(n * h)), gw(size_t(n), 0.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* gt = &g[size_t(perm.sorted_indices[size_t(r)] * h)];
+    double dot = 0;
+    for (int64_t j = 0; j < h; ++j) {
+      gx[size_t(r * h + j)] = w[size_t(r)] * gt[j];
+      dot += double(gt[j]) * x[size_t(r * h + j)];
+    }
+    gw[size_t(r)] = float(dot);
+  }
+  grad_permuted = Tensor::from_floats(gx, {n, h}, permuted.dtype());
+  grad_probs = weighted ? Tensor::from_floats(gw, {n}) : Tensor();
+}
+
 }  // namespace megatron::moe

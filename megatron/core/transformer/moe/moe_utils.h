@@ -2,7 +2,8 @@
 // handling of router.py's TopKRouter.routing), forward and backward side by side, as the CPU
 // reference: top-k routing with a score function, group-limited routing, the top-k scaling factor
 // and the aux-loss-free expert bias, token dropping to the expert capacity, and the load-balancing
-// (aux_loss, seq_aux_loss) and z losses with their gradients.
+// (aux_loss, seq_aux_loss) and z losses with their gradients; and the token permutation the
+// dispatchers use locally (permute / unpermute with merging probabilities, drop-and-pad).
 //
 // Layout: logits [T, E] fp32 with T = seq_length · micro_batch tokens, sequence-major (token
 // t = s·B + b), as Megatron's router sees them. Outputs: probs [T, E] (zero off the chosen
@@ -17,8 +18,9 @@
 // so it passes no gradient.
 //
 // Not yet here: sinkhorn and global_aux_loss routing, input jitter, padding masks, the reduction of
-// the token counts over tp × cp for the aux losses (world size 1 only), and a CUDA path; the model
-// refuses --num-experts until the MoE layer exists.
+// the token counts over tp × cp for the aux losses (world size 1 only), and a CUDA path (these run
+// on host tensors); the router module, the dispatchers' communication, the experts and the MoE
+// layer do not exist yet, so the training arguments refuse --num-experts.
 #pragma once
 
 #include <cstdint>
@@ -74,6 +76,35 @@ RoutingOutput routing_forward(const RouterConfig& config, const Tensor& logits, 
 /// the backward scale `aux_loss_scale` (Note [Router losses' gradients]).
 Tensor routing_backward(const RouterConfig& config, const Tensor& grad_probs, const RoutingSaved& saved,
                         float aux_loss_scale);
+
+// ---- token permutation (Megatron's permute / unpermute, the token dispatchers' local step) ----
+// Note [Permuted order]: the routed (token, expert) pairs grouped by expert, in expert order, and
+// within an expert in token order — row n of the permuted tokens is token sorted_indices[n]. With
+// drop-and-pad (--moe-pad-expert-input-to-capacity) every expert has exactly `capacity` rows: its
+// routed tokens in token order, then its unrouted tokens in token order as padding.
+
+struct Permutation {
+  std::vector<int64_t> sorted_indices;   // [N]: the token of each permuted row
+  std::vector<int64_t> row_expert;       // [N]: the expert of each permuted row
+  std::vector<int64_t> tokens_per_expert;  // [E]: rows per expert
+  int64_t num_tokens = 0;
+};
+/// The permutation of routing_map [T, E] (uint8); capacity > 0: drop-and-pad to that many rows per expert.
+Permutation make_permutation(const Tensor& routing_map, int64_t capacity = 0);
+/// tokens [T, h] -> permuted [N, h] (the rows of Note [Permuted order]); any float dtype, on the host.
+Tensor permute_forward(const Tensor& tokens, const Permutation& perm);
+/// The gradient of permute_forward: grad_permuted [N, h] summed back into grad_tokens [T, h].
+Tensor permute_backward(const Tensor& grad_permuted, const Permutation& perm);
+/// probs [T, E] -> the permuted rows' probabilities [N].
+Tensor permute_probs(const Tensor& probs, const Permutation& perm);
+/// out [T, h] = Σ over permuted rows n of probs_permuted[n] · permuted[n] into its token
+/// (probs_permuted undefined: weight 1) — Megatron's unpermute with merging probs.
+Tensor unpermute_forward(const Tensor& permuted, const Tensor& probs_permuted, const Permutation& perm);
+/// Gradients of unpermute_forward: grad_permuted [N, h], and grad_probs [N] (when probs were given).
+void unpermute_backward(const Tensor& grad_out, const Tensor& permuted, const Tensor& probs_permuted,
+                        const Permutation& perm, Tensor& grad_permuted, Tensor& grad_probs);
+/// The gradient of permute_probs: grad_probs_permuted [N] scattered into grad_probs [T, E].
+Tensor permute_probs_backward(const Tensor& grad_probs_permuted, const Permutation& perm, int64_t num_experts);
 
 /// Megatron's get_updated_expert_bias: bias + sign(mean(tokens) - tokens) · rate, tokens being the
 /// tokens per expert summed over tp × cp × dp and the step's microbatches.
