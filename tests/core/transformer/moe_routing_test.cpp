@@ -8,10 +8,14 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/distributed/param_and_grad_buffer.h"
 #include "megatron/core/transformer/moe/moe_utils.h"
+#include "megatron/core/transformer/moe/router.h"
+#include "megatron/kernels/ops.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -263,6 +267,80 @@ TEST(Permutation, RoundTripAndGradients) {
     up.data<float>()[i] += eps, down.data<float>()[i] -= eps;
     EXPECT_NEAR(gp[size_t(i)], (loss(x, up) - loss(x, down)) / (2 * eps), 1e-3) << "probs " << i;
   }
+}
+
+// TopKRouter: the gating linear and the routing together — gradients of the input and the weight
+// by finite differences of L = Σ probs·W + the losses; the tracker gets each loss over its
+// coefficient; the expert bias moves by the step's token counts.
+TEST(TopKRouter, GradientsTrackerAndExpertBias) {
+  moe::RouterConfig c;
+  c.num_experts = 8;
+  c.topk = 2;
+  c.score_function = "sigmoid";
+  c.expert_bias = true;
+  c.aux_loss_coeff = 0.2f;
+  c.z_loss_coeff = 0.1f;
+  const int64_t h = 6, seq = 4, mb = 2, t_count = seq * mb;
+  ParamAndGradBuffer params(DType::Float32, Device::cpu());
+  moe::TopKRouter router(c, h, params, "decoder.layers.1.mlp.router", /*layer_number=*/1, /*num_layers=*/3);
+  params.allocate();
+  params.init_weights(5, 0.5f, 3, false);
+  params.zero_grad();
+  EXPECT_EQ(router.weight()->data.shape(), (Shape{8, h}));
+  AuxLossTracker tracker;
+  router.declare_losses(tracker);
+  Context ctx;
+  const Tensor x = testing::random_tensor({t_count, h}, 21), w = testing::random_tensor({t_count, 8}, 22);
+  moe::TopKRouter::Saved saved;
+  moe::TopKRouter::Output out = router.forward(ctx, x, seq, mb, &tracker, saved);
+  const Tensor grad_x = router.backward(ctx, w, saved);
+  // The tracker: each loss over its coefficient, for layer 1 of 3.
+  moe::RoutingSaved rs;
+  Tensor logits = Tensor::empty({t_count, 8}, DType::Float32);
+  ops::linear_forward(ctx, x, router.weight()->data, Tensor(), logits);
+  const moe::RoutingOutput ref = moe::routing_forward(c, logits, router.expert_bias(), seq, mb, rs);
+  EXPECT_EQ(out.probs.to_floats(), ref.probs.to_floats());
+  std::map<std::string, double> tracked;
+  for (const auto& [name, value] : tracker.report(ctx, nullptr, nullptr, 1)) tracked[name] = value;
+  EXPECT_NEAR(tracked.at("load_balancing_loss"), ref.aux_loss / 0.2, 1e-6);
+  EXPECT_NEAR(tracked.at("z_loss"), ref.z_loss / 0.1, 1e-6);
+  EXPECT_EQ(tracked.count("seq_load_balancing_loss"), 0u);
+  // Finite differences through the gating linear.
+  auto loss = [&](const Tensor& xi) {
+    moe::TopKRouter::Saved s;
+    moe::TopKRouter::Output o = router.forward(ctx, xi, seq, mb, nullptr, s);
+    moe::RoutingSaved r2;
+    Tensor l2 = Tensor::empty({t_count, 8}, DType::Float32);
+    ops::linear_forward(ctx, xi, router.weight()->data, Tensor(), l2);
+    const moe::RoutingOutput r = moe::routing_forward(c, l2, router.expert_bias(), seq, mb, r2);
+    const std::vector<float> p = o.probs.to_floats(), wv = w.to_floats();
+    double sum = r.aux_loss + r.z_loss;
+    for (size_t i = 0; i < p.size(); ++i) sum += double(p[i]) * wv[i];
+    return sum;
+  };
+  const std::vector<float> gx = grad_x.to_floats(), gw = router.weight()->main_grad.to_floats();
+  const float eps = 1e-3f;
+  for (int64_t i = 0; i < t_count * h; i += 3) {
+    Tensor up = x.to(DType::Float32), down = x.to(DType::Float32);
+    up.data<float>()[i] += eps, down.data<float>()[i] -= eps;
+    EXPECT_NEAR(gx[size_t(i)], (loss(up) - loss(down)) / (2 * eps), 2e-3) << "x " << i;
+  }
+  Parameter* weight = params.find("decoder.layers.1.mlp.router.weight");
+  for (int64_t i = 0; i < 8 * h; i += 5) {
+    float* v = weight->data.data<float>() + i;
+    const float saved_v = *v;
+    *v = saved_v + eps;
+    const double up = loss(x);
+    *v = saved_v - eps;
+    const double down = loss(x);
+    *v = saved_v;
+    EXPECT_NEAR(gw[size_t(i)], (up - down) / (2 * eps), 2e-3) << "weight " << i;
+  }
+  // The expert bias: every forward above counted its tokens; the update uses the counts of the step.
+  router.update_expert_bias(1e-3f);
+  const std::vector<float> b = router.expert_bias().to_floats();
+  for (float v : b) EXPECT_TRUE(v == 1e-3f || v == -1e-3f || v == 0.0f) << v;
+  EXPECT_NE(b, std::vector<float>(8, 0.0f)) << "an uneven count moves the bias";
 }
 
 TEST(MegatronRouting, FixturesAreFound) {

@@ -19,8 +19,8 @@
 //
 // Not yet here: sinkhorn and global_aux_loss routing, input jitter, padding masks, the reduction of
 // the token counts over tp × cp for the aux losses (world size 1 only), and a CUDA path (these run
-// on host tensors); the router module, the dispatchers' communication, the experts and the MoE
-// layer do not exist yet, so the training arguments refuse --num-experts.
+// on host tensors); the dispatchers' communication, the experts and the MoE layer do not exist
+// yet (the router module is router.h), so the training arguments refuse --num-experts.
 #pragma once
 
 #include <cstdint>

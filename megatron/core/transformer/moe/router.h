@@ -1,0 +1,62 @@
+// TopKRouter (Megatron-Core's moe/router.py): the gating linear "<prefix>.weight" [E, h], applied in
+// fp32 (Megatron's --moe-router-dtype fp32), then the routing of moe_utils.h (top-k with its score
+// function, token dropping, the aux and z losses), forward and backward side by side. The losses
+// go to the AuxLossTracker as Megatron logs them: "load_balancing_loss" (aux_loss / coeff),
+// "seq_load_balancing_loss" (seq_aux_loss / coeff) and "z_loss" (z_loss / coeff), per layer; their
+// gradients join the logits' in backward (Note [Router losses' gradients]).
+//
+// The aux-loss-free expert bias (--moe-router-enable-expert-bias) is state, not a parameter: the
+// tokens each expert received are counted over the step's microbatches and update_expert_bias()
+// moves the bias after the step (Megatron sums the counts over tp × cp × dp first; world size 1
+// only here). The routing runs on host tensors: the router refuses a GPU context for now.
+#pragma once
+
+#include <string>
+
+#include "megatron/core/distributed/param_and_grad_buffer.h"
+#include "megatron/core/transformer/aux_loss_tracker.h"
+#include "megatron/core/transformer/moe/moe_utils.h"
+#include "megatron/runtime/context.h"
+
+namespace megatron::moe {
+
+class TopKRouter {
+ public:
+  /// Registers "<prefix>.weight" [num_experts, hidden]. layer_number: the decoder layer (0-based),
+  /// num_layers the decoder's, for the tracker.
+  TopKRouter(const RouterConfig& config, int64_t hidden_size, ParamAndGradBuffer& params, const std::string& prefix,
+             int layer_number, int num_layers);
+
+  struct Saved {
+    Tensor x;  // [T, h] fp32
+    RoutingSaved routing;
+  };
+  struct Output {
+    Tensor probs;        // [T, E] fp32
+    Tensor routing_map;  // [T, E] uint8
+  };
+  /// x [T, h] (T = seq_length · micro_batch, sequence-major) -> probs and routing map. Reports the
+  /// losses to `tracker` (may be null) and counts the tokens per expert for the bias update.
+  Output forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch, AuxLossTracker* tracker,
+                 Saved& saved);
+  /// grad_probs [T, E] -> grad_x [T, h] (fp32); accumulates the weight gradient. The losses'
+  /// gradients have the backward scale `aux_loss_scale`.
+  Tensor backward(Context& ctx, const Tensor& grad_probs, const Saved& saved, float aux_loss_scale = 1.0f) const;
+
+  /// Declares this router's tracked losses in `tracker` (every rank, before the first step).
+  void declare_losses(AuxLossTracker& tracker) const;
+  /// After a step: the expert bias moves by the step's token counts (Megatron's
+  /// get_updated_expert_bias), and the counts restart. A no-op without the expert bias.
+  void update_expert_bias(float update_rate);
+  const Tensor& expert_bias() const { return expert_bias_; }
+  const Parameter* weight() const { return weight_; }
+
+ private:
+  RouterConfig config_;
+  int layer_number_, num_layers_;
+  Parameter* weight_;
+  Tensor expert_bias_;       // [E] fp32 (undefined without --moe-router-enable-expert-bias)
+  Tensor tokens_per_expert_;  // [E] fp32, summed over the step's microbatches
+};
+
+}  // namespace megatron::moe
