@@ -14,6 +14,8 @@
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/distributed/param_and_grad_buffer.h"
 #include "megatron/core/transformer/moe/moe_utils.h"
+#include "megatron/core/transformer/moe/moe_layer.h"
+#include "megatron/core/transformer/transformer_config.h"
 #include "megatron/core/transformer/moe/router.h"
 #include "megatron/kernels/ops.h"
 #include "tests/test_util.h"
@@ -341,6 +343,93 @@ TEST(TopKRouter, GradientsTrackerAndExpertBias) {
   const std::vector<float> b = router.expert_bias().to_floats();
   for (float v : b) EXPECT_TRUE(v == 1e-3f || v == -1e-3f || v == 0.0f) << v;
   EXPECT_NE(b, std::vector<float>(8, 0.0f)) << "an uneven count moves the bias";
+}
+
+// MoELayer (SequentialMLP experts, one process): y[t] = Σ over t's experts of probs[t, e] ·
+// expert_e(x[t]), checked against each expert run on every token; and its gradients (input, an
+// expert's weights, the router's weight) against finite differences of Σ y·W + the router's losses.
+TEST(MoELayer, MixesTheExpertsByTheirProbabilitiesWithExactGradients) {
+  TransformerConfig tc;
+  tc.num_layers = 2;
+  tc.hidden_size = 8;
+  tc.num_attention_heads = 2;
+  tc.vocab_size = 16;
+  tc.activation = "swiglu";
+  tc.add_bias_linear = false;
+  tc.max_position_embeddings = 8;
+  tc.finalize();
+  moe::RouterConfig rc;
+  rc.num_experts = 4;
+  rc.topk = 2;
+  rc.aux_loss_coeff = 0.1f;
+  const int64_t seq = 4, mb = 2, t_count = seq * mb, h = 8;
+  ParamAndGradBuffer params(DType::Float32, Device::cpu());
+  moe::MoELayer layer(tc, rc, /*moe_ffn_hidden_size=*/6, params, "decoder.layers.0.mlp", 0);
+  params.allocate();
+  params.init_weights(7, 0.5f, 2, false);
+  params.zero_grad();
+  ASSERT_NE(params.find("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"), nullptr);
+  EXPECT_EQ(params.find("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")->data.shape(), (Shape{12, h}));
+  Context ctx;
+  const Tensor x = testing::random_tensor({t_count, h}, 31), w = testing::random_tensor({t_count, h}, 32);
+  moe::MoELayer::Saved saved;
+  const std::vector<float> y = layer.forward(ctx, x, seq, mb, nullptr, saved).to_floats();
+  // Outside check: every expert on every token, mixed by the router's probabilities.
+  moe::TopKRouter::Saved rs;
+  const std::vector<float> probs = layer.router().forward(ctx, x, seq, mb, nullptr, rs).probs.to_floats();
+  std::vector<double> want(size_t(t_count * h), 0.0);
+  for (int e = 0; e < 4; ++e) {
+    MLP::Saved ms;
+    MlpSpec spec;
+    spec.ffn_hidden_size = 6;
+    // The layer's expert e, rebuilt over the same parameters (same names, same values).
+    ParamAndGradBuffer copy(DType::Float32, Device::cpu());
+    MLP expert(tc, spec, copy, "decoder.layers.0.mlp.experts.local_experts." + std::to_string(e));
+    copy.allocate();
+    for (Parameter* q : copy.parameters()) q->data.copy_from(params.find(q->name)->data);
+    const std::vector<float> out = expert.forward(ctx, x, ms).to_floats();
+    for (int64_t t = 0; t < t_count; ++t)
+      for (int64_t j = 0; j < h; ++j) want[size_t(t * h + j)] += double(probs[size_t(t * 4 + e)]) * out[size_t(t * h + j)];
+  }
+  for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], want[i], 1e-5) << i;
+
+  const Tensor grad_x = layer.backward(ctx, w, saved);
+  auto loss = [&](const Tensor& xi) {
+    moe::MoELayer::Saved s;
+    const std::vector<float> yi = layer.forward(ctx, xi, seq, mb, nullptr, s).to_floats(), wv = w.to_floats();
+    double sum = 0;
+    for (size_t i = 0; i < yi.size(); ++i) sum += double(yi[i]) * wv[i];
+    moe::RoutingSaved r;
+    Tensor l = Tensor::empty({t_count, 4}, DType::Float32);
+    ops::linear_forward(ctx, xi, layer.router().weight()->data, Tensor(), l);
+    return sum + moe::routing_forward(rc, l, Tensor(), seq, mb, r).aux_loss;
+  };
+  const float eps = 1e-3f;
+  const std::vector<float> gx = grad_x.to_floats();
+  for (int64_t i = 0; i < t_count * h; i += 3) {
+    Tensor up = x.to(DType::Float32), down = x.to(DType::Float32);
+    up.data<float>()[i] += eps, down.data<float>()[i] -= eps;
+    EXPECT_NEAR(gx[size_t(i)], (loss(up) - loss(down)) / (2 * eps), 2e-3) << "x " << i;
+  }
+  int checked = 0;
+  for (const char* name : {"decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight",
+                           "decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight",
+                           "decoder.layers.0.mlp.router.weight"}) {
+    Parameter* p = params.find(name);
+    const std::vector<float> g = p->main_grad.to_floats();
+    for (int64_t i = 0; i < p->data.numel(); i += 7) {
+      float* v = p->data.data<float>() + i;
+      const float keep = *v;
+      *v = keep + eps;
+      const double up = loss(x);
+      *v = keep - eps;
+      const double down = loss(x);
+      *v = keep;
+      EXPECT_NEAR(g[size_t(i)], (up - down) / (2 * eps), 2e-3) << name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 20);
 }
 
 TEST(MegatronRouting, FixturesAreFound) {
