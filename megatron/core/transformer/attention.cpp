@@ -7,6 +7,15 @@
 
 namespace megatron {
 
+namespace {
+// Note [QK layernorm]: the per-head norm of queries or keys, with --qk-layernorm.
+std::optional<Norm> qk_layernorm(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& name,
+                                 const ProcessGroupCollection& pg) {
+  if (!config.qk_layernorm) return std::nullopt;
+  return Norm::per_head(config, params, name, pg);
+}
+}  // namespace
+
 SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& spec, ParamAndGradBuffer& params,
                              const std::string& prefix, const ProcessGroupCollection& pg)
     : nq_(config.num_attention_heads / group_size(pg.tp)),
@@ -23,69 +32,20 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
       linear_proj_(params, prefix + ".linear_proj", config.query_projection_size(), config.hidden_size,
                    config.add_bias_linear, ParamInit::ScaledNormal, ParallelMode::Row, pg.tp,
                    config.sequence_parallel),
-      norm_rms_(config.use_rmsnorm()),
-      norm_zero_centered_gamma_(config.layernorm_zero_centered_gamma),
-      norm_eps_(config.layernorm_epsilon) {
+      q_layernorm_(qk_layernorm(config, params, prefix + ".q_layernorm", pg)),
+      k_layernorm_(qk_layernorm(config, params, prefix + ".k_layernorm", pg)) {
   MG_ASSERT(spec.kind == MixerKind::SelfAttention, "SelfAttention built from a {} spec", mixer_kind_name(spec.kind));
-  if (config.qk_layernorm) {
-    q_norm_ = add_head_norm(params, prefix + ".q_layernorm");
-    k_norm_ = add_head_norm(params, prefix + ".k_layernorm");
-  }
 }
 
-// ---- the per-head norms of q and k (Note [QK layernorm]) ----------------------------------------
-
-SelfAttention::HeadNorm SelfAttention::add_head_norm(ParamAndGradBuffer& params, const std::string& name) const {
-  HeadNorm n;
-  n.weight = params.add(name + ".weight", {d_}, /*no_weight_decay=*/true, ParamInit::Ones);
-  if (!norm_rms_) n.bias = params.add(name + ".bias", {d_}, /*no_weight_decay=*/true, ParamInit::Zeros);
-  for (Parameter* p : {n.weight, n.bias}) {
-    if (!p) continue;
-    p->tp_duplicate = tp_ != nullptr;
-    p->tp_partial_grad = tp_ != nullptr;  // Note [QK layernorm]: reduced by finalize_model_grads
-  }
-  return n;
+Tensor SelfAttention::head_norm_forward(Context& ctx, const Norm& norm, const Tensor& x, Norm::Saved& saved) {
+  const int64_t d = x.size(x.dim() - 1);
+  return norm.forward(ctx, x.view({-1, d}), saved).view(x.shape());
 }
 
-Tensor SelfAttention::head_norm_forward(Context& ctx, const HeadNorm& n, const Tensor& x, Norm::Saved& saved) const {
-  const int64_t rows = x.numel() / d_;
-  Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
-  Tensor x_rows = x.view({rows, d_}), out_rows = out.view({rows, d_});
-  saved.x = x;
-  saved.rstd = Tensor::empty({rows}, DType::Float32, ctx.device());
-  if (norm_rms_) {
-    ops::rmsnorm_forward(ctx, x_rows, n.weight->data, norm_eps_, norm_zero_centered_gamma_, out_rows, saved.rstd);
-  } else {
-    saved.mean = Tensor::empty({rows}, DType::Float32, ctx.device());
-    ops::layernorm_forward(ctx, x_rows, n.weight->data, n.bias->data, norm_eps_, norm_zero_centered_gamma_, out_rows,
-                           saved.mean, saved.rstd);
-  }
-  return out;
-}
-
-Tensor SelfAttention::head_norm_backward(Context& ctx, const HeadNorm& n, const Tensor& grad_out,
-                                         const Norm::Saved& saved, Tensor& weight_grad, Tensor& bias_grad) const {
-  const int64_t rows = saved.x.numel() / d_;
-  Tensor grad_in = Tensor::empty(saved.x.shape(), saved.x.dtype(), ctx.device());
-  Tensor g_rows = grad_out.view({rows, d_}), x_rows = saved.x.view({rows, d_}), gi_rows = grad_in.view({rows, d_});
-  if (norm_rms_) {
-    ops::rmsnorm_backward(ctx, g_rows, x_rows, n.weight->data, saved.rstd, norm_zero_centered_gamma_, gi_rows,
-                          weight_grad);
-  } else {
-    ops::layernorm_backward(ctx, g_rows, x_rows, n.weight->data, saved.mean, saved.rstd, norm_zero_centered_gamma_,
-                            gi_rows, weight_grad, bias_grad);
-  }
-  return grad_in;
-}
-
-void SelfAttention::qk_norm_backward(Context& ctx, Tensor& grad_q, Tensor& grad_k, const Saved& saved) const {
-  // Under tensor parallelism this rank's partial sums over its heads; finalize_model_grads adds the
-  // other ranks' (Note [QK layernorm]).
-  Tensor none;
-  auto grad_of = [&](Parameter* p) -> Tensor& { return p ? p->main_grad : none; };
-  grad_q = head_norm_backward(ctx, q_norm_, grad_q, saved.q_norm, q_norm_.weight->main_grad, grad_of(q_norm_.bias));
-  grad_k = head_norm_backward(ctx, k_norm_, grad_k, saved.k_norm, k_norm_.weight->main_grad, grad_of(k_norm_.bias));
-  for (Parameter* p : {q_norm_.weight, k_norm_.weight, q_norm_.bias, k_norm_.bias}) notify_grad_accumulated(ctx, p);
+Tensor SelfAttention::head_norm_backward(Context& ctx, const Norm& norm, const Tensor& grad_out,
+                                         const Norm::Saved& saved) {
+  const int64_t d = grad_out.size(grad_out.dim() - 1);
+  return norm.backward(ctx, grad_out.view({-1, d}), saved).view(grad_out.shape());
 }
 
 void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const {
@@ -103,9 +63,9 @@ void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved
   Tensor k = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
   Tensor v = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
   ops::qkv_split_forward(ctx, saved.qkv, q, k, v);
-  if (q_norm_.weight) {
-    q = head_norm_forward(ctx, q_norm_, q, saved.q_norm);
-    k = head_norm_forward(ctx, k_norm_, k, saved.k_norm);
+  if (q_layernorm_) {
+    q = head_norm_forward(ctx, *q_layernorm_, q, saved.q_norm);
+    k = head_norm_forward(ctx, *k_layernorm_, k, saved.k_norm);
   }
   if (freqs.defined()) {
     ops::rope_forward(ctx, q, freqs, rope_interleaved_, q);
@@ -161,7 +121,10 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Tenso
       ops::rope_backward(ctx, gq, freqs, rope_interleaved_, gq);
       ops::rope_backward(ctx, gk, freqs, rope_interleaved_, gk);
     }
-    if (q_norm_.weight) qk_norm_backward(ctx, gq, gk, saved);
+    if (q_layernorm_) {  // this rank's partial sums over its heads (Note [QK layernorm])
+      gq = head_norm_backward(ctx, *q_layernorm_, gq, saved.q_norm);
+      gk = head_norm_backward(ctx, *k_layernorm_, gk, saved.k_norm);
+    }
     grad_qkv = Tensor::empty({s, b, (nq_ + 2 * ng_) * d_}, dt, ctx.device());
     ops::qkv_split_backward(ctx, gq, gk, gv, grad_qkv);
   }
@@ -179,10 +142,10 @@ Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Ten
   Tensor k = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
   Tensor v = Tensor::empty({s, b, ng_, d_}, dt, ctx.device());
   ops::qkv_split_forward(ctx, qkv, q, k, v);
-  if (q_norm_.weight) {
+  if (q_layernorm_) {
     Norm::Saved unused;
-    q = head_norm_forward(ctx, q_norm_, q, unused);
-    k = head_norm_forward(ctx, k_norm_, k, unused);
+    q = head_norm_forward(ctx, *q_layernorm_, q, unused);
+    k = head_norm_forward(ctx, *k_layernorm_, k, unused);
   }
   if (freqs.defined()) {  // one angle row per (position, sequence): the sequences sit at different positions
     Tensor q_rows = q.view({s * b, 1, nq_, d_}), k_rows = k.view({s * b, 1, ng_, d_});

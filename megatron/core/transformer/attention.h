@@ -13,8 +13,8 @@
 // key head is normalised over its d channels after the QKV split and before RoPE, with the
 // model's --normalization (RMSNorm or LayerNorm, --apply-layernorm-1p and the epsilon included)
 // and one weight [d] (and bias, LayerNorm) for q and one for k, shared by every head:
-// "<prefix>.q_layernorm.weight" and "<prefix>.k_layernorm.weight". The norms run over rows
-// [s·b·heads, d] with the ordinary norm ops. Under tensor parallelism the weights are duplicated
+// "<prefix>.q_layernorm.weight" and "<prefix>.k_layernorm.weight". They are the model's Norm in
+// its per-head form (Norm::per_head), run over rows [s·b·heads, d]. Under tensor parallelism the weights are duplicated
 // on the tensor-parallel ranks (tp_duplicate) while the heads are sharded, so each rank's weight
 // gradient is a partial sum over its own heads: as Megatron, finalize_model_grads all-reduces the
 // gradients of q_layernorm/k_layernorm over the tensor-parallel group once per step, with or
@@ -28,6 +28,7 @@
 // recomputation is exact.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "megatron/core/tensor_parallel/layers.h"
@@ -68,21 +69,10 @@ class SelfAttention {
  private:
   void core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const;
   /// Note [Fused QKV attention]: whether the core attention reads the QKV projection directly.
-  bool fused_qkv(const Tensor& freqs) const { return nq_ == ng_ && !freqs.defined() && !q_norm_.weight; }
-
-  // Note [QK layernorm]: one head norm's parameters (bias with LayerNorm only; none without the flag).
-  struct HeadNorm {
-    Parameter* weight = nullptr;
-    Parameter* bias = nullptr;
-  };
-  HeadNorm add_head_norm(ParamAndGradBuffer& params, const std::string& name) const;
-  /// x [s, b, n, d] -> normalised over d, every head with the same weight; fills `saved`.
-  Tensor head_norm_forward(Context& ctx, const HeadNorm& norm, const Tensor& x, Norm::Saved& saved) const;
-  /// Returns the input gradient; accumulates the weight (and bias) gradient into weight_grad (bias_grad).
-  Tensor head_norm_backward(Context& ctx, const HeadNorm& norm, const Tensor& grad_out, const Norm::Saved& saved,
-                            Tensor& weight_grad, Tensor& bias_grad) const;
-  /// The q/k norms' backward, their weight gradients summed over the tensor-parallel ranks.
-  void qk_norm_backward(Context& ctx, Tensor& grad_q, Tensor& grad_k, const Saved& saved) const;
+  bool fused_qkv(const Tensor& freqs) const { return nq_ == ng_ && !freqs.defined() && !q_layernorm_; }
+  /// x [s, b, n, d] normalised over d by a per-head norm (Note [QK layernorm]), and its gradient.
+  static Tensor head_norm_forward(Context& ctx, const Norm& norm, const Tensor& x, Norm::Saved& saved);
+  static Tensor head_norm_backward(Context& ctx, const Norm& norm, const Tensor& grad_out, const Norm::Saved& saved);
 
   int64_t nq_, ng_, d_;
   float softmax_scale_;
@@ -91,9 +81,7 @@ class SelfAttention {
   Communicator* tp_;  // null: one rank
   Linear linear_qkv_;
   Linear linear_proj_;
-  bool norm_rms_, norm_zero_centered_gamma_;
-  float norm_eps_;
-  HeadNorm q_norm_, k_norm_;  // Note [QK layernorm]
+  std::optional<Norm> q_layernorm_, k_layernorm_;  // Note [QK layernorm]
 };
 
 }  // namespace megatron

@@ -6,17 +6,28 @@ namespace megatron {
 
 Norm::Norm(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params, const std::string& prefix,
            const ProcessGroupCollection& pg)
+    : Norm(config, kind, params, prefix, pg, /*per_head=*/false) {}
+
+Norm Norm::per_head(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
+                    const ProcessGroupCollection& pg) {
+  return Norm(config, config.use_rmsnorm() ? NormKind::RMSNorm : NormKind::LayerNorm, params, prefix, pg,
+              /*per_head=*/true);
+}
+
+Norm::Norm(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params, const std::string& prefix,
+           const ProcessGroupCollection& pg, bool per_head)
     : rms_(kind == NormKind::RMSNorm),
       zero_centered_gamma_(config.layernorm_zero_centered_gamma),
       eps_(config.layernorm_epsilon) {
-  const Shape shape{config.hidden_size};
+  const Shape shape{per_head ? config.kv_channels : config.hidden_size};
   weight_ = params.add(prefix + ".weight", shape, /*no_weight_decay=*/true, ParamInit::Ones);
   if (!rms_) bias_ = params.add(prefix + ".bias", shape, /*no_weight_decay=*/true, ParamInit::Zeros);
   const bool tp = group_size(pg.tp) > 1;
   for (Parameter* p : {weight_, bias_}) {
     if (!p) continue;
     p->tp_duplicate = tp;
-    p->sequence_parallel = tp && config.sequence_parallel;
+    p->sequence_parallel = tp && config.sequence_parallel && !per_head;
+    p->tp_partial_grad = tp && per_head;  // reduced by finalize_model_grads
   }
 }
 

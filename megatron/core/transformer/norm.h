@@ -19,6 +19,12 @@ class Norm {
   /// sequence parallelism their gradients are partial sums (all-reduced over the group later).
   Norm(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params, const std::string& prefix,
        const ProcessGroupCollection& pg = {});
+  /// The per-head norm of queries or keys (--qk-layernorm, Note [QK layernorm] in attention.h): over
+  /// kv_channels, one weight for every head. Under tensor parallelism the weights are whole on every
+  /// rank but each rank's gradient is a partial sum over its heads (tp_partial_grad), never
+  /// sequence parallel. Inputs are [rows, kv_channels].
+  static Norm per_head(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
+                       const ProcessGroupCollection& pg = {});
 
   struct Saved {
     Tensor x;     // input [N, h]
@@ -31,6 +37,9 @@ class Norm {
   Tensor backward(Context& ctx, const Tensor& grad_out, const Saved& saved) const;
 
  private:
+  Norm(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params, const std::string& prefix,
+       const ProcessGroupCollection& pg, bool per_head);
+
   bool rms_;
   bool zero_centered_gamma_;
   float eps_;
