@@ -11,19 +11,14 @@
 #include "megatron/training/num_microbatches.h"
 #include "megatron/training/training_log.h"
 #include "tests/test_util.h"
+#include "tests/training/parse_util.h"
 
 namespace megatron {
 namespace {
 
 using testing::error_of;
 
-Arguments parse(std::vector<std::string> flags) {
-  std::vector<const char*> argv = {"pretrain_gpt"};
-  for (const std::string& f : flags) argv.push_back(f.c_str());
-  auto a = parse_args(int(argv.size()), argv.data(), "test");
-  EXPECT_TRUE(a.has_value());
-  return *a;
-}
+using testing::parse;
 
 std::vector<std::string> base() {
   return {"--num-layers",

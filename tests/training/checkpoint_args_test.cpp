@@ -13,6 +13,7 @@
 #include "megatron/training/arguments.h"
 #include "megatron/training/checkpointing.h"
 #include "tests/test_util.h"
+#include "tests/training/parse_util.h"
 
 namespace megatron {
 namespace {
@@ -20,13 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::error_of;
 
-Arguments parse(std::vector<std::string> flags) {
-  std::vector<const char*> argv = {"pretrain_gpt"};
-  for (const std::string& f : flags) argv.push_back(f.c_str());
-  auto a = parse_args(int(argv.size()), argv.data(), "test");
-  EXPECT_TRUE(a.has_value());
-  return *a;
-}
+using testing::parse;
 
 std::vector<std::string> concat_flags(std::vector<std::string> a, const std::vector<std::string>& b) {
   a.insert(a.end(), b.begin(), b.end());
