@@ -24,15 +24,17 @@ Linear::Linear(ParamAndGradBuffer& params, const std::string& prefix, int64_t in
                int chunks)
     : mode_(mode), tp_(multi_rank(tp_group)), sequence_parallel_(tp_ && sequence_parallel) {
   const bool tp = tp_ != nullptr;
-  const int weight_dim = mode == ParallelMode::Column ? 0 : mode == ParallelMode::Row ? 1 : -1;
+  const bool column = mode == ParallelMode::Column || mode == ParallelMode::ExpertColumn;
+  const bool row = mode == ParallelMode::Row || mode == ParallelMode::ExpertRow;
+  MG_CHECK(!(bias && tp && mode == ParallelMode::ExpertRow),
+           "{}: expert biases need --expert-tensor-parallel-size 1 (as in Megatron)", prefix);
+  const int weight_dim = column ? 0 : row ? 1 : -1;
   weight_ = params.add(prefix + ".weight", tp_shard({out_features, in_features}, weight_dim, tp_, chunks),
                        /*no_weight_decay=*/false, weight_init);
   if (bias) {
-    bias_ = params.add(prefix + ".bias",
-                       tp_shard({out_features}, mode == ParallelMode::Column ? 0 : -1, tp_,
-                                mode == ParallelMode::Column ? chunks : 1),
+    bias_ = params.add(prefix + ".bias", tp_shard({out_features}, column ? 0 : -1, tp_, column ? chunks : 1),
                        /*no_weight_decay=*/true, ParamInit::Zeros);
-    bias_->tp_duplicate = tp && mode != ParallelMode::Column;
+    bias_->tp_duplicate = tp && !column;
   }
 }
 

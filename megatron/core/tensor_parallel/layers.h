@@ -10,6 +10,10 @@
 //   Row (W split along in): x [N, in/tp] -> y [N, out] all-reduced (or [N/tp, out] reduce-scattered
 //     with sequence parallelism); the bias is added once, by tensor-parallel rank 0, before the
 //     reduction, so every rank computes its whole gradient (tp_duplicate).
+//   ExpertColumn, ExpertRow: an expert's layers (Megatron's is_expert with explicit_expert_comm):
+//     the weight is split as Column / Row over the expert-tensor-parallel group, and the layer
+//     itself communicates nothing — the token dispatcher all-gathers the tokens over that group and
+//     reduce-scatters the outputs.
 //   None: the single-device layer.
 // N is the flattened [s, b] sequence-first dimension, so sequence shards are contiguous row blocks.
 #pragma once
@@ -22,7 +26,7 @@
 
 namespace megatron {
 
-enum class ParallelMode { None, Column, Row };
+enum class ParallelMode { None, Column, Row, ExpertColumn, ExpertRow };
 
 class Linear {
  public:

@@ -14,6 +14,7 @@
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/distributed/param_and_grad_buffer.h"
 #include "megatron/core/transformer/moe/moe_utils.h"
+#include "megatron/core/transformer/mlp.h"
 #include "megatron/core/transformer/moe/moe_layer.h"
 #include "megatron/core/transformer/transformer_config.h"
 #include "megatron/core/transformer/moe/router.h"
@@ -348,14 +349,14 @@ TEST(TopKRouter, GradientsTrackerAndExpertBias) {
 // MoELayer (SequentialMLP experts, one process): y[t] = Σ over t's experts of probs[t, e] ·
 // expert_e(x[t]), checked against each expert run on every token; and its gradients (input, an
 // expert's weights, the router's weight) against finite differences of Σ y·W + the router's losses.
-TEST(MoELayer, MixesTheExpertsByTheirProbabilitiesWithExactGradients) {
+void check_moe_layer(bool swiglu, bool bias) {
   TransformerConfig tc;
   tc.num_layers = 2;
   tc.hidden_size = 8;
   tc.num_attention_heads = 2;
   tc.vocab_size = 16;
-  tc.activation = "swiglu";
-  tc.add_bias_linear = false;
+  tc.activation = swiglu ? "swiglu" : "gelu";
+  tc.add_bias_linear = bias;
   tc.max_position_embeddings = 8;
   tc.finalize();
   moe::RouterConfig rc;
@@ -364,12 +365,19 @@ TEST(MoELayer, MixesTheExpertsByTheirProbabilitiesWithExactGradients) {
   rc.aux_loss_coeff = 0.1f;
   const int64_t seq = 4, mb = 2, t_count = seq * mb, h = 8;
   ParamAndGradBuffer params(DType::Float32, Device::cpu());
-  moe::MoELayer layer(tc, rc, /*moe_ffn_hidden_size=*/6, params, "decoder.layers.0.mlp", 0);
+  moe::MoEConfig mc;
+  mc.router = rc;
+  mc.ffn_hidden_size = 6;
+  moe::MoELayer layer(tc, mc, params, "decoder.layers.0.mlp", 0);
   params.allocate();
   params.init_weights(7, 0.5f, 2, false);
+  for (Parameter* q : params.parameters()) {  // biases start at zero: give them values the check can see
+    if (q->name.ends_with(".bias")) q->data.copy_from(testing::random_tensor(q->data.shape(), 40));
+  }
   params.zero_grad();
   ASSERT_NE(params.find("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"), nullptr);
-  EXPECT_EQ(params.find("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")->data.shape(), (Shape{12, h}));
+  EXPECT_EQ(params.find("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")->data.shape(),
+            (Shape{swiglu ? 12 : 6, h}));
   Context ctx;
   const Tensor x = testing::random_tensor({t_count, h}, 31), w = testing::random_tensor({t_count, h}, 32);
   moe::MoELayer::Saved saved;
@@ -414,8 +422,14 @@ TEST(MoELayer, MixesTheExpertsByTheirProbabilitiesWithExactGradients) {
   int checked = 0;
   for (const char* name : {"decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight",
                            "decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight",
+                           "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.bias",
+                           "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.bias",
                            "decoder.layers.0.mlp.router.weight"}) {
     Parameter* p = params.find(name);
+    if (!p) {
+      EXPECT_FALSE(bias) << name;
+      continue;
+    }
     const std::vector<float> g = p->main_grad.to_floats();
     for (int64_t i = 0; i < p->data.numel(); i += 7) {
       float* v = p->data.data<float>() + i;
@@ -431,6 +445,12 @@ TEST(MoELayer, MixesTheExpertsByTheirProbabilitiesWithExactGradients) {
   }
   EXPECT_GT(checked, 20);
 }
+
+TEST(MoELayer, MixesTheExpertsByTheirProbabilitiesWithExactGradients) {
+  check_moe_layer(/*swiglu=*/true, /*bias=*/false);
+}
+// GeLU experts with biases: fc2's bias is applied with the routing probability (Megatron's _apply_bias).
+TEST(MoELayer, GeluExpertsWithBiases) { check_moe_layer(/*swiglu=*/false, /*bias=*/true); }
 
 TEST(MegatronRouting, FixturesAreFound) {
   EXPECT_FALSE(router_fixtures().empty()) << "no router_*.safetensors in " << moe_fixtures_dir()

@@ -1,49 +1,68 @@
-// MoELayer (Megatron-Core's moe/moe_layer.py with SequentialMLP experts, one process): the router
-// chooses each token's experts, the tokens are permuted into expert order (Note [Permuted order]),
-// each local expert — a dense MLP of --moe-ffn-hidden-size, "<prefix>.experts.local_experts.<e>" —
-// runs on its rows, and the outputs are unpermuted with the routing probabilities as weights:
-//   y[t] = Σ_{e routed for t} probs[t, e] · expert_e(x[t])
-// Backward: the gradient reaches the input through the experts and the permutation, and through
-// the probabilities into the router (with the router's own losses).
+// MoELayer (Megatron-Core's moe/moe_layer.py): route -> dispatch -> experts -> combine (+ shared
+// experts), forward and backward side by side.
+//   probs, routing_map = router(x)                      (TopKRouter, fp32)
+//   rows, row_probs    = dispatcher.dispatch(x, probs)  (MoETokenDispatcher, over the EP / expert-TP groups)
+//   expert_out         = experts(rows, row_probs)       (SequentialMLP: probabilities applied inside)
+//   y                  = dispatcher.combine(expert_out)
+// Backward: the gradient reaches x through the combine, the experts and the dispatch, and through
+// the routed probabilities into the router (with the router's own losses).
 //
-// Half there: the token dispatchers' communication (allgather / alltoall over the expert-parallel
-// group), grouped GEMMs, the shared expert, and the layer's place in the layer specs are not built;
-// the training arguments refuse --num-experts.
+// Under tensor parallelism MoE needs sequence parallelism (as in Megatron): x is this rank's
+// sequence shard [T/tp, h] and each rank routes its own tokens; the router's weight gradient is then
+// a partial sum over the tensor-parallel ranks (Parameter::tp_partial_grad).
+//
+// Half there: the shared experts (--moe-shared-expert-intermediate-size) and the grouped GEMM
+// (--moe-grouped-gemm) are not built; the layer runs on the CPU only (its routing and permutation
+// are host code).
 #pragma once
 
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "megatron/core/transformer/mlp.h"
+#include "megatron/core/process_groups_config.h"
+#include "megatron/core/transformer/moe/experts.h"
 #include "megatron/core/transformer/moe/router.h"
+#include "megatron/core/transformer/moe/token_dispatcher.h"
 
 namespace megatron::moe {
 
+/// What an MoE layer is, beyond the TransformerConfig (the MoE flags).
+struct MoEConfig {
+  RouterConfig router;
+  int64_t ffn_hidden_size = 0;  // --moe-ffn-hidden-size
+  std::string dispatcher = "allgather";
+  bool permute_fusion = false;
+  bool grouped_gemm = false;
+};
+
 class MoELayer {
  public:
-  MoELayer(const TransformerConfig& config, const RouterConfig& router_config, int64_t moe_ffn_hidden_size,
-           ParamAndGradBuffer& params, const std::string& prefix, int layer_number);
+  MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamAndGradBuffer& params,
+           const std::string& prefix, int layer_number, const ProcessGroupCollection& pg = {});
 
   struct Saved {
     TopKRouter::Saved router;
-    Permutation permutation;
-    Tensor probs;       // [N] the permuted rows' probabilities
-    Tensor expert_out;  // [N, h] the experts' outputs in permuted order
-    std::vector<MLP::Saved> experts;
-    DType dtype = DType::Float32;
+    std::unique_ptr<MoETokenDispatcher::Saved> dispatch;
+    SequentialMLP::Saved experts;
+    int64_t seq_length = 0, micro_batch = 0;
   };
-  /// x [T, h] (T = seq_length · micro_batch, sequence-major) -> [T, h].
+  /// x [T, h] (T = seq_length · micro_batch tokens, sequence-major; this rank's sequence shard
+  /// under sequence parallelism) -> [T, h]. The router reports its losses to `tracker` (may be null).
   Tensor forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch, AuxLossTracker* tracker,
-                 Saved& saved);
-  Tensor backward(Context& ctx, const Tensor& grad_out, Saved& saved);
+                 Saved& saved) const;
+  /// The aux losses' gradients get the backward scale `aux_loss_scale` (Note [Router losses' gradients]).
+  Tensor backward(Context& ctx, const Tensor& grad_out, Saved& saved, float aux_loss_scale = 1.0f) const;
 
-  TopKRouter& router() { return router_; }
-  int num_experts() const { return int(experts_.size()); }
+  TopKRouter& router() { return *router_; }
+  const TopKRouter& router() const { return *router_; }
+  int num_local_experts() const { return dispatcher_->num_local_experts(); }
 
  private:
-  TopKRouter router_;
-  std::vector<std::unique_ptr<MLP>> experts_;
+  MoEConfig moe_;
+  std::unique_ptr<TopKRouter> router_;
+  std::unique_ptr<MoETokenDispatcher> dispatcher_;
+  std::unique_ptr<SequentialMLP> experts_;
 };
 
 }  // namespace megatron::moe

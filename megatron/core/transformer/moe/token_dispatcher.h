@@ -1,0 +1,91 @@
+// Token dispatchers (Megatron-Core's moe/token_dispatcher.py): they bring each token to the ranks
+// that hold its experts and the experts' outputs back, forward and backward side by side.
+//
+//   dispatch  x [T, h], probs [T, E], routing_map [T, E]  ->  the rows of this rank's local
+//             experts [N, h] sorted by local expert, their probabilities [N] (fp32) and the rows
+//             per local expert (host counts: the grouped GEMM and the all-to-all splits need them)
+//   combine   the experts' outputs [N, h] (the probabilities already applied by the experts, as
+//             Megatron's experts do) -> [T, h], each token the sum of its rows
+//
+// The experts' rows of this rank: for the local experts [first_local, first_local + L) of the
+// expert-parallel rank (E / EP experts each), the tokens every rank of the EP group (and, with
+// expert tensor parallelism, of the expert-TP group) routed to them.
+//
+// Kinds (--moe-token-dispatcher-type):
+//   allgather  (MoEAllGatherTokenDispatcher) x, probs and the routing map are all-gathered over the
+//              EP × expert-TP ranks; each rank permutes the tokens routed to its local experts; combine
+//              unpermutes into the gathered [T·EP·ETP, h] and reduce-scatters it back.
+//   alltoall   (MoEAlltoAllTokenDispatcher) permute locally by expert (Note [Permuted order]),
+//              all-to-all-v over the EP group (splits: rows per destination rank), with expert-TP the
+//              all-gather over the expert-TP group, then the rows sorted by local expert
+//              (sort_chunks_by_idxs); combine is the reverse: unsort, reduce-scatter over expert-TP,
+//              all-to-all-v back, unpermute (a sum: the probabilities were applied by the experts).
+//   flex       (MoEFlexTokenDispatcher) Megatron's interface, over the same NCCL all-to-all as
+//              alltoall (DeepEP is not used).
+// With one rank in every group all kinds are the local permutation.
+//
+// Token dropping: the router has already dropped what exceeds the capacity; with drop-and-pad
+// (--moe-pad-expert-input-to-capacity) every expert receives `capacity` rows from each rank.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "megatron/core/process_groups_config.h"
+#include "megatron/core/transformer/moe/moe_utils.h"
+#include "megatron/runtime/context.h"
+
+namespace megatron::moe {
+
+struct DispatcherConfig {
+  std::string type = "allgather";  // allgather | alltoall | flex
+  int num_experts = 0;
+  int64_t capacity = 0;  // > 0: drop-and-pad, every expert gets exactly this many rows per source rank
+  bool permute_fusion = false;  // --moe-permute-fusion: the fused permute kernels (GPU)
+};
+
+class MoETokenDispatcher {
+ public:
+  virtual ~MoETokenDispatcher() = default;
+
+  struct Dispatched {
+    Tensor tokens;                           // [N, h] this rank's local experts' rows, by local expert
+    Tensor probs;                            // [N] fp32
+    std::vector<int64_t> tokens_per_expert;  // [num_local_experts] rows per local expert (host)
+  };
+  /// What backward needs (each kind keeps its own permutation and splits in it).
+  struct Saved {
+    virtual ~Saved() = default;
+  };
+
+  /// x [T, h] (model dtype), probs [T, E] fp32 (zero off the routed experts), routing_map [T, E] uint8.
+  virtual Dispatched dispatch(Context& ctx, const Tensor& x, const Tensor& probs, const Tensor& routing_map,
+                              std::unique_ptr<Saved>& saved) = 0;
+  /// expert_out [N, h] -> [T, h].
+  virtual Tensor combine(Context& ctx, const Tensor& expert_out, Saved& saved) = 0;
+  /// The gradient of combine: grad_out [T, h] -> grad_expert_out [N, h].
+  virtual Tensor combine_backward(Context& ctx, const Tensor& grad_out, Saved& saved) = 0;
+  /// The gradient of dispatch: grad_tokens [N, h], grad_probs [N] -> grad_x [T, h] and grad of
+  /// probs [T, E] (fp32; zero off the routed experts). Releases `saved`.
+  virtual void dispatch_backward(Context& ctx, const Tensor& grad_tokens, const Tensor& grad_probs, Saved& saved,
+                                 Tensor& grad_x, Tensor& grad_probs_full) = 0;
+
+  int num_local_experts() const { return num_local_experts_; }
+  /// The global index of local expert 0 (ep_rank · num_local_experts).
+  int first_local_expert() const { return first_local_expert_; }
+
+ protected:
+  MoETokenDispatcher(const DispatcherConfig& config, const ProcessGroupCollection& pg);
+  DispatcherConfig config_;
+  Communicator* ep_;    // null: one rank
+  Communicator* etp_;   // expert tensor parallel; null: one rank
+  int num_local_experts_ = 0, first_local_expert_ = 0;
+};
+
+/// The dispatcher of `config.type` over pg.ep and pg.expt_tp (one clear line for an unknown type,
+/// or experts not divisible by the expert-parallel size).
+std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(const DispatcherConfig& config,
+                                                          const ProcessGroupCollection& pg);
+
+}  // namespace megatron::moe
