@@ -10,6 +10,7 @@ ProcessGroupCollection ProcessGroupCollection::from(const ParallelState& ps) {
   pg.cp = multi_rank(&ps.context());
   pg.dp = multi_rank(&ps.data());
   pg.dp_cp = multi_rank(&ps.data_context());
+  pg.tp_cp = multi_rank(&ps.tensor_context());
   pg.pp = multi_rank(&ps.pipeline());
   pg.embd = ps.embedding();
   pg.ep = multi_rank(&ps.expert_model());

@@ -21,6 +21,7 @@ struct ProcessGroupCollection {
   Communicator* cp = nullptr;     // context parallel
   Communicator* dp = nullptr;     // data parallel
   Communicator* dp_cp = nullptr;  // data × context parallel: dense gradients reduce over it
+  Communicator* tp_cp = nullptr;  // tensor × context parallel: the MoE router's token counts sum over it
   Communicator* pp = nullptr;     // pipeline parallel
   Communicator* embd = nullptr;   // first and last pipeline stage (tied embeddings); null elsewhere
   Communicator* ep = nullptr;       // expert parallel
