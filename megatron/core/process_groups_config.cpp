@@ -16,6 +16,7 @@ ProcessGroupCollection ProcessGroupCollection::from(const ParallelState& ps) {
   pg.ep = multi_rank(&ps.expert_model());
   pg.expt_tp = multi_rank(&ps.expert_tensor());
   pg.expt_dp = multi_rank(&ps.expert_data());
+  pg.tp_ep = multi_rank(&ps.expert_tensor_and_model());
   return pg;
 }
 

@@ -27,6 +27,9 @@ struct ProcessGroupCollection {
   Communicator* ep = nullptr;       // expert parallel
   Communicator* expt_tp = nullptr;  // expert tensor parallel
   Communicator* expt_dp = nullptr;  // expert data parallel: expert gradients reduce over it
+  /// Expert tensor × expert model parallel (Megatron's tp_ep), group rank = etp + ETP·ep: the
+  /// allgather and flex token dispatchers communicate over it.
+  Communicator* tp_ep = nullptr;
 
   /// Every group of `ps` (groups of size 1 are left null).
   static ProcessGroupCollection from(const ParallelState& ps);
