@@ -393,6 +393,9 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
   for (const Parameter* p : params) {
     if (owned(*p) && writer(*p)) job->model_tensors.push_back({p->name, host_copy(p->data), p->shard});
   }
+  if (dp_writer && tp_rank == 0) {
+    for (const auto& [name, t] : buffers_) job->model_tensors.push_back({name, host_copy(*t), ShardSpec{}});
+  }
   const bool save_optim = optimizer && !args_.no_save_optim;
   job->has_optim = save_optim && !optimizer->parameters().empty();
   if (save_optim) {
@@ -515,6 +518,11 @@ std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::stri
              "checkpoint {} was saved from another model: tensor '{}' has shape {} there, {} in this model{}",
              dir.string(), p->name, shape_str(shape), shape_str(want), vocabulary_hint(p->name, shape, want));
     bytes += model_index.load_into(p->name, p->shard, p->data);
+  }
+  for (const auto& [name, t] : buffers_) {
+    MG_CHECK(model_index.contains(name), "checkpoint {} has no tensor '{}': it was saved from another model",
+             dir.string(), name);
+    bytes += model_index.load_into(name, ShardSpec{}, *t);
   }
 
   TrainingProgress progress;

@@ -495,6 +495,12 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   AdamOptimizer optimizer(ddp.parameters(), optimizer_config_from_args(args), ddp);
   OptimizerParamScheduler scheduler(scheduler_config_from_args(args));
   Checkpointer checkpointer(args, &ps);
+  {
+    std::vector<std::pair<std::string, Tensor*>> buffers;
+    for (auto& c : chunks)
+      for (auto& b : c->buffers()) buffers.push_back(b);
+    checkpointer.set_model_buffers(std::move(buffers));
+  }
   TrainingProgress progress;
   if (!args.load.empty()) {
     auto loaded = checkpointer.load(ctx, args.load, chunk_parameters(chunks), &optimizer, &scheduler);

@@ -72,6 +72,8 @@ class ModelChunk {
   /// expert biases move by the step's token counts (Megatron's _update_router_expert_bias in
   /// finalize_model_grads). Collective over the chunk's tp × cp and data-parallel groups.
   virtual void update_router_expert_bias(Context&) {}
+  /// State that is not a parameter but belongs in checkpoints (the routers' expert biases), by name.
+  virtual std::vector<std::pair<std::string, Tensor*>> buffers() { return {}; }
 
  private:
   AuxLossTracker* aux_losses_ = nullptr;

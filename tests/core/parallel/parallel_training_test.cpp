@@ -375,10 +375,21 @@ TEST_F(ParallelTraining, MoeExpertBiasSeqAuxTP2EP2) {
   TrainRun one = train(dir_->path, "moe_bias_single", 1,
                        concat(model, {"--train-iters", "5", "--save", (dir_->path / "moe_bias_single").string()}));
   ASSERT_EQ(one.aux.count("seq_load_balancing_loss"), 1u) << one.output;
-  check(model, one, "moe_bias_single",
-        Layout{"moe_bias_tp2sp_ep2", 4,
-               {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-                "--moe-token-dispatcher-type", "alltoall"}});
+  const std::vector<std::string> tp2ep2 = {"--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                           "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                           "alltoall"};
+  check(model, one, "moe_bias_single", Layout{"moe_bias_tp2sp_ep2", 4, tp2ep2});
+  // The expert biases are checkpoint state: saved at iteration 3 under TP 2 × EP 2, resumed by one
+  // process, the routing (and so the losses) continue as in the single run.
+  const fs::path ckpt = dir_->path / "moe_bias_reshard";
+  train(dir_->path, "moe_bias_save", 4,
+        concat(concat(model, tp2ep2), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
+  TrainRun resumed =
+      train(dir_->path, "moe_bias_load", 1, concat(model, {"--train-iters", "5", "--load", ckpt.string()}));
+  expect_close(resumed.losses, one.losses, "expert bias resumed", 3);
+  expect_close(resumed.aux["seq_load_balancing_loss"], one.aux["seq_load_balancing_loss"], "expert bias resumed", 3);
+  dist_checkpointing::ShardIndex index((ckpt / "iter_0000003").string(), "model");
+  EXPECT_TRUE(index.contains("decoder.layers.1.mlp.router.expert_bias"));
 }
 
 // An MoE checkpoint saved by one expert layout at iteration 3 resumes under another with the

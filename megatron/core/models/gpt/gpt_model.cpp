@@ -84,6 +84,18 @@ void GPTModel::update_router_expert_bias(Context& ctx) {
   }
 }
 
+std::vector<std::pair<std::string, Tensor*>> GPTModel::buffers() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (size_t i = 0; i < decoder_->layers().size(); ++i) {
+    moe::MoELayer* m = decoder_->layers()[i]->moe();
+    if (m && m->router().expert_bias().defined()) {
+      out.emplace_back(fmt::format("decoder.layers.{}.mlp.router.expert_bias", decoder_->first_layer() + int(i)),
+                       &m->router().expert_bias());
+    }
+  }
+  return out;
+}
+
 void GPTModel::init_weights(uint64_t seed) {
   params_->init_weights(seed, config_.init_method_std, config_.num_layers, config_.layernorm_zero_centered_gamma);
 }

@@ -107,6 +107,8 @@ class GPTModel : public ModelChunk {
   /// declares the same names, MoE layers or not: the tracker's reduction is collective).
   void set_aux_loss_tracker(AuxLossTracker* tracker) override;
   void update_router_expert_bias(Context& ctx) override;
+  /// "decoder.layers.L.mlp.router.expert_bias" of each MoE layer with --moe-router-enable-expert-bias.
+  std::vector<std::pair<std::string, Tensor*>> buffers() override;
   const TransformerConfig& config() const { return config_; }
   ParamAndGradBuffer& params() override { return *params_; }
   const ParamAndGradBuffer& params() const override { return *params_; }
