@@ -273,3 +273,38 @@ TEST(NumMicroBatches, RampupFollowsMegatron) {
 
 }  // namespace
 }  // namespace megatron
+
+namespace megatron {
+namespace {
+// The weight-and-optimizer estimate of a Mixtral-8x7B layout counts the experts over expert-TP ×
+// EP and their optimizer state over the expert-data ranks. The expected figures are Megatron's own
+// compute_weight_and_optimizer_memory (theoretical_memory_usage.py at the reference commit) run on
+// the same arguments.
+TEST(TheoreticalMemory, CountsExpertsOverTheirOwnParallelism) {
+  auto estimate = [](std::vector<std::string> extra) {
+    std::vector<std::string> f = {"--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+                                  "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "14336",
+                                  "--swiglu", "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
+                                  "--disable-bias-linear", "--num-experts", "8", "--moe-router-topk", "2",
+                                  "--moe-ffn-hidden-size", "14336", "--tensor-model-parallel-size", "2",
+                                  "--sequence-parallel", "--pipeline-model-parallel-size", "4", "--seq-length", "4096",
+                                  "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--train-iters", "1",
+                                  "--lr", "1e-4", "--mock-data", "--vocab-size", "32000"};
+    f.insert(f.end(), extra.begin(), extra.end());
+    Arguments a = testing::parse(f);
+    a.world_size = 64;
+    validate_args(a);
+    return theoretical_memory(a, 32000, 1).weight_and_optimizer_mb;
+  };
+  EXPECT_NEAR(estimate({"--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+                        "--use-distributed-optimizer"}),
+              17799.10107421875, 0.01);
+  EXPECT_NEAR(estimate({"--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1"}), 28202.642578125,
+              0.01);
+  EXPECT_NEAR(estimate({"--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2",
+                        "--use-distributed-optimizer", "--moe-layer-freq", "([0]+[1]*31)",
+                        "--moe-shared-expert-intermediate-size", "2048", "--moe-shared-expert-gate"}),
+              18150.26953125, 0.01);
+}
+}  // namespace
+}  // namespace megatron
