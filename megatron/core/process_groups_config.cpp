@@ -10,11 +10,13 @@ ProcessGroupCollection ProcessGroupCollection::from(const ParallelState& ps) {
   pg.cp = multi_rank(&ps.context());
   pg.dp = multi_rank(&ps.data());
   pg.dp_cp = multi_rank(&ps.data_context());
+  pg.tp_cp = multi_rank(&ps.tensor_context());
   pg.pp = multi_rank(&ps.pipeline());
   pg.embd = ps.embedding();
   pg.ep = multi_rank(&ps.expert_model());
   pg.expt_tp = multi_rank(&ps.expert_tensor());
   pg.expt_dp = multi_rank(&ps.expert_data());
+  pg.tp_ep = multi_rank(&ps.expert_tensor_and_model());
   return pg;
 }
 

@@ -21,11 +21,15 @@ struct ProcessGroupCollection {
   Communicator* cp = nullptr;     // context parallel
   Communicator* dp = nullptr;     // data parallel
   Communicator* dp_cp = nullptr;  // data × context parallel: dense gradients reduce over it
+  Communicator* tp_cp = nullptr;  // tensor × context parallel: the MoE router's token counts sum over it
   Communicator* pp = nullptr;     // pipeline parallel
   Communicator* embd = nullptr;   // first and last pipeline stage (tied embeddings); null elsewhere
   Communicator* ep = nullptr;       // expert parallel
   Communicator* expt_tp = nullptr;  // expert tensor parallel
   Communicator* expt_dp = nullptr;  // expert data parallel: expert gradients reduce over it
+  /// Expert tensor × expert model parallel (Megatron's tp_ep), group rank = etp + ETP·ep: the
+  /// allgather and flex token dispatchers communicate over it.
+  Communicator* tp_ep = nullptr;
 
   /// Every group of `ps` (groups of size 1 are left null).
   static ProcessGroupCollection from(const ParallelState& ps);

@@ -123,10 +123,12 @@ struct Parser {
 
   void define() {
     const char* g = "Model";
+#define MG_MODEL_GROUP(title) g = title;
 #define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) \
   model_arg(g, flag, a.field, choices, help);
 #include "megatron/training/model_arguments.inc"
 #undef MG_MODEL_ARG
+#undef MG_MODEL_GROUP
 
     g = "Parallelism";
     opt(g, "--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size");
@@ -263,10 +265,6 @@ struct Parser {
     opt(g, "--exit-duration-in-mins", a.exit_duration_in_mins, "Exit after this many minutes");
     flag(g, "--exit-signal-handler", a.exit_signal_handler, "On SIGTERM: save a checkpoint, then exit");
 
-    g = "Mixture of experts";
-    opt(g, "--num-experts", a.num_experts, "Number of experts (MoE)");
-    opt(g, "--moe-router-topk", a.moe_router_topk, "Experts per token");
-
     g = "CUDA graphs";
     opt(g, "--cuda-graph-impl", a.cuda_graph_impl,
         "none, or local: the forward and backward passes of a training step as one CUDA graph (with "
@@ -350,6 +348,42 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
   return a;
 }
 
+namespace {
+// The MoE part of validate_args (the model's own rules are TransformerConfig::finalize_moe's).
+void validate_moe_args(Arguments& a) {
+  if (a.expert_tensor_parallel_size == 0) a.expert_tensor_parallel_size = a.tensor_model_parallel_size;
+  const int ep = a.expert_model_parallel_size, etp = a.expert_tensor_parallel_size;
+  MG_CHECK(ep >= 1 && etp >= 1, "--expert-model-parallel-size and --expert-tensor-parallel-size must be positive");
+  MG_CHECK(a.num_experts > 0 || ep == 1, "--expert-model-parallel-size {} needs --num-experts", ep);
+  if (a.num_experts == 0) return;
+  const int expert_model_parallel = etp * ep * a.pipeline_model_parallel_size;
+  MG_CHECK(a.world_size % expert_model_parallel == 0,
+           "world size ({}) is not divisible by expert tensor ({}) x expert model ({}) x pipeline ({}) parallel size: "
+           "launch a multiple of {} processes",
+           a.world_size, etp, ep, a.pipeline_model_parallel_size, expert_model_parallel);
+  MG_CHECK(a.num_experts % ep == 0, "--num-experts ({}) must be divisible by --expert-model-parallel-size ({})",
+           a.num_experts, ep);
+  MG_CHECK(a.moe_router_topk >= 1 && a.moe_router_topk <= a.num_experts,
+           "--moe-router-topk ({}) must be between 1 and --num-experts ({})", a.moe_router_topk, a.num_experts);
+  if (!a.moe_expert_capacity_factor.empty()) {
+    size_t used = 0;
+    float f = 0;
+    try {
+      f = std::stof(a.moe_expert_capacity_factor, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    MG_CHECK(used == a.moe_expert_capacity_factor.size() && f > 0,
+             "--moe-expert-capacity-factor must be a positive number (got '{}'); leave it out for dropless MoE",
+             a.moe_expert_capacity_factor);
+  }
+  MG_CHECK(!a.moe_pad_expert_input_to_capacity || !a.moe_expert_capacity_factor.empty(),
+           "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");
+  MG_CHECK(a.tensor_model_parallel_size == 1 || a.sequence_parallel,
+           "MoE with tensor parallelism needs --sequence-parallel (as in Megatron)");
+}
+}  // namespace
+
 void validate_args(Arguments& a) {
   // ---- parallel layout (Megatron's order tp-cp-ep-dp-pp)
   const int model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size * a.context_parallel_size;
@@ -359,8 +393,7 @@ void validate_args(Arguments& a) {
            a.world_size, a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size,
            model_parallel);
   a.data_parallel_size = a.world_size / model_parallel;
-  MG_CHECK(a.expert_model_parallel_size == 1 && a.num_experts == 0,
-           "mixture of experts (--num-experts, --expert-model-parallel-size) is not supported yet");
+  validate_moe_args(a);
   if (a.sequence_parallel && a.tensor_model_parallel_size == 1) a.sequence_parallel = false;  // as Megatron
   MG_CHECK(!a.apply_residual_connection_post_layernorm, "--apply-residual-connection-post-layernorm is not supported");
   MG_CHECK(a.fp8_format.empty(), "--fp8-format is not supported yet");
@@ -509,6 +542,8 @@ void check_deterministic_nccl(const Arguments& a, bool uses_nccl) {
 //   --swiglu                      activation "swiglu" and gated_linear_unit (else "gelu")
 //   --untie-embeddings-and-output-weights   share_embeddings_and_output_weights is its negation
 //   --use-rotary-position-embeddings        position_embedding_type "rope" (an alias)
+//   --moe-expert-capacity-factor  a number, or absent (Megatron's None: dropless); the config holds
+//                                 0 for absent
 // and back (model_arguments_from_config): group_query_attention when the groups are fewer than the
 // heads; add_qkv_bias only where it adds something (without the linear biases), as checkpoints
 // converted before this table recorded it.
@@ -545,6 +580,7 @@ TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab
   c.gated_linear_unit = a.swiglu;
   c.share_embeddings_and_output_weights = !a.untie_embeddings_and_output_weights;
   if (a.use_rotary_position_embeddings) c.position_embedding_type = "rope";
+  if (!a.moe_expert_capacity_factor.empty()) c.moe_expert_capacity_factor = std::stof(a.moe_expert_capacity_factor);
 
   c.vocab_size = int(vocab_size);
   c.bf16 = a.bf16;
@@ -558,6 +594,8 @@ TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab
   c.virtual_pipeline_model_parallel_size = a.virtual_pipeline_model_parallel_size;
   c.decoder_first_pipeline_num_layers = a.decoder_first_pipeline_num_layers;
   c.decoder_last_pipeline_num_layers = a.decoder_last_pipeline_num_layers;
+  c.expert_model_parallel_size = a.expert_model_parallel_size;
+  c.expert_tensor_parallel_size = a.expert_tensor_parallel_size;
   c.finalize();
   return c;
 }
@@ -575,6 +613,7 @@ Arguments model_arguments_from_config(const TransformerConfig& c) {
   a.add_qkv_bias = c.add_qkv_bias && !c.add_bias_linear;
   a.swiglu = c.gated_linear_unit;
   a.untie_embeddings_and_output_weights = !c.share_embeddings_and_output_weights;
+  if (c.moe_expert_capacity_factor > 0) a.moe_expert_capacity_factor = fmt::format("{}", c.moe_expert_capacity_factor);
   return a;
 }
 

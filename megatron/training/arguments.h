@@ -146,10 +146,6 @@ struct Arguments {
   double exit_duration_in_mins = 0.0;
   bool exit_signal_handler = false;
 
-  // ---- mixture of experts (accepted; refused when enabled)
-  int num_experts = 0;
-  int moe_router_topk = 2;
-
   // ---- CUDA graphs (core/full_cuda_graph.h)
   std::string cuda_graph_impl = "none";         // none | local | transformer_engine
   std::vector<std::string> cuda_graph_scope;    // local: full_iteration

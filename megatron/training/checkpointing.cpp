@@ -386,11 +386,12 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
   // Note [Checkpoint ownership].
   const int tp_rank = distributed() ? parallel_->tp_rank() : 0;
   const bool dp_writer = !distributed() || parallel_->dp_rank() == 0;
+  const bool edp_writer = !distributed() || parallel_->edp_rank() == 0;
+  // Dense parameters are written by data-parallel rank 0, experts by expert-data rank 0.
+  auto writer = [&](const Parameter& p) { return p.reduce_group == GradReduceGroup::ExpertData ? edp_writer : dp_writer; };
   auto owned = [&](const Parameter& p) { return !p.shared_embedding_copy && !(p.tp_duplicate && tp_rank != 0); };
-  if (dp_writer) {
-    for (const Parameter* p : params) {
-      if (owned(*p)) job->model_tensors.push_back({p->name, host_copy(p->data), p->shard});
-    }
+  for (const Parameter* p : params) {
+    if (owned(*p) && writer(*p)) job->model_tensors.push_back({p->name, host_copy(p->data), p->shard});
   }
   const bool save_optim = optimizer && !args_.no_save_optim;
   job->has_optim = save_optim && !optimizer->parameters().empty();
@@ -398,7 +399,7 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
     for (const Parameter& p : optimizer->parameters()) {
       if (!owned(p)) continue;  // the same on every rank of the data-parallel group
       const AdamParamState st = optimizer->gather_state(ctx, p.name);
-      if (!dp_writer) continue;
+      if (!writer(p)) continue;
       for (const auto& [suffix, t] : {std::pair<const char*, const Tensor*>{"master", &st.master},
                                       {"exp_avg", &st.exp_avg},
                                       {"exp_avg_sq", &st.exp_avg_sq}}) {

@@ -198,12 +198,15 @@ struct Trainer {
   OptimizerStepResult train_step(double& lm_loss) {
     ddp.zero_grad(ctx);
     ddp.finish_param_sync(ctx);  // --overlap-param-gather: the previous step's all-gathers
+    // Megatron's MoEAuxLossAutoScaler.set_loss_scale: the aux losses' gradient, like the main loss's.
+    if (aux_losses) aux_losses->set_backward_scale(float(loss_scale() / double(microbatches.num_microbatches())));
     timers.start("forward-backward", 1);
     LossSums sums = cuda_graph ? cuda_graph->forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step,
                                                               data.train, fb_args(loss_scale(), false), &ddp)
                                : forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step, data.train,
                                                   fb_args(loss_scale(), false), &ddp);
     finalize_model_grads(ctx, ddp);
+    for (auto& c : chunks) c->update_router_expert_bias(ctx);
     timers.stop("forward-backward");
     if (aux_losses && !aux_losses->empty()) {  // Megatron's track_moe_metrics
       for (const auto& [name, value] : aux_losses->report(ctx, &ps.pipeline(), &ps.data(),
@@ -431,6 +434,8 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   layout.tensor_model_parallel_size = args.tensor_model_parallel_size;
   layout.pipeline_model_parallel_size = args.pipeline_model_parallel_size;
   layout.context_parallel_size = args.context_parallel_size;
+  layout.expert_model_parallel_size = args.expert_model_parallel_size;
+  layout.expert_tensor_parallel_size = args.expert_tensor_parallel_size;
   layout.virtual_pipeline_model_parallel_size = args.virtual_pipeline_model_parallel_size;
   layout.sequence_parallel = args.sequence_parallel;
   ParallelState ps(init_world(launch, device, std::chrono::minutes(args.distributed_timeout_minutes)), layout);

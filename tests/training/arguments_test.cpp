@@ -180,7 +180,17 @@ TEST(Arguments, ParallelLayoutRules) {
         "must be divisible by --pipeline-model-parallel-size (2) x --num-layers-per-virtual-pipeline-stage (3)");
   check({"--overlap-param-gather"}, "--overlap-param-gather needs --use-distributed-optimizer");
   check({"--num-layers-per-virtual-pipeline-stage", "1"}, "needs --pipeline-model-parallel-size > 1");
-  check({"--context-parallel-size", "2", "--num-experts", "4"}, "mixture of experts");
+  // Mixture of experts: the bad inputs Megatron refuses, one line each.
+  check({"--num-experts", "4", "--moe-router-topk", "6"}, "--moe-router-topk (6) must be between 1 and --num-experts (4)");
+  check({"--num-experts", "6", "--expert-model-parallel-size", "4"},
+        "--num-experts (6) must be divisible by --expert-model-parallel-size (4)");
+  check({"--num-experts", "8", "--expert-model-parallel-size", "3"},
+        "world size (8) is not divisible by expert tensor (1) x expert model (3) x pipeline (1) parallel size");
+  check({"--num-experts", "8", "--moe-expert-capacity-factor", "0"}, "--moe-expert-capacity-factor must be a positive");
+  check({"--num-experts", "8", "--moe-expert-capacity-factor", "-1.5"}, "--moe-expert-capacity-factor must be a positive");
+  check({"--num-experts", "8", "--moe-token-dispatcher-type", "deepep"}, "--moe-token-dispatcher-type");
+  check({"--expert-model-parallel-size", "2"}, "--expert-model-parallel-size 2 needs --num-experts");
+  check({"--num-experts", "8", "--tensor-model-parallel-size", "2"}, "MoE with tensor parallelism needs --sequence-parallel");
 }
 
 TEST(Arguments, HelpListsGroups) {

@@ -150,10 +150,14 @@ void DistributedDataParallel::launch_bucket(Context& ctx, int buffer, int bucket
   st.launched = true;
   Communicator& group = reduction_group(buffers_[size_t(buffer)].group);
   const int dp = group.size();
-  if (dp == 1) return;
+  // Megatron's gradient_scaling_factor: the sum over the data × context ranks is their mean. Expert
+  // gradients take the same factor (expert_gradient_scaling_factor = 1 / dp×cp, not 1 / expert-dp):
+  // an expert's gradient already sums the tokens the dispatcher brought from every data rank.
+  const int dense_dp = reduction_group(GradReduceGroup::DataContext).size();
   const Bucket& b = buffers_[size_t(buffer)].buffer->buckets()[size_t(bucket)];
   Tensor grad = b.grad_data;
-  ops::scale_(ctx, grad, 1.0f / float(dp));  // Megatron's gradient_scaling_factor: the sum is the mean
+  if (dense_dp > 1) ops::scale_(ctx, grad, 1.0f / float(dense_dp));
+  if (dp == 1) return;
   if (config_.use_distributed_optimizer) {
     const int64_t n = b.numel() / dp;
     Tensor shard = grad.flat_slice(n * group.rank(), n);

@@ -70,7 +70,12 @@ AdamOptimizer::AdamOptimizer(std::vector<Parameter> params, const OptimizerConfi
     const ParamShard sh = ddp.owned_shard(p.name);
     shard_start_.push_back(distributed_ ? sh.start : 0);
     shard_count_.push_back(distributed_ ? sh.count : p.data.numel());
-    counted_.push_back(!p.shared_embedding_copy && (!p.tp_duplicate || ps.tp_rank() == 0));
+    // Each element once over the world: the shard's owner (distributed optimizer), else the first
+    // replica of its reduction group (dense: data × context rank 0; experts: expert-data rank 0).
+    const bool first_replica = p.reduce_group == GradReduceGroup::ExpertData ? ps.edp_rank() == 0
+                                                                              : ps.dp_rank() == 0 && ps.cp_rank() == 0;
+    counted_.push_back(!p.shared_embedding_copy && (!p.tp_duplicate || ps.tp_rank() == 0) &&
+                       (distributed_ || first_replica));
     if (!counted_.back() || shard_count_.back() == 0) continue;
     const Tensor g = p.main_grad.flat_slice(shard_start_.back(), shard_count_.back());
     for (int c = 0; c < ddp.num_buffers(); ++c) {
@@ -128,7 +133,7 @@ Tensor AdamOptimizer::model_shard(size_t i) const {
 GradStats AdamOptimizer::reduce_stats(Context& ctx, const GradStats& local) const {
   if (!ddp_) return local;
   const ParallelState& ps = ddp_->parallel_state();
-  return all_reduce_grad_stats(ctx, distributed_ ? ps.world() : ps.model(), local);
+  return all_reduce_grad_stats(ctx, ps.world(), local);  // Note [Counting gradients once]
 }
 
 OptimizerStepResult AdamOptimizer::step(Context& ctx) {

@@ -17,9 +17,10 @@
 //     param_is_not_tensor_parallel_duplicate): the grad statistics — Σg², inf/nan, zeros — and the
 //     parameter norm count every element of the full model exactly once: shared_embedding_copy
 //     parameters never, tp_duplicate parameters on tensor-parallel rank 0 only, and with the
-//     distributed optimizer only the elements of this rank's shard. They are summed over the
-//     model-parallel group (tp × pp), or over the world with the distributed optimizer (Megatron's
-//     grad-stats group), so every rank sees the same norm and the same found-inf and skips together.
+//     distributed optimizer only the elements of this rank's shard, without it only the first
+//     replica's (data × context rank 0 for dense parameters, expert-data rank 0 for experts). They
+//     are summed over the world (where Megatron adds the dense norm over tp × pp and the experts'
+//     over etp × ep × pp), so every rank sees the same norm and the same found-inf and skips together.
 //   - Distributed optimizer (Megatron's DistributedOptimizer): masters and moments exist only for
 //     this rank's shard of every bucket, per parameter as a flat slice (state(name) is that 1-D
 //     slice; for fp32 parameters the master is a view of the model parameter). step() updates the

@@ -4,12 +4,15 @@
 
 namespace megatron {
 
-void AuxLossTracker::declare(const std::string& name, int num_layers) {
+void AuxLossTracker::declare(const std::string& name, int num_layers, Communicator* reduce_group,
+                             bool average_over_dp) {
   MG_CHECK(num_layers > 0, "aux loss '{}' declared for {} layers", name, num_layers);
   Entry& e = entries_[name];
   MG_CHECK(e.reported.empty() || int(e.reported.size()) == num_layers,
            "aux loss '{}' declared for {} layers, then for {}", name, e.reported.size(), num_layers);
   e.reported.resize(size_t(num_layers), false);
+  e.reduce_group = reduce_group && reduce_group->size() > 1 ? reduce_group : nullptr;
+  e.average_over_dp = average_over_dp;
 }
 
 void AuxLossTracker::add(Context& ctx, const std::string& name, int layer, const Tensor& value) {
@@ -41,9 +44,11 @@ std::vector<std::pair<std::string, double>> AuxLossTracker::report(Context& ctx,
     for (int64_t i = 0; i < n; ++i) flags[size_t(i)] = e.reported[size_t(i)] ? 1.0f : 0.0f;
     both.flat_slice(n, n).copy_from(Tensor::from_floats(flags, {n}, DType::Float32, ctx.device()));
     if (pp && pp->size() > 1) pp->all_reduce(ctx, both)->wait();
-    if (dp && dp->size() > 1) dp->all_reduce(ctx, both)->wait();
+    if (e.reduce_group) e.reduce_group->all_reduce(ctx, both)->wait();
+    const bool average = e.average_over_dp && dp && dp->size() > 1;
+    if (average) dp->all_reduce(ctx, both)->wait();
     const std::vector<float> host = both.to_floats();
-    const double dp_size = dp ? double(dp->size()) : 1.0;
+    const double dp_size = average ? double(dp->size()) : 1.0;
     double sum = 0;
     int layers = 0;
     for (int64_t i = 0; i < n; ++i) {

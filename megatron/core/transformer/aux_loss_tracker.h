@@ -6,9 +6,14 @@
 //
 // Every rank declares the same names (the model does, at construction, for every loss any of its
 // layers may report), so the reduction over the ranks is the same collective on each of them:
-// a name's per-layer values are summed over the pipeline ranks (each stage adds its own layers)
-// and averaged over the data-parallel ranks. The value reported is the mean over the layers that
-// reported the name of the per-microbatch mean.
+// a name's per-layer values are summed over the pipeline ranks (each stage adds its own layers),
+// then over the name's reduce group when it has one (the load-balancing losses are partial sums
+// over tensor × context parallel ranks), and averaged over the data-parallel ranks unless the name
+// says not to (Megatron averages the losses it reduces; its z-loss is logged as the rank's own).
+// The value reported is the mean over the layers that reported the name of the per-microbatch mean.
+//
+// The tracker also carries the aux losses' backward scale for the step (Megatron's
+// MoEAuxLossAutoScaler.set_loss_scale: the main loss's scale over the number of microbatches).
 #pragma once
 
 #include <map>
@@ -23,7 +28,8 @@ namespace megatron {
 class AuxLossTracker {
  public:
   /// A loss that layers [0, num_layers) may report (idempotent; on every rank, before the first step).
-  void declare(const std::string& name, int num_layers);
+  void declare(const std::string& name, int num_layers, Communicator* reduce_group = nullptr,
+               bool average_over_dp = true);
   bool empty() const { return entries_.empty(); }
   /// Adds `value` (one fp32 element on ctx's device; no host wait) to layer `layer`'s `name`.
   void add(Context& ctx, const std::string& name, int layer, const Tensor& value);
@@ -35,11 +41,18 @@ class AuxLossTracker {
   /// Drops this step's values (evaluation steps do not report).
   void clear();
 
+  /// The gradient each aux loss gets in backward (set once per step, before the forward passes).
+  void set_backward_scale(float scale) { backward_scale_ = scale; }
+  float backward_scale() const { return backward_scale_; }
+
  private:
   struct Entry {
     Tensor values;               // [num_layers] fp32 on the device, allocated at the first add
     std::vector<bool> reported;  // per layer, host-side
+    Communicator* reduce_group = nullptr;
+    bool average_over_dp = true;
   };
+  float backward_scale_ = 1.0f;
   std::map<std::string, Entry> entries_;
 };
 

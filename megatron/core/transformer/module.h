@@ -68,6 +68,10 @@ class ModelChunk {
   /// the training loop's tracker (null: not tracked). The model declares its losses in it.
   virtual void set_aux_loss_tracker(AuxLossTracker* tracker) { aux_losses_ = tracker; }
   AuxLossTracker* aux_loss_tracker() const { return aux_losses_; }
+  /// After a step's gradients are final, before the optimizer: the MoE routers' aux-loss-free
+  /// expert biases move by the step's token counts (Megatron's _update_router_expert_bias in
+  /// finalize_model_grads). Collective over the chunk's tp × cp and data-parallel groups.
+  virtual void update_router_expert_bias(Context&) {}
 
  private:
   AuxLossTracker* aux_losses_ = nullptr;

@@ -31,7 +31,7 @@ std::vector<std::unique_ptr<TransformerLayer>> build_layers(const TransformerCon
   std::vector<std::unique_ptr<TransformerLayer>> layers;
   for (int i = r.first; i < r.first + r.count; ++i) {
     layers.push_back(std::make_unique<TransformerLayer>(c, spec.layers[size_t(i)], params,
-                                                        fmt::format("{}.layers.{}", prefix, i), pg));
+                                                        fmt::format("{}.layers.{}", prefix, i), pg, i));
   }
   return layers;
 }
@@ -50,12 +50,13 @@ TransformerBlock::TransformerBlock(const TransformerConfig& config, const Transf
 }
 
 Tensor TransformerBlock::run_segment(Context& ctx, const Segment& seg, const Tensor& x, const Tensor& freqs,
-                                     Saved& saved, bool keep) const {
+                                     Saved& saved, bool keep, bool report_aux_losses) const {
   Tensor h = x;
   for (int i = seg.begin; i < seg.end; ++i) {
     TransformerLayer::Saved layer_saved;
     uint64_t base = saved.rng_base + uint64_t(first_layer_ + i) * TransformerLayer::kRandomStreams;
-    h = layers_[size_t(i)]->forward(ctx, h, freqs, base, /*keep_core_attention=*/!selective_, layer_saved);
+    h = layers_[size_t(i)]->forward(ctx, h, freqs, base, /*keep_core_attention=*/!selective_, layer_saved,
+                                    aux_losses_, report_aux_losses);
     if (keep) saved.layers[size_t(i)] = std::move(layer_saved);
   }
   return h;
@@ -69,7 +70,7 @@ Tensor TransformerBlock::forward(Context& ctx, const Tensor& x, const Tensor& fr
   Tensor h = x;
   for (const Segment& seg : segments_) {
     saved.segment_inputs.push_back(seg.recompute ? h : Tensor());
-    h = run_segment(ctx, seg, h, freqs, saved, /*keep=*/!seg.recompute);
+    h = run_segment(ctx, seg, h, freqs, saved, /*keep=*/!seg.recompute, /*report_aux_losses=*/true);
   }
   if (!final_layernorm_) return h;
   const int64_t s = h.size(0), b = h.size(1), hid = h.size(2);
@@ -84,7 +85,9 @@ Tensor TransformerBlock::backward(Context& ctx, const Tensor& grad_out, const Te
   saved.final_norm = Norm::Saved{};
   for (size_t k = segments_.size(); k-- > 0;) {
     const Segment& seg = segments_[k];
-    if (seg.recompute) run_segment(ctx, seg, saved.segment_inputs[k], freqs, saved, /*keep=*/true);
+    if (seg.recompute) {  // the losses were reported by the first pass
+      run_segment(ctx, seg, saved.segment_inputs[k], freqs, saved, /*keep=*/true, /*report_aux_losses=*/false);
+    }
     for (int i = seg.end; i-- > seg.begin;) {
       g = layers_[size_t(i)]->backward(ctx, g, freqs, saved.layers[size_t(i)]);
       saved.layers[size_t(i)] = TransformerLayer::Saved{};  // free as we go

@@ -42,6 +42,11 @@ class TransformerBlock {
   Tensor forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t rng_base, Saved& saved) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
   const std::vector<Segment>& segments() const { return segments_; }
+  /// Where the MoE layers report their losses (and find their backward scale); null: nowhere.
+  void set_aux_loss_tracker(AuxLossTracker* tracker) { aux_losses_ = tracker; }
+  /// This block's layers (global index first_layer() + i).
+  const std::vector<std::unique_ptr<TransformerLayer>>& layers() const { return layers_; }
+  int first_layer() const { return first_layer_; }
 
   /// Inference: x [s, b, h] -> final-normed [s, b, h], layer i appending to keys[i]/values[i]
   /// (TransformerLayer::forward_inference; KVCache holds them). slots, starts [b]: cache slot and
@@ -51,13 +56,14 @@ class TransformerBlock {
 
  private:
   Tensor run_segment(Context& ctx, const Segment& seg, const Tensor& x, const Tensor& freqs, Saved& saved,
-                     bool keep) const;
+                     bool keep, bool report_aux_losses) const;
 
   bool selective_;
   std::vector<Segment> segments_;
   int first_layer_;  // global index of layers_[0]
   std::vector<std::unique_ptr<TransformerLayer>> layers_;
   std::unique_ptr<Norm> final_layernorm_;
+  AuxLossTracker* aux_losses_ = nullptr;
 };
 
 }  // namespace megatron

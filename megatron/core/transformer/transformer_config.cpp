@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
+#include <stdexcept>
+
 #include "megatron/runtime/check.h"
 
 namespace megatron {
@@ -95,6 +98,148 @@ void TransformerConfig::finalize() {
                      : std::string());
   }
   padded_vocab_size = megatron::padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size);
+  finalize_moe();
+}
+
+// The MoE rules of Megatron's TransformerConfig.__post_init__ and validate_args, one line each.
+void TransformerConfig::finalize_moe() {
+  if (expert_tensor_parallel_size == 0) expert_tensor_parallel_size = tensor_model_parallel_size;
+  MG_CHECK(num_moe_experts >= 0, "--num-experts must be positive (got {})", num_moe_experts);
+  if (!is_moe()) {
+    MG_CHECK(expert_model_parallel_size == 1, "--expert-model-parallel-size {} needs --num-experts",
+             expert_model_parallel_size);
+    moe_layer_pattern.clear();
+    return;
+  }
+  moe_layer_pattern = megatron::moe_layer_pattern(moe_layer_freq, num_layers);
+  if (moe_ffn_hidden_size == 0) moe_ffn_hidden_size = ffn_hidden_size;
+  MG_CHECK(moe_ffn_hidden_size > 0, "--moe-ffn-hidden-size must be positive (got {})", moe_ffn_hidden_size);
+  MG_CHECK(moe_router_topk >= 1 && moe_router_topk <= num_moe_experts,
+           "--moe-router-topk ({}) must be between 1 and --num-experts ({})", moe_router_topk, num_moe_experts);
+  MG_CHECK(expert_model_parallel_size >= 1 && num_moe_experts % expert_model_parallel_size == 0,
+           "--num-experts ({}) must be divisible by --expert-model-parallel-size ({})", num_moe_experts,
+           expert_model_parallel_size);
+  MG_CHECK(moe_ffn_hidden_size % expert_tensor_parallel_size == 0,
+           "--moe-ffn-hidden-size ({}) must be divisible by --expert-tensor-parallel-size ({})", moe_ffn_hidden_size,
+           expert_tensor_parallel_size);
+  MG_CHECK(!add_bias_linear || expert_tensor_parallel_size == 1,
+           "biases in MoE layers need --expert-tensor-parallel-size 1 (as in Megatron): add --disable-bias-linear");
+  MG_CHECK(tensor_model_parallel_size == 1 || sequence_parallel,
+           "MoE with tensor parallelism needs --sequence-parallel (as in Megatron)");
+  MG_CHECK(moe_token_dispatcher_type == "allgather" || moe_token_dispatcher_type == "alltoall" ||
+               moe_token_dispatcher_type == "flex",
+           "unknown --moe-token-dispatcher-type {}: use allgather, alltoall or flex", moe_token_dispatcher_type);
+  MG_CHECK(moe_router_load_balancing_type.size() == moe_aux_loss_coeff.size() ||
+               (moe_router_load_balancing_type.size() == 1 && moe_aux_loss_coeff.size() <= 1),
+           "--moe-router-load-balancing-type names {} types but --moe-aux-loss-coeff gives {} coefficients: give one "
+           "per type",
+           moe_router_load_balancing_type.size(), moe_aux_loss_coeff.size());
+  MG_CHECK(moe_shared_expert_intermediate_size >= 0, "--moe-shared-expert-intermediate-size must be positive");
+  MG_CHECK(!moe_shared_expert_gate || moe_shared_expert_intermediate_size > 0,
+           "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size");
+}
+
+namespace {
+// Megatron evaluates the --moe-layer-freq pattern as Python; this reads the same expressions:
+//   expr := term ('+' term)* ; term := atom ('*' int)* | int '*' atom ; atom := '[' ints ']' | '(' expr ')'
+struct PatternParser {
+  const std::string& s;
+  size_t i = 0;
+  void skip() {
+    while (i < s.size() && s[i] == ' ') ++i;
+  }
+  [[noreturn]] void fail() const {
+    MG_CHECK(false,
+             "--moe-layer-freq '{}' is neither an integer nor a list pattern such as ([0]+[1]*23) (error at "
+             "character {})",
+             s, i + 1);
+    __builtin_unreachable();
+  }
+  bool eat(char c) {
+    skip();
+    if (i < s.size() && s[i] == c) return ++i, true;
+    return false;
+  }
+  bool peek_digit() {
+    skip();
+    return i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]));
+  }
+  int64_t integer() {
+    skip();
+    size_t start = i;
+    while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) ++i;
+    if (start == i || i - start > 6) fail();
+    return std::stoll(s.substr(start, i - start));
+  }
+  std::vector<int> atom() {
+    std::vector<int> v;
+    if (eat('[')) {
+      if (eat(']')) return v;
+      do {
+        const int64_t x = integer();
+        if (x != 0 && x != 1) fail();
+        v.push_back(int(x));
+      } while (eat(','));
+      if (!eat(']')) fail();
+      return v;
+    }
+    if (eat('(')) {
+      v = expr();
+      if (!eat(')')) fail();
+      return v;
+    }
+    fail();
+  }
+  static std::vector<int> repeat(const std::vector<int>& v, int64_t n) {
+    std::vector<int> out;
+    for (int64_t k = 0; k < n && out.size() < 1000000; ++k) out.insert(out.end(), v.begin(), v.end());
+    return out;
+  }
+  std::vector<int> term() {
+    std::vector<int> v;
+    if (peek_digit()) {
+      const int64_t n = integer();
+      if (!eat('*')) fail();
+      v = repeat(atom(), n);
+    } else {
+      v = atom();
+    }
+    while (eat('*')) v = repeat(v, integer());
+    return v;
+  }
+  std::vector<int> expr() {
+    std::vector<int> v = term();
+    while (eat('+')) {
+      std::vector<int> w = term();
+      v.insert(v.end(), w.begin(), w.end());
+    }
+    return v;
+  }
+};
+}  // namespace
+
+std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers) {
+  std::vector<int> pattern;
+  if (freq.find('[') == std::string::npos) {
+    size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(freq, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    MG_CHECK(used == freq.size() && !freq.empty() && n >= 1,
+             "--moe-layer-freq '{}' is neither a positive integer nor a list pattern such as ([0]+[1]*23)", freq);
+    for (int i = 0; i < num_layers; ++i) pattern.push_back(i % n == 0 ? 1 : 0);
+    return pattern;
+  }
+  PatternParser p{freq};
+  pattern = p.expr();
+  p.skip();
+  if (p.i != freq.size()) p.fail();
+  MG_CHECK(int(pattern.size()) == num_layers, "--moe-layer-freq '{}' gives {} layers for --num-layers {}", freq,
+           pattern.size(), num_layers);
+  return pattern;
 }
 
 LayerRange pipeline_layer_range(const TransformerConfig& c, int pp_rank, int vp_stage) {

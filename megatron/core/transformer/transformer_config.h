@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "megatron/runtime/dtype.h"
 
@@ -39,6 +40,33 @@ struct TransformerConfig {
   bool qk_layernorm = false;  // per-head norm of queries and keys (`normalization`, over kv_channels)
   bool apply_residual_connection_post_layernorm = false;
 
+  // ---- mixture of experts (Megatron's moe_* fields; num_moe_experts 0 is a dense model)
+  int num_moe_experts = 0;                 // --num-experts
+  std::string moe_layer_freq = "1";        // an int N (every N-th layer from layer 0) or a pattern "([0]+[1]*23)"
+  std::vector<int> moe_layer_pattern;      // derived: per decoder layer, 1 = MoE, 0 = dense
+  int moe_ffn_hidden_size = 0;             // 0: ffn_hidden_size
+  int moe_shared_expert_intermediate_size = 0;  // 0: no shared experts
+  bool moe_shared_expert_gate = false;     // the shared experts' sigmoid gate (Qwen2-MoE)
+  bool moe_shared_expert_overlap = false;
+  int moe_router_topk = 2;
+  std::string moe_router_score_function = "softmax";  // softmax | sigmoid
+  bool moe_router_pre_softmax = false;
+  int moe_router_num_groups = 0, moe_router_group_topk = 0;  // 0: no group-limited routing
+  float moe_router_topk_scaling_factor = 0.0f;              // 0: none
+  std::string moe_router_dtype = "fp32";                    // fp32 | fp64
+  bool moe_router_enable_expert_bias = false;
+  float moe_router_bias_update_rate = 1e-3f;
+  std::vector<std::string> moe_router_load_balancing_type = {"aux_loss"};  // one per coefficient
+  std::vector<float> moe_aux_loss_coeff = {0.0f};
+  float moe_z_loss_coeff = 0.0f;
+  float moe_input_jitter_eps = 0.0f;
+  float moe_expert_capacity_factor = 0.0f;  // 0 (Megatron's None): dropless
+  std::string moe_token_drop_policy = "probs";  // probs | position
+  bool moe_pad_expert_input_to_capacity = false;
+  std::string moe_token_dispatcher_type = "allgather";  // allgather | alltoall | flex
+  bool moe_grouped_gemm = false;
+  bool moe_permute_fusion = false;
+
   // ---- regularisation and initialisation
   float hidden_dropout = 0.1f;
   float attention_dropout = 0.1f;
@@ -61,15 +89,23 @@ struct TransformerConfig {
   int virtual_pipeline_model_parallel_size = 1;  // model chunks per pipeline rank (interleaved 1F1B)
   int decoder_first_pipeline_num_layers = 0;     // 0: even split
   int decoder_last_pipeline_num_layers = 0;
+  int expert_model_parallel_size = 1;
+  int expert_tensor_parallel_size = 0;  // 0: tensor_model_parallel_size
 
   /// Fills derived values and validates; throws megatron::Error naming the flag at fault.
   void finalize();
+  void finalize_moe();  // finalize()'s MoE part
   int head_dim() const { return kv_channels; }
   int query_projection_size() const { return kv_channels * num_attention_heads; }
   int kv_projection_size() const { return kv_channels * num_query_groups; }
   bool use_rope() const { return position_embedding_type == "rope"; }
   bool use_learned_positions() const { return position_embedding_type == "learned_absolute"; }
   bool use_rmsnorm() const { return normalization == "RMSNorm"; }
+  bool is_moe() const { return num_moe_experts > 0; }
+  /// Whether decoder layer `layer` (global, 0-based) is an MoE layer (finalize() derives the pattern).
+  bool is_moe_layer(int layer) const {
+    return is_moe() && layer >= 0 && size_t(layer) < moe_layer_pattern.size() && moe_layer_pattern[size_t(layer)] != 0;
+  }
 };
 
 /// The decoder layers [first, first + count) of pipeline rank `pp_rank`'s model chunk `vp_stage`
@@ -80,6 +116,11 @@ struct LayerRange {
   int first = 0, count = 0;
 };
 LayerRange pipeline_layer_range(const TransformerConfig& config, int pp_rank, int vp_stage);
+
+/// Megatron's --moe-layer-freq: an int N gives 1 for every layer i with i % N == 0; a pattern is
+/// a Python list expression of 0/1 ("([0]+[1]*23)", "([1]*3+[0]*1)*3") and must have num_layers
+/// entries. One clear line for anything else.
+std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers);
 
 /// Megatron's _vocab_size_with_padding: the smallest multiple of divisible_by * tp >= vocab_size.
 int padded_vocab_size(int vocab_size, int make_vocab_size_divisible_by, int tensor_model_parallel_size);

@@ -19,10 +19,16 @@ TransformerLayer::Mixer make_mixer(const TransformerConfig& config, const MixerS
 }
 
 TransformerLayer::Mlp make_mlp(const TransformerConfig& config, const MlpSpec& spec, ParamAndGradBuffer& params,
-                               const std::string& prefix, const ProcessGroupCollection& pg) {
+                               const std::string& prefix, const ProcessGroupCollection& pg, int layer_number) {
   switch (spec.kind) {
     case MlpKind::Dense:
       return TransformerLayer::Mlp(std::in_place_type<MLP>, config, spec, params, prefix + ".mlp", pg);
+    case MlpKind::MoE: {
+      moe::MoEConfig m = moe::moe_config(config);
+      if (spec.ffn_hidden_size > 0) m.ffn_hidden_size = spec.ffn_hidden_size;
+      return TransformerLayer::Mlp(std::in_place_type<moe::MoELayer>, config, m, params, prefix + ".mlp",
+                                   layer_number, pg);
+    }
   }
   MG_CHECK(false, "unknown MLP kind {}", int(spec.kind));
   __builtin_unreachable();
@@ -43,14 +49,14 @@ typename Module::Saved& saved_of(SavedVariant& saved) {
 
 TransformerLayer::TransformerLayer(const TransformerConfig& config, const TransformerLayerSpec& spec,
                                    ParamAndGradBuffer& params, const std::string& prefix,
-                                   const ProcessGroupCollection& pg)
+                                   const ProcessGroupCollection& pg, int layer_number)
     : hidden_dropout_(config.hidden_dropout),
       sequence_parallel_(group_size(pg.tp) > 1 && config.sequence_parallel),
       tp_(multi_rank(pg.tp)),
       input_layernorm_(config, spec.input_layernorm, params, prefix + ".input_layernorm", pg),
       mixer_(make_mixer(config, spec.mixer, params, prefix, pg)),
       pre_mlp_layernorm_(config, spec.pre_mlp_layernorm, params, prefix + ".pre_mlp_layernorm", pg),
-      mlp_(make_mlp(config, spec.mlp, params, prefix, pg)) {}
+      mlp_(make_mlp(config, spec.mlp, params, prefix, pg, layer_number)) {}
 
 Tensor TransformerLayer::mixer_forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t offset,
                                        bool keep_core, MixerSaved& saved) const {
@@ -67,18 +73,40 @@ Tensor TransformerLayer::mixer_backward(Context& ctx, const Tensor& grad, const 
       [&](const auto& m) { return m.backward(ctx, grad, freqs, saved_of<std::decay_t<decltype(m)>>(saved)); }, mixer_);
 }
 
-Tensor TransformerLayer::mlp_forward(Context& ctx, const Tensor& x, MlpSaved& saved) const {
-  return std::visit([&](const auto& m) { return m.forward(ctx, x, fresh_saved<std::decay_t<decltype(m)>>(saved)); },
-                    mlp_);
+// x [s·b, h]; an MoE layer routes the s·b tokens (sequence-major) and reports its losses.
+Tensor TransformerLayer::mlp_forward(Context& ctx, const Tensor& x, int64_t s, int64_t b, AuxLossTracker* aux_losses,
+                                     bool report, MlpSaved& saved) const {
+  return std::visit(
+      [&](const auto& m) {
+        using M = std::decay_t<decltype(m)>;
+        auto& ms = fresh_saved<M>(saved);
+        if constexpr (std::is_same_v<M, moe::MoELayer>) {
+          ms.aux_loss_scale = aux_losses ? aux_losses->backward_scale() : 1.0f;
+          return m.forward(ctx, x, s, b, report ? aux_losses : nullptr, ms);
+        } else {
+          return m.forward(ctx, x, ms);
+        }
+      },
+      mlp_);
 }
 
 Tensor TransformerLayer::mlp_backward(Context& ctx, const Tensor& grad, MlpSaved& saved) const {
-  return std::visit([&](const auto& m) { return m.backward(ctx, grad, saved_of<std::decay_t<decltype(m)>>(saved)); },
-                    mlp_);
+  return std::visit(
+      [&](const auto& m) {
+        using M = std::decay_t<decltype(m)>;
+        auto& ms = saved_of<M>(saved);
+        if constexpr (std::is_same_v<M, moe::MoELayer>) {
+          return m.backward(ctx, grad, ms, ms.aux_loss_scale);
+        } else {
+          return m.backward(ctx, grad, ms);
+        }
+      },
+      mlp_);
 }
 
 Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t rng_base,
-                                 bool keep_core_attention, Saved& saved) const {
+                                 bool keep_core_attention, Saved& saved, AuxLossTracker* aux_losses,
+                                 bool report_aux_losses) const {
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
   saved.rng_base = rng_base;
   Tensor h1 = input_layernorm_.forward(ctx, x.view({s * b, h}), saved.input_norm).view({s, b, h});
@@ -86,7 +114,7 @@ Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, const Tensor& fr
   Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::dropout_add_forward(ctx, attn, x, hidden_dropout_, tensor_parallel::region_seed(ctx, tp_, sequence_parallel_), rng_base + 1, x2);
   Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), saved.pre_mlp_norm);
-  Tensor mlp_out = mlp_forward(ctx, h2, saved.mlp);
+  Tensor mlp_out = mlp_forward(ctx, h2, s, b, aux_losses, report_aux_losses, saved.mlp);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::dropout_add_forward(ctx, mlp_out.view({s, b, h}), x2, hidden_dropout_, tensor_parallel::region_seed(ctx, tp_, sequence_parallel_), rng_base + 2, out);
   return out;
@@ -124,7 +152,7 @@ Tensor TransformerLayer::forward_inference(Context& ctx, const Tensor& x, const 
   Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::add(ctx, attn, x, x2);
   Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), norm_saved);
-  Tensor mlp_out = mlp_forward(ctx, h2, mlp_saved);
+  Tensor mlp_out = mlp_forward(ctx, h2, s, b, nullptr, false, mlp_saved);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::add(ctx, mlp_out.view({s, b, h}), x2, out);
   return out;

@@ -16,6 +16,7 @@
 
 #include "megatron/core/transformer/attention.h"
 #include "megatron/core/transformer/mlp.h"
+#include "megatron/core/transformer/moe/moe_layer.h"
 #include "megatron/core/transformer/norm.h"
 #include "megatron/core/transformer/transformer_layer_spec.h"
 
@@ -25,15 +26,16 @@ class TransformerLayer {
  public:
   static constexpr uint64_t kRandomStreams = 3;
 
-  /// The modules `spec` names, over the groups of `pg`.
+  /// The modules `spec` names, over the groups of `pg`. layer_number: the global decoder layer
+  /// (0-based; the MoE router reports its losses under it).
   TransformerLayer(const TransformerConfig& config, const TransformerLayerSpec& spec, ParamAndGradBuffer& params,
-                   const std::string& prefix, const ProcessGroupCollection& pg = {});
+                   const std::string& prefix, const ProcessGroupCollection& pg = {}, int layer_number = 0);
 
   /// The kinds a spec can name (TransformerLayerSpec), and their saved activations in the same order.
   using Mixer = std::variant<SelfAttention>;
   using MixerSaved = std::variant<SelfAttention::Saved>;
-  using Mlp = std::variant<MLP>;
-  using MlpSaved = std::variant<MLP::Saved>;
+  using Mlp = std::variant<MLP, moe::MoELayer>;
+  using MlpSaved = std::variant<MLP::Saved, moe::MoELayer::Saved>;
 
   struct Saved {
     Norm::Saved input_norm;
@@ -43,9 +45,10 @@ class TransformerLayer {
     uint64_t rng_base = 0;
   };
   /// x [s, b, h] -> [s, b, h]. keep_core_attention=false drops the core attention tensors
-  /// (Note [Selective recomputation]).
+  /// (Note [Selective recomputation]). An MoE layer reports its router's losses to `aux_losses`
+  /// when `report_aux_losses` (not when recomputing) and takes their backward scale from it.
   Tensor forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t rng_base, bool keep_core_attention,
-                 Saved& saved) const;
+                 Saved& saved, AuxLossTracker* aux_losses = nullptr, bool report_aux_losses = true) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
 
   /// Inference with a KV cache (SelfAttention::forward_inference): x [s, b, h] -> [s, b, h], no dropout.
@@ -57,7 +60,8 @@ class TransformerLayer {
   Tensor mixer_forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t offset, bool keep_core,
                        MixerSaved& saved) const;
   Tensor mixer_backward(Context& ctx, const Tensor& grad, const Tensor& freqs, MixerSaved& saved) const;
-  Tensor mlp_forward(Context& ctx, const Tensor& x, MlpSaved& saved) const;
+  Tensor mlp_forward(Context& ctx, const Tensor& x, int64_t s, int64_t b, AuxLossTracker* aux_losses, bool report,
+                     MlpSaved& saved) const;
   Tensor mlp_backward(Context& ctx, const Tensor& grad, MlpSaved& saved) const;
 
   float hidden_dropout_;
@@ -67,6 +71,11 @@ class TransformerLayer {
   Mixer mixer_;
   Norm pre_mlp_layernorm_;
   Mlp mlp_;
+
+ public:
+  /// The MoE layer of this layer's MLP (null for a dense MLP).
+  const moe::MoELayer* moe() const { return std::get_if<moe::MoELayer>(&mlp_); }
+  moe::MoELayer* moe() { return std::get_if<moe::MoELayer>(&mlp_); }
 };
 
 }  // namespace megatron

@@ -1,7 +1,7 @@
 // Layer specs (Megatron-Core's ModuleSpec / TransformerLayerSubmodules, without the reflection):
 // which implementation each part of a decoder layer has — its mixer (the token-mixing sublayer:
-// self-attention now; multi-latent attention and Mamba are further kinds), its MLP (dense now;
-// mixture of experts next) and its norms — and the per-layer values that differ from the config.
+// self-attention now; multi-latent attention and Mamba are further kinds), its MLP (dense, or a
+// mixture of experts) and its norms — and the per-layer values that differ from the config.
 // A block spec holds one layer spec per decoder layer (by global layer index), so layouts such as
 // an MoE layer every other layer, dense first layers or a hybrid pattern are data, not code paths.
 //
@@ -17,7 +17,7 @@ namespace megatron {
 
 enum class NormKind { LayerNorm, RMSNorm };
 enum class MixerKind { SelfAttention };
-enum class MlpKind { Dense };
+enum class MlpKind { Dense, MoE };
 
 struct MixerSpec {
   MixerKind kind = MixerKind::SelfAttention;
@@ -25,7 +25,7 @@ struct MixerSpec {
 
 struct MlpSpec {
   MlpKind kind = MlpKind::Dense;
-  int ffn_hidden_size = 0;  // intermediate size of this layer's MLP; 0: the config's --ffn-hidden-size
+  int ffn_hidden_size = 0;  // intermediate size of this layer's MLP (each expert's for MoE); 0: the config's
 };
 
 struct TransformerLayerSpec {

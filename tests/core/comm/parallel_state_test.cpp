@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "megatron/core/parallel_state.h"
+#include "megatron/core/process_groups_config.h"
 
 namespace megatron {
 namespace {
@@ -17,6 +18,8 @@ namespace {
 struct Seen {
   std::vector<int> tp, pp, dp, cp, dp_cp, tp_cp, mp, embedding;
   std::vector<int> ep, etp, edp, etp_ep, etp_ep_pp;
+  std::vector<int> pg_tp_ep;  // ProcessGroupCollection::from(ps).tp_ep (empty: null, a one-rank group)
+  int pg_tp_ep_rank = -1;
   int tp_rank = -1, pp_rank = -1, dp_rank = -1, cp_rank = -1;
   int ep_rank = -1, etp_rank = -1, edp_rank = -1;
   int ep_size = -1, etp_size = -1, edp_size = -1;
@@ -44,6 +47,8 @@ std::vector<Seen> build(int world, const ParallelConfig& c) {
       s.edp = ps.expert_data().global_ranks();
       s.etp_ep = ps.expert_tensor_and_model().global_ranks();
       s.etp_ep_pp = ps.expert_tensor_model_pipeline().global_ranks();
+      const ProcessGroupCollection pg = ProcessGroupCollection::from(ps);
+      if (pg.tp_ep) s.pg_tp_ep = pg.tp_ep->global_ranks(), s.pg_tp_ep_rank = pg.tp_ep->rank();
       s.tp_rank = ps.tp_rank(), s.pp_rank = ps.pp_rank(), s.dp_rank = ps.dp_rank(), s.cp_rank = ps.cp_rank();
       s.ep_rank = ps.ep_rank(), s.etp_rank = ps.etp_rank(), s.edp_rank = ps.edp_rank();
       s.ep_size = ps.ep_size(), s.etp_size = ps.etp_size(), s.edp_size = ps.edp_size();
@@ -160,6 +165,27 @@ TEST(ParallelState, ExpertGroupsWorld8Tp2Ep2Etp2) {
   EXPECT_EQ(seen[6].ep_rank, 1);
   EXPECT_EQ(seen[6].edp_rank, 1);
   EXPECT_EQ(seen[6].etp_size, 2);
+}
+
+// The collection's tp_ep (the token dispatchers' group) is expert-tensor-and-model, its rank
+// etp + ETP·ep; null when that group has one rank.
+TEST(ParallelState, CollectionTpEpIsExpertTensorAndModel) {
+  ParallelConfig c;
+  c.tensor_model_parallel_size = 2;
+  c.expert_model_parallel_size = 2;
+  c.expert_tensor_parallel_size = 2;
+  std::vector<Seen> seen = build(8, c);
+  expect_groups(seen, &Seen::pg_tp_ep, {{0, 1, 2, 3}, {4, 5, 6, 7}}, "collection tp-ep");
+  for (const Seen& s : seen) EXPECT_EQ(s.pg_tp_ep_rank, s.etp_rank + 2 * s.ep_rank);
+  c.tensor_model_parallel_size = 1;
+  c.expert_tensor_parallel_size = 1;
+  c.expert_model_parallel_size = 4;
+  seen = build(8, c);
+  expect_groups(seen, &Seen::pg_tp_ep, {{0, 1, 2, 3}, {4, 5, 6, 7}}, "collection tp-ep, etp 1");
+  for (const Seen& s : seen) EXPECT_EQ(s.pg_tp_ep_rank, s.ep_rank);
+  c.expert_model_parallel_size = 1;
+  seen = build(4, c);
+  for (const Seen& s : seen) EXPECT_TRUE(s.pg_tp_ep.empty()) << "one-rank groups are null";
 }
 
 TEST(ParallelState, ExpertGroupsWorld8Cp2Ep4) {

@@ -16,24 +16,29 @@ const char* mlp_kind_name(MlpKind k) {
   switch (k) {
     case MlpKind::Dense:
       return "dense";
+    case MlpKind::MoE:
+      return "moe";
   }
   return "?";
 }
 
-TransformerLayerSpec get_gpt_layer_spec(const TransformerConfig& config) {
+TransformerLayerSpec get_gpt_layer_spec(const TransformerConfig& config, bool moe) {
   const NormKind norm = config.use_rmsnorm() ? NormKind::RMSNorm : NormKind::LayerNorm;
   TransformerLayerSpec spec;
   spec.input_layernorm = norm;
   spec.mixer.kind = MixerKind::SelfAttention;
   spec.pre_mlp_layernorm = norm;
-  spec.mlp.kind = MlpKind::Dense;
-  spec.mlp.ffn_hidden_size = config.ffn_hidden_size;
+  spec.mlp.kind = moe ? MlpKind::MoE : MlpKind::Dense;
+  spec.mlp.ffn_hidden_size = moe ? (config.moe_ffn_hidden_size > 0 ? config.moe_ffn_hidden_size : config.ffn_hidden_size)
+                                 : config.ffn_hidden_size;
   return spec;
 }
 
 TransformerBlockSpec get_gpt_decoder_block_spec(const TransformerConfig& config) {
   TransformerBlockSpec block;
-  block.layers.assign(size_t(std::max(config.num_layers, 0)), get_gpt_layer_spec(config));
+  // --moe-layer-freq: the MoE layers of the pattern, dense ones elsewhere (Megatron's
+  // get_gpt_decoder_block_spec with moe_layer_pattern).
+  for (int i = 0; i < config.num_layers; ++i) block.layers.push_back(get_gpt_layer_spec(config, config.is_moe_layer(i)));
   block.final_layernorm = config.use_rmsnorm() ? NormKind::RMSNorm : NormKind::LayerNorm;
   return block;
 }

@@ -28,6 +28,10 @@ GPTModel::GPTModel(TransformerConfig config, Device device, const ParallelState*
               "the model config's layout (tp {}, pp {}, vpp {}) differs from the parallel state's ({})",
               config_.tensor_model_parallel_size, config_.pipeline_model_parallel_size,
               config_.virtual_pipeline_model_parallel_size, ps_->describe());
+    MG_ASSERT(config_.expert_model_parallel_size == ps_->ep_size() &&
+                  config_.expert_tensor_parallel_size == ps_->etp_size(),
+              "the model config's expert layout (ep {}, etp {}) differs from the parallel state's ({})",
+              config_.expert_model_parallel_size, config_.expert_tensor_parallel_size, ps_->describe());
     MG_ASSERT(vp_stage >= 0 && vp_stage < ps_->vpp_size(), "model chunk {} of {}", vp_stage, ps_->vpp_size());
     MG_ASSERT(ps_->tp_size() == 1 || config_.sequence_parallel == ps_->sequence_parallel(),
               "the model config's sequence parallelism ({}) differs from the parallel state's ({})",
@@ -61,6 +65,23 @@ GPTModel::GPTModel(TransformerConfig config, Device device, const ParallelState*
     embedding_->word_embeddings()->in_embedding_group = true;
   }
   params_->allocate();
+}
+
+void GPTModel::set_aux_loss_tracker(AuxLossTracker* tracker) {
+  ModelChunk::set_aux_loss_tracker(tracker);
+  decoder_->set_aux_loss_tracker(tracker);
+  if (tracker && config_.is_moe()) {
+    moe::TopKRouter::declare_router_losses(*tracker, moe::moe_config(config_).router, config_.num_layers, pg_.tp_cp);
+  }
+}
+
+void GPTModel::update_router_expert_bias(Context& ctx) {
+  if (!config_.is_moe() || !config_.moe_router_enable_expert_bias) return;
+  for (const auto& layer : decoder_->layers()) {
+    if (moe::MoELayer* m = layer->moe()) {
+      m->router().update_expert_bias(ctx, config_.moe_router_bias_update_rate, {pg_.tp_cp, pg_.dp});
+    }
+  }
 }
 
 void GPTModel::init_weights(uint64_t seed) {

@@ -103,6 +103,10 @@ class GPTModel : public ModelChunk {
                            const std::vector<int64_t>& starts, KVCache& cache) const;
 
   void init_weights(uint64_t seed) override;
+  /// Also declares, on every rank, the losses the MoE layers of this config report (every stage
+  /// declares the same names, MoE layers or not: the tracker's reduction is collective).
+  void set_aux_loss_tracker(AuxLossTracker* tracker) override;
+  void update_router_expert_bias(Context& ctx) override;
   const TransformerConfig& config() const { return config_; }
   ParamAndGradBuffer& params() override { return *params_; }
   const ParamAndGradBuffer& params() const override { return *params_; }

@@ -41,6 +41,7 @@ SequentialMLP::SequentialMLP(const TransformerConfig& config, int num_local_expe
            group_size(etp));
   ffn_ = ffn_hidden_size / group_size(etp);
   const int glu = swiglu_ ? 2 : 1;
+  const size_t first_param = params.parameters().size();
   for (int e = 0; e < num_local_experts; ++e) {
     const std::string name = fmt::format("{}.local_experts.{}", prefix, first_expert + e);
     fc1_.push_back(std::make_unique<Linear>(params, name + ".linear_fc1", config.hidden_size, glu * ffn_hidden_size,
@@ -54,6 +55,11 @@ SequentialMLP::SequentialMLP(const TransformerConfig& config, int num_local_expe
       bias = params.add(name + ".linear_fc2.bias", {config.hidden_size}, /*no_weight_decay=*/true, ParamInit::Zeros);
     }
     fc2_bias_.push_back(bias);
+  }
+  // Each expert's gradient sums the tokens of every data-parallel rank that routed to it; it
+  // reduces over the ranks holding the same experts (Note [Buffers per reduction group]).
+  for (size_t i = first_param; i < params.parameters().size(); ++i) {
+    params.parameters()[i]->reduce_group = GradReduceGroup::ExpertData;
   }
 }
 

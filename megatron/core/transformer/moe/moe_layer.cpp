@@ -6,13 +6,54 @@
 
 namespace megatron::moe {
 
+MoEConfig moe_config(const TransformerConfig& c) {
+  MG_CHECK(c.is_moe(), "an MoE layer needs --num-experts");
+  MoEConfig m;
+  RouterConfig& r = m.router;
+  r.num_experts = c.num_moe_experts;
+  r.topk = c.moe_router_topk;
+  r.score_function = c.moe_router_score_function;
+  r.pre_softmax = c.moe_router_pre_softmax;
+  r.num_groups = c.moe_router_num_groups;
+  r.group_topk = c.moe_router_group_topk;
+  r.topk_scaling_factor = c.moe_router_topk_scaling_factor;
+  r.z_loss_coeff = c.moe_z_loss_coeff;
+  if (c.moe_expert_capacity_factor > 0) r.capacity_factor = c.moe_expert_capacity_factor;
+  r.drop_policy = c.moe_token_drop_policy;
+  r.pad_to_capacity = c.moe_pad_expert_input_to_capacity;
+  r.expert_bias = c.moe_router_enable_expert_bias;
+  for (size_t i = 0; i < c.moe_router_load_balancing_type.size(); ++i) {
+    const std::string& type = c.moe_router_load_balancing_type[i];
+    const float coeff = i < c.moe_aux_loss_coeff.size() ? c.moe_aux_loss_coeff[i] : 0.0f;
+    if (type == "aux_loss") {
+      r.aux_loss_coeff = coeff;
+    } else if (type == "seq_aux_loss") {
+      r.seq_aux_loss_coeff = coeff;
+    } else {
+      MG_CHECK(type == "none", "--moe-router-load-balancing-type {} is not built yet: use aux_loss, seq_aux_loss or none",
+               type);
+    }
+  }
+  MG_CHECK(c.moe_input_jitter_eps == 0.0f, "--moe-input-jitter-eps is not built yet: leave it out");
+  MG_CHECK(c.moe_router_dtype == "fp32", "--moe-router-dtype {} is not built yet: the router computes in fp32",
+           c.moe_router_dtype);
+  MG_CHECK(c.moe_shared_expert_intermediate_size == 0,
+           "--moe-shared-expert-intermediate-size is not built yet: the shared experts are missing");
+  m.ffn_hidden_size = c.moe_ffn_hidden_size > 0 ? c.moe_ffn_hidden_size : c.ffn_hidden_size;
+  m.dispatcher = c.moe_token_dispatcher_type;
+  m.permute_fusion = c.moe_permute_fusion;
+  m.grouped_gemm = c.moe_grouped_gemm;
+  r.validate();
+  return m;
+}
+
 MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamAndGradBuffer& params,
                    const std::string& prefix, int layer_number, const ProcessGroupCollection& pg)
     : moe_(moe) {
   moe_.router.validate();
   MG_CHECK(!moe.grouped_gemm, "--moe-grouped-gemm is not built yet: leave it off (the experts run one by one)");
   router_ = std::make_unique<TopKRouter>(moe_.router, config.hidden_size, params, prefix + ".router", layer_number,
-                                         config.num_layers);
+                                         config.num_layers, pg);
   DispatcherConfig d;
   d.type = moe.dispatcher;
   d.num_experts = moe_.router.num_experts;
@@ -25,10 +66,10 @@ MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamA
 
 Tensor MoELayer::forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch,
                          AuxLossTracker* tracker, Saved& saved) const {
-  saved.seq_length = seq_length;
-  saved.micro_batch = micro_batch;
   TopKRouter::Output routed = router_->forward(ctx, x, seq_length, micro_batch, tracker, saved.router);
-  MoETokenDispatcher::Dispatched d = dispatcher_->dispatch(ctx, x, routed.probs, routed.routing_map, saved.dispatch);
+  std::unique_ptr<MoETokenDispatcher::Saved> dispatch_saved;
+  MoETokenDispatcher::Dispatched d = dispatcher_->dispatch(ctx, x, routed.probs, routed.routing_map, dispatch_saved);
+  saved.dispatch = std::move(dispatch_saved);
   Tensor expert_out = experts_->forward(ctx, d.tokens, d.probs, d.tokens_per_expert, saved.experts);
   return dispatcher_->combine(ctx, expert_out, *saved.dispatch);
 }

@@ -36,6 +36,10 @@ struct MoEConfig {
   bool grouped_gemm = false;
 };
 
+/// The MoE settings of a finalized TransformerConfig (its moe_* fields), with one clear line for
+/// what is not built: sinkhorn and global_aux_loss balancing, input jitter, the fp64 router.
+MoEConfig moe_config(const TransformerConfig& config);
+
 class MoELayer {
  public:
   MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamAndGradBuffer& params,
@@ -43,9 +47,9 @@ class MoELayer {
 
   struct Saved {
     TopKRouter::Saved router;
-    std::unique_ptr<MoETokenDispatcher::Saved> dispatch;
+    std::shared_ptr<MoETokenDispatcher::Saved> dispatch;  // shared: a layer's Saved is copyable
     SequentialMLP::Saved experts;
-    int64_t seq_length = 0, micro_batch = 0;
+    float aux_loss_scale = 1.0f;  // the losses' backward scale of this forward's step
   };
   /// x [T, h] (T = seq_length · micro_batch tokens, sequence-major; this rank's sequence shard
   /// under sequence parallelism) -> [T, h]. The router reports its losses to `tracker` (may be null).
@@ -57,6 +61,8 @@ class MoELayer {
   TopKRouter& router() { return *router_; }
   const TopKRouter& router() const { return *router_; }
   int num_local_experts() const { return dispatcher_->num_local_experts(); }
+  /// Declares the router's losses (every rank of the model, before the first step).
+  void declare_losses(AuxLossTracker& tracker) const { router_->declare_losses(tracker); }
 
  private:
   MoEConfig moe_;

@@ -88,7 +88,8 @@ int64_t expert_capacity(int64_t num_tokens, int num_experts, float capacity_fact
 }
 
 RoutingOutput routing_forward(const RouterConfig& c, const Tensor& logits_in, const Tensor& expert_bias,
-                              int64_t seq_length, int64_t micro_batch, RoutingSaved& saved) {
+                              int64_t seq_length, int64_t micro_batch, RoutingSaved& saved,
+                              const CountReduction* counts) {
   c.validate();
   MG_CHECK(logits_in.dim() == 2 && logits_in.size(1) == c.num_experts, "router logits {} for {} experts",
            shape_str(logits_in.shape()), c.num_experts);
@@ -185,28 +186,41 @@ RoutingOutput routing_forward(const RouterConfig& c, const Tensor& logits_in, co
     }
     saved.aux_scores = Tensor::from_floats(scores, {t_count, e});
     saved.aux_map = Tensor::from_ints(amap, {t_count, e}, DType::UInt8);
+    // The token counts are summed over the tokens' group (Megatron's tp × cp: the ranks that split
+    // one sequence), the scores stay local: each rank's loss is its share of the group's loss.
+    const int group = counts ? counts->group_size : 1;
+    auto reduce = [&](std::vector<float> v) { return counts && counts->sum ? counts->sum(std::move(v)) : v; };
     if (c.aux_loss_coeff > 0) {
-      const double scale = double(e) * c.aux_loss_coeff / (double(k) * double(t_count) * double(t_count));
+      std::vector<float> n(static_cast<size_t>(e), 0.0f);
+      for (int64_t t = 0; t < t_count; ++t)
+        for (int64_t x = 0; x < e; ++x) n[size_t(x)] += float(amap[size_t(t * e + x)]);
+      saved.aux_counts = reduce(std::move(n));
+      saved.aux_total_tokens = double(t_count) * group;
+      const double total = saved.aux_total_tokens;
+      const double scale = double(e) * c.aux_loss_coeff / (double(k) * total * total);
       double loss = 0;
       for (int64_t x = 0; x < e; ++x) {
-        double p = 0, n = 0;
-        for (int64_t t = 0; t < t_count; ++t) p += scores[size_t(t * e + x)], n += double(amap[size_t(t * e + x)]);
-        loss += p * n;
+        double p = 0;
+        for (int64_t t = 0; t < t_count; ++t) p += scores[size_t(t * e + x)];
+        loss += p * saved.aux_counts[size_t(x)];
       }
       out.aux_loss = loss * scale;
     }
     if (c.seq_aux_loss_coeff > 0) {  // per sequence b: its tokens' scores and counts, averaged over b
-      const double scale = double(e) * c.seq_aux_loss_coeff /
-                           (double(k) * double(seq_length) * double(seq_length)) / double(micro_batch);
+      std::vector<float> n(static_cast<size_t>(micro_batch * e), 0.0f);
+      for (int64_t s = 0; s < seq_length; ++s)
+        for (int64_t b = 0; b < micro_batch; ++b)
+          for (int64_t x = 0; x < e; ++x) n[size_t(b * e + x)] += float(amap[size_t((s * micro_batch + b) * e + x)]);
+      saved.seq_aux_counts = reduce(std::move(n));
+      saved.seq_aux_total_tokens = double(seq_length) * group;
+      const double sl = saved.seq_aux_total_tokens;
+      const double scale = double(e) * c.seq_aux_loss_coeff / (double(k) * sl * sl) / double(micro_batch);
       double loss = 0;
       for (int64_t b = 0; b < micro_batch; ++b)
         for (int64_t x = 0; x < e; ++x) {
-          double p = 0, n = 0;
-          for (int64_t s = 0; s < seq_length; ++s) {
-            const size_t i = size_t((s * micro_batch + b) * e + x);
-            p += scores[i], n += double(amap[i]);
-          }
-          loss += p * n;
+          double p = 0;
+          for (int64_t s = 0; s < seq_length; ++s) p += scores[size_t((s * micro_batch + b) * e + x)];
+          loss += p * saved.seq_aux_counts[size_t(b * e + x)];
         }
       out.seq_aux_loss = loss * scale;
     }
@@ -278,19 +292,19 @@ Tensor routing_backward(const RouterConfig& c, const Tensor& grad_probs, const R
     const int64_t sl = saved.seq_length, mb = saved.micro_batch;
     std::vector<double> gscore(static_cast<size_t>(t_count * e), 0.0);
     if (c.aux_loss_coeff > 0) {
-      const double scale = double(e) * c.aux_loss_coeff / (double(k) * double(t_count) * double(t_count));
+      const double total = saved.aux_total_tokens;
+      const double scale = double(e) * c.aux_loss_coeff / (double(k) * total * total);
       for (int64_t x = 0; x < e; ++x) {
-        double n = 0;
-        for (int64_t t = 0; t < t_count; ++t) n += double(amap[size_t(t * e + x)]);
+        const double n = saved.aux_counts[size_t(x)];
         for (int64_t t = 0; t < t_count; ++t) gscore[size_t(t * e + x)] += n * scale * aux_loss_scale;
       }
     }
     if (c.seq_aux_loss_coeff > 0) {
-      const double scale = double(e) * c.seq_aux_loss_coeff / (double(k) * double(sl) * double(sl)) / double(mb);
+      const double total = saved.seq_aux_total_tokens;
+      const double scale = double(e) * c.seq_aux_loss_coeff / (double(k) * total * total) / double(mb);
       for (int64_t b = 0; b < mb; ++b)
         for (int64_t x = 0; x < e; ++x) {
-          double n = 0;
-          for (int64_t s = 0; s < sl; ++s) n += double(amap[size_t((s * mb + b) * e + x)]);
+          const double n = saved.seq_aux_counts[size_t(b * e + x)];
           for (int64_t s = 0; s < sl; ++s) gscore[size_t((s * mb + b) * e + x)] += n * scale * aux_loss_scale;
         }
     }

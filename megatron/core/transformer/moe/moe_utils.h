@@ -17,13 +17,12 @@
 // not the routed selection; the expert bias changes only which experts are chosen, never a value,
 // so it passes no gradient.
 //
-// Not yet here: sinkhorn and global_aux_loss routing, input jitter, padding masks, the reduction of
-// the token counts over tp × cp for the aux losses (world size 1 only), and a CUDA path (these run
-// on host tensors); the dispatchers' communication, the experts and the MoE layer do not exist
-// yet (the router module is router.h), so the training arguments refuse --num-experts.
+// Not yet here: sinkhorn and global_aux_loss routing, input jitter, padding masks, and a CUDA path
+// (these run on host tensors).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -58,6 +57,9 @@ struct RoutingSaved {
   Tensor probs_before_drop;        // [T, E] after scaling, before token dropping
   Tensor routing_map;              // [T, E] uint8, after token dropping
   Tensor aux_scores, aux_map;      // the aux losses' scores and top-k map (defined when an aux loss is on)
+  std::vector<float> aux_counts;      // [E] tokens per expert of aux_map, summed over the count group
+  std::vector<float> seq_aux_counts;  // [B, E] per sequence, summed over the count group
+  double aux_total_tokens = 0, seq_aux_total_tokens = 0;  // over the count group
   int64_t seq_length = 0, micro_batch = 0;
 };
 
@@ -68,10 +70,19 @@ struct RoutingOutput {
   double aux_loss = 0, seq_aux_loss = 0, z_loss = 0;  // with their coefficients, as Megatron's functions return them
 };
 
+/// The load-balancing losses' token counts are global over the ranks that split the tokens of one
+/// batch (Megatron's get_tokens_per_expert_and_token_count over tp × cp): `sum` adds a count
+/// vector over that group, `group_size` ranks of equal token counts.
+struct CountReduction {
+  std::function<std::vector<float>(std::vector<float>)> sum;
+  int group_size = 1;
+};
+
 /// Megatron's TopKRouter.routing (after the gating GEMM). expert_bias [E] fp32 (undefined unless
-/// config.expert_bias).
+/// config.expert_bias). counts: null for one rank.
 RoutingOutput routing_forward(const RouterConfig& config, const Tensor& logits, const Tensor& expert_bias,
-                              int64_t seq_length, int64_t micro_batch, RoutingSaved& saved);
+                              int64_t seq_length, int64_t micro_batch, RoutingSaved& saved,
+                              const CountReduction* counts = nullptr);
 /// grad_logits [T, E] from grad_probs [T, E] plus the gradients of the aux and z losses, each given
 /// the backward scale `aux_loss_scale` (Note [Router losses' gradients]).
 Tensor routing_backward(const RouterConfig& config, const Tensor& grad_probs, const RoutingSaved& saved,

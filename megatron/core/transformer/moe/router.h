@@ -7,13 +7,20 @@
 //
 // The aux-loss-free expert bias (--moe-router-enable-expert-bias) is state, not a parameter: the
 // tokens each expert received are counted over the step's microbatches and update_expert_bias()
-// moves the bias after the step (Megatron sums the counts over tp × cp × dp first; world size 1
-// only here). The routing runs on host tensors: the router refuses a GPU context for now.
+// moves the bias after the step (Megatron sums the counts over tp × cp × dp first).
+//
+// Under tensor (sequence) and context parallelism each rank routes its own tokens: the
+// load-balancing losses count tokens over the tp × cp group (pg.tp_cp), so each rank's loss is its
+// share of the group's, the z-loss coefficient is divided by the group's size, and the weight's
+// gradient is a partial sum over the tensor-parallel ranks (Parameter::sequence_parallel). The
+// routing runs on host tensors: the router refuses a GPU context for now.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "megatron/core/distributed/param_and_grad_buffer.h"
+#include "megatron/core/process_groups_config.h"
 #include "megatron/core/transformer/aux_loss_tracker.h"
 #include "megatron/core/transformer/moe/moe_utils.h"
 #include "megatron/runtime/context.h"
@@ -25,7 +32,7 @@ class TopKRouter {
   /// Registers "<prefix>.weight" [num_experts, hidden]. layer_number: the decoder layer (0-based),
   /// num_layers the decoder's, for the tracker.
   TopKRouter(const RouterConfig& config, int64_t hidden_size, ParamAndGradBuffer& params, const std::string& prefix,
-             int layer_number, int num_layers);
+             int layer_number, int num_layers, const ProcessGroupCollection& pg = {});
 
   struct Saved {
     Tensor x;  // [T, h] fp32
@@ -44,16 +51,31 @@ class TopKRouter {
   Tensor backward(Context& ctx, const Tensor& grad_probs, const Saved& saved, float aux_loss_scale = 1.0f) const;
 
   /// Declares this router's tracked losses in `tracker` (every rank, before the first step).
-  void declare_losses(AuxLossTracker& tracker) const;
-  /// After a step: the expert bias moves by the step's token counts (Megatron's
-  /// get_updated_expert_bias), and the counts restart. A no-op without the expert bias.
-  void update_expert_bias(float update_rate);
+  void declare_losses(AuxLossTracker& tracker) const { declare_router_losses(tracker, config_, num_layers_, tp_cp_); }
+  /// After a step: the expert bias moves by the step's token counts summed over `groups` in turn
+  /// (Megatron's tp × cp × dp: the tp × cp group, then the data-parallel one; null entries are one
+  /// rank), and the counts restart. A no-op without the expert bias.
+  void update_expert_bias(Context& ctx, float update_rate, const std::vector<Communicator*>& groups = {});
+  void update_expert_bias(float update_rate) {
+    Context ctx;
+    update_expert_bias(ctx, update_rate);
+  }
+  /// The expert bias as checkpoint state (undefined without it).
+  Tensor& expert_bias() { return expert_bias_; }
+  /// The losses a router of `config` reports, declared in `tracker` as Megatron tracks them: the
+  /// load-balancing losses summed over `tp_cp` and averaged over data-parallel ranks, the z loss
+  /// neither (Note in aux_loss_tracker.h).
+  static void declare_router_losses(AuxLossTracker& tracker, const RouterConfig& config, int num_layers,
+                                    Communicator* tp_cp);
   const Tensor& expert_bias() const { return expert_bias_; }
   const Parameter* weight() const { return weight_; }
 
  private:
+  RouterConfig routing_config() const;  // config_ with this rank's share of the z-loss coefficient
+
   RouterConfig config_;
   int layer_number_, num_layers_;
+  Communicator* tp_cp_;  // null: one rank
   Parameter* weight_;
   Tensor expert_bias_;       // [E] fp32 (undefined without --moe-router-enable-expert-bias)
   Tensor tokens_per_expert_;  // [E] fp32, summed over the step's microbatches

@@ -13,19 +13,37 @@
 //
 // Kinds (--moe-token-dispatcher-type):
 //   allgather  (MoEAllGatherTokenDispatcher) x, probs and the routing map are all-gathered over the
-//              EP × expert-TP ranks; each rank permutes the tokens routed to its local experts; combine
-//              unpermutes into the gathered [T·EP·ETP, h] and reduce-scatters it back.
-//   alltoall   (MoEAlltoAllTokenDispatcher) permute locally by expert (Note [Permuted order]),
-//              all-to-all-v over the EP group (splits: rows per destination rank), with expert-TP the
-//              all-gather over the expert-TP group, then the rows sorted by local expert
-//              (sort_chunks_by_idxs); combine is the reverse: unsort, reduce-scatter over expert-TP,
-//              all-to-all-v back, unpermute (a sum: the probabilities were applied by the experts).
-//   flex       (MoEFlexTokenDispatcher) Megatron's interface, over the same NCCL all-to-all as
-//              alltoall (DeepEP is not used).
+//              EP × expert-TP ranks (pg.tp_ep); each rank permutes the gathered tokens routed to its
+//              local experts; combine unpermutes into the gathered [T·EP·ETP, h] and reduce-scatters
+//              it back. Every rank of tp_ep must have the same T.
+//   alltoall   (MoEAlltoAllTokenDispatcher) permute locally by expert over all E experts (Note
+//              [Permuted order]), exchange the rows per local expert, all-to-all-v over the EP group
+//              (splits: rows per destination rank), with expert-TP the all-gather over the expert-TP
+//              group (variable sizes), then the chunks sorted by local expert (sort_chunks_by_idxs);
+//              combine is the reverse: unsort, reduce-scatter over expert-TP, all-to-all-v back,
+//              unpermute (a sum: the probabilities were applied by the experts).
+//   flex       (MoEFlexTokenDispatcher) one communication group over all EP × expert-TP ranks
+//              (pg.tp_ep): each token goes to every expert-TP rank of its experts' EP rank by one
+//              all-to-all-v over tp_ep, then the rows are sorted by local expert; combine sends the
+//              partial outputs back and sums them. DeepEP and HybridEP (Megatron's fused kernels) are
+//              not used: the exchange is the Communicator's all_to_all_v, as for alltoall.
 // With one rank in every group all kinds are the local permutation.
 //
-// Token dropping: the router has already dropped what exceeds the capacity; with drop-and-pad
-// (--moe-pad-expert-input-to-capacity) every expert receives `capacity` rows from each rank.
+// Note [Dispatch layout]: the rows of a local expert are ordered by source rank, then by the
+// source's permuted order (its tokens in token order, then with drop-and-pad its padding). The
+// source ranks are taken in tp_ep order (expert-TP rank fastest) for allgather and flex, and
+// expert-TP rank major, EP rank minor for alltoall (Megatron's all-gather after the all-to-all).
+// Backward of every step is its adjoint: all-to-all-v back, all-gather <-> reduce-scatter, a copy
+// to several ranks <-> the sum of their gradients.
+//
+// Token dropping: the router has already dropped what exceeds the capacity. Drop-and-pad
+// (DispatcherConfig::capacity > 0, --moe-pad-expert-input-to-capacity): every expert receives
+// exactly `capacity` rows from each source rank (its routed tokens, then unrouted ones with
+// probability 0 as padding), so the splits are fixed and no counts are exchanged. The caller sets
+// the capacity; MoELayer does not pass one yet (it dispatches dropless, or what the router kept).
+//
+// Host tensors for now: the permutations are host code (moe_utils.h); the communication is the
+// Communicator's, so the GPU path needs device permutation kernels only.
 #pragma once
 
 #include <memory>
@@ -41,7 +59,7 @@ namespace megatron::moe {
 struct DispatcherConfig {
   std::string type = "allgather";  // allgather | alltoall | flex
   int num_experts = 0;
-  int64_t capacity = 0;  // > 0: drop-and-pad, every expert gets exactly this many rows per source rank
+  int64_t capacity = 0;         // > 0: drop-and-pad, every expert gets exactly this many rows per source rank
   bool permute_fusion = false;  // --moe-permute-fusion: the fused permute kernels (GPU)
 };
 
@@ -78,13 +96,14 @@ class MoETokenDispatcher {
  protected:
   MoETokenDispatcher(const DispatcherConfig& config, const ProcessGroupCollection& pg);
   DispatcherConfig config_;
-  Communicator* ep_;    // null: one rank
-  Communicator* etp_;   // expert tensor parallel; null: one rank
+  Communicator* ep_;     // null: one rank
+  Communicator* etp_;    // expert tensor parallel; null: one rank
+  Communicator* tp_ep_;  // expert-TP × EP, expert-TP rank fastest (pg.tp_ep); null: one rank
   int num_local_experts_ = 0, first_local_expert_ = 0;
 };
 
-/// The dispatcher of `config.type` over pg.ep and pg.expt_tp (one clear line for an unknown type,
-/// or experts not divisible by the expert-parallel size).
+/// The dispatcher of `config.type` over pg.ep, pg.expt_tp and pg.tp_ep (one clear line for an
+/// unknown type, experts not divisible by the expert-parallel size, or a missing tp_ep group).
 std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(const DispatcherConfig& config,
                                                           const ProcessGroupCollection& pg);
 
