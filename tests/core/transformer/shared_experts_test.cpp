@@ -1,13 +1,15 @@
 // The MoE shared experts (moe::SharedExpertMLP): the output is the dense MLP of the shared
 // intermediate size, scaled by sigmoid(x·gᵀ) with the gate; the gradients of the input, the MLP's
 // weights and the gate weight against central finite differences; and under tensor + sequence
-// parallelism (two thread ranks) the same outputs and gradients as the single-rank module.
+// parallelism (two thread ranks) the same outputs and gradients as the single-rank module; in
+// MoELayer, output and gradients are the routed experts' plus the shared experts'.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <thread>
 
 #include "megatron/core/distributed/param_and_grad_buffer.h"
+#include "megatron/core/transformer/moe/moe_layer.h"
 #include "megatron/core/transformer/moe/shared_experts.h"
 #include "megatron/kernels/ops.h"
 #include "tests/test_util.h"
@@ -191,6 +193,56 @@ TEST(SharedExperts, TensorAndSequenceParallelMatchOneRank) {
       for (int64_t i = 0; i < local; ++i)
         EXPECT_NEAR(fc2_grad[size_t(r)][size_t(o * local + i)], ref_fc2[size_t(o * sffn + r * local + i)], 1e-5);
   }
+}
+
+// MoELayer with shared experts (moe_config of a config with --moe-shared-expert-intermediate-size
+// and --moe-shared-expert-gate): y = routed(x) + shared(x), and so are the input gradient and the
+// shared experts' weight gradients, against a layer without them and a lone SharedExpertMLP over
+// the same parameter values.
+TEST(SharedExperts, MoELayerAddsThemToTheRoutedExperts) {
+  TransformerConfig tc = small_config();
+  tc.num_moe_experts = 4;
+  tc.moe_router_topk = 2;
+  tc.moe_ffn_hidden_size = 6;
+  tc.moe_shared_expert_intermediate_size = 10;
+  tc.moe_shared_expert_gate = true;
+  tc.moe_shared_expert_overlap = true;  // accepted: no overlap on the CPU, same values
+  tc.finalize();
+  EXPECT_NE(testing::error_of([&] { moe::moe_config(tc); }).find("alltoall or flex"), std::string::npos);
+  tc.moe_token_dispatcher_type = "alltoall";
+  const moe::MoEConfig with = moe::moe_config(tc);
+  EXPECT_EQ(with.shared_expert_intermediate_size, 10);
+  EXPECT_TRUE(with.shared_expert_gate);
+  moe::MoEConfig without = with;
+  without.shared_expert_intermediate_size = 0;
+  without.shared_expert_gate = false;
+
+  const std::string prefix = "decoder.layers.0.mlp";
+  ParamAndGradBuffer pa(DType::Float32, Device::cpu()), pb(DType::Float32, Device::cpu()),
+      pc(DType::Float32, Device::cpu());
+  moe::MoELayer a(tc, with, pa, prefix, 0), b(tc, without, pb, prefix, 0);
+  moe::SharedExpertMLP c(tc, 10, true, pc, prefix + ".shared_experts");
+  pa.allocate(), pb.allocate(), pc.allocate();
+  pa.init_weights(3, 0.5f, 2, false);
+  for (ParamAndGradBuffer* other : {&pb, &pc})
+    for (Parameter* q : other->parameters()) q->data.copy_from(pa.find(q->name)->data);
+  EXPECT_EQ(pa.parameters().size(), pb.parameters().size() + pc.parameters().size());
+  pa.zero_grad(), pb.zero_grad(), pc.zero_grad();
+
+  Context ctx;
+  const int64_t seq = 4, mb = 2;
+  const Tensor x = testing::random_tensor({seq * mb, 8}, 41), w = testing::random_tensor({seq * mb, 8}, 42);
+  moe::MoELayer::Saved sa, sb;
+  moe::SharedExpertMLP::Saved sc;
+  const std::vector<float> ya = a.forward(ctx, x, seq, mb, nullptr, sa).to_floats();
+  const std::vector<float> yb = b.forward(ctx, x, seq, mb, nullptr, sb).to_floats();
+  const std::vector<float> yc = c.forward(ctx, x, sc).to_floats();
+  for (size_t i = 0; i < ya.size(); ++i) EXPECT_NEAR(ya[i], yb[i] + yc[i], 1e-6) << i;
+  const std::vector<float> ga = a.backward(ctx, w, sa).to_floats(), gb = b.backward(ctx, w, sb).to_floats();
+  const std::vector<float> gc = c.backward(ctx, w, sc).to_floats();
+  for (size_t i = 0; i < ga.size(); ++i) EXPECT_NEAR(ga[i], gb[i] + gc[i], 1e-6) << i;
+  for (Parameter* q : pc.parameters())
+    EXPECT_EQ(pa.find(q->name)->main_grad.to_floats(), q->main_grad.to_floats()) << q->name;
 }
 
 }  // namespace
