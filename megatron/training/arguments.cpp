@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <type_traits>
 
 #include "megatron/runtime/check.h"
@@ -306,6 +307,32 @@ std::string nearest_flag(const std::string& word, const std::vector<std::string>
   return best;
 }
 
+namespace {
+// A list option given twice (--moe-aux-loss-coeff 1e-2 ... --moe-aux-loss-coeff 1e-3): argparse's
+// nargs='+' keeps the last occurrence, CLI11 would append them; drop the earlier occurrences.
+std::vector<std::string> last_occurrences_of_lists(const CLI::App& app, const std::vector<std::string>& args) {
+  auto list_option = [&](const std::string& word) -> const CLI::Option* {
+    if (word.rfind("--", 0) != 0) return nullptr;
+    const CLI::Option* o = app.get_option_no_throw(word.substr(0, word.find('=')));
+    return o && o->get_expected_max() > 1 ? o : nullptr;
+  };
+  std::map<const CLI::Option*, size_t> last;
+  for (size_t i = 0; i < args.size(); ++i)
+    if (const CLI::Option* o = list_option(args[i])) last[o] = i;
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const CLI::Option* o = list_option(args[i]);
+    if (!o || last[o] == i) {
+      out.push_back(args[i]);
+      continue;
+    }
+    if (args[i].find('=') != std::string::npos) continue;
+    while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) ++i;  // its values
+  }
+  return out;
+}
+}  // namespace
+
 std::vector<std::string> known_flags() {
   Arguments a;
   Parser p(a, "");
@@ -317,7 +344,7 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
   Arguments a;
   Parser p(a, description);
   p.define();
-  std::vector<std::string> args(argv + 1, argv + argc);
+  std::vector<std::string> args = last_occurrences_of_lists(p.app, std::vector<std::string>(argv + 1, argv + argc));
   // CLI11 takes "--flag=value" and "--flag value"; Megatron's argparse takes both too.
   std::reverse(args.begin(), args.end());
   try {

@@ -379,8 +379,10 @@ struct Trainer {
       progress.consumed_train_samples += microbatches.current_global_batch_size();
       maybe_kill_rank(ps.rank(), progress.iteration);
       if (loss_log) {  // MEGATRON_LOSS_LOG: every iteration's loss in full precision (tests)
-        std::fprintf(loss_log, "{\"iteration\": %lld, \"lm_loss\": %.17g, \"grad_norm\": %.17g}\n",
-                     static_cast<long long>(progress.iteration), lm_loss, r.grad_norm.value_or(0.0));
+        std::string aux;  // the step's aux losses (track_moe_metrics' values)
+        for (const auto& [name, value] : last_aux) aux += fmt::format(", \"{}\": {:.17g}", name, value);
+        std::fprintf(loss_log, "{\"iteration\": %lld, \"lm_loss\": %.17g, \"grad_norm\": %.17g%s}\n",
+                     static_cast<long long>(progress.iteration), lm_loss, r.grad_norm.value_or(0.0), aux.c_str());
         std::fflush(loss_log);
       }
       progress.floating_point_operations_so_far += num_floating_point_operations(

@@ -193,13 +193,35 @@ TEST(Arguments, ParallelLayoutRules) {
   check({"--num-experts", "8", "--tensor-model-parallel-size", "2"}, "MoE with tensor parallelism needs --sequence-parallel");
 }
 
+// A list flag given twice keeps its last occurrence (argparse's nargs='+'), the MoE flags parse
+// into the config, and --help shows their group.
+TEST(Arguments, MoeFlagsAndRepeatedListFlags) {
+  auto f = base();
+  for (const char* x : {"--num-experts", "8", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff",
+                        "1e-2", "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff",
+                        "1e-3", "2e-3", "--moe-layer-freq", "([0]+[1]*1)", "--moe-expert-capacity-factor", "1.5"}) {
+    f.push_back(x);
+  }
+  Arguments a = parse(f);
+  EXPECT_EQ(a.moe_router_load_balancing_type, (std::vector<std::string>{"aux_loss", "seq_aux_loss"}));
+  EXPECT_EQ(a.moe_aux_loss_coeff, (std::vector<float>{1e-3f, 2e-3f}));
+  a.world_size = 1;
+  validate_args(a);
+  const TransformerConfig c = transformer_config_from_args(a, 100);
+  EXPECT_EQ(c.num_moe_experts, 8);
+  EXPECT_EQ(c.moe_expert_capacity_factor, 1.5f);
+  EXPECT_EQ(c.moe_layer_pattern, (std::vector<int>{0, 1}));
+  EXPECT_EQ(model_arguments_from_config(c).moe_expert_capacity_factor, "1.5");
+}
+
 TEST(Arguments, HelpListsGroups) {
   const char* argv[] = {"pretrain_gpt", "--help"};
   ::testing::internal::CaptureStdout();
   auto a = parse_args(2, argv, "test");
   std::string out = ::testing::internal::GetCapturedStdout();
   EXPECT_FALSE(a.has_value());
-  for (const char* g : {"Model", "Parallelism", "Data", "Checkpoints", "Logging", "--num-layers", "--data-path"}) {
+  for (const char* g : {"Model", "Parallelism", "Data", "Checkpoints", "Logging", "--num-layers", "--data-path",
+                        "Mixture of experts:", "--moe-router-topk"}) {
     EXPECT_NE(out.find(g), std::string::npos) << g;
   }
 }

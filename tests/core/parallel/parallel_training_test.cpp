@@ -21,6 +21,7 @@ namespace {
 struct TrainRun {
   std::vector<double> losses;
   std::vector<double> grad_norms;
+  std::map<std::string, std::vector<double>> aux;  // per iteration: load_balancing_loss, ...
   std::string output;
 };
 
@@ -67,6 +68,9 @@ TrainRun train(const fs::path& dir, const std::string& name, int np, const std::
     auto j = nlohmann::json::parse(line);
     out.losses.push_back(j.at("lm_loss").get<double>());
     out.grad_norms.push_back(j.at("grad_norm").get<double>());
+    for (const auto& [key, value] : j.items()) {
+      if (key.find("load_balancing_loss") != std::string::npos) out.aux[key].push_back(value.get<double>());
+    }
   }
   return out;
 }
@@ -142,6 +146,8 @@ class ParallelTraining : public ::testing::Test {
                   concat(concat(model, layout.flags), {"--train-iters", "5", "--save", save.string()}));
     expect_close(r.losses, single.losses, layout.name + " loss");
     expect_close(r.grad_norms, single.grad_norms, layout.name + " grad norm");
+    ASSERT_EQ(r.aux.size(), single.aux.size()) << layout.name;
+    for (const auto& [name, values] : single.aux) expect_close(r.aux[name], values, layout.name + " " + name);
     expect_same_weights(save, dir_->path / single_dir, layout.name);
   }
 
@@ -287,6 +293,123 @@ TEST_F(ParallelTraining, CheckpointsReshardAcrossLayouts) {
                                {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
     expect_close(resumed.losses, gpt_->losses, c.name, 3);
     expect_same_weights(ckpt, dir_->path / "gpt_single", c.name);
+  }
+}
+
+// ---- mixture of experts --------------------------------------------------------------------------
+// A small Mixtral-style model (layer 0 dense, layers 1-3 MoE: 8 experts, top-2, SwiGLU experts of
+// 32, aux and z losses on): every expert layout equals one process — the loss, the grad norm and the
+// load_balancing_loss of every iteration within 1e-6 relative, and the final weights.
+const std::vector<std::string> kMoe = concat(
+    kLlama, {"--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq",
+             "([0]+[1]*3)", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"});
+
+std::vector<Layout> moe_grid() {
+  const std::vector<std::string> ep2 = {"--expert-model-parallel-size", "2"};
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) { return concat(std::move(a), b); };
+  const std::vector<std::string> tp2sp = {"--tensor-model-parallel-size", "2", "--sequence-parallel"};
+  std::vector<Layout> out;
+  for (const char* d : {"alltoall", "allgather", "flex"}) {
+    const std::vector<std::string> dispatcher = {"--moe-token-dispatcher-type", d};
+    out.push_back({std::string("ep2_") + d, 2, with(ep2, dispatcher)});
+    out.push_back({std::string("tp2sp_ep2_etp2_") + d, 4,
+                   with(with(tp2sp, {"--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"}),
+                        dispatcher)});
+  }
+  out.push_back({"ep4_alltoall", 4, {"--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"}});
+  out.push_back({"ep8_alltoall", 8, {"--expert-model-parallel-size", "8", "--moe-token-dispatcher-type", "alltoall"}});
+  out.push_back({"tp2sp_ep2_etp1_alltoall", 4,
+                 with(tp2sp, {"--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                              "--moe-token-dispatcher-type", "alltoall"})});
+  out.push_back({"ep2_pp2_vpp_alltoall", 4,
+                 with(ep2, {"--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                            "--moe-token-dispatcher-type", "alltoall"})});
+  out.push_back({"ep2_dp4_distopt_overlap", 4,
+                 with(ep2, {"--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
+                            "--moe-token-dispatcher-type", "alltoall"})});
+  return out;
+}
+
+class MoeGrid : public ParallelTraining, public ::testing::WithParamInterface<Layout> {
+ protected:
+  static const TrainRun& single() {
+    static TrainRun* run = nullptr;
+    if (!run) {
+      run = new TrainRun(train(dir_->path, "moe_single", 1,
+                               concat(kMoe, {"--train-iters", "5", "--save", (dir_->path / "moe_single").string()})));
+    }
+    return *run;
+  }
+};
+
+TEST_P(MoeGrid, EqualsSingleProcess) {
+  ASSERT_EQ(single().aux.count("load_balancing_loss"), 1u) << single().output;
+  check(kMoe, single(), "moe_single", GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(MoeLayouts, MoeGrid, ::testing::ValuesIn(moe_grid()),
+                         [](const ::testing::TestParamInfo<Layout>& info) { return info.param.name; });
+
+// Token dropping: a capacity factor with dropping, and with padding to the capacity, over EP 2 × DP.
+TEST_F(ParallelTraining, MoeCapacityDropAndPad) {
+  for (const bool pad : {false, true}) {
+    std::vector<std::string> model = concat(kMoe, {"--moe-expert-capacity-factor", "1.0"});
+    if (pad) model.push_back("--moe-pad-expert-input-to-capacity");
+    const std::string name = pad ? "moe_capacity_pad" : "moe_capacity_drop";
+    TrainRun one = train(dir_->path, name + "_single", 1,
+                         concat(model, {"--train-iters", "5", "--save", (dir_->path / (name + "_single")).string()}));
+    check(model, one, name + "_single",
+          Layout{name + "_ep2_dp4", 4,
+                 {"--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", pad ? "allgather" : "alltoall"}});
+  }
+}
+
+// DeepSeek-style routing: sigmoid scores, group-limited top-k, the aux-loss-free expert bias (its
+// token counts summed over tp × dp before each update) and the sequence-level aux loss, TP 2 × EP 2.
+TEST_F(ParallelTraining, MoeExpertBiasSeqAuxTP2EP2) {
+  const std::vector<std::string> model =
+      concat(kMoe, {"--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                    "--moe-router-bias-update-rate", "1e-2", "--moe-router-num-groups", "4", "--moe-router-group-topk",
+                    "2", "--moe-router-topk-scaling-factor", "2.5", "--moe-router-load-balancing-type",
+                    "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"});
+  TrainRun one = train(dir_->path, "moe_bias_single", 1,
+                       concat(model, {"--train-iters", "5", "--save", (dir_->path / "moe_bias_single").string()}));
+  ASSERT_EQ(one.aux.count("seq_load_balancing_loss"), 1u) << one.output;
+  check(model, one, "moe_bias_single",
+        Layout{"moe_bias_tp2sp_ep2", 4,
+               {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+                "--moe-token-dispatcher-type", "alltoall"}});
+}
+
+// An MoE checkpoint saved by one expert layout at iteration 3 resumes under another with the
+// single run's losses.
+TEST_F(ParallelTraining, MoeCheckpointsReshardAcrossExpertLayouts) {
+  TrainRun one = train(dir_->path, "moe_reshard_single", 1,
+                       concat(kMoe, {"--train-iters", "5", "--save", (dir_->path / "moe_reshard_single").string()}));
+  struct Case {
+    std::string name;
+    int np_save;
+    std::vector<std::string> save_flags;
+    int np_load;
+    std::vector<std::string> load_flags;
+  };
+  const std::vector<Case> cases = {
+      {"tp2sp_ep2_etp2_to_ep4_distopt", 4,
+       {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+        "--expert-tensor-parallel-size", "2"},
+       4, {"--expert-model-parallel-size", "4", "--use-distributed-optimizer"}},
+      {"ep2_pp2_to_single", 4, {"--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"}, 1, {}},
+  };
+  for (const Case& c : cases) {
+    const fs::path ckpt = dir_->path / ("moe_reshard_" + c.name);
+    train(dir_->path, c.name + "_save", c.np_save,
+          concat(concat(kMoe, c.save_flags), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
+    TrainRun resumed = train(dir_->path, c.name + "_load", c.np_load,
+                             concat(concat(kMoe, c.load_flags),
+                                    {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
+    expect_close(resumed.losses, one.losses, c.name, 3);
+    expect_close(resumed.aux["load_balancing_loss"], one.aux["load_balancing_loss"], c.name + " lb loss", 3);
+    expect_same_weights(ckpt, dir_->path / "moe_reshard_single", c.name);
   }
 }
 
