@@ -32,6 +32,32 @@ inline std::string data_fixtures_dir() {
   return std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures/megatron_data";
 }
 
+/// The mixture-of-experts fixtures (routing fixtures, HF MoE model folders with their io files):
+/// $MEGATRON_MOE_FIXTURES, else <fixtures_dir()>/moe when it holds the MoE models, else the copy in
+/// tests/fixtures/moe.
+inline std::string moe_fixtures_dir() {
+  if (const char* e = std::getenv("MEGATRON_MOE_FIXTURES"); e && *e) return e;
+  const std::string shared = fixtures_dir() + "/moe";
+  if (std::filesystem::exists(shared + "/mixtral/config.json")) return shared;
+  return std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures/moe";
+}
+
+/// Every MoE model fixture: each <name>/ folder with a config.json that has a <name>_io.safetensors
+/// beside it in moe_fixtures_dir(), sorted.
+inline std::vector<std::string> moe_model_fixtures() {
+  std::vector<std::string> out;
+  const std::string dir = moe_fixtures_dir();
+  if (!std::filesystem::is_directory(dir)) return out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && std::filesystem::exists(e.path() / "config.json") &&
+        std::filesystem::exists(dir + "/" + name + "_io.safetensors"))
+      out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 /// The folders HuggingFace golden fixtures are read from, in order of preference: fixtures_dir(),
 /// then the repository's tests/fixtures (fixtures newer than a shared folder live there).
 inline std::vector<std::string> golden_fixture_dirs() {

@@ -1,5 +1,6 @@
 // convert_checkpoint: HuggingFace <-> megatron.cpp checkpoints for the GPT-2 and Llama families
-// (Llama, Mistral, Qwen2, Qwen3).
+// (Llama, Mistral, Qwen2, Qwen3) and the mixture-of-experts models Mixtral, Qwen2-MoE and Qwen3-MoE
+// (one HF tensor per expert; Note [HF mixture of experts] in hf_mapping.h).
 //
 //   HF -> megatron.cpp (written as "release", loadable with pretrain_gpt --load / --finetune):
 //     build/bin/convert_checkpoint --from hf --load /path/to/hf_model --save ckpt
@@ -7,7 +8,7 @@
 //     build/bin/convert_checkpoint --from megatron --load ckpt --save /path/to/hf_out
 //
 // An HF folder holds config.json and model.safetensors, or shards listed in
-// model.safetensors.index.json. The round trip is exact (fp32); the HF config travels inside the
+// model.safetensors.index.json (read either way; written as shards of at most --max-shard-size). The round trip is exact (fp32); the HF config travels inside the
 // checkpoint's metadata so it comes back unchanged.
 #include <fmt/format.h>
 
@@ -47,44 +48,6 @@ class Progress {
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
 
-nlohmann::json read_json(const fs::path& p) {
-  std::ifstream in(p);
-  MG_CHECK(in.good(), "cannot read {}", p.string());
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    MG_CHECK(false, "{} is not valid JSON: {}", p.string(), e.what());
-  }
-  return {};
-}
-
-// The HF weights: one model.safetensors or the shards of model.safetensors.index.json.
-struct HFWeights {
-  std::map<std::string, std::shared_ptr<safetensors::File>> by_tensor;
-  explicit HFWeights(const fs::path& dir) {
-    const fs::path single = dir / "model.safetensors", index = dir / "model.safetensors.index.json";
-    if (fs::exists(index)) {
-      nlohmann::json j = read_json(index);
-      MG_CHECK(j.contains("weight_map"), "{} has no weight_map", index.string());
-      std::map<std::string, std::shared_ptr<safetensors::File>> files;
-      for (const auto& [name, file] : j["weight_map"].items()) {
-        auto& f = files[file.get<std::string>()];
-        if (!f) f = std::make_shared<safetensors::File>((dir / file.get<std::string>()).string());
-        by_tensor[name] = f;
-      }
-    } else {
-      MG_CHECK(fs::exists(single), "{} has neither model.safetensors nor model.safetensors.index.json", dir.string());
-      auto f = std::make_shared<safetensors::File>(single.string());
-      for (const std::string& n : f->names()) by_tensor[n] = f;
-    }
-  }
-  Tensor get(const std::string& name) const {
-    auto it = by_tensor.find(name);
-    MG_CHECK(it != by_tensor.end(), "the HF checkpoint has no tensor '{}'", name);
-    return it->second->read(name, DType::Float32);
-  }
-};
-
 // pretrain_gpt's model arguments for a TransformerConfig (stored in the checkpoint's metadata):
 // model_arguments.inc's mapping back from the config, and what an HF model has no flag for.
 Arguments arguments_for(const TransformerConfig& c) {
@@ -94,13 +57,58 @@ Arguments arguments_for(const TransformerConfig& c) {
   return a;
 }
 
+// "5GB", "500MB", "2GiB", "1000" (bytes) -> bytes, as HF's max_shard_size reads them.
+int64_t parse_size(const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = text.substr(used);
+  static const std::map<std::string, double> units = {{"", 1},     {"B", 1},      {"KB", 1e3},         {"MB", 1e6},
+                                                      {"GB", 1e9}, {"KiB", 1024}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}};
+  auto it = units.find(unit);
+  MG_CHECK(used > 0 && value > 0 && it != units.end(), "--max-shard-size '{}' is not a size such as 5GB or 500MB", text);
+  return int64_t(value * it->second);
+}
+
+// model.safetensors when everything fits in one shard of max_shard_bytes, else
+// model-0000k-of-0000n.safetensors with model.safetensors.index.json (HF's save_pretrained layout).
+void write_hf_weights(const fs::path& save, const TensorMap& hf, int64_t max_shard_bytes) {
+  std::vector<std::vector<std::pair<std::string, Tensor>>> shards(1);
+  int64_t bytes = 0, total = 0;
+  for (const auto& [name, t] : hf) {
+    const int64_t n = int64_t(t.nbytes());
+    if (!shards.back().empty() && bytes + n > max_shard_bytes) shards.emplace_back(), bytes = 0;
+    shards.back().emplace_back(name, t);
+    bytes += n, total += n;
+  }
+  Progress progress("writing HF tensors", hf.size());
+  if (shards.size() == 1) {
+    for (const auto& [name, t] : shards[0]) progress.tick(t.nbytes());
+    safetensors::write((save / "model.safetensors").string(), shards[0], {{"format", "pt"}});
+    return;
+  }
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
+    for (const auto& [name, t] : shards[k]) weight_map[name] = file, progress.tick(t.nbytes());
+    safetensors::write((save / file).string(), shards[k], {{"format", "pt"}});
+  }
+  std::ofstream out(save / "model.safetensors.index.json");
+  out << nlohmann::json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) << "\n";
+  MG_CHECK(out.good(), "cannot write {}", (save / "model.safetensors.index.json").string());
+}
+
 int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divisible_by) {
-  nlohmann::json hf_config = read_json(load / "config.json");
+  HFFolder folder(load.string());
+  const nlohmann::json& hf_config = folder.config();
   HFModelInfo info = config_from_hf(hf_config, divisible_by);
-  HFWeights weights(load);
-  Progress progress("reading HF tensors", weights.by_tensor.size());
+  Progress progress("reading HF tensors", folder.tensor_names().size());
   TensorMap state = hf_to_megatron(info, [&](const std::string& n) {
-    Tensor t = weights.get(n);
+    Tensor t = folder.get(n);
     progress.tick(t.nbytes());
     return t;
   });
@@ -113,7 +121,7 @@ int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divis
   return 0;
 }
 
-int convert_megatron_to_hf(const fs::path& load, const fs::path& save) {
+int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t max_shard_bytes) {
   std::string dir;
   nlohmann::json meta = read_checkpoint_metadata(load.string(), &dir);
   Arguments args;
@@ -133,49 +141,13 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save) {
     hf_config = meta["hf_config"];
     info = config_from_hf(hf_config, config.make_vocab_size_divisible_by);
   } else {
-    info.family = config.gated_linear_unit ? HFFamily::Llama : HFFamily::GPT2;
-    info.model_type = config.qk_layernorm ? "qwen3" : info.family == HFFamily::Llama ? "llama" : "gpt2";
+    hf_config = hf_config_from_megatron(config);
+    info = config_from_hf(hf_config, config.make_vocab_size_divisible_by);
     info.config = config;
-    const std::string architecture = info.model_type == "qwen3" ? "Qwen3ForCausalLM" : "LlamaForCausalLM";
-    hf_config = info.family == HFFamily::Llama
-                    ? nlohmann::json{{"model_type", info.model_type},
-                                     {"architectures", {architecture}},
-                                     {"hidden_size", config.hidden_size},
-                                     {"intermediate_size", config.ffn_hidden_size},
-                                     {"num_hidden_layers", config.num_layers},
-                                     {"num_attention_heads", config.num_attention_heads},
-                                     {"num_key_value_heads", config.num_query_groups},
-                                     {"head_dim", config.kv_channels},
-                                     {"rms_norm_eps", config.layernorm_epsilon},
-                                     {"rope_theta", config.rotary_base},
-                                     {"max_position_embeddings", config.max_position_embeddings},
-                                     {"vocab_size", config.vocab_size},
-                                     {"hidden_act", "silu"},
-                                     {"attention_bias", config.add_qkv_bias},
-                                     {"tie_word_embeddings", config.share_embeddings_and_output_weights}}
-                    : nlohmann::json{{"model_type", "gpt2"},
-                                     {"architectures", {"GPT2LMHeadModel"}},
-                                     {"n_embd", config.hidden_size},
-                                     {"n_layer", config.num_layers},
-                                     {"n_head", config.num_attention_heads},
-                                     {"n_inner", config.ffn_hidden_size},
-                                     {"n_positions", config.max_position_embeddings},
-                                     {"vocab_size", config.vocab_size},
-                                     {"layer_norm_epsilon", config.layernorm_epsilon},
-                                     {"activation_function", "gelu_new"},
-                                     {"tie_word_embeddings", true}};
-    MG_CHECK(config.normalization == (info.family == HFFamily::Llama ? "RMSNorm" : "LayerNorm") &&
-                 config.position_embedding_type == (info.family == HFFamily::Llama ? "rope" : "learned_absolute") &&
-                 !(config.qk_layernorm && info.family == HFFamily::GPT2),
-             "this checkpoint's architecture has no HuggingFace equivalent (GPT-2: LayerNorm, GeLU, learned "
-             "positions; Llama: RMSNorm, SwiGLU, RoPE; Qwen3: Llama with --qk-layernorm)");
   }
   TensorMap hf = megatron_to_hf(info, model_state_dict(model));
   fs::create_directories(save);
-  std::vector<std::pair<std::string, Tensor>> tensors(hf.begin(), hf.end());
-  Progress progress("writing HF tensors", tensors.size());
-  for (const auto& [name, t] : tensors) progress.tick(t.nbytes());
-  safetensors::write((save / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  write_hf_weights(save, hf, max_shard_bytes);
   const fs::path config_path = save / "config.json", tmp = save / "config.json.tmp";
   {
     std::ofstream out(tmp);
@@ -183,7 +155,7 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save) {
     MG_CHECK(out.good(), "cannot write {}", tmp.string());
   }
   fs::rename(tmp, config_path);
-  std::fprintf(stderr, "[convert] wrote %s (model.safetensors, config.json)\n", save.c_str());
+  std::fprintf(stderr, "[convert] wrote %s (config.json and the weights)\n", save.c_str());
   return 0;
 }
 
@@ -199,12 +171,17 @@ int main(int argc, char** argv) {
     app.add_option("--save", save, "Destination directory")->required();
     app.add_option("--make-vocab-size-divisible-by", divisible_by, "Vocabulary padding (HF -> megatron)")
         ->capture_default_str();
+    std::string max_shard_size = "5GB";
+    app.add_option("--max-shard-size", max_shard_size,
+                   "Largest HF weight file (megatron -> HF); more weights go to shards listed in "
+                   "model.safetensors.index.json")
+        ->capture_default_str();
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
       return app.exit(e);
     }
-    return from == "hf" ? convert_hf_to_megatron(load, save, divisible_by) : convert_megatron_to_hf(load, save);
+    return from == "hf" ? convert_hf_to_megatron(load, save, divisible_by) : convert_megatron_to_hf(load, save, parse_size(max_shard_size));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

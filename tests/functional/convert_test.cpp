@@ -1,6 +1,8 @@
 // tools/convert_checkpoint: HF -> megatron.cpp -> HF is exact, and the converted fixture models
-// loaded into GPTModel give the fixture logits (GPT-2, Llama, Qwen3); a --qk-layernorm model
-// trained here exports as Qwen3.
+// loaded into GPTModel give the fixture logits (GPT-2, Llama, Qwen3, and the MoE folders Mixtral,
+// Qwen2-MoE, Qwen3-MoE, sharded both ways); a --qk-layernorm model trained here exports as Qwen3.
+#include <fmt/format.h>
+
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/training/checkpointing.h"
@@ -8,6 +10,32 @@
 
 namespace megatron::testing {
 namespace {
+
+// The converted checkpoint `ckpt`, loaded as pretrain_gpt would (its args into `args`), run on the
+// io file's tokens: max |logits - io logits| relative to the io logits' scale. Ours has the padded
+// vocabulary vp >= the fixture's v; the padded columns are not compared.
+double checkpoint_logits_error(const fs::path& ckpt, const fs::path& io_path, Arguments& args) {
+  apply_checkpoint_args(args, ckpt.string());
+  TransformerConfig config = transformer_config_from_args(args, args.vocab_size);
+  config.hidden_dropout = config.attention_dropout = 0.0f;
+  GPTModel model(config);
+  Checkpointer ck(args);
+  Context ctx;
+  EXPECT_TRUE(ck.load(ctx, ckpt.string(), model, nullptr, nullptr).has_value());
+  safetensors::File io(io_path.string());
+  Tensor logits = model.forward_logits(ctx, io.read("tokens"), Tensor());             // [s, b, V]
+  std::vector<float> ours = logits.to_floats(), ref = io.read("logits").to_floats();  // ref [b, s, V]
+  const int64_t s = logits.size(0), b = logits.size(1), v = io.read("logits").size(2), vp = logits.size(2);
+  double worst = 0, scale = 0;
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t j = 0; j < s; ++j)
+      for (int64_t k = 0; k < v; ++k) {
+        const double r = ref[size_t((i * s + j) * v + k)];
+        worst = std::max(worst, std::fabs(double(ours[size_t((j * b + i) * vp + k)]) - r));
+        scale = std::max(scale, std::fabs(r));
+      }
+  return worst / scale;
+}
 
 class Convert : public ::testing::TestWithParam<std::string> {};
 
@@ -34,31 +62,13 @@ TEST_P(Convert, RoundTripIsExactAndLogitsMatch) {
 
   // The converted checkpoint, loaded as pretrain_gpt would, gives the fixture's logits.
   Arguments args;
-  apply_checkpoint_args(args, (dir.path / "ckpt").string());
+  const double error =
+      checkpoint_logits_error(dir.path / "ckpt", fixtures / (GetParam() + "_io.safetensors"), args);
   const nlohmann::json hf_config = nlohmann::json::parse(src.metadata().at("config"));
   EXPECT_EQ(args.qk_layernorm, hf_config.value("model_type", "") == "qwen3") << "Qwen3's q_norm/k_norm are --qk-layernorm";
-  TransformerConfig config = transformer_config_from_args(args, args.vocab_size);
-  config.hidden_dropout = config.attention_dropout = 0.0f;
-  GPTModel model(config);
-  Checkpointer ck(args);
-  Context ctx;
-  ASSERT_TRUE(ck.load(ctx, (dir.path / "ckpt").string(), model, nullptr, nullptr).has_value());
-  safetensors::File io((fixtures / (GetParam() + "_io.safetensors")).string());
-  Tensor logits = model.forward_logits(ctx, io.read("tokens"), Tensor());             // [s, b, V]
-  std::vector<float> ours = logits.to_floats(), ref = io.read("logits").to_floats();  // ref [b, s, V]
-  // Ours has the padded vocabulary vp >= the fixture's v; the padded columns are not compared.
-  const int64_t s = logits.size(0), b = logits.size(1), v = io.read("logits").size(2), vp = logits.size(2);
-  double worst = 0, scale = 0;
-  for (int64_t i = 0; i < b; ++i)
-    for (int64_t j = 0; j < s; ++j)
-      for (int64_t k = 0; k < v; ++k) {
-        const double r = ref[size_t((i * s + j) * v + k)];
-        worst = std::max(worst, std::fabs(double(ours[size_t((j * b + i) * vp + k)]) - r));
-        scale = std::max(scale, std::fabs(r));
-      }
-  EXPECT_LE(worst / scale, 1e-5);
+  EXPECT_LE(error, 1e-5);
   std::printf("convert %s: HF -> megatron.cpp -> HF exact over %zu tensors, logits within %.2e\n", GetParam().c_str(),
-              src.names().size(), worst / scale);
+              src.names().size(), error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Convert, ::testing::ValuesIn(golden_fixture_models()),
@@ -123,6 +133,129 @@ TEST(Convert, QkLayernormCheckpointExportsAsQwen3) {
   ASSERT_EQ(again.names(), names);
   for (const std::string& n : names) EXPECT_EQ(again.read(n).to_floats(), hf.read(n).to_floats()) << n;
   EXPECT_EQ(nlohmann::json::parse(read_file(dir.path / "hf2/config.json")), config);
+}
+
+// The mixture-of-experts HF folders (Mixtral, Qwen2-MoE, Qwen3-MoE; one tensor per expert): HF ->
+// megatron.cpp -> HF is exact, through sharded files both ways (the source split over two shards
+// listed in model.safetensors.index.json; the export written with a small --max-shard-size), the
+// config comes back unchanged, and the checkpoint loaded as pretrain_gpt would gives the io
+// file's logits.
+class ConvertMoE : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ConvertMoE, ShardedRoundTripIsExactAndLogitsMatch) {
+  ScratchDir dir("convert_moe_" + GetParam());
+  const fs::path src_dir = fs::absolute(moe_fixtures_dir()) / GetParam();
+  safetensors::File src((src_dir / "model.safetensors").string());
+  const std::vector<std::string> names = src.names();
+  // The source as two shards and an index, as the Hub stores large models.
+  fs::create_directories(dir.path / "hf");
+  fs::copy_file(src_dir / "config.json", dir.path / "hf/config.json");
+  std::vector<std::pair<std::string, Tensor>> shard[2];
+  nlohmann::json weight_map;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const int k = i < names.size() / 2 ? 0 : 1;
+    shard[k].emplace_back(names[i], src.read(names[i]));
+    weight_map[names[i]] = fmt::format("model-{:05d}-of-00002.safetensors", k + 1);
+  }
+  for (int k = 0; k < 2; ++k)
+    safetensors::write((dir.path / fmt::format("hf/model-{:05d}-of-00002.safetensors", k + 1)).string(), shard[k],
+                       {{"format", "pt"}});
+  std::ofstream(dir.path / "hf/model.safetensors.index.json") << nlohmann::json{{"weight_map", weight_map}}.dump();
+
+  RunResult to = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt"}, dir.path);
+  ASSERT_EQ(to.exit_code, 0) << to.output;
+  RunResult back = run({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf_back",
+                        "--max-shard-size", "200KB"},
+                       dir.path);
+  ASSERT_EQ(back.exit_code, 0) << back.output;
+  ASSERT_TRUE(fs::exists(dir.path / "hf_back/model.safetensors.index.json")) << "a 200KB shard limit shards the export";
+  HFFolder out((dir.path / "hf_back").string());
+  ASSERT_EQ(out.tensor_names(), names);
+  for (const std::string& n : names) EXPECT_EQ(out.get(n).to_floats(), src.read(n).to_floats()) << n;
+  const nlohmann::json hf_config = HFFolder(src_dir.string()).config();
+  EXPECT_EQ(out.config(), hf_config);
+
+  Arguments args;
+  const double error = checkpoint_logits_error(
+      dir.path / "ckpt", fs::absolute(moe_fixtures_dir()) / (GetParam() + "_io.safetensors"), args);
+  EXPECT_EQ(args.num_experts, config_from_hf(hf_config).config.num_moe_experts);
+  EXPECT_LE(error, 1e-5);
+  std::printf("convert %s: HF (2 shards) -> megatron.cpp -> HF (sharded) exact over %zu tensors, logits within %.2e\n",
+              GetParam().c_str(), names.size(), error);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, ConvertMoE, ::testing::ValuesIn(moe_model_fixtures()),
+                         [](const auto& info) { return info.param; });
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(ConvertMoE);
+
+// MoE models trained here (no HF config in their checkpoints) export as the HF type with their
+// options — Qwen2-MoE for a gated shared expert with pre-softmax routing, Qwen3-MoE for
+// --qk-layernorm with a dense first layer, Mixtral otherwise — and that export goes through
+// megatron.cpp and back unchanged.
+TEST(Convert, MoECheckpointsExportAsTheirHFType) {
+  struct Case {
+    std::string type, name_in_export;
+    std::vector<std::string> flags;
+  };
+  const std::vector<Case> cases = {
+      {"mixtral", "model.layers.1.block_sparse_moe.experts.3.w3.weight", {}},
+      {"qwen2_moe",
+       "model.layers.1.mlp.shared_expert_gate.weight",
+       {"--add-qkv-bias", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "32",
+        "--moe-shared-expert-gate"}},
+      {"qwen3_moe",
+       "model.layers.0.mlp.gate_proj.weight",
+       {"--qk-layernorm", "--moe-layer-freq", "([0]+[1]*1)", "--moe-ffn-hidden-size", "32"}},
+  };
+  for (const Case& c : cases) {
+    ScratchDir dir("convert_moe_export_" + c.type);
+    const std::vector<std::string> flags = {
+        "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+        "--group-query-attention", "--num-query-groups", "2", "--seq-length", "16", "--normalization", "RMSNorm",
+        "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+        "--untie-embeddings-and-output-weights", "--num-experts", "4", "--moe-router-topk", "2",
+        "--moe-aux-loss-coeff", "1e-2", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
+        "--mock-data", "--vocab-size", "100", "--eval-iters", "1", "--device", "cpu", "--save", "ckpt",
+        "--save-interval", "2"};
+    RunResult train = run(concat(concat({bin("pretrain_gpt")}, flags), c.flags), dir.path);
+    ASSERT_EQ(train.exit_code, 0) << c.type << ": " << train.output;
+    RunResult to_hf = run({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf"}, dir.path);
+    ASSERT_EQ(to_hf.exit_code, 0) << to_hf.output;
+    const nlohmann::json config = nlohmann::json::parse(read_file(dir.path / "hf/config.json"));
+    EXPECT_EQ(config.at("model_type"), c.type);
+    EXPECT_EQ(config.at("router_aux_loss_coef"), 1e-2f) << c.type;
+    HFFolder hf((dir.path / "hf").string());
+    const std::vector<std::string> names = hf.tensor_names();
+    EXPECT_NE(std::find(names.begin(), names.end(), c.name_in_export), names.end()) << c.type;
+    RunResult in = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt2"}, dir.path);
+    ASSERT_EQ(in.exit_code, 0) << in.output;
+    RunResult out = run({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt2", "--save", "hf2"}, dir.path);
+    ASSERT_EQ(out.exit_code, 0) << out.output;
+    HFFolder again((dir.path / "hf2").string());
+    ASSERT_EQ(again.tensor_names(), names);
+    for (const std::string& n : names) EXPECT_EQ(again.get(n).to_floats(), hf.get(n).to_floats()) << n;
+    EXPECT_EQ(again.config(), config);
+    std::printf("convert: an MoE checkpoint trained here exports as %s (%zu tensors) and round-trips exactly\n",
+                c.type.c_str(), names.size());
+  }
+}
+
+// A folder missing one expert's tensor: the converter says which, in one line.
+TEST(Convert, MissingExpertTensorIsNamed) {
+  if (moe_model_fixtures().empty()) GTEST_SKIP() << "no MoE fixtures";
+  ScratchDir dir("convert_moe_missing");
+  const fs::path src_dir = fs::absolute(moe_fixtures_dir()) / "mixtral";
+  safetensors::File src((src_dir / "model.safetensors").string());
+  fs::create_directories(dir.path / "hf");
+  fs::copy_file(src_dir / "config.json", dir.path / "hf/config.json");
+  std::vector<std::pair<std::string, Tensor>> kept;
+  const std::string dropped = "model.layers.1.block_sparse_moe.experts.2.w3.weight";
+  for (const std::string& n : src.names())
+    if (n != dropped) kept.emplace_back(n, src.read(n));
+  safetensors::write((dir.path / "hf/model.safetensors").string(), kept, {{"format", "pt"}});
+  RunResult r = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt"}, dir.path);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("has no tensor '" + dropped + "'"), std::string::npos) << r.output;
 }
 
 TEST(Convert, MissingFilesAreClearErrors) {

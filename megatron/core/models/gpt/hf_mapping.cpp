@@ -2,7 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "megatron/core/dist_checkpointing/safetensors.h"
 
 namespace megatron {
 
@@ -93,6 +98,79 @@ struct HFReader {
 
 std::string layer(int i, const char* rest) { return fmt::format("decoder.layers.{}.{}", i, rest); }
 
+bool is_hf_moe(const std::string& model_type) {
+  return model_type == "mixtral" || model_type == "qwen2_moe" || model_type == "qwen3_moe";
+}
+
+// The MoE fields of a mixtral / qwen2_moe / qwen3_moe config.json (Note [HF mixture of experts]).
+void moe_config_from_hf(const nlohmann::json& j, const std::string& type, TransformerConfig& c) {
+  auto get_int = [&](const char* key) -> int {
+    return j.contains(key) && j[key].is_number_integer() ? j[key].get<int>() : -1;
+  };
+  // Mixtral names it num_local_experts, Qwen num_experts (transformers 5 writes either for Qwen3-MoE).
+  const int local = get_int("num_local_experts"), experts = get_int("num_experts");
+  MG_CHECK(local < 0 || experts < 0 || local == experts,
+           "config.json gives num_experts {} and num_local_experts {}: they must agree", experts, local);
+  c.num_moe_experts = experts >= 0 ? experts : local;
+  MG_CHECK(c.num_moe_experts > 0, "{} config.json needs a positive num_local_experts / num_experts", type);
+  c.moe_router_topk = get_int("num_experts_per_tok");
+  MG_CHECK(c.moe_router_topk > 0, "{} config.json needs num_experts_per_tok", type);
+  c.moe_router_score_function = "softmax";
+  if (type == "mixtral") {
+    const float jitter = j.value("router_jitter_noise", 0.0f);
+    MG_CHECK(jitter == 0.0f, "router_jitter_noise={} is not supported: only 0 (no router jitter)", jitter);
+    c.moe_ffn_hidden_size = c.ffn_hidden_size;  // every layer is MoE; experts of intermediate_size
+    c.moe_router_pre_softmax = false;           // softmax, top-k, renormalise
+    c.moe_layer_freq = "1";
+  } else {
+    c.moe_ffn_hidden_size = get_int("moe_intermediate_size");
+    MG_CHECK(c.moe_ffn_hidden_size > 0, "{} config.json needs moe_intermediate_size", type);
+    c.moe_router_pre_softmax = !j.value("norm_topk_prob", false);
+    const int step = j.contains("decoder_sparse_step") ? j["decoder_sparse_step"].get<int>() : 1;
+    MG_CHECK(step >= 1, "decoder_sparse_step {} must be positive", step);
+    std::vector<int> dense = j.value("mlp_only_layers", std::vector<int>{});
+    std::string pattern = "[";
+    bool all_moe = true;
+    for (int i = 0; i < c.num_layers; ++i) {
+      const bool moe = (i + 1) % step == 0 && std::find(dense.begin(), dense.end(), i) == dense.end();
+      all_moe = all_moe && moe;
+      pattern += fmt::format("{}{}", i ? "," : "", moe ? 1 : 0);
+    }
+    c.moe_layer_freq = all_moe ? "1" : pattern + "]";
+    if (type == "qwen2_moe") {
+      c.moe_shared_expert_intermediate_size = std::max(0, get_int("shared_expert_intermediate_size"));
+      c.moe_shared_expert_gate = c.moe_shared_expert_intermediate_size > 0;  // Qwen2-MoE's shared_expert_gate
+    }
+  }
+  const bool aux = j.value("output_router_logits", false);
+  c.moe_router_load_balancing_type = {"aux_loss"};
+  c.moe_aux_loss_coeff = {aux ? j.value("router_aux_loss_coef", 0.0f) : 0.0f};
+}
+
+// The HF names of layer i's MoE block (Note [HF mixture of experts]).
+struct MoENames {
+  std::string base, router, shared_gate;
+  bool mixtral;
+  MoENames(const std::string& model_type, int i)
+      : base(fmt::format("model.layers.{}.{}.", i, model_type == "mixtral" ? "block_sparse_moe" : "mlp")),
+        router(base + "gate.weight"),
+        shared_gate(base + "shared_expert_gate.weight"),
+        mixtral(model_type == "mixtral") {
+    MG_CHECK(is_hf_moe(model_type), "HF model_type '{}' has no mixture-of-experts layers: expected mixtral, "
+             "qwen2_moe or qwen3_moe", model_type);
+  }
+  /// part 0: gate, 1: up, 2: down.
+  std::string expert(int e, int part) const {
+    static const char* const mixtral_parts[] = {"w1", "w3", "w2"};
+    static const char* const qwen_parts[] = {"gate_proj", "up_proj", "down_proj"};
+    return fmt::format("{}experts.{}.{}.weight", base, e, mixtral ? mixtral_parts[part] : qwen_parts[part]);
+  }
+  std::string shared(int part) const {
+    static const char* const parts[] = {"gate_proj", "up_proj", "down_proj"};
+    return fmt::format("{}shared_expert.{}.weight", base, parts[part]);
+  }
+};
+
 }  // namespace
 
 // ---- config ----------------------------------------------------------------------------------------
@@ -130,7 +208,7 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
     MG_CHECK(!num("scale_attn_by_inverse_layer_idx", false) && !num("reorder_and_upcast_attn", false),
              "GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported");
   } else if (info.model_type == "llama" || info.model_type == "mistral" || info.model_type == "qwen2" ||
-             info.model_type == "qwen3") {
+             info.model_type == "qwen3" || is_hf_moe(info.model_type)) {
     info.family = HFFamily::Llama;
     c.num_layers = num("num_hidden_layers", 0);
     c.hidden_size = num("hidden_size", 0);
@@ -147,9 +225,22 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
     MG_CHECK(act == "silu", "hidden_act '{}' is not supported: only silu (SwiGLU)", act);
     c.add_bias_linear = num("mlp_bias", false);
     MG_CHECK(!c.add_bias_linear, "mlp_bias=true is not supported");
-    c.add_qkv_bias = info.model_type == "qwen2" ? true : num("attention_bias", false);
-    c.qk_layernorm = info.model_type == "qwen3";  // q_norm / k_norm: RMSNorm over each head
+    c.add_qkv_bias = info.model_type == "qwen2"       ? true
+                     : info.model_type == "qwen2_moe" ? num("qkv_bias", true)
+                                                      : num("attention_bias", false);
+    // q_norm / k_norm: RMSNorm over each head
+    c.qk_layernorm = info.model_type == "qwen3" || info.model_type == "qwen3_moe";
     MG_CHECK(!num("use_sliding_window", false), "use_sliding_window=true is not supported: only full attention");
+    if (j.contains("layer_types") && j["layer_types"].is_array()) {
+      for (const auto& t : j["layer_types"])
+        MG_CHECK(t == "full_attention", "layer_types '{}' is not supported: only full_attention", t.dump());
+    }
+    if (info.model_type == "mixtral") {
+      MG_CHECK(!j.contains("sliding_window") || j["sliding_window"].is_null(),
+               "Mixtral sliding_window={} is not supported: only full attention (sliding_window null)",
+               j.value("sliding_window", nlohmann::json()).dump());
+    }
+    if (is_hf_moe(info.model_type)) moe_config_from_hf(j, info.model_type, c);
     c.position_embedding_type = "rope";
     float theta = num("rope_theta", 10000.0f);
     if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
@@ -165,7 +256,9 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
     c.attention_dropout = num("attention_dropout", 0.0f);
     c.init_method_std = num("initializer_range", 0.02f);
   } else {
-    MG_CHECK(false, "HF model_type '{}' is not supported: expected gpt2, llama, mistral, qwen2 or qwen3",
+    MG_CHECK(false,
+             "HF model_type '{}' is not supported: expected gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen2_moe or "
+             "qwen3_moe",
              info.model_type);
   }
   c.finalize();
@@ -223,9 +316,26 @@ TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(con
     }
     out[layer(i, "self_attention.linear_proj.weight")] = hf(p("self_attn.o_proj.weight"), {h, nq * d});
     out[layer(i, "pre_mlp_layernorm.weight")] = hf(p("post_attention_layernorm.weight"), {h});
-    out[layer(i, "mlp.linear_fc1.weight")] =
-        concat_rows({hf(p("mlp.gate_proj.weight"), {f, h}), hf(p("mlp.up_proj.weight"), {f, h})});
-    out[layer(i, "mlp.linear_fc2.weight")] = hf(p("mlp.down_proj.weight"), {h, f});
+    if (!c.is_moe_layer(i)) {
+      out[layer(i, "mlp.linear_fc1.weight")] =
+          concat_rows({hf(p("mlp.gate_proj.weight"), {f, h}), hf(p("mlp.up_proj.weight"), {f, h})});
+      out[layer(i, "mlp.linear_fc2.weight")] = hf(p("mlp.down_proj.weight"), {h, f});
+      continue;
+    }
+    const MoENames names(info.model_type, i);
+    const int64_t ef = c.moe_ffn_hidden_size, sf = c.moe_shared_expert_intermediate_size;
+    out[layer(i, "mlp.router.weight")] = hf(names.router, {c.num_moe_experts, h});
+    for (int e = 0; e < c.num_moe_experts; ++e) {
+      const std::string ours = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.", i, e);
+      out[ours + "linear_fc1.weight"] = concat_rows({hf(names.expert(e, 0), {ef, h}), hf(names.expert(e, 1), {ef, h})});
+      out[ours + "linear_fc2.weight"] = hf(names.expert(e, 2), {h, ef});
+    }
+    if (sf > 0) {
+      out[layer(i, "mlp.shared_experts.linear_fc1.weight")] =
+          concat_rows({hf(names.shared(0), {sf, h}), hf(names.shared(1), {sf, h})});
+      out[layer(i, "mlp.shared_experts.linear_fc2.weight")] = hf(names.shared(2), {h, sf});
+      if (c.moe_shared_expert_gate) out[layer(i, "mlp.shared_experts.gate_weight")] = hf(names.shared_gate, {1, h});
+    }
   }
   out["decoder.final_layernorm.weight"] = hf("model.norm.weight", {h});
   if (!c.share_embeddings_and_output_weights) {
@@ -288,16 +398,185 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
     }
     out[p("self_attn.o_proj.weight")] = get(layer(i, "self_attention.linear_proj.weight"));
     out[p("post_attention_layernorm.weight")] = get(layer(i, "pre_mlp_layernorm.weight"));
-    Tensor fc1 = get(layer(i, "mlp.linear_fc1.weight"));
-    const int64_t f = fc1.size(0) / 2;
-    out[p("mlp.gate_proj.weight")] = fc1.slice(0, f).clone();
-    out[p("mlp.up_proj.weight")] = fc1.slice(f, 2 * f).clone();
-    out[p("mlp.down_proj.weight")] = get(layer(i, "mlp.linear_fc2.weight"));
+    // [gate; up] -> gate, up
+    auto split_fc1 = [&](const std::string& fc1_name, const std::string& gate, const std::string& up) {
+      Tensor fc1 = get(fc1_name);
+      const int64_t f = fc1.size(0) / 2;
+      out[gate] = fc1.slice(0, f).clone();
+      out[up] = fc1.slice(f, 2 * f).clone();
+    };
+    if (!c.is_moe_layer(i)) {
+      split_fc1(layer(i, "mlp.linear_fc1.weight"), p("mlp.gate_proj.weight"), p("mlp.up_proj.weight"));
+      out[p("mlp.down_proj.weight")] = get(layer(i, "mlp.linear_fc2.weight"));
+      continue;
+    }
+    const MoENames names(info.model_type, i);
+    out[names.router] = get(layer(i, "mlp.router.weight"));
+    for (int e = 0; e < c.num_moe_experts; ++e) {
+      const std::string ours = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.", i, e);
+      split_fc1(ours + "linear_fc1.weight", names.expert(e, 0), names.expert(e, 1));
+      out[names.expert(e, 2)] = get(ours + "linear_fc2.weight");
+    }
+    if (c.moe_shared_expert_intermediate_size > 0) {
+      split_fc1(layer(i, "mlp.shared_experts.linear_fc1.weight"), names.shared(0), names.shared(1));
+      out[names.shared(2)] = get(layer(i, "mlp.shared_experts.linear_fc2.weight"));
+      if (c.moe_shared_expert_gate) out[names.shared_gate] = get(layer(i, "mlp.shared_experts.gate_weight"));
+    }
   }
   out["model.norm.weight"] = get("decoder.final_layernorm.weight");
   if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), v);
   (void)h;
   return out;
+}
+
+// ---- Megatron-Core config -> HF config -------------------------------------------------------------
+nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
+  const bool llama = c.gated_linear_unit;
+  MG_CHECK(c.normalization == (llama ? "RMSNorm" : "LayerNorm") &&
+               c.position_embedding_type == (llama ? "rope" : "learned_absolute") && !(c.qk_layernorm && !llama) &&
+               !(c.is_moe() && !llama),
+           "this checkpoint's architecture has no HuggingFace equivalent (GPT-2: LayerNorm, GeLU, learned "
+           "positions; Llama: RMSNorm, SwiGLU, RoPE; Qwen3: Llama with --qk-layernorm; Mixtral, Qwen2-MoE, Qwen3-MoE: "
+           "Llama with MoE layers)");
+  if (!llama) {
+    return {{"model_type", "gpt2"},
+            {"architectures", {"GPT2LMHeadModel"}},
+            {"n_embd", c.hidden_size},
+            {"n_layer", c.num_layers},
+            {"n_head", c.num_attention_heads},
+            {"n_inner", c.ffn_hidden_size},
+            {"n_positions", c.max_position_embeddings},
+            {"vocab_size", c.vocab_size},
+            {"layer_norm_epsilon", c.layernorm_epsilon},
+            {"activation_function", "gelu_new"},
+            {"tie_word_embeddings", true}};
+  }
+  std::string model_type = c.qk_layernorm ? "qwen3" : "llama";
+  if (c.is_moe()) {
+    MG_CHECK(c.moe_router_score_function == "softmax" && c.moe_router_num_groups == 0 &&
+                 c.moe_router_topk_scaling_factor == 0.0f && !c.moe_router_enable_expert_bias &&
+                 c.moe_expert_capacity_factor == 0.0f,
+             "this MoE checkpoint's router has no HuggingFace equivalent: Mixtral and Qwen-MoE route by softmax "
+             "top-k, without groups, scaling, expert bias or capacity");
+    const bool all_moe = std::all_of(c.moe_layer_pattern.begin(), c.moe_layer_pattern.end(), [](int v) { return v; });
+    if (c.moe_shared_expert_intermediate_size > 0) {
+      MG_CHECK(!c.qk_layernorm && c.moe_shared_expert_gate,
+               "shared experts export as Qwen2-MoE, which gates them and has no --qk-layernorm: add "
+               "--moe-shared-expert-gate, drop --qk-layernorm");
+      model_type = "qwen2_moe";
+    } else if (c.qk_layernorm) {
+      model_type = "qwen3_moe";
+    } else {
+      MG_CHECK(all_moe && !c.moe_router_pre_softmax && c.moe_ffn_hidden_size == c.ffn_hidden_size,
+               "an MoE checkpoint without --qk-layernorm or shared experts exports as Mixtral, which has every layer "
+               "MoE, no --moe-router-pre-softmax and --moe-ffn-hidden-size equal to --ffn-hidden-size");
+      model_type = "mixtral";
+    }
+  }
+  static const std::map<std::string, std::string> architectures = {{"llama", "LlamaForCausalLM"},
+                                                                    {"qwen3", "Qwen3ForCausalLM"},
+                                                                    {"mixtral", "MixtralForCausalLM"},
+                                                                    {"qwen2_moe", "Qwen2MoeForCausalLM"},
+                                                                    {"qwen3_moe", "Qwen3MoeForCausalLM"}};
+  nlohmann::json j = {{"model_type", model_type},
+                      {"architectures", {architectures.at(model_type)}},
+                      {"hidden_size", c.hidden_size},
+                      {"intermediate_size", c.ffn_hidden_size},
+                      {"num_hidden_layers", c.num_layers},
+                      {"num_attention_heads", c.num_attention_heads},
+                      {"num_key_value_heads", c.num_query_groups},
+                      {"head_dim", c.kv_channels},
+                      {"rms_norm_eps", c.layernorm_epsilon},
+                      {"rope_theta", c.rotary_base},
+                      {"max_position_embeddings", c.max_position_embeddings},
+                      {"vocab_size", c.vocab_size},
+                      {"hidden_act", "silu"},
+                      {"attention_bias", c.add_qkv_bias},
+                      {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
+  if (!c.is_moe()) return j;
+  const float aux = c.moe_aux_loss_coeff.empty() ? 0.0f : c.moe_aux_loss_coeff[0];
+  MG_CHECK(aux == 0.0f || (c.moe_router_load_balancing_type.size() == 1 &&
+                           c.moe_router_load_balancing_type[0] == "aux_loss"),
+           "only --moe-router-load-balancing-type aux_loss has a HuggingFace equivalent (router_aux_loss_coef)");
+  j["num_experts_per_tok"] = c.moe_router_topk;
+  j["router_aux_loss_coef"] = aux;
+  j["output_router_logits"] = aux > 0.0f;
+  if (model_type == "mixtral") {
+    j["num_local_experts"] = c.num_moe_experts;
+    j.erase("attention_bias");
+    MG_CHECK(!c.add_qkv_bias, "Mixtral has no q/k/v biases: drop --add-qkv-bias");
+    return j;
+  }
+  j["num_experts"] = c.num_moe_experts;
+  j["moe_intermediate_size"] = c.moe_ffn_hidden_size;
+  j["norm_topk_prob"] = !c.moe_router_pre_softmax;
+  j["decoder_sparse_step"] = 1;
+  std::vector<int> dense;
+  for (int i = 0; i < c.num_layers; ++i)
+    if (!c.is_moe_layer(i)) dense.push_back(i);
+  j["mlp_only_layers"] = dense;
+  if (model_type == "qwen2_moe") {
+    j.erase("attention_bias");
+    j["qkv_bias"] = c.add_qkv_bias;
+    j["shared_expert_intermediate_size"] = c.moe_shared_expert_intermediate_size;
+  }
+  return j;
+}
+
+// ---- HF folders ------------------------------------------------------------------------------------
+struct HFFolder::Shard {
+  safetensors::File file;
+};
+
+namespace {
+nlohmann::json read_json(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  MG_CHECK(in.good(), "cannot read {}", p.string());
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    MG_CHECK(false, "{} is not valid JSON: {}", p.string(), e.what());
+  }
+  return {};
+}
+}  // namespace
+
+HFFolder::HFFolder(const std::string& dir) : dir_(dir) {
+  namespace fs = std::filesystem;
+  const fs::path root(dir), single = root / "model.safetensors", index = root / "model.safetensors.index.json";
+  config_ = read_json(root / "config.json");
+  if (fs::exists(index)) {
+    nlohmann::json j = read_json(index);
+    MG_CHECK(j.contains("weight_map") && j["weight_map"].is_object(), "{} has no weight_map", index.string());
+    std::map<std::string, std::shared_ptr<const Shard>> files;
+    for (const auto& [name, file] : j["weight_map"].items()) {
+      const std::string f = file.get<std::string>();
+      auto& shard = files[f];
+      if (!shard) {
+        MG_CHECK(fs::exists(root / f), "{} lists shard {}, which is missing from {}", index.string(), f, dir);
+        shard = std::make_shared<const Shard>(Shard{safetensors::File((root / f).string())});
+      }
+      MG_CHECK(shard->file.contains(name), "{} puts tensor '{}' in {}, which does not hold it", index.string(), name,
+               f);
+      by_tensor_[name] = shard;
+    }
+  } else {
+    MG_CHECK(fs::exists(single), "{} has neither model.safetensors nor model.safetensors.index.json", dir);
+    auto shard = std::make_shared<const Shard>(Shard{safetensors::File(single.string())});
+    for (const std::string& n : shard->file.names()) by_tensor_[n] = shard;
+  }
+}
+
+std::vector<std::string> HFFolder::tensor_names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, shard] : by_tensor_) out.push_back(name);
+  return out;
+}
+
+Tensor HFFolder::get(const std::string& name) const {
+  auto it = by_tensor_.find(name);
+  MG_CHECK(it != by_tensor_.end(), "the HF checkpoint {} has no tensor '{}'", dir_, name);
+  return it->second->file.read(name, DType::Float32);
 }
 
 // ---- model state -----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // HuggingFace <-> Megatron-Core names and layouts for the GPT-2 and Llama families (Llama, Mistral,
 // Qwen2, Qwen3: the same tensor names; Qwen2 adds q/k/v biases, Qwen3 the per-head RMSNorms of
-// queries and keys, self_attn.q_norm/k_norm <-> self_attention.q_layernorm/k_layernorm).
+// queries and keys, self_attn.q_norm/k_norm <-> self_attention.q_layernorm/k_layernorm) and their
+// mixture-of-experts relatives (Mixtral, Qwen2-MoE, Qwen3-MoE; Note [HF mixture of experts]).
 //
 //   GPT-2: Conv1D weights are [in, out] (transposed here); c_attn packs q, k, v along `out`.
 //   Llama: q_proj/k_proj/v_proj are separate; gate_proj and up_proj become linear_fc1 = [gate; up].
@@ -8,12 +9,29 @@
 //          embeddings (and an untied lm_head) are padded with zero rows to the padded vocabulary
 //          and stripped on the way back.
 // Everything goes through name -> Tensor maps, so checkpoints, converters and tests share it.
+//
+// Note [HF mixture of experts]
+// One HF tensor per expert, Megatron's SequentialMLP names with the global expert index:
+//   mixtral:   model.layers.L.block_sparse_moe.gate.weight         -> decoder.layers.L.mlp.router.weight
+//              ...block_sparse_moe.experts.E.{w1 (gate), w3 (up)}  -> ...mlp.experts.local_experts.E.linear_fc1.weight
+//              ...block_sparse_moe.experts.E.w2 (down)             -> ...mlp.experts.local_experts.E.linear_fc2.weight
+//   qwen2_moe, qwen3_moe: mlp.gate.weight, mlp.experts.E.{gate,up,down}_proj likewise; qwen2_moe's
+//              mlp.shared_expert.{gate,up,down}_proj -> mlp.shared_experts.linear_fc1/linear_fc2 and
+//              mlp.shared_expert_gate.weight [1, h] -> mlp.shared_experts.gate_weight.
+// Routing: Mixtral's softmax over all experts, top-k, renormalised, equals Megatron's default (top-k
+// of the logits, softmax over the chosen); Qwen's norm_topk_prob true is the same, false is
+// --moe-router-pre-softmax (softmax over all, top-k, no renormalisation). Dense layers among MoE
+// ones (Qwen's mlp_only_layers, and layer i is MoE only when (i + 1) % decoder_sparse_step == 0)
+// become the --moe-layer-freq pattern, with the dense MLP of intermediate_size. The HF aux loss
+// (router_aux_loss_coef) counts only with output_router_logits: then it is --moe-aux-loss-coeff.
 #pragma once
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "megatron/core/models/gpt/gpt_model.h"
 
@@ -29,10 +47,35 @@ struct HFModelInfo {
   TransformerConfig config;  // finalized
 };
 
-/// Reads a HuggingFace config.json (GPT-2, Llama, Mistral, Qwen2, Qwen3). Unknown model types and
-/// unsupported options (e.g. rope scaling, sliding windows) are refused with a clear message.
-/// make_vocab_size_divisible_by sets the padding of the vocabulary.
+/// Reads a HuggingFace config.json (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
+/// Qwen3-MoE). Unknown model types and unsupported options (e.g. rope scaling, sliding windows,
+/// router jitter) are refused with a clear message. make_vocab_size_divisible_by sets the padding
+/// of the vocabulary.
 HFModelInfo config_from_hf(const nlohmann::json& hf_config, int make_vocab_size_divisible_by = 128);
+
+/// The HF config.json of a model trained here (a checkpoint without an HF config): gpt2, llama,
+/// qwen3 (--qk-layernorm), mixtral (every layer MoE, no shared experts), qwen2_moe (a gated shared
+/// expert) or qwen3_moe (MoE with --qk-layernorm). One clear line when the architecture has no HF
+/// equivalent. config_from_hf of the result gives the same model.
+nlohmann::json hf_config_from_megatron(const TransformerConfig& config);
+
+/// A HuggingFace model folder as users download it: config.json and model.safetensors, or the
+/// shards listed in model.safetensors.index.json.
+class HFFolder {
+ public:
+  explicit HFFolder(const std::string& dir);
+  const std::string& dir() const { return dir_; }
+  const nlohmann::json& config() const { return config_; }
+  std::vector<std::string> tensor_names() const;
+  /// The tensor as fp32, or one line naming it when the folder has none.
+  Tensor get(const std::string& name) const;
+
+ private:
+  struct Shard;
+  std::string dir_;
+  nlohmann::json config_;
+  std::map<std::string, std::shared_ptr<const Shard>> by_tensor_;
+};
 
 /// HF tensors -> Megatron-Core tensors (fp32 host). get_hf(name) returns the HF tensor or throws.
 /// Shapes are checked against the config; a mismatch names the tensor and both shapes.

@@ -37,8 +37,12 @@ MoEConfig moe_config(const TransformerConfig& c) {
   MG_CHECK(c.moe_input_jitter_eps == 0.0f, "--moe-input-jitter-eps is not built yet: leave it out");
   MG_CHECK(c.moe_router_dtype == "fp32", "--moe-router-dtype {} is not built yet: the router computes in fp32",
            c.moe_router_dtype);
-  MG_CHECK(c.moe_shared_expert_intermediate_size == 0,
-           "--moe-shared-expert-intermediate-size is not built yet: the shared experts are missing");
+  m.shared_expert_intermediate_size = c.moe_shared_expert_intermediate_size;
+  m.shared_expert_gate = c.moe_shared_expert_gate;
+  m.shared_expert_overlap = c.moe_shared_expert_overlap;
+  MG_CHECK(!c.moe_shared_expert_overlap || c.moe_token_dispatcher_type == "alltoall" ||
+               c.moe_token_dispatcher_type == "flex",
+           "--moe-shared-expert-overlap works with --moe-token-dispatcher-type alltoall or flex (as in Megatron)");
   m.ffn_hidden_size = c.moe_ffn_hidden_size > 0 ? c.moe_ffn_hidden_size : c.ffn_hidden_size;
   m.dispatcher = c.moe_token_dispatcher_type;
   m.permute_fusion = c.moe_permute_fusion;
@@ -62,6 +66,12 @@ MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamA
   experts_ = std::make_unique<SequentialMLP>(config, dispatcher_->num_local_experts(),
                                              dispatcher_->first_local_expert(), moe.ffn_hidden_size, params,
                                              prefix + ".experts", pg);
+  if (moe.shared_expert_intermediate_size > 0) {
+    shared_experts_ = std::make_unique<SharedExpertMLP>(config, moe.shared_expert_intermediate_size,
+                                                        moe.shared_expert_gate, params, prefix + ".shared_experts", pg);
+  } else {
+    MG_CHECK(!moe.shared_expert_gate, "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size");
+  }
 }
 
 Tensor MoELayer::forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch,
@@ -71,7 +81,9 @@ Tensor MoELayer::forward(Context& ctx, const Tensor& x, int64_t seq_length, int6
   MoETokenDispatcher::Dispatched d = dispatcher_->dispatch(ctx, x, routed.probs, routed.routing_map, dispatch_saved);
   saved.dispatch = std::move(dispatch_saved);
   Tensor expert_out = experts_->forward(ctx, d.tokens, d.probs, d.tokens_per_expert, saved.experts);
-  return dispatcher_->combine(ctx, expert_out, *saved.dispatch);
+  Tensor y = dispatcher_->combine(ctx, expert_out, *saved.dispatch);
+  if (shared_experts_) ops::add(ctx, y, shared_experts_->forward(ctx, x, saved.shared), y);
+  return y;
 }
 
 Tensor MoELayer::backward(Context& ctx, const Tensor& grad_out, Saved& saved, float aux_loss_scale) const {
@@ -82,6 +94,7 @@ Tensor MoELayer::backward(Context& ctx, const Tensor& grad_out, Saved& saved, fl
   dispatcher_->dispatch_backward(ctx, grad_rows, grad_row_probs, *saved.dispatch, grad_x, grad_probs);
   const Tensor grad_x_router = router_->backward(ctx, grad_probs, saved.router, aux_loss_scale).to(grad_x.dtype());
   ops::add(ctx, grad_x, grad_x_router, grad_x);
+  if (shared_experts_) ops::add(ctx, grad_x, shared_experts_->backward(ctx, grad_out, saved.shared), grad_x);
   saved = Saved{};
   return grad_x;
 }

@@ -11,9 +11,12 @@
 // sequence shard [T/tp, h] and each rank routes its own tokens; the router's weight gradient is then
 // a partial sum over the tensor-parallel ranks (Parameter::tp_partial_grad).
 //
-// Half there: the shared experts (--moe-shared-expert-intermediate-size) and the grouped GEMM
-// (--moe-grouped-gemm) are not built; the layer runs on the CPU only (its routing and permutation
-// are host code).
+// With --moe-shared-expert-intermediate-size the shared experts (shared_experts.h) see every token
+// and their output is added: y = combine(...) + shared(x); their gradient joins grad_x.
+// --moe-shared-expert-overlap runs them one after the other here (the layer is CPU code).
+//
+// Half there: the grouped GEMM (--moe-grouped-gemm) is not built; the layer runs on the CPU only
+// (its routing and permutation are host code).
 #pragma once
 
 #include <memory>
@@ -23,6 +26,7 @@
 #include "megatron/core/process_groups_config.h"
 #include "megatron/core/transformer/moe/experts.h"
 #include "megatron/core/transformer/moe/router.h"
+#include "megatron/core/transformer/moe/shared_experts.h"
 #include "megatron/core/transformer/moe/token_dispatcher.h"
 
 namespace megatron::moe {
@@ -34,6 +38,9 @@ struct MoEConfig {
   std::string dispatcher = "allgather";
   bool permute_fusion = false;
   bool grouped_gemm = false;
+  int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0: none)
+  bool shared_expert_gate = false;              // --moe-shared-expert-gate
+  bool shared_expert_overlap = false;           // --moe-shared-expert-overlap (no overlap on the CPU)
 };
 
 /// The MoE settings of a finalized TransformerConfig (its moe_* fields), with one clear line for
@@ -49,6 +56,7 @@ class MoELayer {
     TopKRouter::Saved router;
     std::shared_ptr<MoETokenDispatcher::Saved> dispatch;  // shared: a layer's Saved is copyable
     SequentialMLP::Saved experts;
+    SharedExpertMLP::Saved shared;
     float aux_loss_scale = 1.0f;  // the losses' backward scale of this forward's step
   };
   /// x [T, h] (T = seq_length · micro_batch tokens, sequence-major; this rank's sequence shard
@@ -69,6 +77,7 @@ class MoELayer {
   std::unique_ptr<TopKRouter> router_;
   std::unique_ptr<MoETokenDispatcher> dispatcher_;
   std::unique_ptr<SequentialMLP> experts_;
+  std::unique_ptr<SharedExpertMLP> shared_experts_;  // null without shared experts
 };
 
 }  // namespace megatron::moe
