@@ -57,6 +57,23 @@ std::string format_validation_block(const std::string& prefix,
   return dashes + "\n" + s + "\n" + dashes;
 }
 
+namespace {
+struct MoeLayerCounts {
+  int dense = 0, moe = 0;
+  int64_t moe_ffn = 0;
+};
+MoeLayerCounts moe_layer_counts(const Arguments& a) {
+  MoeLayerCounts n;
+  if (a.num_experts == 0) {
+    n.dense = a.num_layers;
+    return n;
+  }
+  for (int x : moe_layer_pattern(a.moe_layer_freq, a.num_layers)) (x ? n.moe : n.dense) += 1;
+  n.moe_ffn = a.moe_ffn_hidden_size > 0 ? a.moe_ffn_hidden_size : a.ffn_hidden_size;
+  return n;
+}
+}  // namespace
+
 double num_floating_point_operations(const Arguments& a, int64_t padded_vocab_size, int64_t batch_size) {
   const double h = a.hidden_size, s = a.seq_length, L = a.num_layers;
   const double kv = a.kv_channels > 0 ? a.kv_channels : double(a.hidden_size) / a.num_attention_heads;
@@ -64,13 +81,20 @@ double num_floating_point_operations(const Arguments& a, int64_t padded_vocab_si
   const double q = kv * a.num_attention_heads, k = kv * groups, v = kv * groups;
   const double fb = 3, fma = 2, ffn_expansion = a.swiglu ? 3 : 2;
   const double attn = fb * fma * (h * (q + k + v) + q * s / 2 * 2 + q * h);
-  const double mlp = fb * fma * h * (double(a.ffn_hidden_size) * ffn_expansion) * L;
+  // MoE: the active experts' FLOPs (top-k routed experts and the shared ones per MoE layer), as
+  // Megatron counts them (the router's GEMM is not counted).
+  const MoeLayerCounts n = moe_layer_counts(a);
+  const double mlp = fb * fma * h *
+                     (double(a.ffn_hidden_size) * ffn_expansion * n.dense +
+                      double(n.moe_ffn) * a.moe_router_topk * ffn_expansion * n.moe +
+                      double(a.moe_shared_expert_intermediate_size) * ffn_expansion * n.moe);
   const double logit = fb * fma * h * double(padded_vocab_size);
   return double(batch_size) * s * (mlp + attn * L + logit);
 }
 
 TheoreticalMemory theoretical_memory(const Arguments& a, int64_t padded_vocab_size, int num_microbatches) {
-  // megatron/training/theoretical_memory_usage.py, dense models.
+  // megatron/training/theoretical_memory_usage.py (compute_weight_and_optimizer_memory,
+  // compute_activation_memory: the activation formula is Megatron's dense one for MoE too).
   const double h = a.hidden_size, L = a.num_layers, tp = a.tensor_model_parallel_size,
                pp = a.pipeline_model_parallel_size;
   const double kv = a.kv_channels > 0 ? a.kv_channels : h / a.num_attention_heads;
@@ -79,14 +103,33 @@ TheoreticalMemory theoretical_memory(const Arguments& a, int64_t padded_vocab_si
   const double glu = a.swiglu ? 1.5 : 1.0;
   const double norm_size = a.normalization == "RMSNorm" ? 1 : 2;
   const double self_attn = 2 * h * h * ((1 + groups / a.num_attention_heads) * q_ratio);
-  const double layer = 2 * h * (double(a.ffn_hidden_size) * glu + norm_size) + self_attn;
   const double embedding = h * double(padded_vocab_size);
-  const double block = layer * L + norm_size * h;
-  double most_loaded = (block / pp + embedding) / tp;
-  if (a.untie_embeddings_and_output_weights && a.pipeline_model_parallel_size == 1) most_loaded += embedding / tp;
-  const double bytes_per_param = a.use_distributed_optimizer ? 6 + 12.0 / a.data_parallel_size : 18;
+  // Megatron's split of the parameters by how each rank holds them: tensor-parallel shards,
+  // replicas (norms, routers, the shared experts' gate), and the routed experts, sharded over
+  // expert-TP × EP and their optimizer state over the expert-data-parallel ranks.
+  const MoeLayerCounts n = moe_layer_counts(a);
+  const double experts = a.num_experts > 0 ? a.num_experts : 1;
+  const double dense_mlp = 2 * h * double(a.ffn_hidden_size) * glu;
+  const double shared = 2 * h * double(a.moe_shared_expert_intermediate_size) * glu;
+  const double routed = 2 * h * double(n.moe_ffn) * experts * glu;
+  const double norms = 2 * h * norm_size;
+  const double router = a.num_experts > 0 ? h * experts + (a.disable_bias_linear ? 0 : experts) : 0;
+  const double shared_gate = a.moe_shared_expert_intermediate_size > 0 && a.moe_shared_expert_gate ? h : 0;
+  const double tp_sharded = (self_attn + dense_mlp) * n.dense + (self_attn + shared) * n.moe;
+  const double replicated = norms * n.dense + (norms + router + shared_gate) * n.moe + norm_size * h;
+  const double expert_sharded = routed * n.moe;
+  const double etp = a.expert_tensor_parallel_size > 0 ? a.expert_tensor_parallel_size : tp;
+  const double ep = a.expert_model_parallel_size;
+  double tp_most_loaded = (tp_sharded / pp + embedding) / tp;
+  if (a.untie_embeddings_and_output_weights && a.pipeline_model_parallel_size == 1) tp_most_loaded += embedding / tp;
+  const double replicated_most_loaded = replicated / pp;
+  const double expert_most_loaded = expert_sharded / pp / (etp * ep);
+  auto bytes_per_param = [&](double dp) { return a.use_distributed_optimizer ? 6 + 12.0 / dp : 18; };
+  const double edp = std::max(1.0, double(a.world_size) / (etp * ep * pp));
   TheoreticalMemory m;
-  m.weight_and_optimizer_mb = most_loaded * bytes_per_param / (1024.0 * 1024.0);
+  m.weight_and_optimizer_mb = ((tp_most_loaded + replicated_most_loaded) * bytes_per_param(a.data_parallel_size) +
+                               expert_most_loaded * bytes_per_param(edp)) /
+                              (1024.0 * 1024.0);
 
   const double sbh = double(a.seq_length) * a.micro_batch_size * h, sb = double(a.seq_length) * a.micro_batch_size;
   const bool interleaved = a.num_layers_per_virtual_pipeline_stage > 0;
