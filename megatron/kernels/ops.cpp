@@ -67,6 +67,43 @@ void check_attention_mask(const AttnMask& mask, const Device& device, int64_t b,
            cu.defined() ? cu.str() : std::string("an undefined tensor"));
 }
 
+void check_moe_routing(const MoeRoutingParams& p, const Tensor& logits, const Tensor& expert_bias) {
+  const int e = p.num_experts, k = p.topk;
+  MG_CHECK(e > 0 && k >= 1 && k <= e, "MoE routing: --moe-router-topk {} must be between 1 and --num-experts {}", k, e);
+  MG_CHECK(!p.pre_softmax || !p.sigmoid, "MoE routing: --moe-router-pre-softmax needs the softmax score function");
+  if (p.group_topk > 0) {
+    MG_CHECK(p.num_groups > 0 && p.num_groups <= 64 && e % p.num_groups == 0 && k % p.group_topk == 0 &&
+                 p.group_topk <= p.num_groups && int64_t(p.group_topk) * (e / p.num_groups) >= k,
+             "MoE routing: group-limited routing needs --moe-router-num-groups (at most 64) dividing --num-experts "
+             "({}), --moe-router-group-topk ({}) dividing --moe-router-topk ({}), at most the groups ({}), and "
+             "enough experts in the chosen groups",
+             e, p.group_topk, k, p.num_groups);
+  }
+  MG_CHECK(p.capacity_factor >= 0.0f, "MoE routing: --moe-expert-capacity-factor must be positive (got {})",
+           p.capacity_factor);
+  MG_CHECK(logits.defined() && logits.dim() == 2 && logits.size(1) == e && logits.dtype() == DType::Float32,
+           "MoE routing: logits must be fp32 [tokens, {}], got {}", e, logits.defined() ? logits.str() : "undefined");
+  MG_CHECK(p.seq_length > 0 && p.micro_batch > 0 && p.seq_length * p.micro_batch == logits.size(0),
+           "MoE routing: logits of {} tokens for a sequence of {} x micro-batch {}", logits.size(0), p.seq_length,
+           p.micro_batch);
+  MG_CHECK(!expert_bias.defined() || (expert_bias.dtype() == DType::Float32 && expert_bias.numel() == e &&
+                                      expert_bias.device() == logits.device()),
+           "MoE routing: the expert bias must be fp32 [{}] beside the logits, got {}", e,
+           expert_bias.defined() ? expert_bias.str() : "undefined");
+}
+
+std::vector<int64_t> moe_expert_row_starts(const std::vector<int64_t>& rows_per_expert, size_t experts, int64_t rows) {
+  MG_CHECK(rows_per_expert.size() == experts, "grouped GEMM: {} expert row counts for {} expert weights",
+           rows_per_expert.size(), experts);
+  std::vector<int64_t> starts(experts + 1, 0);
+  for (size_t e = 0; e < experts; ++e) {
+    MG_CHECK(rows_per_expert[e] >= 0, "grouped GEMM: expert {} has {} rows", e, rows_per_expert[e]);
+    starts[e + 1] = starts[e] + rows_per_expert[e];
+  }
+  MG_CHECK(starts.back() == rows, "grouped GEMM: the experts' row counts sum to {} for {} rows", starts.back(), rows);
+  return starts;
+}
+
 void throw_bad_table_id(const char* what, int64_t id, int64_t flat, int64_t s, int64_t rows) {
   throw Error(fmt::format("{} {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's "
                           "vocabulary size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",

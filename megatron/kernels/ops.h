@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "megatron/runtime/context.h"
 #include "megatron/runtime/tensor.h"
@@ -65,6 +66,40 @@ struct GradStats {
   int64_t num_zeros = 0;
 };
 
+/// The routing options of the mixture-of-experts ops (moe_routing_forward/backward): Megatron's
+/// TopKRouter.routing, as megatron::moe::RouterConfig holds them, plus the token layout.
+struct MoeRoutingParams {
+  int num_experts = 0;
+  int topk = 2;
+  bool sigmoid = false;       // --moe-router-score-function sigmoid (else softmax)
+  bool pre_softmax = false;   // --moe-router-pre-softmax
+  int num_groups = 0;         // --moe-router-num-groups (group-limited routing when group_topk > 0)
+  int group_topk = 0;         // --moe-router-group-topk
+  float topk_scaling_factor = 0.0f;  // 0: none
+  float aux_loss_coeff = 0.0f, seq_aux_loss_coeff = 0.0f, z_loss_coeff = 0.0f;
+  float capacity_factor = 0.0f;  // --moe-expert-capacity-factor (0: dropless)
+  bool drop_by_position = false; // --moe-token-drop-policy position (else probs)
+  bool pad_to_capacity = false;  // --moe-pad-expert-input-to-capacity
+  int64_t seq_length = 0, micro_batch = 0;  // T = seq_length · micro_batch, token t = s·micro_batch + b
+
+  constexpr bool aux_on() const { return aux_loss_coeff > 0 || seq_aux_loss_coeff > 0; }
+};
+
+/// The token permutation of a routing map (Note [Permuted order], moe_utils.h), built by
+/// moe_permutation on the op's device; N = Σ rows_per_expert permuted rows.
+struct MoePermutation {
+  Tensor sorted_indices;  // [N] int32: the token of each permuted row
+  Tensor row_expert;      // [N] int32: the expert of each permuted row
+  Tensor token_rows;      // [T, E] int32: the permuted row of (token, expert), -1 when it has none
+  std::vector<int64_t> rows_per_expert;  // [E], on the host
+  int64_t num_tokens = 0, num_experts = 0;
+  int64_t rows() const {
+    int64_t n = 0;
+    for (int64_t r : rows_per_expert) n += r;
+    return n;
+  }
+};
+
 }  // namespace megatron
 
 namespace megatron::ops {
@@ -82,6 +117,15 @@ bool has_cuda_kernels();
 /// reference and the CUDA ops: the kind against the query and key lengths (only CausalWithOffset
 /// takes sq != sk) and Documents' cu_seqlens (int32 [n + 1] or [b, n + 1] on `device`, n >= 1).
 void check_attention_mask(const AttnMask& mask, const Device& device, int64_t b, int64_t sq, int64_t sk);
+
+/// The checks of the routing ops' options and inputs, worded once for both backends: logits [T, E]
+/// fp32 with T = seq_length · micro_batch, expert_bias [E] fp32 or undefined, and the options as
+/// moe::RouterConfig::validate has them (group-limited routing: at most 64 groups).
+void check_moe_routing(const MoeRoutingParams& p, const Tensor& logits, const Tensor& expert_bias);
+
+/// The first row of each expert's block in a grouped GEMM's x ([E + 1], the last = rows), checked:
+/// one count per expert weight, none negative, summing to rows.
+std::vector<int64_t> moe_expert_row_starts(const std::vector<int64_t>& rows_per_expert, size_t experts, int64_t rows);
 
 #define MG_OP(ret, name, params, args) ret name params;
 #define MG_OP_AS(ret, name, label, params, args) ret name params;

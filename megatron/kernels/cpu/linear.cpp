@@ -93,3 +93,34 @@ void linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, cons
 }
 
 }  // namespace megatron::cpu
+
+namespace megatron::cpu {
+
+// The CPU reference of the grouped GEMM: one linear per expert over its rows.
+void moe_grouped_linear_forward(Context& ctx, const Tensor& x, const std::vector<Tensor>& weights,
+                                const std::vector<int64_t>& rows_per_expert, Tensor& y) {
+  const std::vector<int64_t> starts = ops::moe_expert_row_starts(rows_per_expert, weights.size(), x.size(0));
+  for (size_t e = 0; e < weights.size(); ++e) {
+    if (rows_per_expert[e] == 0) continue;
+    Tensor ye = y.slice(starts[e], starts[e + 1]);
+    linear_forward(ctx, x.slice(starts[e], starts[e + 1]), weights[e], Tensor(), ye);
+  }
+}
+
+void moe_grouped_linear_backward(Context& ctx, const Tensor& grad_out, const Tensor& x,
+                                 const std::vector<Tensor>& weights, const std::vector<int64_t>& rows_per_expert,
+                                 Tensor& grad_in, std::vector<Tensor>& weight_grads) {
+  const std::vector<int64_t> starts = ops::moe_expert_row_starts(rows_per_expert, weights.size(), x.size(0));
+  MG_ASSERT(weight_grads.empty() || weight_grads.size() == weights.size(), "{} weight gradients for {} experts",
+            weight_grads.size(), weights.size());
+  for (size_t e = 0; e < weights.size(); ++e) {
+    if (rows_per_expert[e] == 0) continue;
+    Tensor gi = grad_in.defined() ? grad_in.slice(starts[e], starts[e + 1]) : Tensor();
+    Tensor wg = weight_grads.empty() ? Tensor() : weight_grads[e];
+    Tensor none;
+    linear_backward(ctx, grad_out.slice(starts[e], starts[e + 1]), x.slice(starts[e], starts[e + 1]), weights[e], gi,
+                    wg, none);
+  }
+}
+
+}  // namespace megatron::cpu
