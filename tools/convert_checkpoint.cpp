@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
@@ -107,11 +108,31 @@ int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divis
   const nlohmann::json& hf_config = folder.config();
   HFModelInfo info = config_from_hf(hf_config, divisible_by);
   Progress progress("reading HF tensors", folder.tensor_names().size());
+  std::set<std::string> read;
   TensorMap state = hf_to_megatron(info, [&](const std::string& n) {
     Tensor t = folder.get(n);
+    read.insert(n);
     progress.tick(t.nbytes());
     return t;
   });
+  // Nothing is dropped silently: a tensor the model does not read is an error (another model, or a
+  // config that does not describe the weights), except the buffers older transformers versions
+  // saved (rotary inverse frequencies, GPT-2's causal masks), which are named and skipped.
+  std::vector<std::string> skipped;
+  for (const std::string& n : folder.tensor_names()) {
+    if (read.count(n)) continue;
+    const bool buffer = n.ends_with(".rotary_emb.inv_freq") || n.ends_with(".attn.bias") ||
+                        n.ends_with(".attn.masked_bias") || (n == "lm_head.weight" && info.config.share_embeddings_and_output_weights);
+    MG_CHECK(buffer,
+             "the HF checkpoint {} has tensor '{}' that a {} model of its config.json does not use: check the config "
+             "(e.g. the number of layers or experts) or the folder",
+             load.string(), n, info.model_type);
+    skipped.push_back(n);
+  }
+  if (!skipped.empty()) {
+    std::fprintf(stderr, "[convert] skipped %zu buffer tensor(s) the model recomputes (e.g. %s)\n", skipped.size(),
+                 skipped.front().c_str());
+  }
   GPTModel model(info.config);
   load_model_state_dict(model, state, load.string());
   Arguments args = arguments_for(info.config);

@@ -256,6 +256,26 @@ struct Trainer {
     f.skipped_iterations = interval_skipped;
     f.nan_iterations = interval_nan;
     print_line(format_iteration_line(f));
+    if (args.moe_per_layer_logging && aux_losses && aux_losses->tracks_tokens_per_expert()) {
+      // --moe-per-layer-logging: each MoE layer's tokens per expert over the interval (summed over
+      // the tensor, data and pipeline ranks: collective) and its aux losses of the last step.
+      for (const auto& [layer, counts] :
+           aux_losses->take_tokens_per_expert(ctx, {&ps.tensor(), &ps.data(), &ps.pipeline()})) {
+        std::string line = fmt::format(" > layer {} tokens per expert:", layer);
+        double total = 0, most = 0;
+        for (double c : counts) line += fmt::format(" {:.0f}", c), total += c, most = std::max(most, c);
+        line += fmt::format(" (max/mean {:.2f})", total > 0 ? most * double(counts.size()) / total : 0.0);
+        for (const auto& [name, layers] : aux_losses->last_per_layer()) {
+          if (auto it = layers.find(layer); it != layers.end()) line += fmt::format(" | {}: {:.6E}", name, it->second);
+        }
+        print_line(line);
+        if (tb) {
+          for (size_t e = 0; e < counts.size(); ++e)
+            tb->add_scalar(fmt::format("moe/tokens_per_expert_layer_{}_expert_{}", layer, e), counts[e],
+                           progress.iteration);
+        }
+      }
+    }
     if (!reported_memory) {
       print_line(format_theoretical_memory(
           theoretical_memory(args, config.padded_vocab_size, microbatches.num_microbatches())));
@@ -393,6 +413,11 @@ struct Trainer {
         for (const auto& [name, value] : last_aux) interval_aux[name] += value;
         if (tb) {
           for (const auto& [name, value] : last_aux) tb->add_scalar(name, value, progress.iteration);
+          if (args.moe_per_layer_logging) {  // Megatron's track_moe_metrics with per_layer_logging
+            for (const auto& [name, layers] : aux_losses->last_per_layer())
+              for (const auto& [layer, value] : layers)
+                tb->add_scalar(fmt::format("moe/{}_layer_{}", name, layer), value, progress.iteration);
+          }
         }
       } else {
         interval_skipped += 1;
@@ -466,6 +491,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   MG_CHECK(callbacks.model_provider, "pretrain needs a model provider");
   std::vector<std::unique_ptr<ModelChunk>> chunks;
   AuxLossTracker aux_losses;
+  if (args.moe_per_layer_logging && args.num_experts > 0) aux_losses.declare_tokens_per_expert(args.num_layers, args.num_experts);
   int64_t num_params = 0;
   for (int v = 0; v < ps.vpp_size(); ++v) {
     chunks.push_back(callbacks.model_provider(config, device, ps, v));

@@ -3,6 +3,8 @@
 // Qwen2-MoE, Qwen3-MoE, sharded both ways); a --qk-layernorm model trained here exports as Qwen3.
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/training/checkpointing.h"
@@ -240,6 +242,35 @@ TEST(Convert, MoECheckpointsExportAsTheirHFType) {
   }
 }
 
+// Every HF MoE fixture converts to a checkpoint pretrain_gpt resumes from (--use-checkpoint-args:
+// the model flags come from the checkpoint) and trains on, with the router's load-balancing loss on,
+// saving its own checkpoint. (The converted weights' exactness is the golden tests'.)
+TEST(Convert, ConvertedMoEFixturesResumeTraining) {
+  if (moe_model_fixtures().empty()) GTEST_SKIP() << "no MoE fixtures";
+  for (const std::string& model : moe_model_fixtures()) {
+    ScratchDir dir("convert_moe_resume_" + model);
+    const fs::path hf = fs::absolute(moe_fixtures_dir()) / model;
+    RunResult in = run({bin("convert_checkpoint"), "--from", "hf", "--load", hf.string(), "--save", "ckpt"}, dir.path);
+    ASSERT_EQ(in.exit_code, 0) << in.output;
+    const nlohmann::json config = nlohmann::json::parse(read_file(hf / "config.json"));
+    RunResult r = run({bin("pretrain_gpt"), "--use-checkpoint-args", "--load", "ckpt", "--save", "ckpt",
+                       "--micro-batch-size", "2", "--seq-length", "16", "--train-iters", "6", "--lr", "1e-3",
+                       "--mock-data", "--vocab-size", std::to_string(config.at("vocab_size").get<int>()),
+                       "--hidden-dropout", "0", "--attention-dropout", "0", "--moe-aux-loss-coeff", "1e-2",
+                       "--log-interval", "1", "--eval-iters", "0", "--device", "cpu"},
+                      dir.path);
+    ASSERT_EQ(r.exit_code, 0) << model << ": " << r.output;
+    EXPECT_NE(r.output.find("successfully loaded checkpoint from ckpt"), std::string::npos) << r.output;
+    const std::vector<std::string> lm = field_values(r.output, "lm loss"), lb = field_values(r.output, "load_balancing_loss");
+    ASSERT_EQ(lm.size(), 6u) << r.output;
+    ASSERT_EQ(lb.size(), 6u) << r.output;
+    for (const std::string& v : lm) EXPECT_TRUE(std::isfinite(std::stod(v))) << model << ": " << v;
+    EXPECT_EQ(read_file(dir.path / "ckpt/latest_checkpointed_iteration.txt"), "6");
+    std::printf("convert: %s resumes training from its converted checkpoint: lm loss %s -> %s, load_balancing_loss %s\n",
+                model.c_str(), lm.front().c_str(), lm.back().c_str(), lb.back().c_str());
+  }
+}
+
 // A folder missing one expert's tensor: the converter says which, in one line.
 TEST(Convert, MissingExpertTensorIsNamed) {
   if (moe_model_fixtures().empty()) GTEST_SKIP() << "no MoE fixtures";
@@ -256,6 +287,27 @@ TEST(Convert, MissingExpertTensorIsNamed) {
   RunResult r = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt"}, dir.path);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("has no tensor '" + dropped + "'"), std::string::npos) << r.output;
+}
+
+// The other way round: an HF folder holding a tensor its config does not describe (an expert
+// beyond num_local_experts) is refused with the tensor's name, not converted without it.
+TEST(Convert, TensorTheConfigDoesNotUseIsNamed) {
+  if (moe_model_fixtures().empty()) GTEST_SKIP() << "no MoE fixtures";
+  ScratchDir dir("convert_moe_extra");
+  const fs::path src_dir = fs::absolute(moe_fixtures_dir()) / "mixtral";
+  safetensors::File src((src_dir / "model.safetensors").string());
+  fs::create_directories(dir.path / "hf");
+  fs::copy_file(src_dir / "config.json", dir.path / "hf/config.json");
+  std::vector<std::pair<std::string, Tensor>> all;
+  for (const std::string& n : src.names()) all.emplace_back(n, src.read(n));
+  const std::string extra = "model.layers.1.block_sparse_moe.experts.99.w1.weight";
+  all.emplace_back(extra, src.read("model.layers.1.block_sparse_moe.experts.0.w1.weight"));
+  safetensors::write((dir.path / "hf/model.safetensors").string(), all, {{"format", "pt"}});
+  RunResult r = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt"}, dir.path);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("has tensor '" + extra + "' that a mixtral model of its config.json does not use"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST(Convert, MissingFilesAreClearErrors) {

@@ -18,6 +18,42 @@ TEST(Train, LossFallsOnRealText) {
   EXPECT_NE(r.output.find("Theoretical memory footprints: weight and optimizer="), std::string::npos);
 }
 
+// A small Mixtral-style model on real text: the loss falls, the load-balancing loss stays near its
+// balanced value of 1, and --moe-per-layer-logging prints each MoE layer's tokens per expert, which
+// stay balanced (no expert gets more than 3x the mean) with the aux loss on.
+TEST(Train, MixtralStyleMoELossFallsWithBalancedExperts) {
+  ScratchDir dir("moe_loss_falls");
+  std::vector<std::string> flags = tiny_gpt_flags(60);
+  for (const char* f : {"--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+                        "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-per-layer-logging",
+                        "--moe-token-dispatcher-type", "alltoall", "--swiglu", "--disable-bias-linear",
+                        "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                        "--untie-embeddings-and-output-weights", "--log-interval", "10", "--tensorboard-dir", "tb"}) {
+    flags.push_back(f);
+  }
+  RunResult r = run(concat({bin("pretrain_gpt")}, flags), dir.path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<std::string> losses = field_values(r.output, "lm loss"), lb = field_values(r.output, "load_balancing_loss");
+  ASSERT_EQ(losses.size(), 6u) << r.output;
+  ASSERT_EQ(lb.size(), 6u) << r.output;
+  EXPECT_LT(std::stod(losses.back()), std::stod(losses.front()) - 0.5) << losses.front() << " -> " << losses.back();
+  for (const std::string& v : lb) {
+    EXPECT_GT(std::stod(v), 0.99) << "the switch loss is at least 1 (its balanced value)";
+    EXPECT_LT(std::stod(v), 1.5) << "the aux loss keeps the experts balanced";
+  }
+  int lines = 0;
+  for (size_t at = r.output.find(" tokens per expert:"); at != std::string::npos;
+       at = r.output.find(" tokens per expert:", at + 1)) {
+    const size_t open = r.output.find("(max/mean ", at);
+    ASSERT_NE(open, std::string::npos) << r.output;
+    EXPECT_LT(std::stod(r.output.substr(open + 10)), 3.0) << r.output.substr(at, 120);
+    ++lines;
+  }
+  EXPECT_EQ(lines, 2 * 6) << "two MoE layers, six log lines";
+  std::printf("moe: lm loss %s -> %s, load_balancing_loss %s -> %s\n", losses.front().c_str(), losses.back().c_str(),
+              lb.front().c_str(), lb.back().c_str());
+}
+
 TEST(Train, ExitInterval) {
   ScratchDir dir("exit_interval");
   RunResult r =

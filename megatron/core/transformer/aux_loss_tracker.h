@@ -38,8 +38,21 @@ class AuxLossTracker {
   /// clears the values. One read of the device. Collective over pp and dp.
   std::vector<std::pair<std::string, double>> report(Context& ctx, Communicator* pp, Communicator* dp,
                                                      int num_microbatches);
-  /// Drops this step's values (evaluation steps do not report).
+  /// Drops this step's values and token counts (evaluation steps do not report).
   void clear();
+
+  /// The last report()'s per-layer values of each name (the layers that reported it; Megatron's
+  /// --moe-per-layer-logging), by name and layer.
+  const std::map<std::string, std::map<int, double>>& last_per_layer() const { return per_layer_; }
+
+  /// Tokens routed to each expert, per layer ([E] fp32 on the device; summed over the step's
+  /// microbatches), for --moe-per-layer-logging. take_tokens_per_expert sums them over `groups`
+  /// (tp × cp, data parallel, pipeline: collective on every rank, each declaring the same layers
+  /// through declare_tokens_per_expert), returns them per layer and restarts the counts.
+  void declare_tokens_per_expert(int num_layers, int num_experts);
+  void add_tokens_per_expert(Context& ctx, int layer, const Tensor& counts);
+  std::map<int, std::vector<double>> take_tokens_per_expert(Context& ctx, const std::vector<Communicator*>& groups);
+  bool tracks_tokens_per_expert() const { return token_layers_ > 0; }
 
   /// The gradient each aux loss gets in backward (set once per step, before the forward passes).
   void set_backward_scale(float scale) { backward_scale_ = scale; }
@@ -52,7 +65,13 @@ class AuxLossTracker {
     Communicator* reduce_group = nullptr;
     bool average_over_dp = true;
   };
+  void clear_losses();
+
   float backward_scale_ = 1.0f;
+  std::map<std::string, std::map<int, double>> per_layer_;
+  int token_layers_ = 0, token_experts_ = 0;
+  Tensor tokens_;                   // [layers, E] fp32
+  std::vector<bool> token_reported_;  // per layer
   std::map<std::string, Entry> entries_;
 };
 

@@ -45,6 +45,7 @@ TopKRouter::Output TopKRouter::forward(Context& ctx, const Tensor& x, int64_t se
   RoutingOutput r =
       routing_forward(routing_config(), logits, expert_bias_, seq_length, micro_batch, saved.routing, &counts);
   ops::add(ctx, tokens_per_expert_, r.tokens_per_expert, tokens_per_expert_);
+  if (tracker) tracker->add_tokens_per_expert(ctx, layer_number_, r.tokens_per_expert);  // --moe-per-layer-logging
   if (tracker) {  // Megatron's save_to_aux_losses_tracker: each loss over its coefficient
     auto report = [&](const char* name, double loss, float coeff) {
       if (coeff > 0) tracker->add(ctx, name, layer_number_, Tensor::from_floats({float(loss / coeff)}, {1}));
