@@ -146,7 +146,7 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
   std::string dir;
   nlohmann::json meta = read_checkpoint_metadata(load.string(), &dir);
   Arguments args;
-  apply_checkpoint_args(args, load.string());
+  apply_checkpoint_args(args, load.string(), /*with_recorded=*/true);
   args.no_load_rng = args.no_load_optim = true;
   MG_CHECK(args.vocab_size > 0, "checkpoint {} does not record its vocabulary size", dir);
   if (args.max_position_embeddings == 0) args.max_position_embeddings = args.seq_length;

@@ -229,7 +229,7 @@ std::string checkpoint_dir_name(int64_t iteration, bool release) {
 // field names; nlohmann::json orders them, so metadata.json does not depend on the table's order.
 namespace {
 
-enum class ModelArgCheckpoint { none, saved, identity };
+enum class ModelArgCheckpoint { none, recorded, saved, identity };
 
 // "--norm-epsilon" of "--norm-epsilon,--layernorm-epsilon".
 std::string first_name(const char* flag) {
@@ -275,7 +275,7 @@ nlohmann::json model_args_to_json(const Arguments& a) {
   return j;
 }
 
-void apply_checkpoint_args(Arguments& a, const std::string& load_dir) {
+void apply_checkpoint_args(Arguments& a, const std::string& load_dir, bool with_recorded) {
   auto latest = read_tracker(load_dir);
   MG_CHECK(latest.has_value(), "--use-checkpoint-args: no checkpoint in {} (no {})", load_dir, kTracker);
   const fs::path dir = fs::path(load_dir) / latest->first;
@@ -285,7 +285,9 @@ void apply_checkpoint_args(Arguments& a, const std::string& load_dir) {
     if (m.contains(key)) field = m.at(key).get<std::decay_t<decltype(field)>>();
   };
 #define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) \
-  if constexpr (ModelArgCheckpoint::checkpoint != ModelArgCheckpoint::none) set(#field, a.field);
+  if constexpr (ModelArgCheckpoint::checkpoint != ModelArgCheckpoint::none) {                       \
+    if (with_recorded || ModelArgCheckpoint::checkpoint != ModelArgCheckpoint::recorded) set(#field, a.field); \
+  }
 #include "megatron/training/model_arguments.inc"
 #undef MG_MODEL_ARG
   // The run's tokenizer wins; bf16/fp16 are the run's choice.

@@ -74,11 +74,13 @@ struct TrainingProgress {
 /// "iter_0000100" (or "release").
 std::string checkpoint_dir_name(int64_t iteration, bool release = false);
 
-/// The model arguments stored in a checkpoint (Megatron's --use-checkpoint-args set): the saved and
-/// identity rows of model_arguments.inc, vocab_size, tokenizer_type, bf16 and fp16.
+/// The model arguments stored in a checkpoint (Megatron's --use-checkpoint-args set): the recorded,
+/// saved and identity rows of model_arguments.inc, vocab_size, tokenizer_type, bf16 and fp16.
 nlohmann::json model_args_to_json(const Arguments& args);
 /// Overwrites the model arguments of `args` with those of the checkpoint under `load_dir`.
-void apply_checkpoint_args(Arguments& args, const std::string& load_dir);
+/// with_recorded: also the "recorded" rows (the run's training settings, e.g. the aux-loss
+/// coefficients), for tools that describe the checkpoint rather than continue its training.
+void apply_checkpoint_args(Arguments& args, const std::string& load_dir, bool with_recorded = false);
 
 class Checkpointer {
  public:

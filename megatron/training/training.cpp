@@ -323,13 +323,14 @@ struct Trainer {
     if (!iterator || args.eval_iters <= 0) return;
     LossSums total;
     ddp.finish_param_sync(ctx);
+    if (aux_losses) aux_losses->set_evaluating(true);  // evaluation reports the lm loss only
     for (int64_t k = 0; k < args.eval_iters; ++k) {
       LossSums s = forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step, iterator, fb_args(1.0f, true));
-      if (aux_losses) aux_losses->clear();  // evaluation reports the lm loss only
       total.loss_sum += s.loss_sum;
       total.num_tokens += s.num_tokens;
       if (!is_test) progress.consumed_valid_samples += microbatches.current_global_batch_size();
     }
+    if (aux_losses) aux_losses->set_evaluating(false);
     const double loss = total.num_tokens > 0 ? total.loss_sum / total.num_tokens : 0.0;
     print_line(format_validation_block(prefix, {{"lm loss", loss}}));
     if (tb) {

@@ -54,6 +54,11 @@ class AuxLossTracker {
   std::map<int, std::vector<double>> take_tokens_per_expert(Context& ctx, const std::vector<Communicator*>& groups);
   bool tracks_tokens_per_expert() const { return token_layers_ > 0; }
 
+  /// Forward passes of evaluation: the MoE layers report nothing (no losses, no token counts; the
+  /// expert biases count training tokens only, as Megatron's under torch.no_grad()).
+  void set_evaluating(bool evaluating) { evaluating_ = evaluating; }
+  bool evaluating() const { return evaluating_; }
+
   /// The gradient each aux loss gets in backward (set once per step, before the forward passes).
   void set_backward_scale(float scale) { backward_scale_ = scale; }
   float backward_scale() const { return backward_scale_; }
@@ -68,6 +73,7 @@ class AuxLossTracker {
   void clear_losses();
 
   float backward_scale_ = 1.0f;
+  bool evaluating_ = false;
   std::map<std::string, std::map<int, double>> per_layer_;
   int token_layers_ = 0, token_experts_ = 0;
   Tensor tokens_;                   // [layers, E] fp32

@@ -82,7 +82,8 @@ Tensor TransformerLayer::mlp_forward(Context& ctx, const Tensor& x, int64_t s, i
         auto& ms = fresh_saved<M>(saved);
         if constexpr (std::is_same_v<M, moe::MoELayer>) {
           ms.aux_loss_scale = aux_losses ? aux_losses->backward_scale() : 1.0f;
-          return m.forward(ctx, x, s, b, report ? aux_losses : nullptr, ms);
+          const bool reports = report && aux_losses && !aux_losses->evaluating();
+          return m.forward(ctx, x, s, b, reports ? aux_losses : nullptr, ms);
         } else {
           return m.forward(ctx, x, ms);
         }

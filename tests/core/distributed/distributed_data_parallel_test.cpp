@@ -484,7 +484,7 @@ TEST(DistributedOptimizer, TensorParallelDuplicatesAreCountedOnce) {
 }
 
 // Note [Buffers per reduction group]: dense parameters reduce over data × context parallel, expert
-// parameters over expert-data parallel, each in a buffer of its own made from the model's
+// parameters over expert-data parallel (both scaled by 1 / (dp × cp)), each in a buffer of its own made from the model's
 // parameters (whose values move into it), sharded over its own group by the distributed optimizer.
 TEST(DistributedDataParallel, ExpertParametersReduceOverTheExpertDataGroup) {
   ParallelConfig ep2;
@@ -524,7 +524,10 @@ TEST(DistributedDataParallel, ExpertParametersReduceOverTheExpertDataGroup) {
       ASSERT_EQ(edp.size(), 2u);
       for (int i = 0; i < 30; ++i)
         want_d[size_t(i)] = (value(0, i) + value(1, i) + value(2, i) + value(3, i)) / 4;
-      for (int i = 0; i < 21; ++i) want_e[size_t(i)] = (value(edp[0], i) + value(edp[1], i)) / 2;
+      // Summed over expert-data, scaled by 1 / (dp × cp) = 1/4 like the dense ones (Megatron's
+      // expert_gradient_scaling_factor): each expert's gradient already holds the tokens the
+      // dispatcher brought from the other data-parallel ranks of its expert group.
+      for (int i = 0; i < 21; ++i) want_e[size_t(i)] = (value(edp[0], i) + value(edp[1], i)) / 4;
       const ParamShard own_d = ddp.owned_shard(dense->name), own_e = ddp.owned_shard(expert->name);
       expect_near(slice(dense->main_grad.to_floats(), own_d), slice(want_d, own_d), 1e-6, dense->name);
       expect_near(slice(expert->main_grad.to_floats(), own_e), slice(want_e, own_e), 1e-6, expert->name);
