@@ -30,6 +30,7 @@ struct Preset {
   int groups = 0, ffn = 0;
   int vocab = 0;  // 0: --vocab
   float rotary_base = 10000.0f;
+  int experts = 0, topk = 0, moe_ffn = 0;  // MoE in every layer (0: dense)
 };
 const std::map<std::string, Preset> kPresets = {
     {"gpt2-124M", {12, 768, 12, 1024, 32}},
@@ -41,6 +42,12 @@ const std::map<std::string, Preset> kPresets = {
     {"llama-1B", {16, 2048, 32, 4096, 2, true, 8, 8192, 128256, 500000.0f}},
     {"tiny", {2, 128, 4, 128, 4}},
     {"llama-tiny", {2, 128, 4, 128, 4, true, 2, 256, 0, 500000.0f}},
+    // Mixtral-style MoE in every layer, as ../shared/bench/pytorch_moe_reference.py's presets: dropless
+    // softmax top-k routing, no aux loss, SwiGLU experts.
+    {"mixtral-small", {16, 2048, 16, 4096, 2, true, 8, 4096, 32000, 10000.0f, 8, 2, 4096}},
+    // Fine-grained experts (DeepSeek/Qwen3-MoE-like): 64 experts of 1024, top-6.
+    {"moe-fine-64x6", {8, 2048, 32, 4096, 1, true, 4, 1024, 32000, 10000.0f, 64, 6, 1024}},
+    {"moe-tiny", {2, 256, 4, 256, 2, true, 2, 512, 1024, 10000.0f, 4, 2, 512}},
 };
 }  // namespace
 
@@ -48,7 +55,7 @@ int main(int argc, char** argv) {
   try {
     std::string preset = "tiny", device = "auto", dtype = "bf16";
     int steps = 10, warmup = 3, vocab = 50257, mbs = 0;
-    bool profile = false, cuda_graph = false, deterministic = false;
+    bool profile = false, cuda_graph = false, deterministic = false, grouped_gemm = false;
     CLI::App app("GPT training-step throughput");
     app.add_option("--preset", preset, "Model shape")->capture_default_str();
     app.add_option("--steps", steps, "Timed steps")->capture_default_str();
@@ -63,6 +70,7 @@ int main(int argc, char** argv) {
     app.add_flag("--cuda-graph", cuda_graph,
                  "Forward and backward as one CUDA graph, captured after the warmup steps (the optimizer eager)");
     app.add_flag("--deterministic", deterministic, "Deterministic algorithms (Megatron's --deterministic-mode)");
+    app.add_flag("--moe-grouped-gemm", grouped_gemm, "MoE presets: the experts' GEMMs grouped (--moe-grouped-gemm)");
     CLI11_PARSE(app, argc, argv);
     MG_CHECK(!(cuda_graph && profile), "--profile times ops one by one: drop --cuda-graph");
     MG_CHECK(!cuda_graph || warmup >= 1, "--cuda-graph needs --warmup >= 1 (the eager steps build the plans)");
@@ -96,6 +104,12 @@ int main(int argc, char** argv) {
       a.rotary_base = p.rotary_base;
       a.disable_bias_linear = true;
       a.untie_embeddings_and_output_weights = true;
+    }
+    if (p.experts > 0) {
+      a.num_experts = p.experts;
+      a.moe_router_topk = p.topk;
+      a.moe_ffn_hidden_size = p.moe_ffn;
+      a.moe_grouped_gemm = grouped_gemm;
     }
     validate_args(a);
     Context ctx(select_device(device), 1234);
@@ -221,11 +235,12 @@ int main(int argc, char** argv) {
                     "\"device\": \"{}\", \"dtype\": \"{}\", \"seq\": {}, \"mbs\": {}, \"vocab\": {}, \"params\": {}, "
                     "\"tokens_per_s\": {:.1f}, "
                     "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
-                    "\"cuda_graph\": {}, \"deterministic\": {}, \"graph_mem_gb\": {:.3f}, \"loss\": {:.6f}}}",
+                    "\"cuda_graph\": {}, \"deterministic\": {}, \"graph_mem_gb\": {:.3f}, \"loss\": {:.6f}, "
+                    "\"experts\": {}, \"topk\": {}, \"grouped_gemm\": {}}}",
                     preset, ctx.device().str(), dtype, p.seq, p.mbs, config.padded_vocab_size, model.params().numel(),
                     tokens_per_step / median, flops / median / 1e12, flops / median / 989e12, median * 1e3,
                     double(m.peak_allocated) / 1e9, cuda_graph, deterministic, double(CudaGraph::memory_bytes(ctx.device())) / 1e9,
-                    loss)
+                    loss, p.experts, p.topk, grouped_gemm)
             .c_str());
     return 0;
   } catch (const std::exception& e) {

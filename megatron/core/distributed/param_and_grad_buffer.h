@@ -100,6 +100,8 @@ class ParamAndGradBuffer {
   void zero_grad();
 
   const std::vector<Parameter*>& parameters() const { return params_; }
+  /// The device the parameters live on.
+  Device device() const { return device_; }
   /// The parameter of that name, or nullptr.
   Parameter* find(const std::string& name) const;
   const Tensor& param_buffer() const { return param_buffer_; }

@@ -324,6 +324,10 @@ std::vector<Layout> moe_grid() {
   out.push_back({"ep2_pp2_vpp_alltoall", 4,
                  with(ep2, {"--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                             "--moe-token-dispatcher-type", "alltoall"})});
+  // --moe-grouped-gemm: the same parameters through the grouped GEMM give the sequential experts' run.
+  out.push_back({"grouped_gemm", 1, {"--moe-grouped-gemm", "--moe-permute-fusion"}});
+  out.push_back({"ep2_grouped_gemm_alltoall", 2, with(ep2, {"--moe-grouped-gemm", "--moe-token-dispatcher-type",
+                                                             "alltoall"})});
   out.push_back({"ep2_dp4_distopt_overlap", 4,
                  with(ep2, {"--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
                             "--moe-token-dispatcher-type", "alltoall"})});

@@ -6,55 +6,38 @@
 
 namespace megatron::moe {
 
-namespace {
-// out[n, :] = p[n] · x[n, :] in fp32, rounded to x's dtype (Megatron multiplies the bf16
-// activation by the fp32 probabilities and casts back).
-Tensor scale_rows(const Tensor& x, const Tensor& p) {
-  const int64_t n = x.size(0), f = x.size(1);
-  std::vector<float> v = x.to_floats();
-  const std::vector<float> pv = p.to_floats();
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t c = 0; c < f; ++c) v[size_t(r * f + c)] *= pv[size_t(r)];
-  return Tensor::from_floats(v, {n, f}, x.dtype());
-}
-// Σ_c a[n, c] · b[n, c] per row, fp32.
-std::vector<float> row_dots(const Tensor& a, const Tensor& b) {
-  const int64_t n = a.size(0), f = a.size(1);
-  const std::vector<float> av = a.to_floats(), bv = b.to_floats();
-  std::vector<float> out(size_t(n), 0.0f);
-  for (int64_t r = 0; r < n; ++r) {
-    double s = 0;
-    for (int64_t c = 0; c < f; ++c) s += double(av[size_t(r * f + c)]) * bv[size_t(r * f + c)];
-    out[size_t(r)] = float(s);
-  }
-  return out;
-}
-}  // namespace
-
 SequentialMLP::SequentialMLP(const TransformerConfig& config, int num_local_experts, int first_expert,
                              int64_t ffn_hidden_size, ParamAndGradBuffer& params, const std::string& prefix,
-                             const ProcessGroupCollection& pg)
-    : swiglu_(config.gated_linear_unit) {
+                             const ProcessGroupCollection& pg, bool grouped)
+    : swiglu_(config.gated_linear_unit), grouped_(grouped) {
   Communicator* etp = multi_rank(pg.expt_tp);
   MG_CHECK(ffn_hidden_size % group_size(etp) == 0,
            "--moe-ffn-hidden-size ({}) must be divisible by --expert-tensor-parallel-size ({})", ffn_hidden_size,
            group_size(etp));
+  MG_CHECK(!(grouped && config.add_bias_linear),
+           "--moe-grouped-gemm runs the experts without biases (as Megatron's GroupedMLP): add --disable-bias-linear "
+           "or leave --moe-grouped-gemm out");
   ffn_ = ffn_hidden_size / group_size(etp);
   const int glu = swiglu_ ? 2 : 1;
   const size_t first_param = params.parameters().size();
   for (int e = 0; e < num_local_experts; ++e) {
     const std::string name = fmt::format("{}.local_experts.{}", prefix, first_expert + e);
-    fc1_.push_back(std::make_unique<Linear>(params, name + ".linear_fc1", config.hidden_size, glu * ffn_hidden_size,
-                                            config.add_bias_linear, ParamInit::Normal, ParallelMode::ExpertColumn, etp,
-                                            false, glu));
-    fc2_.push_back(std::make_unique<Linear>(params, name + ".linear_fc2", ffn_hidden_size, config.hidden_size, false,
-                                            ParamInit::ScaledNormal, ParallelMode::ExpertRow, etp, false));
+    layers_.push_back(std::make_unique<Linear>(params, name + ".linear_fc1", config.hidden_size, glu * ffn_hidden_size,
+                                               config.add_bias_linear, ParamInit::Normal, ParallelMode::ExpertColumn,
+                                               etp, false, glu));
+    layers_.push_back(std::make_unique<Linear>(params, name + ".linear_fc2", ffn_hidden_size, config.hidden_size,
+                                               false, ParamInit::ScaledNormal, ParallelMode::ExpertRow, etp, false));
+    fc1_.push_back(params.find(name + ".linear_fc1.weight"));
+    fc1_bias_.push_back(config.add_bias_linear ? params.find(name + ".linear_fc1.bias") : nullptr);
+    fc2_.push_back(params.find(name + ".linear_fc2.weight"));
     Parameter* bias = nullptr;
     if (config.add_bias_linear) {
       MG_CHECK(!etp, "expert biases need --expert-tensor-parallel-size 1 (as in Megatron)");
       bias = params.add(name + ".linear_fc2.bias", {config.hidden_size}, /*no_weight_decay=*/true, ParamInit::Zeros);
     }
     fc2_bias_.push_back(bias);
+    MG_ASSERT(fc1_.back() && fc2_.back() && (!config.add_bias_linear || fc1_bias_.back()),
+              "the experts' linear layers of {} are not registered under their names", name);
   }
   // Each expert's gradient sums the tokens of every data-parallel rank that routed to it; it
   // reduces over the ranks holding the same experts (Note [Buffers per reduction group]).
@@ -63,90 +46,134 @@ SequentialMLP::SequentialMLP(const TransformerConfig& config, int num_local_expe
   }
 }
 
+void SequentialMLP::linear_forward(Context& ctx, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
+                                   const Tensor& x, const std::vector<int64_t>& rows, Tensor& y) const {
+  if (grouped_) {
+    std::vector<Tensor> weights;
+    for (const Parameter* p : w) weights.push_back(p->data);
+    ops::moe_grouped_linear_forward(ctx, x, weights, rows, y);
+    return;
+  }
+  int64_t row = 0;
+  for (size_t e = 0; e < w.size(); ++e) {
+    const int64_t n = rows[e];
+    if (n == 0) continue;
+    Tensor ye = y.slice(row, row + n);
+    ops::linear_forward(ctx, x.slice(row, row + n), w[e]->data, b[e] ? b[e]->data : Tensor(), ye);
+    row += n;
+  }
+}
+
+void SequentialMLP::linear_backward(Context& ctx, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
+                                    const Tensor& grad_out, const Tensor& x, const std::vector<int64_t>& rows,
+                                    Tensor& grad_in) const {
+  if (grouped_) {
+    std::vector<Tensor> weights, grads;
+    for (Parameter* p : w) {
+      weights.push_back(p->data);
+      grads.push_back(p->main_grad);
+    }
+    ops::moe_grouped_linear_backward(ctx, grad_out, x, weights, rows, grad_in, grads);
+  } else {
+    int64_t row = 0;
+    for (size_t e = 0; e < w.size(); ++e) {
+      const int64_t n = rows[e];
+      if (n == 0) continue;
+      Tensor gi = grad_in.defined() ? grad_in.slice(row, row + n) : Tensor(), none;
+      ops::linear_backward(ctx, grad_out.slice(row, row + n), x.slice(row, row + n), w[e]->data, gi, w[e]->main_grad,
+                           b[e] ? b[e]->main_grad : none);
+      row += n;
+    }
+  }
+  for (size_t e = 0; e < w.size(); ++e) {
+    notify_grad_accumulated(ctx, w[e]);
+    notify_grad_accumulated(ctx, b[e]);
+  }
+}
+
 Tensor SequentialMLP::forward(Context& ctx, const Tensor& x, const Tensor& probs,
                               const std::vector<int64_t>& tokens_per_expert, Saved& saved) const {
   MG_CHECK(tokens_per_expert.size() == fc1_.size(), "{} expert row counts for {} local experts",
            tokens_per_expert.size(), fc1_.size());
+  int64_t total = 0;
+  for (int64_t n : tokens_per_expert) total += n;
   const int64_t n_rows = x.size(0), h = x.size(1);
+  MG_CHECK(total == n_rows, "the experts' row counts sum to {} for {} dispatched rows", total, n_rows);
   saved.x = x;
   saved.probs = probs;
   saved.tokens_per_expert = tokens_per_expert;
   saved.fc1 = Tensor::empty({n_rows, (swiglu_ ? 2 : 1) * ffn_}, x.dtype(), ctx.device());
+  linear_forward(ctx, fc1_, fc1_bias_, x, tokens_per_expert, saved.fc1);
+  Tensor act = Tensor::empty({n_rows, ffn_}, x.dtype(), ctx.device());
+  if (swiglu_) {
+    ops::swiglu_forward(ctx, saved.fc1, act);
+  } else {
+    ops::gelu_forward(ctx, saved.fc1, act);
+  }
   saved.scaled = Tensor::empty({n_rows, ffn_}, x.dtype(), ctx.device());
+  ops::moe_scale_rows_forward(ctx, act, probs, saved.scaled);
+  act = Tensor();
   Tensor out = Tensor::empty({n_rows, h}, x.dtype(), ctx.device());
+  const std::vector<Parameter*> no_bias(fc2_.size(), nullptr);
+  linear_forward(ctx, fc2_, no_bias, saved.scaled, tokens_per_expert, out);
   int64_t row = 0;
-  for (size_t e = 0; e < fc1_.size(); ++e) {
+  for (size_t e = 0; e < fc2_bias_.size(); ++e) {  // + p · b2: the rank-1 product p_e b2ᵀ added
     const int64_t n = tokens_per_expert[e];
-    if (n == 0) continue;
-    const Tensor xe = x.slice(row, row + n), pe = probs.slice(row, row + n);
-    Tensor fc1 = saved.fc1.slice(row, row + n);
-    fc1.copy_from(fc1_[e]->forward(ctx, xe));
-    Tensor act = Tensor::empty({n, ffn_}, x.dtype(), ctx.device());
-    if (swiglu_) {
-      ops::swiglu_forward(ctx, fc1, act);
-    } else {
-      ops::gelu_forward(ctx, fc1, act);
-    }
-    Tensor scaled = saved.scaled.slice(row, row + n);
-    scaled.copy_from(scale_rows(act, pe));
-    Tensor y = fc2_[e]->forward(ctx, scaled);
-    if (fc2_bias_[e]) {  // + p · b2
-      Tensor b = Tensor::empty({n, h}, x.dtype(), ctx.device());
-      ops::linear_forward(ctx, pe.view({n, 1}).to(x.dtype()), fc2_bias_[e]->data.view({h, 1}), Tensor(), b);
+    if (fc2_bias_[e] && n > 0) {
+      Tensor y = out.slice(row, row + n), b = Tensor::empty({n, h}, x.dtype(), ctx.device());
+      ops::linear_forward(ctx, probs.slice(row, row + n).view({n, 1}).to(x.dtype()),
+                          fc2_bias_[e]->data.view({h, 1}), Tensor(), b);
       ops::add(ctx, y, b, y);
     }
-    out.slice(row, row + n).copy_from(y);
     row += n;
   }
-  MG_CHECK(row == n_rows, "the experts' row counts sum to {} for {} dispatched rows", row, n_rows);
   return out;
 }
 
 Tensor SequentialMLP::backward(Context& ctx, const Tensor& grad_out, Saved& saved, Tensor& grad_probs) const {
   const int64_t n_rows = grad_out.size(0), h = grad_out.size(1);
-  Tensor grad_x = Tensor::empty({n_rows, h}, grad_out.dtype(), ctx.device());
-  std::vector<float> gp(size_t(n_rows), 0.0f);
+  const std::vector<int64_t>& rows = saved.tokens_per_expert;
+  // y = W2 · s + p · b2 with s = p · act(fc1)
+  Tensor grad_scaled = Tensor::empty({n_rows, ffn_}, grad_out.dtype(), ctx.device());
+  const std::vector<Parameter*> no_bias(fc2_.size(), nullptr);
+  linear_backward(ctx, fc2_, no_bias, grad_out, saved.scaled, rows, grad_scaled);
+  saved.scaled = Tensor();
+  Tensor act = Tensor::empty({n_rows, ffn_}, saved.fc1.dtype(), ctx.device());  // recomputed, not kept
+  if (swiglu_) {
+    ops::swiglu_forward(ctx, saved.fc1, act);
+  } else {
+    ops::gelu_forward(ctx, saved.fc1, act);
+  }
+  Tensor grad_act = Tensor::empty(act.shape(), act.dtype(), ctx.device());
+  grad_probs = Tensor::empty({n_rows}, DType::Float32, ctx.device());
+  ops::moe_scale_rows_backward(ctx, grad_scaled, act, saved.probs, grad_act, grad_probs);
+  act = Tensor();
+  grad_scaled = Tensor();
   int64_t row = 0;
-  for (size_t e = 0; e < fc1_.size(); ++e) {
-    const int64_t n = saved.tokens_per_expert[e];
-    if (n == 0) continue;
-    const Tensor g = grad_out.slice(row, row + n), pe = saved.probs.slice(row, row + n);
-    const Tensor fc1 = saved.fc1.slice(row, row + n);
-    // y = W2 · s + p · b2, s = p · act
-    const Tensor grad_scaled = fc2_[e]->backward(ctx, g, saved.scaled.slice(row, row + n));
-    Tensor act = Tensor::empty({n, ffn_}, fc1.dtype(), ctx.device());
-    if (swiglu_) {
-      ops::swiglu_forward(ctx, fc1, act);
-    } else {
-      ops::gelu_forward(ctx, fc1, act);
-    }
-    std::vector<float> dp = row_dots(grad_scaled, act);
-    if (Parameter* b2 = fc2_bias_[e]) {  // dp += <dy, b2>; db2 += Σ_n p[n] · dy[n]
-      const std::vector<float> gv = g.to_floats(), bv = b2->data.to_floats(), pv = pe.to_floats();
-      std::vector<float> db(size_t(h), 0.0f);
-      for (int64_t r = 0; r < n; ++r) {
-        double s = 0;
-        for (int64_t c = 0; c < h; ++c) {
-          s += double(gv[size_t(r * h + c)]) * bv[size_t(c)];
-          db[size_t(c)] += pv[size_t(r)] * gv[size_t(r * h + c)];
-        }
-        dp[size_t(r)] += float(s);
-      }
-      ops::add(ctx, b2->main_grad, Tensor::from_floats(db, {h}), b2->main_grad);
+  for (size_t e = 0; e < fc2_bias_.size(); ++e) {  // dp += <dy, b2>; db2 += Σ_n p[n] · dy[n]
+    const int64_t n = rows[e];
+    if (Parameter* b2 = fc2_bias_[e]; b2 && n > 0) {
+      const Tensor g = grad_out.slice(row, row + n);
+      Tensor dots = Tensor::empty({n, 1}, DType::Float32, ctx.device()), none;
+      ops::linear_forward(ctx, g.to(DType::Float32), b2->data.to(DType::Float32).view({1, h}), Tensor(), dots);
+      Tensor gp = grad_probs.slice(row, row + n);
+      ops::add(ctx, gp, dots.view({n}), gp);
+      Tensor db = b2->main_grad.view({h, 1});
+      ops::linear_backward(ctx, g, saved.probs.slice(row, row + n).view({n, 1}).to(g.dtype()),
+                           b2->data.view({h, 1}), none, db, none);
       notify_grad_accumulated(ctx, b2);
     }
-    std::copy(dp.begin(), dp.end(), gp.begin() + row);
-    const Tensor grad_act = scale_rows(grad_scaled, pe);
-    Tensor grad_fc1 = Tensor::empty(fc1.shape(), fc1.dtype(), ctx.device());
-    if (swiglu_) {
-      ops::swiglu_backward(ctx, grad_act, fc1, grad_fc1);
-    } else {
-      ops::gelu_backward(ctx, grad_act, fc1, grad_fc1);
-    }
-    grad_x.slice(row, row + n).copy_from(fc1_[e]->backward(ctx, grad_fc1, saved.x.slice(row, row + n)));
     row += n;
   }
-  grad_probs = Tensor::from_floats(gp, {n_rows});
+  Tensor grad_fc1 = Tensor::empty(saved.fc1.shape(), saved.fc1.dtype(), ctx.device());
+  if (swiglu_) {
+    ops::swiglu_backward(ctx, grad_act, saved.fc1, grad_fc1);
+  } else {
+    ops::gelu_backward(ctx, grad_act, saved.fc1, grad_fc1);
+  }
+  grad_act = Tensor();
+  Tensor grad_x = Tensor::empty({n_rows, h}, grad_out.dtype(), ctx.device());
+  linear_backward(ctx, fc1_, fc1_bias_, grad_fc1, saved.x, rows, grad_x);
   saved = Saved{};
   return grad_x;
 }

@@ -7,8 +7,13 @@
 // of each row's probability,
 //   dp[n] = <W2ᵀ dy[n], act[n]> + <dy[n], b2>.
 //
-// SequentialMLP (Megatron's SequentialMLP) runs the experts one after another; with
-// --moe-grouped-gemm the same weights run through one grouped GEMM per linear layer on the GPU.
+// SequentialMLP (Megatron's SequentialMLP) runs each linear layer's GEMMs expert after expert; with
+// --moe-grouped-gemm (grouped = true, Megatron's GroupedMLP / TEGroupedMLP) each linear layer is one
+// ops::moe_grouped_linear_forward/backward over every local expert's rows. The same parameters
+// either way, so a checkpoint of one loads into the other. The activation and the scaling by the
+// probabilities run once over all rows (ops::swiglu_* / gelu_*, ops::moe_scale_rows_*), on the
+// context's device. The grouped GEMM has no bias (as Megatron's GroupedMLP): with --add-bias-linear
+// the experts refuse --moe-grouped-gemm.
 // The weights are "<prefix>.local_experts.<g>.linear_fc1.weight" / "...linear_fc2.weight" (and
 // biases) with g the GLOBAL expert index (ep_rank · local experts + local index), so checkpoints
 // name each expert once whatever the expert-parallel layout. Under expert tensor parallelism fc1
@@ -30,7 +35,8 @@ class SequentialMLP {
  public:
   /// Experts [first_expert, first_expert + num_local_experts) of width ffn_hidden_size, split over pg.expt_tp.
   SequentialMLP(const TransformerConfig& config, int num_local_experts, int first_expert, int64_t ffn_hidden_size,
-                ParamAndGradBuffer& params, const std::string& prefix, const ProcessGroupCollection& pg = {});
+                ParamAndGradBuffer& params, const std::string& prefix, const ProcessGroupCollection& pg = {},
+                bool grouped = false);
 
   struct Saved {
     Tensor x;        // [N, h] the dispatched rows
@@ -47,11 +53,20 @@ class SequentialMLP {
   Tensor backward(Context& ctx, const Tensor& grad_out, Saved& saved, Tensor& grad_probs) const;
 
   int num_local_experts() const { return int(fc1_.size()); }
+  bool grouped() const { return grouped_; }
 
  private:
-  bool swiglu_;
+  // y [N, out] = rows of expert e times W_e^T (+ b_e), each expert's rows in order.
+  void linear_forward(Context& ctx, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
+                      const Tensor& x, const std::vector<int64_t>& rows, Tensor& y) const;
+  // grad_in (undefined: skipped) and the weight (and bias) gradients of linear_forward.
+  void linear_backward(Context& ctx, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
+                       const Tensor& grad_out, const Tensor& x, const std::vector<int64_t>& rows, Tensor& grad_in) const;
+
+  bool swiglu_, grouped_;
   int64_t ffn_;  // local intermediate features (ffn / etp)
-  std::vector<std::unique_ptr<Linear>> fc1_, fc2_;
+  std::vector<std::unique_ptr<Linear>> layers_;  // the registration (names, shards) of fc1 and fc2
+  std::vector<Parameter*> fc1_, fc1_bias_, fc2_;  // per local expert (biases null without them)
   std::vector<Parameter*> fc2_bias_;  // applied with the probabilities (null without biases)
 };
 

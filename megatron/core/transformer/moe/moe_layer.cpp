@@ -55,17 +55,19 @@ MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamA
                    const std::string& prefix, int layer_number, const ProcessGroupCollection& pg)
     : moe_(moe) {
   moe_.router.validate();
-  MG_CHECK(!moe.grouped_gemm, "--moe-grouped-gemm is not built yet: leave it off (the experts run one by one)");
+  MG_CHECK(!(params.device().is_cuda() && moe_.router.capacity_factor.has_value()),
+           "--moe-expert-capacity-factor (token dropping) runs on the CPU only in this build: leave it out of a GPU "
+           "run (dropless routing)");
   router_ = std::make_unique<TopKRouter>(moe_.router, config.hidden_size, params, prefix + ".router", layer_number,
                                          config.num_layers, pg);
   DispatcherConfig d;
   d.type = moe.dispatcher;
   d.num_experts = moe_.router.num_experts;
-  d.permute_fusion = moe.permute_fusion;
+  d.permute_fusion = moe.permute_fusion;  // Note [--moe-permute-fusion] in token_dispatcher.h
   dispatcher_ = make_token_dispatcher(d, pg);
   experts_ = std::make_unique<SequentialMLP>(config, dispatcher_->num_local_experts(),
                                              dispatcher_->first_local_expert(), moe.ffn_hidden_size, params,
-                                             prefix + ".experts", pg);
+                                             prefix + ".experts", pg, moe.grouped_gemm);
   if (moe.shared_expert_intermediate_size > 0) {
     shared_experts_ = std::make_unique<SharedExpertMLP>(config, moe.shared_expert_intermediate_size,
                                                         moe.shared_expert_gate, params, prefix + ".shared_experts", pg);

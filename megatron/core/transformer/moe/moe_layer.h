@@ -13,10 +13,13 @@
 //
 // With --moe-shared-expert-intermediate-size the shared experts (shared_experts.h) see every token
 // and their output is added: y = combine(...) + shared(x); their gradient joins grad_x.
-// --moe-shared-expert-overlap runs them one after the other here (the layer is CPU code).
+// --moe-shared-expert-overlap runs them one after the other here (no overlap yet).
 //
-// Half there: the grouped GEMM (--moe-grouped-gemm) is not built; the layer runs on the CPU only
-// (its routing and permutation are host code).
+// One code path on the CPU and on CUDA: every step is an op of the op library on the context's
+// device (routing, permutation, row scaling, the experts' GEMMs — grouped with --moe-grouped-gemm);
+// the host sees the rows per expert (one device->host copy per layer, as Megatron's
+// tokens_per_expert.cpu()). Token dropping (--moe-expert-capacity-factor) runs on the CPU only: a
+// GPU model refuses it when it is built.
 #pragma once
 
 #include <memory>

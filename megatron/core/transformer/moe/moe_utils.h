@@ -17,8 +17,10 @@
 // not the routed selection; the expert bias changes only which experts are chosen, never a value,
 // so it passes no gradient.
 //
-// Not yet here: sinkhorn and global_aux_loss routing, input jitter, padding masks, and a CUDA path
-// (these run on host tensors).
+// These host functions are the oracle the op library's MoE ops (kernels/op_list.inc) are tested
+// against; the modules run the ops. The router still routes with routing_forward/backward when
+// its load-balancing counts span tp x cp ranks (Note [Load-balancing counts over tp x cp]).
+// Not yet here: sinkhorn and global_aux_loss routing, input jitter, padding masks.
 #pragma once
 
 #include <cstdint>

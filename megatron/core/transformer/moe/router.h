@@ -6,14 +6,22 @@
 // gradients join the logits' in backward (Note [Router losses' gradients]).
 //
 // The aux-loss-free expert bias (--moe-router-enable-expert-bias) is state, not a parameter: the
-// tokens each expert received are counted over the step's microbatches and update_expert_bias()
+// tokens each expert received are counted over the step's training forward passes (those given a
+// tracker: not recomputation, not evaluation) and update_expert_bias()
 // moves the bias after the step (Megatron sums the counts over tp × cp × dp first).
 //
 // Under tensor (sequence) and context parallelism each rank routes its own tokens: the
 // load-balancing losses count tokens over the tp × cp group (pg.tp_cp), so each rank's loss is its
 // share of the group's, the z-loss coefficient is divided by the group's size, and the weight's
-// gradient is a partial sum over the tensor-parallel ranks (Parameter::sequence_parallel). The
-// routing runs on host tensors: the router refuses a GPU context for now.
+// gradient is a partial sum over the tensor-parallel ranks (Parameter::sequence_parallel).
+//
+// One code path for both backends: the gating GEMM is ops::linear_* in fp32 and the routing is
+// ops::moe_routing_forward/backward on the context's device; the losses go to the tracker as device
+// scalars and the token counts stay on the device (no host wait in the router). One exception
+// (Note [Load-balancing counts over tp x cp]): with a load-balancing loss and more than one rank in
+// tp x cp, the losses need the token counts summed over the group between the counting and the
+// loss, which the routing op does not take; that case routes with moe_utils.h's host routing (a
+// device->host copy of the logits and the count all-reduce on the context's device).
 #pragma once
 
 #include <string>
@@ -36,14 +44,17 @@ class TopKRouter {
 
   struct Saved {
     Tensor x;  // [T, h] fp32
-    RoutingSaved routing;
+    // What ops::moe_routing_backward needs (on the context's device).
+    Tensor logits, topk_indices, routing_map, aux_scores, aux_map;
+    int64_t seq_length = 0, micro_batch = 0;
+    RoutingSaved host;  // host routing only (Note [Load-balancing counts over tp x cp])
   };
   struct Output {
     Tensor probs;        // [T, E] fp32
     Tensor routing_map;  // [T, E] uint8
   };
   /// x [T, h] (T = seq_length · micro_batch, sequence-major) -> probs and routing map. Reports the
-  /// losses to `tracker` (may be null) and counts the tokens per expert for the bias update.
+  /// losses to `tracker` and counts the tokens per expert for the bias update (neither when null).
   Output forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch, AuxLossTracker* tracker,
                  Saved& saved);
   /// grad_probs [T, E] -> grad_x [T, h] (fp32); accumulates the weight gradient. The losses'
@@ -60,7 +71,9 @@ class TopKRouter {
     Context ctx;
     update_expert_bias(ctx, update_rate);
   }
-  /// The expert bias as checkpoint state (undefined without it).
+  /// Whether this router routes on the host (Note [Load-balancing counts over tp x cp]).
+  bool host_routing() const;
+  /// The expert bias as checkpoint state (undefined without it; on the parameters' device).
   Tensor& expert_bias() { return expert_bias_; }
   /// The losses a router of `config` reports, declared in `tracker` as Megatron tracks them: the
   /// load-balancing losses summed over `tp_cp` and averaged over data-parallel ranks, the z loss
@@ -78,7 +91,7 @@ class TopKRouter {
   Communicator* tp_cp_;  // null: one rank
   Parameter* weight_;
   Tensor expert_bias_;       // [E] fp32 (undefined without --moe-router-enable-expert-bias)
-  Tensor tokens_per_expert_;  // [E] fp32, summed over the step's microbatches
+  Tensor tokens_per_expert_;  // [E] fp32, summed over the step's microbatches (on the parameters' device)
 };
 
 }  // namespace megatron::moe

@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <numeric>
+
+#include "megatron/kernels/ops.h"
 
 namespace megatron::moe {
 
@@ -29,15 +32,59 @@ MoETokenDispatcher::MoETokenDispatcher(const DispatcherConfig& config, const Pro
 namespace {
 
 // ---- building blocks: row gathers and variable-size collectives, each with its adjoint -----------
+// Every row movement is an ops::moe_permute_* over a MoePermutation on the context's device: the
+// routing map's permutation (ops::moe_permutation), or a row gather built here from host indices
+// (the host counts that size the all-to-all splits give them).
 
-// A row gather as a Permutation: permute_forward gives out[r] = in[index[r]] and permute_backward,
-// its adjoint, sums each out row back into its source row (the sum over copies of a row).
-Permutation row_gather(std::vector<int64_t> index, int64_t num_rows) {
-  Permutation p;
-  p.row_expert.assign(index.size(), 0);
-  p.sorted_indices = std::move(index);
+// A row gather as a MoePermutation on `dev`: moe_permute_forward gives out[r] = in[index[r]] and
+// moe_permute_backward, its adjoint, sums each out row back into its source row in row order (the
+// "experts" of the permutation are the copies of a source row: token_rows lists them).
+MoePermutation row_gather(const std::vector<int64_t>& index, int64_t num_rows, Device dev) {
+  std::vector<int64_t> copies(static_cast<size_t>(num_rows), 0);
+  for (int64_t i : index) ++copies[size_t(i)];
+  int64_t width = 1;
+  for (int64_t c : copies) width = std::max(width, c);
+  std::vector<int64_t> token_rows(size_t(num_rows * width), -1), filled(size_t(num_rows), 0);
+  for (size_t r = 0; r < index.size(); ++r) {
+    const int64_t i = index[r];
+    token_rows[size_t(i * width + filled[size_t(i)]++)] = int64_t(r);
+  }
+  const int64_t n = int64_t(index.size());
+  MoePermutation p;
+  p.sorted_indices = Tensor::from_ints(index, {n}, DType::Int32, dev);
+  p.row_expert = Tensor::zeros({n}, DType::Int32, dev);
+  p.token_rows = Tensor::from_ints(token_rows, {num_rows, width}, DType::Int32, dev);
+  p.rows_per_expert = {n};
   p.num_tokens = num_rows;
+  p.num_experts = width;
   return p;
+}
+
+// x [T, h] -> [N, h] and its adjoint; probs [T, E] -> [N] and its adjoint; the unweighted unpermute.
+Tensor permute_rows(Context& ctx, const Tensor& x, const MoePermutation& perm) {
+  Tensor out = Tensor::empty({perm.rows(), x.size(1)}, x.dtype(), ctx.device());
+  ops::moe_permute_forward(ctx, x, perm, out);
+  return out;
+}
+Tensor permute_rows_backward(Context& ctx, const Tensor& grad, const MoePermutation& perm) {
+  Tensor out = Tensor::empty({perm.num_tokens, grad.size(1)}, grad.dtype(), ctx.device());
+  ops::moe_permute_backward(ctx, grad, perm, out);
+  return out;
+}
+Tensor unpermute_rows(Context& ctx, const Tensor& rows, const MoePermutation& perm) {
+  Tensor out = Tensor::empty({perm.num_tokens, rows.size(1)}, rows.dtype(), ctx.device());
+  ops::moe_unpermute_forward(ctx, rows, Tensor(), perm, out);
+  return out;
+}
+Tensor permute_probs(Context& ctx, const Tensor& probs, const MoePermutation& perm) {
+  Tensor out = Tensor::empty({perm.rows()}, DType::Float32, ctx.device());
+  ops::moe_permute_probs_forward(ctx, probs, perm, out);
+  return out;
+}
+Tensor permute_probs_backward(Context& ctx, const Tensor& grad, const MoePermutation& perm) {
+  Tensor out = Tensor::empty({perm.num_tokens, perm.num_experts}, DType::Float32, ctx.device());
+  ops::moe_permute_probs_backward(ctx, grad, perm, out);
+  return out;
 }
 
 // [N] -> [N, 1], so a vector of probabilities travels through the row operations; and back.
@@ -56,11 +103,11 @@ Tensor all_to_all_v(Context& ctx, Communicator& group, const Tensor& x, const st
 }
 
 // Rows [0, rows) once per rank of a group of n: the gather of a block sent to every rank.
-Permutation copies_per_rank(int n, int64_t rows) {
+MoePermutation copies_per_rank(int n, int64_t rows, Device dev) {
   std::vector<int64_t> index;
   for (int r = 0; r < n; ++r)
     for (int64_t i = 0; i < rows; ++i) index.push_back(i);
-  return row_gather(std::move(index), rows);
+  return row_gather(index, rows, dev);
 }
 
 // Variable-size all-gather of [rows, c] tensors: rank r holds rows[r] rows; every rank gets them
@@ -69,7 +116,7 @@ Tensor all_gather_v(Context& ctx, Communicator& group, const Tensor& x, const st
   const int n = group.size();
   const int64_t mine = rows[size_t(group.rank())];
   MG_ASSERT(x.size(0) == mine, "all_gather_v of {} rows, {} expected", x.size(0), mine);
-  const Tensor replicated = permute_forward(x, copies_per_rank(n, mine));
+  const Tensor replicated = permute_rows(ctx, x, copies_per_rank(n, mine, ctx.device()));
   return all_to_all_v(ctx, group, replicated, std::vector<int64_t>(size_t(n), mine), rows);
 }
 
@@ -79,7 +126,7 @@ Tensor reduce_scatter_v(Context& ctx, Communicator& group, const Tensor& x, cons
   const int n = group.size();
   const int64_t mine = rows[size_t(group.rank())];
   const Tensor blocks = all_to_all_v(ctx, group, x, rows, std::vector<int64_t>(size_t(n), mine));
-  return permute_backward(blocks, copies_per_rank(n, mine));
+  return permute_rows_backward(ctx, blocks, copies_per_rank(n, mine, ctx.device()));
 }
 
 // Equal-size all-gather / reduce-scatter along dim 0 (Megatron's gather_from_sequence_parallel_region
@@ -109,8 +156,8 @@ std::vector<int64_t> offsets_of(const std::vector<int64_t>& sizes) {
 
 // Megatron's sort_chunks_by_idxs as a row gather: rows arrive as chunks [source s][local expert l]
 // of counts[s·L + l] rows; the result holds them as [l][s] (every local expert's rows together).
-Permutation sort_by_local_expert(const std::vector<int64_t>& counts, int sources, int local,
-                                 std::vector<int64_t>& tokens_per_expert) {
+MoePermutation sort_by_local_expert(const std::vector<int64_t>& counts, int sources, int local,
+                                    std::vector<int64_t>& tokens_per_expert, Device dev) {
   const std::vector<int64_t> at = offsets_of(counts);
   std::vector<int64_t> index;
   index.reserve(size_t(at.back()));
@@ -122,12 +169,12 @@ Permutation sort_by_local_expert(const std::vector<int64_t>& counts, int sources
       tokens_per_expert[size_t(l)] += counts[c];
     }
   }
-  return row_gather(std::move(index), at.back());
+  return row_gather(index, at.back(), dev);
 }
 
 // Rows of the permutation per expert, `local` experts from `first`: [counts of first .. first+local).
-std::vector<int64_t> counts_of(const Permutation& perm, int first, int local) {
-  return {perm.tokens_per_expert.begin() + first, perm.tokens_per_expert.begin() + first + local};
+std::vector<int64_t> counts_of(const MoePermutation& perm, int first, int local) {
+  return {perm.rows_per_expert.begin() + first, perm.rows_per_expert.begin() + first + local};
 }
 
 // The counts of the other ranks' rows: each source sends block d of `sent` (its rows per local expert of
@@ -153,7 +200,7 @@ struct Exchange {
 
 // One rank in every group: the permuted rows are the experts' rows.
 struct NoExchange final : Exchange {
-  explicit NoExchange(const Permutation& perm) { tokens_per_expert = perm.tokens_per_expert; }
+  explicit NoExchange(const MoePermutation& perm) { tokens_per_expert = perm.rows_per_expert; }
   Tensor forward(Context&, const Tensor& rows) const override { return rows; }
   Tensor backward(Context&, const Tensor& rows) const override { return rows; }
 };
@@ -164,9 +211,9 @@ struct AllToAllExchange final : Exchange {
   Communicator* etp;
   std::vector<int64_t> input_splits, output_splits;  // [EP] rows to / from each EP rank
   std::vector<int64_t> etp_rows;                     // [ETP] rows of each expert-TP rank after the all-to-all
-  Permutation sort;                                  // chunks [etp][ep][local expert] -> [local expert][etp][ep]
+  MoePermutation sort;                               // chunks [etp][ep][local expert] -> [local expert][etp][ep]
 
-  AllToAllExchange(Context& ctx, Communicator* ep_group, Communicator* etp_group, const Permutation& perm, int local,
+  AllToAllExchange(Context& ctx, Communicator* ep_group, Communicator* etp_group, const MoePermutation& perm, int local,
                    int64_t capacity)
       : ep(ep_group), etp(etp_group) {
     const int n_ep = group_size(ep), n_etp = group_size(etp);
@@ -191,15 +238,15 @@ struct AllToAllExchange final : Exchange {
     for (int j = 0; j < n_etp; ++j)
       etp_rows.push_back(
           std::accumulate(counts.begin() + j * n_ep * local, counts.begin() + (j + 1) * n_ep * local, int64_t(0)));
-    sort = sort_by_local_expert(counts, n_etp * n_ep, local, tokens_per_expert);
+    sort = sort_by_local_expert(counts, n_etp * n_ep, local, tokens_per_expert, ctx.device());
   }
   Tensor forward(Context& ctx, const Tensor& rows) const override {
     Tensor t = ep ? all_to_all_v(ctx, *ep, rows, input_splits, output_splits) : rows;
     if (etp) t = all_gather_v(ctx, *etp, t, etp_rows);
-    return permute_forward(t, sort);
+    return permute_rows(ctx, t, sort);
   }
   Tensor backward(Context& ctx, const Tensor& rows) const override {
-    Tensor t = permute_backward(rows, sort);  // a bijection: the inverse gather
+    Tensor t = permute_rows_backward(ctx, rows, sort);  // a bijection: the inverse gather
     if (etp) t = reduce_scatter_v(ctx, *etp, t, etp_rows);
     return ep ? all_to_all_v(ctx, *ep, t, output_splits, input_splits) : t;
   }
@@ -209,14 +256,14 @@ struct AllToAllExchange final : Exchange {
 // then sorted by local expert.
 struct FlexExchange final : Exchange {
   Communicator* group;
-  Permutation copies;                                // EP rank i's rows once per expert-TP rank of i
+  MoePermutation copies;                             // EP rank i's rows once per expert-TP rank of i
   std::vector<int64_t> input_splits, output_splits;  // [EP·ETP]
-  Permutation sort;                                  // chunks [source][local expert] -> [local expert][source]
+  MoePermutation sort;                               // chunks [source][local expert] -> [local expert][source]
 
-  FlexExchange(Context& ctx, Communicator* tp_ep, int n_ep, const Permutation& perm, int local, int64_t capacity)
+  FlexExchange(Context& ctx, Communicator* tp_ep, int n_ep, const MoePermutation& perm, int local, int64_t capacity)
       : group(tp_ep) {
     const int n = group_size(group), n_etp = n / n_ep;
-    const int64_t rows = int64_t(perm.sorted_indices.size());
+    const int64_t rows = perm.rows();
     std::vector<int64_t> index, sent;
     int64_t at = 0;
     for (int i = 0; i < n_ep; ++i) {
@@ -229,21 +276,21 @@ struct FlexExchange final : Exchange {
       }
       at += chunk;
     }
-    copies = row_gather(std::move(index), rows);
+    copies = row_gather(index, rows, ctx.device());
     const std::vector<int64_t> counts =
         capacity > 0 ? std::vector<int64_t>(size_t(n * local), capacity) : exchange_counts(ctx, *group, sent, local);
     for (int s = 0; s < n; ++s)
       output_splits.push_back(
           std::accumulate(counts.begin() + s * local, counts.begin() + (s + 1) * local, int64_t(0)));
-    sort = sort_by_local_expert(counts, n, local, tokens_per_expert);
+    sort = sort_by_local_expert(counts, n, local, tokens_per_expert, ctx.device());
   }
   Tensor forward(Context& ctx, const Tensor& rows) const override {
-    const Tensor sent = permute_forward(rows, copies);
-    return permute_forward(all_to_all_v(ctx, *group, sent, input_splits, output_splits), sort);
+    const Tensor sent = permute_rows(ctx, rows, copies);
+    return permute_rows(ctx, all_to_all_v(ctx, *group, sent, input_splits, output_splits), sort);
   }
   Tensor backward(Context& ctx, const Tensor& rows) const override {
-    const Tensor back = all_to_all_v(ctx, *group, permute_backward(rows, sort), output_splits, input_splits);
-    return permute_backward(back, copies);  // the copies' partial results summed
+    const Tensor back = all_to_all_v(ctx, *group, permute_rows_backward(ctx, rows, sort), output_splits, input_splits);
+    return permute_rows_backward(ctx, back, copies);  // the copies' partial results summed
   }
 };
 
@@ -253,7 +300,7 @@ class PermutedDispatcher final : public MoETokenDispatcher {
       : MoETokenDispatcher(config, pg) {}
 
   struct State : Saved {
-    Permutation perm;  // this rank's tokens over all experts (Note [Permuted order])
+    MoePermutation perm;  // this rank's tokens over all experts (Note [Permuted order]), on the device
     std::unique_ptr<Exchange> exchange;
     int64_t num_experts = 0;
   };
@@ -263,7 +310,7 @@ class PermutedDispatcher final : public MoETokenDispatcher {
     MG_CHECK(routing_map.dim() == 2 && routing_map.size(1) == config_.num_experts, "routing map {} for {} experts",
              shape_str(routing_map.shape()), config_.num_experts);
     auto state = std::make_unique<State>();
-    state->perm = make_permutation(routing_map, config_.capacity);
+    ops::moe_permutation(ctx, routing_map, config_.capacity, state->perm);  // one device->host copy of the counts
     state->num_experts = routing_map.size(1);
     const int local = num_local_experts_;
     if (!ep_ && !etp_) {
@@ -276,27 +323,26 @@ class PermutedDispatcher final : public MoETokenDispatcher {
     }
     const Exchange& ex = *state->exchange;
     Dispatched d;
-    d.tokens = ex.forward(ctx, permute_forward(x, state->perm));
-    d.probs = as_vector(ex.forward(ctx, as_rows(permute_probs(probs, state->perm))));
+    d.tokens = ex.forward(ctx, permute_rows(ctx, x, state->perm));
+    d.probs = as_vector(ex.forward(ctx, as_rows(permute_probs(ctx, probs, state->perm))));
     d.tokens_per_expert = ex.tokens_per_expert;
     saved = std::move(state);
     return d;
   }
   Tensor combine(Context& ctx, const Tensor& expert_out, Saved& saved) override {
     State& s = state(saved);
-    return unpermute_forward(s.exchange->backward(ctx, expert_out), Tensor(), s.perm);
+    return unpermute_rows(ctx, s.exchange->backward(ctx, expert_out), s.perm);
   }
   Tensor combine_backward(Context& ctx, const Tensor& grad_out, Saved& saved) override {
     State& s = state(saved);
-    return s.exchange->forward(ctx, permute_forward(grad_out, s.perm));  // the gradient of an unweighted unpermute
+    return s.exchange->forward(ctx, permute_rows(ctx, grad_out, s.perm));  // the gradient of an unweighted unpermute
   }
   void dispatch_backward(Context& ctx, const Tensor& grad_tokens, const Tensor& grad_probs, Saved& saved,
                          Tensor& grad_x, Tensor& grad_probs_full) override {
     State& s = state(saved);
-    grad_x = permute_backward(s.exchange->backward(ctx, grad_tokens), s.perm);
-    grad_probs_full =
-        permute_probs_backward(as_vector(s.exchange->backward(ctx, as_rows(grad_probs))), s.perm, s.num_experts);
-    s.perm = Permutation{};
+    grad_x = permute_rows_backward(ctx, s.exchange->backward(ctx, grad_tokens), s.perm);
+    grad_probs_full = permute_probs_backward(ctx, as_vector(s.exchange->backward(ctx, as_rows(grad_probs))), s.perm);
+    s.perm = MoePermutation{};
     s.exchange.reset();
   }
 
@@ -318,7 +364,7 @@ class AllGatherDispatcher final : public MoETokenDispatcher {
   struct State : Saved {
     // The gathered tokens' rows for the local experts: row_expert is the global expert, so
     // permute_probs reads the gathered probs [T·n, E] directly.
-    Permutation perm;
+    MoePermutation perm;
     int64_t num_experts = 0;
   };
 
@@ -332,51 +378,66 @@ class AllGatherDispatcher final : public MoETokenDispatcher {
     const Tensor all_x = all_gather_rows(ctx, group, x);
     auto state = std::make_unique<State>();
     state->num_experts = routing_map.size(1);
-    state->perm = local_permutation(map, routing_map.size(0), group.size());
+    state->perm = local_permutation(map, routing_map.size(0), group.size(), ctx.device());
     Dispatched d;
-    d.tokens = permute_forward(all_x, state->perm);
-    d.probs = permute_probs(all_probs, state->perm);
-    d.tokens_per_expert = state->perm.tokens_per_expert;
+    d.tokens = permute_rows(ctx, all_x, state->perm);
+    d.probs = permute_probs(ctx, all_probs, state->perm);
+    d.tokens_per_expert = counts_of(state->perm, first_local_expert_, num_local_experts_);
     saved = std::move(state);
     return d;
   }
   Tensor combine(Context& ctx, const Tensor& expert_out, Saved& saved) override {
-    return reduce_scatter_rows(ctx, *tp_ep_, unpermute_forward(expert_out, Tensor(), state(saved).perm));
+    return reduce_scatter_rows(ctx, *tp_ep_, unpermute_rows(ctx, expert_out, state(saved).perm));
   }
   Tensor combine_backward(Context& ctx, const Tensor& grad_out, Saved& saved) override {
-    return permute_forward(all_gather_rows(ctx, *tp_ep_, grad_out), state(saved).perm);
+    return permute_rows(ctx, all_gather_rows(ctx, *tp_ep_, grad_out), state(saved).perm);
   }
   void dispatch_backward(Context& ctx, const Tensor& grad_tokens, const Tensor& grad_probs, Saved& saved,
                          Tensor& grad_x, Tensor& grad_probs_full) override {
     State& s = state(saved);
-    grad_x = reduce_scatter_rows(ctx, *tp_ep_, permute_backward(grad_tokens, s.perm));
-    grad_probs_full = reduce_scatter_rows(ctx, *tp_ep_, permute_probs_backward(grad_probs, s.perm, s.num_experts));
-    s.perm = Permutation{};
+    grad_x = reduce_scatter_rows(ctx, *tp_ep_, permute_rows_backward(ctx, grad_tokens, s.perm));
+    grad_probs_full = reduce_scatter_rows(ctx, *tp_ep_, permute_probs_backward(ctx, grad_probs, s.perm));
+    s.perm = MoePermutation{};
   }
 
  private:
   // Each source rank's block of `tokens` gathered tokens permuted on its own (so drop-and-pad gives
-  // `capacity` rows per expert and source), then for each local expert the blocks in rank order.
-  Permutation local_permutation(const Tensor& map, int64_t tokens, int sources) const {
-    std::vector<Permutation> blocks;
-    for (int s = 0; s < sources; ++s)
-      blocks.push_back(make_permutation(map.slice(s * tokens, (s + 1) * tokens), config_.capacity));
-    Permutation p;
-    p.num_tokens = tokens * sources;
-    for (int l = 0; l < num_local_experts_; ++l) {
-      const int e = first_local_expert_ + l;
-      int64_t rows = 0;
-      for (int s = 0; s < sources; ++s) {
-        const Permutation& b = blocks[size_t(s)];
-        const int64_t at = std::accumulate(b.tokens_per_expert.begin(), b.tokens_per_expert.begin() + e, int64_t(0));
-        for (int64_t r = at; r < at + b.tokens_per_expert[size_t(e)]; ++r) {
-          p.sorted_indices.push_back(s * tokens + b.sorted_indices[size_t(r)]);
-          p.row_expert.push_back(e);
-        }
-        rows += b.tokens_per_expert[size_t(e)];
-      }
-      p.tokens_per_expert.push_back(rows);
+  // `capacity` rows per expert and source), then for each local expert the blocks in rank order. The
+  // order comes from the CPU permutation op over a host copy of the gathered map (one device->host
+  // copy per layer, as the counts of the alltoall path); the result moves to `dev`.
+  MoePermutation local_permutation(const Tensor& map_in, int64_t tokens, int sources, Device dev) const {
+    Context host;
+    const Tensor map = map_in.device().is_host() ? map_in : map_in.to(Device::cpu());
+    const int64_t e = map.size(1);
+    std::vector<MoePermutation> blocks(static_cast<size_t>(sources));
+    std::vector<std::vector<int64_t>> sorted(static_cast<size_t>(sources));
+    for (int s = 0; s < sources; ++s) {
+      ops::moe_permutation(host, map.slice(s * tokens, (s + 1) * tokens), config_.capacity, blocks[size_t(s)]);
+      sorted[size_t(s)] = blocks[size_t(s)].sorted_indices.to_ints();
     }
+    std::vector<int64_t> index, expert, token_rows(size_t(tokens * sources * e), -1), rows(size_t(e), 0);
+    for (int l = 0; l < num_local_experts_; ++l) {
+      const int x = first_local_expert_ + l;
+      for (int s = 0; s < sources; ++s) {
+        const std::vector<int64_t>& counts = blocks[size_t(s)].rows_per_expert;
+        const int64_t at = std::accumulate(counts.begin(), counts.begin() + x, int64_t(0));
+        for (int64_t r = at; r < at + counts[size_t(x)]; ++r) {
+          const int64_t t = s * tokens + sorted[size_t(s)][size_t(r)];
+          token_rows[size_t(t * e + x)] = int64_t(index.size());
+          index.push_back(t);
+          expert.push_back(x);
+        }
+        rows[size_t(x)] += counts[size_t(x)];
+      }
+    }
+    const int64_t n = int64_t(index.size());
+    MoePermutation p;
+    p.sorted_indices = Tensor::from_ints(index, {n}, DType::Int32, dev);
+    p.row_expert = Tensor::from_ints(expert, {n}, DType::Int32, dev);
+    p.token_rows = Tensor::from_ints(token_rows, {tokens * sources, e}, DType::Int32, dev);
+    p.rows_per_expert = std::move(rows);
+    p.num_tokens = tokens * sources;
+    p.num_experts = e;
     return p;
   }
   static State& state(Saved& saved) {

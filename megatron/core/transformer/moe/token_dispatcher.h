@@ -42,8 +42,14 @@
 // probability 0 as padding), so the splits are fixed and no counts are exchanged. The caller sets
 // the capacity; MoELayer does not pass one yet (it dispatches dropless, or what the router kept).
 //
-// Host tensors for now: the permutations are host code (moe_utils.h); the communication is the
-// Communicator's, so the GPU path needs device permutation kernels only.
+// Every row movement is an ops::moe_permute_* gather on the context's device (CPU or CUDA); the
+// communication is the Communicator's. The host holds only the counts: the rows per expert of the
+// routing map's permutation (one device->host copy per layer) and the split sizes built from them.
+//
+// Note [--moe-permute-fusion]: Megatron's flag picks TransformerEngine's fused permute/unpermute
+// kernels over its PyTorch index_select / scatter_add. Ours are fused already on both backends
+// (one gather kernel per permute, one gather-sum per unpermute, no atomics), so the flag is accepted
+// and selects the same kernels.
 #pragma once
 
 #include <memory>
@@ -60,7 +66,7 @@ struct DispatcherConfig {
   std::string type = "allgather";  // allgather | alltoall | flex
   int num_experts = 0;
   int64_t capacity = 0;         // > 0: drop-and-pad, every expert gets exactly this many rows per source rank
-  bool permute_fusion = false;  // --moe-permute-fusion: the fused permute kernels (GPU)
+  bool permute_fusion = false;  // --moe-permute-fusion: accepted, the same kernels (Note [--moe-permute-fusion])
 };
 
 class MoETokenDispatcher {
