@@ -96,9 +96,9 @@ struct GemmPlan {
   }
 };
 
-// The grouped GEMM of the experts (moe_grouped_linear_*) sees new row counts at every step, so the
-// cache is bounded: past kMaxPlans entries it starts over (a plan in use stays alive through its
-// shared_ptr).
+// The cache is bounded: past kMaxPlans entries it starts over (a plan in use stays alive through its
+// shared_ptr). The experts' varying row counts share plans by bucket (Note [Plans for varying row
+// counts]).
 constexpr size_t kMaxPlans = 4096;
 
 struct PlanCache {
@@ -189,9 +189,29 @@ std::shared_ptr<GemmPlan> make_plan(cublasLtHandle_t handle, const Gemm& g) {
   return plan;
 }
 
-void run_gemm(Context& ctx, const Gemm& g) {
+// Note [Plans for varying row counts]: the experts' GEMMs see new row counts at every step, and a
+// plan per count would make every GEMM pay cuBLASLt's heuristic on the host (about as long as the
+// GEMM itself for fine-grained experts). Inside moe_grouped_linear_* (RowBucketScope), the row
+// count — the GEMM's n (forward, input gradient) or k (weight gradient) — is rounded up to a power
+// of two for the plan's key and its heuristic; the call uses layouts of the true sizes, made per
+// call. If cuBLASLt refuses the bucket's algorithm for the true size, the exact plan is made.
+thread_local int64_t t_varying_rows = 0;
+
+int64_t row_bucket(int64_t v) {
+  int64_t b = 16;
+  while (b < v) b *= 2;
+  return b;
+}
+
+void run_gemm(Context& ctx, const Gemm& g_in) {
   auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt_handle());
   MG_ASSERT(handle != nullptr, "linear on CUDA needs a CUDA Context (no cuBLASLt handle)");
+  Gemm g = g_in;  // the plan's problem: the bucketed sizes when the rows vary
+  const bool flexible = t_varying_rows > 0 && (g.n == t_varying_rows || g.k == t_varying_rows);
+  if (flexible) {
+    if (g.n == t_varying_rows) g.n = row_bucket(g.n);
+    if (g.k == t_varying_rows) g.k = row_bucket(g.k);
+  }
   const uint32_t bias_align = g.bias != nullptr ? alignment_of(g.bias) : 0u;
   const GemmKey key{ctx.device().index, ctx.cublaslt_handle(), int(g.ta), int(g.tb), g.m, g.n, g.k, g.lda, g.ldb,
                     g.ldd, int(g.at), int(g.bt), int(g.dt), g.bias != nullptr, alignment_of(g.a), alignment_of(g.b),
@@ -210,18 +230,46 @@ void run_gemm(Context& ctx, const Gemm& g) {
   }
   Tensor ws = ctx.workspace(kCublasWorkspaceBytes);
   const float alpha = 1.0f;
-  std::lock_guard<std::mutex> lock(plan->mu);
-  if (g.bias != nullptr) {
-    CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+  auto enqueue = [&](GemmPlan& p, cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t ld) {
+    std::lock_guard<std::mutex> lock(p.mu);
+    if (g_in.bias != nullptr) {
+      CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g_in.bias, sizeof(g_in.bias)));
+    }
+    if (g_in.aux != nullptr) {
+      CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g_in.aux, sizeof(g_in.aux)));
+    }
+    return cublasLtMatmul(handle, p.desc, &alpha, g_in.a, la, g_in.b, lb, &g_in.beta, g_in.d, ld, g_in.d, ld, &p.algo,
+                          ws.raw_data(), p.workspace, stream_of(ctx));
+  };
+  if (!flexible) {
+    CUBLAS_CHECK(enqueue(*plan, plan->la, plan->lb, plan->ld));
+    return;
   }
-  if (g.aux != nullptr) {
-    CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)));
+  cublasLtMatrixLayout_t la = make_layout(g_in.at, g_in.ta, g_in.m, g_in.k, g_in.lda);
+  cublasLtMatrixLayout_t lb = make_layout(g_in.bt, g_in.tb, g_in.k, g_in.n, g_in.ldb);
+  cublasLtMatrixLayout_t ld = make_layout(g_in.dt, CUBLAS_OP_N, g_in.m, g_in.n, g_in.ldd);
+  cublasStatus_t st = enqueue(*plan, la, lb, ld);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(ld);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {  // the exact plan instead
+    const int64_t rows = t_varying_rows;
+    t_varying_rows = 0;
+    run_gemm(ctx, g_in);
+    t_varying_rows = rows;
+    return;
   }
-  CUBLAS_CHECK(cublasLtMatmul(handle, plan->desc, &alpha, g.a, plan->la, g.b, plan->lb, &g.beta, g.d, plan->ld, g.d,
-                              plan->ld, &plan->algo, ws.raw_data(), plan->workspace, stream_of(ctx)));
+  CUBLAS_CHECK(st);
 }
+
+// Marks the GEMMs of one expert's row block (Note [Plans for varying row counts]).
+struct RowBucketScope {
+  explicit RowBucketScope(int64_t rows) : saved(t_varying_rows) { t_varying_rows = rows; }
+  ~RowBucketScope() { t_varying_rows = saved; }
+  int64_t saved;
+};
 
 // ---- small kernels: bias add (when not fused) and the bias-gradient column sums ----------------
 
@@ -523,6 +571,7 @@ void moe_grouped_linear_forward(Context& ctx, const Tensor& x, const std::vector
   for (size_t e = 0; e < weights.size(); ++e) {
     if (rows_per_expert[e] == 0) continue;
     Tensor ye = y.slice(starts[e], starts[e + 1]);
+    RowBucketScope bucket(rows_per_expert[e]);
     linear_forward(ctx, x.slice(starts[e], starts[e + 1]), weights[e], Tensor(), ye);
   }
 }
@@ -538,6 +587,7 @@ void moe_grouped_linear_backward(Context& ctx, const Tensor& grad_out, const Ten
     Tensor gi = grad_in.defined() ? grad_in.slice(starts[e], starts[e + 1]) : Tensor();
     Tensor wg = weight_grads.empty() ? Tensor() : weight_grads[e];
     Tensor none;
+    RowBucketScope bucket(rows_per_expert[e]);
     linear_backward(ctx, grad_out.slice(starts[e], starts[e + 1]), x.slice(starts[e], starts[e + 1]), weights[e], gi,
                     wg, none);
   }
