@@ -13,6 +13,7 @@
 #include "megatron/kernels/cpu/cpu_ops.h"
 #include "tests/kernels/gradcheck.h"
 #include "tests/kernels/moe_test_util.h"
+#include "tests/moe_fixture_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -80,46 +81,15 @@ TEST(MoeRouting, TokenDroppingMatchesMoeUtils) {
 
 // ---- Megatron's fixtures ----------------------------------------------------------------------------
 
-std::string moe_fixtures_dir() {
-  if (const char* e = std::getenv("MEGATRON_MOE_FIXTURES"); e && *e) return e;
-  const std::string shared = testing::fixtures_dir() + "/moe";
-  if (std::filesystem::exists(shared + "/router_mixtral.safetensors")) return shared;
-  return std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures/moe";
-}
-
-moe::RouterConfig fixture_config(const safetensors::File& f) {
-  const auto& m = f.metadata();
-  moe::RouterConfig c;
-  c.num_experts = std::stoi(m.at("experts"));
-  c.topk = std::stoi(m.at("topk"));
-  const nlohmann::json o = nlohmann::json::parse(m.at("options"));
-  for (const auto& [key, value] : o.items()) {
-    if (key == "aux") c.aux_loss_coeff = value.get<float>();
-    else if (key == "seq_aux") c.seq_aux_loss_coeff = value.get<float>();
-    else if (key == "z") c.z_loss_coeff = value.get<float>();
-    else if (key == "pre_softmax") c.pre_softmax = value.get<bool>();
-    else if (key == "score") c.score_function = value.get<std::string>();
-    else if (key == "groups") c.num_groups = value.get<int>();
-    else if (key == "group_topk") c.group_topk = value.get<int>();
-    else if (key == "scale") c.topk_scaling_factor = value.get<float>();
-    else if (key == "bias") c.expert_bias = value.get<bool>();
-    else if (key == "capacity") c.capacity_factor = value.get<float>();
-    else if (key == "pad") c.pad_to_capacity = value.get<bool>();
-    else if (key == "drop_policy") c.drop_policy = value.get<std::string>();
-    else ADD_FAILURE() << "option '" << key << "' is not understood";
-  }
-  return c;
-}
-
 TEST(MoeRouting, ReproducesMegatronsFixtures) {
-  const std::string dir = moe_fixtures_dir();
+  const std::string dir = testing::moe_fixtures_dir();
   int checked = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("router_", 0) != 0) continue;
     SCOPED_TRACE(name);
     safetensors::File f(entry.path().string());
-    const moe::RouterConfig c = fixture_config(f);
+    const moe::RouterConfig c = testing::router_fixture_config(f);
     const int64_t seq = std::stoll(f.metadata().at("seq_length")), mb = std::stoll(f.metadata().at("micro_batch"));
     const Tensor logits = f.read("logits", DType::Float32);
     const Tensor bias = c.expert_bias ? f.read("expert_bias", DType::Float32) : Tensor();

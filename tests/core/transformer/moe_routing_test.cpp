@@ -19,55 +19,11 @@
 #include "megatron/core/transformer/transformer_config.h"
 #include "megatron/core/transformer/moe/router.h"
 #include "megatron/kernels/ops.h"
+#include "tests/moe_fixture_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
 namespace {
-
-// $MEGATRON_MOE_FIXTURES, else <fixtures>/moe, else the copy of the routing fixtures in tests/fixtures/moe.
-std::string moe_fixtures_dir() {
-  if (const char* e = std::getenv("MEGATRON_MOE_FIXTURES"); e && *e) return e;
-  const std::string shared = testing::fixtures_dir() + "/moe";
-  if (std::filesystem::exists(shared + "/router_mixtral.safetensors")) return shared;
-  return std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures/moe";
-}
-
-std::vector<std::string> router_fixtures() {
-  std::vector<std::string> out;
-  const std::string dir = moe_fixtures_dir();
-  if (!std::filesystem::is_directory(dir)) return out;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    const std::string f = e.path().filename().string();
-    if (f.rfind("router_", 0) == 0 && f.size() > 12 && f.substr(f.size() - 12) == ".safetensors") out.push_back(f);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-// The fixture's options (its metadata's "options" JSON) as a RouterConfig.
-moe::RouterConfig config_of(const safetensors::File& f) {
-  const auto& m = f.metadata();
-  moe::RouterConfig c;
-  c.num_experts = std::stoi(m.at("experts"));
-  c.topk = std::stoi(m.at("topk"));
-  const nlohmann::json o = nlohmann::json::parse(m.at("options"));
-  for (const auto& [key, value] : o.items()) {
-    if (key == "aux") c.aux_loss_coeff = value.get<float>();
-    else if (key == "seq_aux") c.seq_aux_loss_coeff = value.get<float>();
-    else if (key == "z") c.z_loss_coeff = value.get<float>();
-    else if (key == "pre_softmax") c.pre_softmax = value.get<bool>();
-    else if (key == "score") c.score_function = value.get<std::string>();
-    else if (key == "groups") c.num_groups = value.get<int>();
-    else if (key == "group_topk") c.group_topk = value.get<int>();
-    else if (key == "scale") c.topk_scaling_factor = value.get<float>();
-    else if (key == "bias") c.expert_bias = value.get<bool>();
-    else if (key == "capacity") c.capacity_factor = value.get<float>();
-    else if (key == "pad") c.pad_to_capacity = value.get<bool>();
-    else if (key == "drop_policy") c.drop_policy = value.get<std::string>();
-    else ADD_FAILURE() << "option '" << key << "' is not understood: extend config_of";
-  }
-  return c;
-}
 
 double rel_error(const std::vector<float>& got, const std::vector<float>& want) {
   double diff = 0, scale = 0;
@@ -81,8 +37,8 @@ double rel_error(const std::vector<float>& got, const std::vector<float>& want) 
 class MegatronRouting : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(MegatronRouting, MatchesMegatronsRoutingFunctions) {
-  safetensors::File f(moe_fixtures_dir() + "/" + GetParam());
-  const moe::RouterConfig c = config_of(f);
+  safetensors::File f(testing::moe_fixtures_dir() + "/" + GetParam());
+  const moe::RouterConfig c = testing::router_fixture_config(f);
   const int64_t seq = std::stoll(f.metadata().at("seq_length")), mb = std::stoll(f.metadata().at("micro_batch"));
   const Tensor bias = c.expert_bias ? f.read("expert_bias") : Tensor();
   moe::RoutingSaved saved;
@@ -128,7 +84,7 @@ TEST_P(MegatronRouting, MatchesMegatronsRoutingFunctions) {
               r.aux_loss, r.seq_aux_loss, r.z_loss, c.expert_bias ? ", expert-bias update" : "", grad_err);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, MegatronRouting, ::testing::ValuesIn(router_fixtures()),
+INSTANTIATE_TEST_SUITE_P(Fixtures, MegatronRouting, ::testing::ValuesIn(testing::router_fixtures()),
                          [](const auto& info) {
                            std::string n = info.param.substr(7, info.param.size() - 7 - 12);
                            return n;
@@ -453,7 +409,7 @@ TEST(MoELayer, MixesTheExpertsByTheirProbabilitiesWithExactGradients) {
 TEST(MoELayer, GeluExpertsWithBiases) { check_moe_layer(/*swiglu=*/false, /*bias=*/true); }
 
 TEST(MegatronRouting, FixturesAreFound) {
-  EXPECT_FALSE(router_fixtures().empty()) << "no router_*.safetensors in " << moe_fixtures_dir()
+  EXPECT_FALSE(testing::router_fixtures().empty()) << "no router_*.safetensors in " << testing::moe_fixtures_dir()
                                           << ": set MEGATRON_MOE_FIXTURES";
 }
 
