@@ -83,7 +83,8 @@ Tensor TransformerLayer::mlp_forward(Context& ctx, const Tensor& x, int64_t s, i
         if constexpr (std::is_same_v<M, moe::MoELayer>) {
           ms.aux_loss_scale = aux_losses ? aux_losses->backward_scale() : 1.0f;
           const bool reports = report && aux_losses && !aux_losses->evaluating();
-          return m.forward(ctx, x, s, b, reports ? aux_losses : nullptr, ms);
+          return m.forward(ctx, x, s, b, reports ? aux_losses : nullptr, ms,
+                           /*training=*/!(aux_losses && aux_losses->evaluating()));
         } else {
           return m.forward(ctx, x, ms);
         }

@@ -396,6 +396,17 @@ TEST_F(ParallelTraining, MoeExpertBiasSeqAuxTP2EP2) {
   EXPECT_TRUE(index.contains("decoder.layers.1.mlp.router.expert_bias"));
 }
 
+// Sinkhorn routing (Note [Sinkhorn routing]: each rank balances its own microbatch's tokens, as
+// one process balances each microbatch) over EP 2 × DP 4.
+TEST_F(ParallelTraining, MoeSinkhornEP2) {
+  const std::vector<std::string> model =
+      concat(kMoe, {"--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0", "--moe-router-topk", "2"});
+  TrainRun one = train(dir_->path, "moe_sinkhorn_single", 1,
+                       concat(model, {"--train-iters", "5", "--save", (dir_->path / "moe_sinkhorn_single").string()}));
+  check(model, one, "moe_sinkhorn_single",
+        Layout{"moe_sinkhorn_ep2_dp4", 4, {"--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"}});
+}
+
 // An MoE checkpoint saved by one expert layout at iteration 3 resumes under another with the
 // single run's losses.
 TEST_F(ParallelTraining, MoeCheckpointsReshardAcrossExpertLayouts) {

@@ -415,3 +415,70 @@ TEST(MegatronRouting, FixturesAreFound) {
 
 }  // namespace
 }  // namespace megatron
+
+namespace megatron {
+namespace {
+// Note [Sinkhorn routing]: with logits that all prefer expert 0, training's Sinkhorn-balanced choice
+// spreads the tokens evenly over the experts while evaluation's plain top-k sends them all to
+// expert 0; the probabilities are sigmoid (top-1) or the softmax over all experts (top-2) on the
+// chosen experts; the gradient agrees with finite differences.
+TEST(SinkhornRouting, BalancesTrainingChoicesWithExactGradients) {
+  for (int topk : {1, 2}) {
+    SCOPED_TRACE("top-" + std::to_string(topk));
+    moe::RouterConfig c;
+    c.num_experts = 4;
+    c.topk = topk;
+    c.sinkhorn = true;
+    c.z_loss_coeff = 0.1f;
+    const int64_t seq = 8, mb = 2, t_count = seq * mb, e = 4;
+    std::vector<float> l = testing::random_tensor({t_count, e}, 51).to_floats();
+    for (int64_t t = 0; t < t_count; ++t) l[size_t(t * e)] += 6.0f;  // every token prefers expert 0
+    const Tensor logits = Tensor::from_floats(l, {t_count, e});
+    moe::RoutingSaved saved, eval_saved;
+    const moe::RoutingOutput r = moe::routing_forward(c, logits, Tensor(), seq, mb, saved);
+    const moe::RoutingOutput ev = moe::routing_forward(c, logits, Tensor(), seq, mb, eval_saved, nullptr, false);
+    const std::vector<float> n = r.tokens_per_expert.to_floats(), n_eval = ev.tokens_per_expert.to_floats();
+    for (int64_t x = 0; x < e; ++x) {
+      const double mean = double(t_count * topk) / e;  // balanced in training (up to the top-k's rounding)
+      EXPECT_GE(n[size_t(x)], 0.5 * mean) << "expert " << x;
+      EXPECT_LE(n[size_t(x)], 1.5 * mean) << "expert " << x;
+    }
+    EXPECT_EQ(n_eval[0], float(t_count)) << "evaluation's top-k: every token has expert 0";
+    const std::vector<float> p = r.probs.to_floats();
+    const std::vector<int64_t> map = r.routing_map.to_ints();
+    for (int64_t t = 0; t < t_count; ++t) {
+      double sum = 0, m = -1e30;
+      for (int64_t x = 0; x < e; ++x) m = std::max(m, double(l[size_t(t * e + x)]));
+      for (int64_t x = 0; x < e; ++x) sum += std::exp(double(l[size_t(t * e + x)]) - m);
+      for (int64_t x = 0; x < e; ++x) {
+        const double lx = l[size_t(t * e + x)];
+        const double want = !map[size_t(t * e + x)] ? 0.0 : topk == 1 ? 1.0 / (1.0 + std::exp(-lx)) : std::exp(lx - m) / sum;
+        EXPECT_NEAR(p[size_t(t * e + x)], want, 1e-6) << t << "," << x;
+      }
+    }
+    const Tensor w = testing::random_tensor({t_count, e}, 52);
+    const std::vector<float> grad = moe::routing_backward(c, w, saved, 1.0f).to_floats(), wv = w.to_floats();
+    auto loss = [&](std::vector<float> li) {  // the routing fixed (finite differences do not move the choice)
+      moe::RoutingSaved s;
+      const moe::RoutingOutput o = moe::routing_forward(c, Tensor::from_floats(li, {t_count, e}), Tensor(), seq, mb, s);
+      EXPECT_EQ(o.routing_map.to_ints(), map);
+      const std::vector<float> pi = o.probs.to_floats();
+      double sum = o.z_loss;
+      for (size_t i = 0; i < pi.size(); ++i) sum += double(pi[i]) * wv[i];
+      return sum;
+    };
+    const float eps = 1e-3f;
+    for (int64_t i = 0; i < t_count * e; i += 3) {
+      std::vector<float> up = l, down = l;
+      up[size_t(i)] += eps, down[size_t(i)] -= eps;
+      EXPECT_NEAR(grad[size_t(i)], (loss(up) - loss(down)) / (2 * eps), 2e-3) << i;
+    }
+  }
+  moe::RouterConfig bad;
+  bad.num_experts = 4;
+  bad.sinkhorn = true;
+  bad.aux_loss_coeff = 0.01f;
+  EXPECT_THROW(bad.validate(), Error);
+}
+}  // namespace
+}  // namespace megatron

@@ -29,9 +29,12 @@ MoEConfig moe_config(const TransformerConfig& c) {
       r.aux_loss_coeff = coeff;
     } else if (type == "seq_aux_loss") {
       r.seq_aux_loss_coeff = coeff;
+    } else if (type == "sinkhorn") {
+      r.sinkhorn = true;
+      MG_CHECK(coeff == 0.0f, "sinkhorn routing takes no aux loss (as Megatron): --moe-aux-loss-coeff must be 0 for it");
     } else {
-      MG_CHECK(type == "none", "--moe-router-load-balancing-type {} is not built yet: use aux_loss, seq_aux_loss or none",
-               type);
+      MG_CHECK(type == "none",
+               "--moe-router-load-balancing-type {} is not built yet: use aux_loss, seq_aux_loss, sinkhorn or none", type);
     }
   }
   MG_CHECK(c.moe_input_jitter_eps == 0.0f, "--moe-input-jitter-eps is not built yet: leave it out");
@@ -77,8 +80,8 @@ MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamA
 }
 
 Tensor MoELayer::forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch,
-                         AuxLossTracker* tracker, Saved& saved) const {
-  TopKRouter::Output routed = router_->forward(ctx, x, seq_length, micro_batch, tracker, saved.router);
+                         AuxLossTracker* tracker, Saved& saved, bool training) const {
+  TopKRouter::Output routed = router_->forward(ctx, x, seq_length, micro_batch, tracker, saved.router, training);
   std::unique_ptr<MoETokenDispatcher::Saved> dispatch_saved;
   MoETokenDispatcher::Dispatched d = dispatcher_->dispatch(ctx, x, routed.probs, routed.routing_map, dispatch_saved);
   saved.dispatch = std::move(dispatch_saved);

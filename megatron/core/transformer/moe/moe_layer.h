@@ -65,7 +65,7 @@ class MoELayer {
   /// x [T, h] (T = seq_length · micro_batch tokens, sequence-major; this rank's sequence shard
   /// under sequence parallelism) -> [T, h]. The router reports its losses to `tracker` (may be null).
   Tensor forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch, AuxLossTracker* tracker,
-                 Saved& saved) const;
+                 Saved& saved, bool training = true) const;
   /// The aux losses' gradients get the backward scale `aux_loss_scale` (Note [Router losses' gradients]).
   Tensor backward(Context& ctx, const Tensor& grad_out, Saved& saved, float aux_loss_scale = 1.0f) const;
 

@@ -60,6 +60,43 @@ void aux_scores_row(const RouterConfig& c, const float* l, int64_t e, float* out
 }
 
 bool aux_on(const RouterConfig& c) { return c.aux_loss_coeff > 0 || c.seq_aux_loss_coeff > 0; }
+
+// Megatron's moe_utils.sinkhorn on exp(logits) [T, E] (Note [Sinkhorn routing]).
+std::vector<float> sinkhorn(const std::vector<float>& logits, int64_t t_count, int64_t e, double tol = 1e-4) {
+  std::vector<double> cost(logits.size());
+  for (size_t i = 0; i < cost.size(); ++i) cost[i] = std::exp(double(logits[i]));
+  std::vector<double> d0(static_cast<size_t>(t_count), 1.0), d1(static_cast<size_t>(e), 1.0), d1_old = d1;
+  const double eps = 1e-8;
+  for (int iter = 0; iter < 10000; ++iter) {
+    for (int64_t t = 0; t < t_count; ++t) {
+      double s = 0;
+      for (int64_t x = 0; x < e; ++x) s += d1[size_t(x)] * cost[size_t(t * e + x)];
+      d0[size_t(t)] = 1.0 / double(t_count) / (s + eps);
+    }
+    for (int64_t x = 0; x < e; ++x) {
+      double s = 0;
+      for (int64_t t = 0; t < t_count; ++t) s += d0[size_t(t)] * cost[size_t(t * e + x)];
+      d1[size_t(x)] = 1.0 / double(e) / (s + eps);
+    }
+    double err = 0;
+    for (int64_t x = 0; x < e; ++x) err += std::fabs(d1_old[size_t(x)] - d1[size_t(x)]);
+    d1_old = d1;
+    if (err / double(e) <= tol) break;
+  }
+  std::vector<float> out(logits.size());
+  for (int64_t t = 0; t < t_count; ++t)
+    for (int64_t x = 0; x < e; ++x) out[size_t(t * e + x)] = float(d1[size_t(x)] * cost[size_t(t * e + x)] * d0[size_t(t)]);
+  return out;
+}
+
+// Sinkhorn's probabilities are those of another score function (Note [Sinkhorn routing]).
+RouterConfig probability_config(const RouterConfig& c) {
+  if (!c.sinkhorn) return c;
+  RouterConfig p = c;
+  p.score_function = c.topk > 1 ? "softmax" : "sigmoid";
+  p.pre_softmax = c.topk > 1;
+  return p;
+}
 }  // namespace
 
 void RouterConfig::validate() const {
@@ -81,6 +118,13 @@ void RouterConfig::validate() const {
            "--moe-token-drop-policy must be probs or position (got '{}')", drop_policy);
   MG_CHECK(!pad_to_capacity || capacity_factor.has_value(),
            "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");
+  if (sinkhorn) {
+    MG_CHECK(aux_loss_coeff == 0 && seq_aux_loss_coeff == 0,
+             "sinkhorn routing takes no aux loss (as Megatron): leave --moe-aux-loss-coeff at 0");
+    MG_CHECK(!pre_softmax && group_topk == 0 && topk_scaling_factor == 0 && !expert_bias,
+             "sinkhorn routing chooses its own scores: drop --moe-router-pre-softmax, the group-limited routing, "
+             "--moe-router-topk-scaling-factor and --moe-router-enable-expert-bias (Megatron ignores them)");
+  }
 }
 
 int64_t expert_capacity(int64_t num_tokens, int num_experts, float capacity_factor) {
@@ -89,7 +133,7 @@ int64_t expert_capacity(int64_t num_tokens, int num_experts, float capacity_fact
 
 RoutingOutput routing_forward(const RouterConfig& c, const Tensor& logits_in, const Tensor& expert_bias,
                               int64_t seq_length, int64_t micro_batch, RoutingSaved& saved,
-                              const CountReduction* counts) {
+                              const CountReduction* counts, bool training) {
   c.validate();
   MG_CHECK(logits_in.dim() == 2 && logits_in.size(1) == c.num_experts, "router logits {} for {} experts",
            shape_str(logits_in.shape()), c.num_experts);
@@ -103,11 +147,21 @@ RoutingOutput routing_forward(const RouterConfig& c, const Tensor& logits_in, co
   const std::vector<float> bias = c.expert_bias ? expert_bias.to_floats() : std::vector<float>();
   std::vector<float> probs(static_cast<size_t>(t_count * e), 0.0f), row(static_cast<size_t>(e)), routing(static_cast<size_t>(e));
   saved.top.assign(size_t(t_count * k), 0);
+  const RouterConfig pc = probability_config(c);
+  const std::vector<float> balanced = c.sinkhorn && training ? sinkhorn(l, t_count, e) : std::vector<float>();
   for (int64_t t = 0; t < t_count; ++t) {
     const float* lt = &l[size_t(t * e)];
     float* pt = &probs[size_t(t * e)];
     std::vector<int64_t> top;
-    if (c.score_function == "softmax" && !c.pre_softmax) {  // top-k of the logits, softmax over them
+    if (c.sinkhorn) {  // Note [Sinkhorn routing]
+      if (pc.score_function == "softmax") {
+        softmax_row(lt, e, row.data());
+      } else {
+        for (int64_t i = 0; i < e; ++i) row[size_t(i)] = sigmoid(lt[i]);
+      }
+      top = top_indices(training ? &balanced[size_t(t * e)] : row.data(), e, int(k));
+      for (int64_t i : top) pt[i] = row[size_t(i)];
+    } else if (c.score_function == "softmax" && !c.pre_softmax) {  // top-k of the logits, softmax over them
       top = select(c, lt, e);
       std::vector<float> sel(static_cast<size_t>(k)), p(static_cast<size_t>(k));
       for (int64_t j = 0; j < k; ++j) sel[size_t(j)] = lt[top[size_t(j)]];
@@ -232,8 +286,9 @@ RoutingOutput routing_forward(const RouterConfig& c, const Tensor& logits_in, co
   return out;
 }
 
-Tensor routing_backward(const RouterConfig& c, const Tensor& grad_probs, const RoutingSaved& saved,
+Tensor routing_backward(const RouterConfig& config, const Tensor& grad_probs, const RoutingSaved& saved,
                         float aux_loss_scale) {
+  const RouterConfig c = probability_config(config);
   const int64_t t_count = saved.logits.size(0), e = c.num_experts, k = c.topk;
   MG_CHECK(grad_probs.numel() == t_count * e, "grad_probs {} for router logits [{}, {}]", shape_str(grad_probs.shape()),
            t_count, e);

@@ -47,6 +47,7 @@ struct RouterConfig {
   std::string drop_policy = "probs";       // --moe-token-drop-policy probs | position
   bool pad_to_capacity = false;            // --moe-pad-expert-input-to-capacity
   bool expert_bias = false;                // --moe-router-enable-expert-bias
+  bool sinkhorn = false;                   // --moe-router-load-balancing-type sinkhorn (Note [Sinkhorn routing])
 
   /// One clear line for a combination Megatron refuses or this file does not have.
   void validate() const;
@@ -82,9 +83,17 @@ struct CountReduction {
 
 /// Megatron's TopKRouter.routing (after the gating GEMM). expert_bias [E] fp32 (undefined unless
 /// config.expert_bias). counts: null for one rank.
+/// training: Megatron's self.training (sinkhorn balances the choice in training only).
 RoutingOutput routing_forward(const RouterConfig& config, const Tensor& logits, const Tensor& expert_bias,
                               int64_t seq_length, int64_t micro_batch, RoutingSaved& saved,
-                              const CountReduction* counts = nullptr);
+                              const CountReduction* counts = nullptr, bool training = true);
+
+// Note [Sinkhorn routing] (Megatron's sinkhorn_load_balancing, S-BASE): in training each token's
+// experts are the top-k of the Sinkhorn-balanced exp(logits) (alternate row and column scaling of
+// the [T, E] matrix until the column scales move by less than 1e-4 on average); in evaluation the
+// top-k of the probabilities. The probabilities are sigmoid(logits) for top-1 and softmax over all
+// experts for top-k > 1, kept on the chosen experts without renormalising, so their gradient is the
+// sigmoid's or the pre-softmax one; the balancing passes none. No aux loss (Megatron asserts it).
 /// grad_logits [T, E] from grad_probs [T, E] plus the gradients of the aux and z losses, each given
 /// the backward scale `aux_loss_scale` (Note [Router losses' gradients]).
 Tensor routing_backward(const RouterConfig& config, const Tensor& grad_probs, const RoutingSaved& saved,

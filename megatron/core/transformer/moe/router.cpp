@@ -32,11 +32,12 @@ void TopKRouter::declare_router_losses(AuxLossTracker& tracker, const RouterConf
 // than one tp x cp rank routes with moe_utils.h's routing_forward/backward (the CPU reference),
 // summing the counts over the group on the context's device.
 bool TopKRouter::host_routing() const {
-  return tp_cp_ && (config_.aux_loss_coeff > 0 || config_.seq_aux_loss_coeff > 0);
+  // Sinkhorn's balancing is a whole-batch iteration, on the host (Note [Sinkhorn routing]).
+  return config_.sinkhorn || (tp_cp_ && (config_.aux_loss_coeff > 0 || config_.seq_aux_loss_coeff > 0));
 }
 
 TopKRouter::Output TopKRouter::forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch,
-                                       AuxLossTracker* tracker, Saved& saved) {
+                                       AuxLossTracker* tracker, Saved& saved, bool training) {
   MG_CHECK(x.dim() == 2 && x.size(1) == weight_->data.size(1), "router input {} for a weight {}", shape_str(x.shape()),
            shape_str(weight_->data.shape()));
   const Device dev = ctx.device();
@@ -53,15 +54,17 @@ TopKRouter::Output TopKRouter::forward(Context& ctx, const Tensor& x, int64_t se
   Output out;
   Tensor tokens, losses;  // [E] and [3] = {aux, seq_aux, z} with their coefficients, on dev
   if (host_routing()) {
-    CountReduction counts;
-    counts.group_size = tp_cp_->size();
-    counts.sum = [&](std::vector<float> v) {
-      Tensor t = Tensor::from_floats(v, {int64_t(v.size())}).to(dev);
-      tp_cp_->all_reduce(ctx, t)->wait();
-      return t.to_floats();
-    };
+    CountReduction counts;  // over tp × cp (one rank: none)
+    if (tp_cp_) {
+      counts.group_size = tp_cp_->size();
+      counts.sum = [&](std::vector<float> v) {
+        Tensor t = Tensor::from_floats(v, {int64_t(v.size())}).to(dev);
+        tp_cp_->all_reduce(ctx, t)->wait();
+        return t.to_floats();
+      };
+    }
     const RoutingOutput r =
-        routing_forward(routing_config(), logits, expert_bias_, seq_length, micro_batch, saved.host, &counts);
+        routing_forward(routing_config(), logits, expert_bias_, seq_length, micro_batch, saved.host, &counts, training);
     out.probs = r.probs.to(dev);
     out.routing_map = r.routing_map.to(dev);
     tokens = r.tokens_per_expert.to(dev);

@@ -55,8 +55,9 @@ class TopKRouter {
   };
   /// x [T, h] (T = seq_length · micro_batch, sequence-major) -> probs and routing map. Reports the
   /// losses to `tracker` and counts the tokens per expert for the bias update (neither when null).
+  /// training: false in evaluation (sinkhorn routing balances in training only).
   Output forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch, AuxLossTracker* tracker,
-                 Saved& saved);
+                 Saved& saved, bool training = true);
   /// grad_probs [T, E] -> grad_x [T, h] (fp32); accumulates the weight gradient. The losses'
   /// gradients have the backward scale `aux_loss_scale`.
   Tensor backward(Context& ctx, const Tensor& grad_probs, const Saved& saved, float aux_loss_scale = 1.0f) const;
