@@ -376,7 +376,7 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
 }
 
 namespace {
-// The MoE part of validate_args (the model's own rules are TransformerConfig::finalize_moe's).
+// The MoE part of validate_args: what needs the world size or the command line's spelling.
 void validate_moe_args(Arguments& a) {
   if (a.expert_tensor_parallel_size == 0) a.expert_tensor_parallel_size = a.tensor_model_parallel_size;
   const int ep = a.expert_model_parallel_size, etp = a.expert_tensor_parallel_size;
@@ -388,10 +388,6 @@ void validate_moe_args(Arguments& a) {
            "world size ({}) is not divisible by expert tensor ({}) x expert model ({}) x pipeline ({}) parallel size: "
            "launch a multiple of {} processes",
            a.world_size, etp, ep, a.pipeline_model_parallel_size, expert_model_parallel);
-  MG_CHECK(a.num_experts % ep == 0, "--num-experts ({}) must be divisible by --expert-model-parallel-size ({})",
-           a.num_experts, ep);
-  MG_CHECK(a.moe_router_topk >= 1 && a.moe_router_topk <= a.num_experts,
-           "--moe-router-topk ({}) must be between 1 and --num-experts ({})", a.moe_router_topk, a.num_experts);
   if (!a.moe_expert_capacity_factor.empty()) {
     size_t used = 0;
     float f = 0;
@@ -404,10 +400,8 @@ void validate_moe_args(Arguments& a) {
              "--moe-expert-capacity-factor must be a positive number (got '{}'); leave it out for dropless MoE",
              a.moe_expert_capacity_factor);
   }
-  MG_CHECK(!a.moe_pad_expert_input_to_capacity || !a.moe_expert_capacity_factor.empty(),
-           "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");
-  MG_CHECK(a.tensor_model_parallel_size == 1 || a.sequence_parallel,
-           "MoE with tensor parallelism needs --sequence-parallel (as in Megatron)");
+  // The model's own rules (top-k, experts over EP, SP with TP, padding needs a capacity) are
+  // TransformerConfig::finalize_moe's and the router's.
 }
 }  // namespace
 

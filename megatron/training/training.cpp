@@ -120,6 +120,14 @@ std::vector<Parameter*> chunk_parameters(const std::vector<std::unique_ptr<Model
   return v;
 }
 
+// The non-parameter state a checkpoint carries (ModelChunk::buffers), over all model chunks.
+std::vector<std::pair<std::string, Tensor*>> chunk_buffers(const std::vector<std::unique_ptr<ModelChunk>>& chunks) {
+  std::vector<std::pair<std::string, Tensor*>> v;
+  for (const auto& c : chunks)
+    for (const auto& b : c->buffers()) v.push_back(b);
+  return v;
+}
+
 // Note [Killing a rank]: MEGATRON_FAULT_INJECT=kill-rank:R:N makes world rank R send itself SIGKILL
 // after iteration N (tests: a dead rank must end the job, never hang it).
 void maybe_kill_rank(int rank, int64_t iteration) {
@@ -522,12 +530,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   AdamOptimizer optimizer(ddp.parameters(), optimizer_config_from_args(args), ddp);
   OptimizerParamScheduler scheduler(scheduler_config_from_args(args));
   Checkpointer checkpointer(args, &ps);
-  {
-    std::vector<std::pair<std::string, Tensor*>> buffers;
-    for (auto& c : chunks)
-      for (auto& b : c->buffers()) buffers.push_back(b);
-    checkpointer.set_model_buffers(std::move(buffers));
-  }
+  checkpointer.set_model_buffers(chunk_buffers(chunks));
   TrainingProgress progress;
   if (!args.load.empty()) {
     auto loaded = checkpointer.load(ctx, args.load, chunk_parameters(chunks), &optimizer, &scheduler);

@@ -165,10 +165,11 @@ TEST(Arguments, ParallelLayoutRules) {
   auto check = [](std::vector<std::string> extra, const std::string& needle) {
     auto f = base();
     f.insert(f.end(), extra.begin(), extra.end());
-    std::string e = error_of([&] {
+    std::string e = error_of([&] {  // the arguments' rules, then the model config's (as pretrain_gpt)
       Arguments a = parse(f);
       a.world_size = 8;
       validate_args(a);
+      transformer_config_from_args(a, 1000);
     });
     EXPECT_NE(e.find(needle), std::string::npos) << "got: " << e;
   };

@@ -122,10 +122,10 @@ void TransformerConfig::finalize_moe() {
   MG_CHECK(moe_ffn_hidden_size % expert_tensor_parallel_size == 0,
            "--moe-ffn-hidden-size ({}) must be divisible by --expert-tensor-parallel-size ({})", moe_ffn_hidden_size,
            expert_tensor_parallel_size);
-  MG_CHECK(!add_bias_linear || expert_tensor_parallel_size == 1,
-           "biases in MoE layers need --expert-tensor-parallel-size 1 (as in Megatron): add --disable-bias-linear");
   MG_CHECK(tensor_model_parallel_size == 1 || sequence_parallel,
            "MoE with tensor parallelism needs --sequence-parallel (as in Megatron)");
+  MG_CHECK(!add_bias_linear || expert_tensor_parallel_size == 1,
+           "biases in MoE layers need --expert-tensor-parallel-size 1 (as in Megatron): add --disable-bias-linear");
   MG_CHECK(moe_token_dispatcher_type == "allgather" || moe_token_dispatcher_type == "alltoall" ||
                moe_token_dispatcher_type == "flex",
            "unknown --moe-token-dispatcher-type {}: use allgather, alltoall or flex", moe_token_dispatcher_type);

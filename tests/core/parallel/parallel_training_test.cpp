@@ -151,6 +151,29 @@ class ParallelTraining : public ::testing::Test {
     expect_same_weights(save, dir_->path / single_dir, layout.name);
   }
 
+  // A checkpoint saved by one layout at iteration 3 of a 5-iteration schedule (--exit-interval),
+  // resumed under another: iterations 4 and 5 give the single run's losses (and aux losses), and
+  // the final weights are the single run's.
+  struct Reshard {
+    std::string name;
+    int np_save;
+    std::vector<std::string> save_flags;
+    int np_load;
+    std::vector<std::string> load_flags;
+  };
+  void check_reshard(const std::vector<std::string>& model, const TrainRun& single, const std::string& single_dir,
+                     const Reshard& c) {
+    const fs::path ckpt = dir_->path / ("reshard_" + c.name);
+    train(dir_->path, c.name + "_save", c.np_save,
+          concat(concat(model, c.save_flags), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
+    TrainRun resumed = train(dir_->path, c.name + "_load", c.np_load,
+                             concat(concat(model, c.load_flags),
+                                    {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
+    expect_close(resumed.losses, single.losses, c.name, 3);
+    for (const auto& [name, values] : single.aux) expect_close(resumed.aux[name], values, c.name + " " + name, 3);
+    expect_same_weights(ckpt, dir_->path / single_dir, c.name);
+  }
+
   static ScratchDir* dir_;
   static TrainRun* gpt_;
   static TrainRun* llama_;
@@ -268,14 +291,7 @@ TEST_F(ParallelTraining, DropoutMatchesAcrossDataAndPipelineParallel) {
 // A checkpoint saved by one layout at iteration 3 of a 5-iteration schedule (--exit-interval) resumes
 // under another with the single run's losses for iterations 4 and 5.
 TEST_F(ParallelTraining, CheckpointsReshardAcrossLayouts) {
-  struct Case {
-    std::string name;
-    int np_save;
-    std::vector<std::string> save_flags;
-    int np_load;
-    std::vector<std::string> load_flags;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<Reshard> cases = {
       {"tp2pp2_to_single", 4, {"--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"}, 1, {}},
       {"single_to_tp4dp2_distopt", 1, {}, 8,
        {"--tensor-model-parallel-size", "4", "--use-distributed-optimizer"}},
@@ -284,16 +300,7 @@ TEST_F(ParallelTraining, CheckpointsReshardAcrossLayouts) {
       {"tp2sp_to_tp4pp2", 2, {"--tensor-model-parallel-size", "2", "--sequence-parallel"}, 8,
        {"--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"}},
   };
-  for (const Case& c : cases) {
-    const fs::path ckpt = dir_->path / ("reshard_" + c.name);
-    train(dir_->path, c.name + "_save", c.np_save,
-          concat(concat(kGpt, c.save_flags), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
-    TrainRun resumed = train(dir_->path, c.name + "_load", c.np_load,
-                        concat(concat(kGpt, c.load_flags),
-                               {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
-    expect_close(resumed.losses, gpt_->losses, c.name, 3);
-    expect_same_weights(ckpt, dir_->path / "gpt_single", c.name);
-  }
+  for (const Reshard& c : cases) check_reshard(kGpt, *gpt_, "gpt_single", c);
 }
 
 // ---- mixture of experts --------------------------------------------------------------------------
@@ -385,14 +392,9 @@ TEST_F(ParallelTraining, MoeExpertBiasSeqAuxTP2EP2) {
   check(model, one, "moe_bias_single", Layout{"moe_bias_tp2sp_ep2", 4, tp2ep2});
   // The expert biases are checkpoint state: saved at iteration 3 under TP 2 × EP 2, resumed by one
   // process, the routing (and so the losses) continue as in the single run.
-  const fs::path ckpt = dir_->path / "moe_bias_reshard";
-  train(dir_->path, "moe_bias_save", 4,
-        concat(concat(model, tp2ep2), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
-  TrainRun resumed =
-      train(dir_->path, "moe_bias_load", 1, concat(model, {"--train-iters", "5", "--load", ckpt.string()}));
-  expect_close(resumed.losses, one.losses, "expert bias resumed", 3);
-  expect_close(resumed.aux["seq_load_balancing_loss"], one.aux["seq_load_balancing_loss"], "expert bias resumed", 3);
-  dist_checkpointing::ShardIndex index((ckpt / "iter_0000003").string(), "model");
+  check_reshard(model, one, "moe_bias_single", Reshard{"moe_bias_tp2sp_ep2_to_single", 4, tp2ep2, 1, {}});
+  dist_checkpointing::ShardIndex index((dir_->path / "reshard_moe_bias_tp2sp_ep2_to_single/iter_0000003").string(),
+                                       "model");
   EXPECT_TRUE(index.contains("decoder.layers.1.mlp.router.expert_bias"));
 }
 
@@ -412,31 +414,14 @@ TEST_F(ParallelTraining, MoeSinkhornEP2) {
 TEST_F(ParallelTraining, MoeCheckpointsReshardAcrossExpertLayouts) {
   TrainRun one = train(dir_->path, "moe_reshard_single", 1,
                        concat(kMoe, {"--train-iters", "5", "--save", (dir_->path / "moe_reshard_single").string()}));
-  struct Case {
-    std::string name;
-    int np_save;
-    std::vector<std::string> save_flags;
-    int np_load;
-    std::vector<std::string> load_flags;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<Reshard> cases = {
       {"tp2sp_ep2_etp2_to_ep4_distopt", 4,
        {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
         "--expert-tensor-parallel-size", "2"},
        4, {"--expert-model-parallel-size", "4", "--use-distributed-optimizer"}},
       {"ep2_pp2_to_single", 4, {"--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"}, 1, {}},
   };
-  for (const Case& c : cases) {
-    const fs::path ckpt = dir_->path / ("moe_reshard_" + c.name);
-    train(dir_->path, c.name + "_save", c.np_save,
-          concat(concat(kMoe, c.save_flags), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
-    TrainRun resumed = train(dir_->path, c.name + "_load", c.np_load,
-                             concat(concat(kMoe, c.load_flags),
-                                    {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
-    expect_close(resumed.losses, one.losses, c.name, 3);
-    expect_close(resumed.aux["load_balancing_loss"], one.aux["load_balancing_loss"], c.name + " lb loss", 3);
-    expect_same_weights(ckpt, dir_->path / "moe_reshard_single", c.name);
-  }
+  for (const Reshard& c : cases) check_reshard(kMoe, one, "moe_reshard_single", c);
 }
 
 }  // namespace

@@ -296,7 +296,7 @@ TEST(TopKRouter, GradientsTrackerAndExpertBias) {
     EXPECT_NEAR(gw[size_t(i)], (up - down) / (2 * eps), 2e-3) << "weight " << i;
   }
   // The expert bias: every forward above counted its tokens; the update uses the counts of the step.
-  router.update_expert_bias(1e-3f);
+  router.update_expert_bias(ctx, 1e-3f);
   const std::vector<float> b = router.expert_bias().to_floats();
   for (float v : b) EXPECT_TRUE(v == 1e-3f || v == -1e-3f || v == 0.0f) << v;
   EXPECT_NE(b, std::vector<float>(8, 0.0f)) << "an uneven count moves the bias";

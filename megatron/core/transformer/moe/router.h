@@ -68,10 +68,6 @@ class TopKRouter {
   /// (Megatron's tp × cp × dp: the tp × cp group, then the data-parallel one; null entries are one
   /// rank), and the counts restart. A no-op without the expert bias.
   void update_expert_bias(Context& ctx, float update_rate, const std::vector<Communicator*>& groups = {});
-  void update_expert_bias(float update_rate) {
-    Context ctx;
-    update_expert_bias(ctx, update_rate);
-  }
   /// Whether this router routes on the host (Note [Load-balancing counts over tp x cp]).
   bool host_routing() const;
   /// The expert bias as checkpoint state (undefined without it; on the parameters' device).
