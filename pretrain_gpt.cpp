@@ -9,6 +9,8 @@
 #include "megatron/core/datasets/data_loader.h"
 #include "megatron/core/models/gpt/gpt_layer_specs.h"
 #include "megatron/core/models/gpt/gpt_model.h"
+#include "megatron/core/packed_seq_params.h"
+#include "megatron/core/transformer/context_parallel.h"
 #include "megatron/training/training.h"
 
 using namespace megatron;
@@ -29,7 +31,7 @@ GPTDataArgs data_args(const Arguments& a) {
   d.reset_position_ids = a.reset_position_ids;
   d.reset_attention_mask = a.reset_attention_mask;
   d.eod_mask_loss = a.eod_mask_loss;
-  d.create_attention_mask_in_dataloader = !a.no_create_attention_mask_in_dataloader;
+  d.create_attention_mask_in_dataloader = !a.no_create_attention_mask_in_dataloader;  // (documents, not a mask)
   if (a.train_samples > 0) d.train_samples = a.train_samples;
   d.train_iters = a.train_iters;
   d.eval_interval = a.eval_interval;
@@ -38,7 +40,9 @@ GPTDataArgs data_args(const Arguments& a) {
   return d;
 }
 
-// A data iterator over one split: the loader's next micro-batch, an error when it runs dry.
+// A data iterator over one split: the loader's next micro-batch, an error when it runs dry. Each
+// context-parallel rank keeps its rows (Megatron's get_batch_on_this_cp_rank) and the documents of
+// the whole sequence (Note [Packed sequences]).
 BatchIterator make_iterator(std::shared_ptr<const MegatronDataset> dataset, const Arguments& a, int64_t consumed,
                             const char* split) {
   if (!dataset) return {};
@@ -49,17 +53,28 @@ BatchIterator make_iterator(std::shared_ptr<const MegatronDataset> dataset, cons
   o.consumed_samples = consumed;
   o.pin_memory = select_device(a.device).is_cuda();  // pinned batches copy to the GPU asynchronously
   auto loader = std::make_shared<DataLoader>(std::move(dataset), o);
-  return [loader, split]() {
+  const int cp = a.context_parallel_size, cp_rank = a.context_parallel_rank;
+  return [loader, split, cp, cp_rank]() {
     std::optional<GPTBatch> b = loader->next();
     MG_CHECK(b.has_value(), "the {} data ran out: the dataset has fewer samples than training asks for", split);
-    return MicroBatch{b->tokens, b->labels, b->loss_mask, b->position_ids};
+    Tensor cu = b->attention_segments.defined() ? cu_seqlens_from_segments(b->attention_segments) : Tensor();
+    return MicroBatch{cp_split_rows(b->tokens, cp_rank, cp), cp_split_rows(b->labels, cp_rank, cp),
+                      cp_split_rows(b->loss_mask, cp_rank, cp), cp_split_rows(b->position_ids, cp_rank, cp), cu};
   };
 }
 
 DataIterators train_valid_test_data_iterators(const Arguments& a, const Tokenizer* tokenizer, int64_t consumed_train,
                                               int64_t consumed_valid) {
-  MG_CHECK(!a.reset_attention_mask,
-           "--reset-attention-mask is not supported yet: the attention kernels are causal over the whole sequence");
+  if (a.reset_attention_mask || a.reset_position_ids || a.eod_mask_loss) {
+    const char* flag = a.reset_attention_mask ? "--reset-attention-mask"
+                       : a.reset_position_ids ? "--reset-position-ids"
+                                              : "--eod-mask-loss";
+    const int64_t eod = tokenizer->eod();
+    MG_CHECK(eod >= 0 && eod < tokenizer->vocab_size(),
+             "{} finds documents by their end-of-document token, and the {} tokenizer has none (eod {}): use a "
+             "tokenizer with an EOS/EOD token",
+             flag, a.tokenizer_type, eod);
+  }
   // The tokenizer outlives the iterators (pretrain owns it); a non-owning shared_ptr hands it over.
   std::shared_ptr<const Tokenizer> tok(tokenizer, [](const Tokenizer*) {});
   SplitDatasets ds = build_train_valid_test_datasets(data_args(a), tok);
@@ -88,9 +103,9 @@ ForwardOutput forward_step(Context& ctx, const MicroBatch& b, const GPTModel& mo
   const bool first = model.pre_process(), last = model.post_process();
   Tensor output = model.forward_step(ctx, first ? on_device(b.tokens) : Tensor(),
                                      first ? on_device(b.position_ids) : Tensor(), last ? on_device(b.labels) : Tensor(),
-                                     input, stash);
+                                     input, stash, b.cu_seqlens);
   if (!last) return ForwardOutput{output, Tensor(), {}};
-  return ForwardOutput{output, Tensor(), masked_token_loss(on_device(b.loss_mask))};
+  return ForwardOutput{output, Tensor(), masked_token_loss(on_device(b.loss_mask), model.cp_group())};
 }
 
 }  // namespace

@@ -4,6 +4,13 @@
 // against 989 TFLOP/s, median step time, peak memory.
 //
 //   build/bench/gpt_throughput --preset gpt-1.3B [--steps 20 --warmup 5 --device cuda --dtype bf16]
+//   build/bench/gpt_throughput --preset llama-1B --seq 32768 --micro-batch-size 1 --doc-mean 2048
+//
+// --doc-mean N packs documents into each sequence (Note [Packed sequences]): lengths
+// N/2 + (((i + 1) · 2654435761) mod 2^32) mod N for document i of the run (row r starts at
+// i = 1000·r), the last one cut at the sequence's end — the lengths bench/pytorch_reference.py
+// --doc-mean draws, so both attend within the same documents. The FLOPs stay Megatron's formula
+// (causal attention over the whole sequence); compare tokens/s.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -40,6 +47,9 @@ const std::map<std::string, Preset> kPresets = {
     {"gpt-2.7B", {32, 2560, 32, 2048, 8}},
     // Llama-3.2-1B-like (untied output layer), as bench/pytorch_reference.py --preset llama-1B.
     {"llama-1B", {16, 2048, 32, 4096, 2, true, 8, 8192, 128256, 500000.0f}},
+    // Eight layers of Llama-3-8B's shape (h 4096, 32 heads, 8 groups, ffn 14336) with its vocabulary: the
+    // long-context memory statement's larger shape (the whole 8B's weights and Adam state exceed one H200).
+    {"llama-8B-layers", {8, 4096, 32, 8192, 1, true, 8, 14336, 128256, 500000.0f}},
     {"tiny", {2, 128, 4, 128, 4}},
     {"llama-tiny", {2, 128, 4, 128, 4, true, 2, 256, 0, 500000.0f}},
     // Mixtral-style MoE in every layer, as ../shared/bench/pytorch_moe_reference.py's presets: dropless
@@ -54,7 +64,8 @@ const std::map<std::string, Preset> kPresets = {
 int main(int argc, char** argv) {
   try {
     std::string preset = "tiny", device = "auto", dtype = "bf16";
-    int steps = 10, warmup = 3, vocab = 50257, mbs = 0;
+    int steps = 10, warmup = 3, vocab = 50257, mbs = 0, seq = 0, doc_mean = 0;
+    std::string recompute;
     bool profile = false, cuda_graph = false, deterministic = false, grouped_gemm = false;
     CLI::App app("GPT training-step throughput");
     app.add_option("--preset", preset, "Model shape")->capture_default_str();
@@ -66,6 +77,10 @@ int main(int argc, char** argv) {
         app.add_option("--vocab", vocab, "Vocabulary size (padded to 128; Llama presets default to their own)")
             ->capture_default_str();
     app.add_option("--micro-batch-size", mbs, "Micro-batch size (default: the preset's)");
+    app.add_option("--seq", seq, "Sequence length (default: the preset's)");
+    app.add_option("--doc-mean", doc_mean, "Pack documents of about this mean length into each sequence");
+    app.add_option("--recompute", recompute, "Activation recomputation: full (uniform, every layer) or selective")
+        ->check(CLI::IsMember({"full", "selective"}));
     app.add_flag("--profile", profile, "After timing, one more step with per-op timing (CUDA events): JSON lines");
     app.add_flag("--cuda-graph", cuda_graph,
                  "Forward and backward as one CUDA graph, captured after the warmup steps (the optimizer eager)");
@@ -78,6 +93,7 @@ int main(int argc, char** argv) {
     MG_CHECK(it != kPresets.end(), "unknown preset '{}'", preset);
     Preset p = it->second;
     if (mbs > 0) p.mbs = mbs;
+    if (seq > 0) p.seq = seq;
     if (p.vocab > 0 && vocab_opt->count() == 0) vocab = p.vocab;
 
     Arguments a;
@@ -104,6 +120,10 @@ int main(int argc, char** argv) {
       a.rotary_base = p.rotary_base;
       a.disable_bias_linear = true;
       a.untie_embeddings_and_output_weights = true;
+    }
+    if (!recompute.empty()) {
+      a.recompute_granularity = recompute;
+      if (recompute == "full") a.recompute_method = "uniform", a.recompute_num_layers = 1;
     }
     if (p.experts > 0) {
       a.num_experts = p.experts;
@@ -135,6 +155,28 @@ int main(int argc, char** argv) {
     Tensor tokens = Tensor::from_ints(ids, {p.mbs, p.seq}, DType::Int64, ctx.device());
     Tensor targets = Tensor::from_ints(labels, {p.mbs, p.seq}, DType::Int64, ctx.device());
     Tensor positions = default_position_ids(p.mbs, p.seq).to(ctx.device());
+    Tensor cu_seqlens;  // --doc-mean: the documents of each row
+    int64_t documents = 0;
+    if (doc_mean > 0) {
+      std::vector<std::vector<int64_t>> rows(static_cast<size_t>(p.mbs));
+      size_t n = 0;
+      for (int r = 0; r < p.mbs; ++r) {
+        std::vector<int64_t>& cu = rows[size_t(r)];
+        cu.push_back(0);
+        for (uint64_t i = uint64_t(r) * 1000; cu.back() < p.seq; ++i) {
+          const int64_t len = doc_mean / 2 + int64_t((((i + 1) * 2654435761ull) % 4294967296ull) % uint64_t(doc_mean));
+          cu.push_back(std::min<int64_t>(cu.back() + std::max<int64_t>(len, 1), p.seq));
+        }
+        n = std::max(n, cu.size() - 1);
+        documents += int64_t(cu.size()) - 1;
+      }
+      std::vector<int64_t> flat;
+      for (auto& cu : rows) {
+        cu.resize(n + 1, p.seq);
+        flat.insert(flat.end(), cu.begin(), cu.end());
+      }
+      cu_seqlens = Tensor::from_ints(flat, {p.mbs, int64_t(n + 1)}, DType::Int32);
+    }
     Tensor sums = Tensor::empty({2}, DType::Float32, ctx.device());
     Tensor grad = Tensor::empty({int64_t(ids.size())}, DType::Float32, ctx.device());
 
@@ -150,7 +192,7 @@ int main(int argc, char** argv) {
       mark();
       auto forward_backward = [&] {
         GPTModel::Stash stash;
-        Tensor losses = model.forward(ctx, tokens, positions, targets, stash);
+        Tensor losses = model.forward(ctx, tokens, positions, targets, stash, cu_seqlens);
         ops::masked_loss_sums(ctx, losses.view({-1}), Tensor(), sums);
         ops::masked_loss_backward(ctx, Tensor(), 1.0f / float(ids.size()), grad);
         mark();
@@ -236,11 +278,12 @@ int main(int argc, char** argv) {
                     "\"tokens_per_s\": {:.1f}, "
                     "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
                     "\"cuda_graph\": {}, \"deterministic\": {}, \"graph_mem_gb\": {:.3f}, \"loss\": {:.6f}, "
-                    "\"experts\": {}, \"topk\": {}, \"grouped_gemm\": {}}}",
+                    "\"experts\": {}, \"topk\": {}, \"grouped_gemm\": {}, \"doc_mean\": {}, \"documents\": {}, "
+                    "\"recompute\": \"{}\"}}",
                     preset, ctx.device().str(), dtype, p.seq, p.mbs, config.padded_vocab_size, model.params().numel(),
                     tokens_per_step / median, flops / median / 1e12, flops / median / 989e12, median * 1e3,
                     double(m.peak_allocated) / 1e9, cuda_graph, deterministic, double(CudaGraph::memory_bytes(ctx.device())) / 1e9,
-                    loss, p.experts, p.topk, grouped_gemm)
+                    loss, p.experts, p.topk, grouped_gemm, doc_mean, documents, recompute)
             .c_str());
     return 0;
   } catch (const std::exception& e) {

@@ -14,6 +14,12 @@ Both: bf16 autocast over fp32 weights, SDPA flash attention, fused AdamW, with a
   python3 pytorch_reference.py --layers 24 --hidden 2048 --heads 16 --seq 2048 --mbs 8
   python3 pytorch_reference.py --preset gpt2-124M
   python3 pytorch_reference.py --preset llama-1B            # bench/gpt_throughput --preset llama-1B
+  python3 pytorch_reference.py --preset llama-1B --seq 32768 --mbs 1 --doc-mean 2048   # packed documents
+
+--doc-mean N packs documents into each sequence, with bench/gpt_throughput's lengths (document i of the
+run: N/2 + (((i + 1) * 2654435761) mod 2^32) mod N, row r starting at i = 1000 r, the last one cut), and
+attends within each document through FlexAttention with a document-causal BlockMask (torch.compile'd
+flex_attention in both modes: eager FlexAttention is a reference implementation, not a kernel).
 
 Prints one JSON line per mode. FLOPs per token (Megatron's num_floating_point_operations, causal attention
 counted as half, as megatron/training/training_log.cpp does):
@@ -91,13 +97,15 @@ class LlamaBlock(nn.Module):
         s.proj = nn.Linear(nh * s.hd, h, bias=False)
         s.fc1, s.fc2 = nn.Linear(h, 2 * ffn, bias=False), nn.Linear(ffn, h, bias=False)
 
-    def forward(s, x, cos, sin):
+    def forward(s, x, cos, sin, block_mask=None):
         B, T, C = x.shape
         q, k, v = s.qkv(s.ln1(x)).split([s.nh * s.hd, s.ng * s.hd, s.ng * s.hd], dim=2)
         q = rotate(q.view(B, T, s.nh, s.hd).transpose(1, 2), cos, sin)
         k = rotate(k.view(B, T, s.ng, s.hd).transpose(1, 2), cos, sin)
         v = v.view(B, T, s.ng, s.hd).transpose(1, 2)
-        if s.native_gqa:
+        if block_mask is not None:
+            y = FLEX(q, k, v, block_mask=block_mask, enable_gqa=True)
+        elif s.native_gqa:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             k, v = (t.repeat_interleave(s.nh // s.ng, dim=1) for t in (k, v))
@@ -124,12 +132,12 @@ class Llama(nn.Module):
         s.register_buffer("cos", angles.cos(), persistent=False)
         s.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(s, idx, tgt):
+    def forward(s, idx, tgt, block_mask=None):
         x = s.wte(idx)
         T = idx.shape[1]
         cos, sin = s.cos[:T], s.sin[:T]
         for b in s.blocks:
-            x = b(x, cos, sin)
+            x = b(x, cos, sin, block_mask)
         logits = s.out(s.lnf(x))
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
 
@@ -149,7 +157,24 @@ def flash_takes_gqa(hd):
         return False
 
 
-def run(shape, V, steps, compile_, preset=None):
+FLEX = None  # torch.compile(flex_attention), made once when --doc-mean is given
+
+
+def document_ids(mbs, S, mean):
+    """[mbs, S] document index of every position: bench/gpt_throughput's --doc-mean lengths."""
+    rows = []
+    for r in range(mbs):
+        ids, pos, i, d = [], 0, r * 1000, 0
+        while pos < S:
+            n = max(mean // 2 + (((i + 1) * 2654435761) % 2**32) % mean, 1)
+            n = min(n, S - pos)
+            ids += [d] * n
+            pos += n; i += 1; d += 1
+        rows.append(ids)
+    return torch.tensor(rows, device="cuda", dtype=torch.int32)
+
+
+def run(shape, V, steps, compile_, preset=None, doc_mean=0):
     torch.manual_seed(0)
     if shape["arch"] == "gpt":
         L, h, nh, S, mbs = shape["L"], shape["h"], shape["nh"], shape["S"], shape["mbs"]
@@ -169,11 +194,20 @@ def run(shape, V, steps, compile_, preset=None):
     fwd = torch.compile(m) if compile_ else m
     idx = torch.randint(0, V, (mbs, S), device="cuda")
     tgt = torch.randint(0, V, (mbs, S), device="cuda")
+    block_mask = None
+    if doc_mean:
+        from torch.nn.attention.flex_attention import create_block_mask
+        doc = document_ids(mbs, S, doc_mean)
+        extra.update(doc_mean=doc_mean, documents=int(sum(int(r.max()) + 1 for r in doc)))
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+        block_mask = create_block_mask(document_causal, mbs, None, S, S, device="cuda")
     times = []
     for _ in range(steps):
         torch.cuda.synchronize(); t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = fwd(idx, tgt)
+            loss = fwd(idx, tgt, block_mask) if doc_mean else fwd(idx, tgt)
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
     warm = sorted(times[3:])
@@ -195,6 +229,7 @@ if __name__ == "__main__":
     ap.add_argument("--seq", type=int); ap.add_argument("--mbs", type=int)
     ap.add_argument("--vocab", type=int, help="default 50304 (GPT), the preset's (Llama)")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--doc-mean", type=int, default=0, help="Llama: pack documents of about this mean length")
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--gqa", choices=["auto", "native", "repeat"], default="auto",
                     help="Llama attention: SDPA enable_gqa (native), K/V repeat_interleave, or native where flash takes it")
@@ -202,6 +237,7 @@ if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = True
     if a.preset in LLAMA_PRESETS:
         L, h, nh, ng, ffn, S, mbs, V, base = LLAMA_PRESETS[a.preset]
+        S, mbs = a.seq or S, a.mbs or mbs
         V = a.vocab or V
         V = (V + 127) // 128 * 128  # Megatron's padding (make_vocab_size_divisible_by 128, TP 1)
         native = flash_takes_gqa(h // nh) if a.gqa == "auto" else a.gqa == "native"
@@ -210,5 +246,9 @@ if __name__ == "__main__":
         L, h, nh, S, mbs = PRESETS[a.preset] if a.preset else (a.layers, a.hidden, a.heads, a.seq, a.mbs)
         V = a.vocab or 50304
         shape = dict(arch="gpt", L=L, h=h, nh=nh, S=S, mbs=mbs)
+    if a.doc_mean:
+        assert shape["arch"] == "llama", "--doc-mean: Llama presets"
+        from torch.nn.attention.flex_attention import flex_attention
+        FLEX = torch.compile(flex_attention)
     for mode in a.modes.split(","):
-        run(shape, V, a.steps, mode == "compile", a.preset)
+        run(shape, V, a.steps, mode == "compile", a.preset, a.doc_mean)

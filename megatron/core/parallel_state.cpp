@@ -75,6 +75,26 @@ ParallelState::ParallelState(std::unique_ptr<Communicator> world, const Parallel
   dp_cp_ = world_->split(dense(false, true, true, false), r, "data-context-parallel");
   tp_cp_ = world_->split(dense(true, true, false, false), r, "tensor-context-parallel");
   mp_ = world_->split(dense(true, false, false, true), r, "model-parallel");
+  // Megatron's create_hierarchical_groups over the context group: level l groups the ranks whose
+  // context rank differs only in digit l of its mixed-radix form (level 0 varies fastest).
+  const std::vector<int>& hs = config_.hierarchical_context_parallel_sizes;
+  if (!hs.empty()) {
+    int prod = 1;
+    for (int h : hs) {
+      MG_CHECK(h >= 1, "--hierarchical-context-parallel-sizes: {} is not a positive size", h);
+      prod *= h;
+    }
+    MG_CHECK(prod == cp, "--hierarchical-context-parallel-sizes multiply to {}, not --context-parallel-size {}", prod,
+             cp);
+    int below = 1;
+    for (size_t level = 0; level < hs.size(); ++level) {
+      const int digit = (cp_rank_ / below) % hs[level];
+      const int others = cp_rank_ - digit * below;  // the context rank with this level's digit zeroed
+      hcp_.push_back(world_->split(dense(false, true, false, false) * cp + others, r,
+                                   fmt::format("hierarchical-context-parallel-{}", level)));
+      below *= hs[level];
+    }
+  }
   const bool in_embedding = pp > 1 && (pp_rank_ == 0 || pp_rank_ == pp - 1);
   embedding_ = world_->split(in_embedding ? dense(false, false, false, true) : -1, r, "embedding");
 
@@ -94,6 +114,12 @@ ParallelState::ParallelState(std::unique_ptr<Communicator> world, const Parallel
     etp_ep_pp_ = world_->split(expert(true, true, false, true), r, "expert-tensor-model-pipeline-parallel");
     edp_ = world_->split(expert(false, false, true, false), r, "expert-data-parallel");
   }
+}
+
+std::vector<Communicator*> ParallelState::hierarchical_context() const {
+  std::vector<Communicator*> out;
+  for (const auto& g : hcp_) out.push_back(g.get());
+  return out;
 }
 
 bool ParallelState::is_pipeline_first_stage(bool ignore_virtual) const {

@@ -19,6 +19,9 @@
 //   pipeline ranks that differ only in pp          data      ranks that differ only in dp
 //   context  ranks that differ only in cp          data-context  dp × cp (gradient reduction)
 //   tensor-context tp × cp
+//   hierarchical context (--hierarchical-context-parallel-sizes A P): level 0 the A consecutive
+//              ranks of the context group, level 1 the P ranks at the same place in their level-0
+//              group (Megatron's create_hierarchical_groups)
 //   embedding  the first and last pipeline stage of this rank's pipeline (tied embeddings); null
 //              on middle stages and when PP = 1.
 //   expert-model   ranks that differ only in ep (the token dispatcher's all-to-all)
@@ -31,6 +34,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "megatron/core/comm/communicator.h"
 
@@ -44,6 +48,9 @@ struct ParallelConfig {
   int expert_tensor_parallel_size = 0;           // 0: the tensor-parallel size (Megatron's default)
   int virtual_pipeline_model_parallel_size = 1;  // model chunks per pipeline rank (1: not interleaved)
   bool sequence_parallel = false;
+  /// --hierarchical-context-parallel-sizes (a2a+p2p): level sizes whose product is the CP size;
+  /// empty: none.
+  std::vector<int> hierarchical_context_parallel_sizes;
 };
 
 class ParallelState {
@@ -63,6 +70,8 @@ class ParallelState {
   Communicator& data_context() const { return *dp_cp_; }
   Communicator& tensor_context() const { return *tp_cp_; }
   Communicator& model() const { return *mp_; }
+  /// The hierarchical context-parallel groups, one per level (empty without the flag).
+  std::vector<Communicator*> hierarchical_context() const;
   /// Null unless this rank is on the first or last pipeline stage and PP > 1.
   Communicator* embedding() const { return embedding_.get(); }
   Communicator& expert_model() const { return *ep_; }
@@ -115,6 +124,7 @@ class ParallelState {
   // groups] in parallel_state.cpp).
   std::shared_ptr<Communicator> tp_, pp_, dp_, cp_, dp_cp_, tp_cp_, mp_, embedding_;
   std::shared_ptr<Communicator> ep_, etp_, etp_ep_, etp_ep_pp_, edp_;
+  std::vector<std::shared_ptr<Communicator>> hcp_;
   int dp_size_ = 1, edp_size_ = 1;
   int tp_rank_ = 0, pp_rank_ = 0, cp_rank_ = 0, dp_rank_ = 0;
   int ep_rank_ = 0, etp_rank_ = 0, edp_rank_ = 0;

@@ -8,6 +8,8 @@ ProcessGroupCollection ProcessGroupCollection::from(const ParallelState& ps) {
   ProcessGroupCollection pg;
   pg.tp = multi_rank(&ps.tensor());
   pg.cp = multi_rank(&ps.context());
+  const std::vector<Communicator*> hcp = ps.hierarchical_context();
+  if (hcp.size() == 2) pg.hcp_a2a = hcp[0], pg.hcp_p2p = hcp[1];
   pg.dp = multi_rank(&ps.data());
   pg.dp_cp = multi_rank(&ps.data_context());
   pg.tp_cp = multi_rank(&ps.tensor_context());

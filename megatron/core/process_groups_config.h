@@ -19,6 +19,7 @@ class ParallelState;
 struct ProcessGroupCollection {
   Communicator* tp = nullptr;     // tensor parallel
   Communicator* cp = nullptr;     // context parallel
+  Communicator* hcp_a2a = nullptr, *hcp_p2p = nullptr;  // --cp-comm-type a2a+p2p: levels 0 and 1
   Communicator* dp = nullptr;     // data parallel
   Communicator* dp_cp = nullptr;  // data × context parallel: dense gradients reduce over it
   Communicator* tp_cp = nullptr;  // tensor × context parallel: the MoE router's token counts sum over it

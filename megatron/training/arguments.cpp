@@ -140,6 +140,11 @@ struct Parser {
     opt(g, "--decoder-first-pipeline-num-layers", a.decoder_first_pipeline_num_layers, "Layers on the first stage");
     opt(g, "--decoder-last-pipeline-num-layers", a.decoder_last_pipeline_num_layers, "Layers on the last stage");
     opt(g, "--context-parallel-size", a.context_parallel_size, "Context-parallel size");
+    opt(g, "--cp-comm-type", a.cp_comm_type, "Context-parallel attention: p2p (ring), all_gather, a2a (Ulysses), a2a+p2p")
+        ->check(CLI::IsMember({"p2p", "all_gather", "a2a", "a2a+p2p"}));
+    opt(g, "--hierarchical-context-parallel-sizes", a.hierarchical_context_parallel_sizes,
+        "a2a+p2p: the a2a and p2p level sizes (their product is --context-parallel-size)")
+        ->expected(1, 8);
     opt(g, "--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size");
     opt(g, "--expert-tensor-parallel-size", a.expert_tensor_parallel_size, "Expert tensor-parallel size");
     flag(g, "--sequence-parallel", a.sequence_parallel, "Sequence parallelism (with TP)");
@@ -403,6 +408,43 @@ void validate_moe_args(Arguments& a) {
   // The model's own rules (top-k, experts over EP, SP with TP, padding needs a capacity) are
   // TransformerConfig::finalize_moe's and the router's.
 }
+
+// Context parallelism and packed sequences (core/transformer/context_parallel.h, core/packed_seq_params.h).
+void validate_context_parallel_args(const Arguments& a) {
+  const int cp = a.context_parallel_size, tp = a.tensor_model_parallel_size;
+  MG_CHECK(!a.reset_attention_mask || !a.no_create_attention_mask_in_dataloader,
+           "--reset-attention-mask needs the documents the data loader finds: leave out "
+           "--no-create-attention-mask-in-dataloader (with it Megatron would attend across documents)");
+  if (!a.hierarchical_context_parallel_sizes.empty() || a.cp_comm_type == "a2a+p2p") {
+    MG_CHECK(a.cp_comm_type == "a2a+p2p", "--hierarchical-context-parallel-sizes goes with --cp-comm-type a2a+p2p");
+    MG_CHECK(a.hierarchical_context_parallel_sizes.size() == 2,
+             "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the a2a and p2p level sizes)");
+    const int64_t prod = a.hierarchical_context_parallel_sizes[0] * a.hierarchical_context_parallel_sizes[1];
+    MG_CHECK(prod == cp, "--hierarchical-context-parallel-sizes {} {} multiply to {}, not --context-parallel-size {}",
+             a.hierarchical_context_parallel_sizes[0], a.hierarchical_context_parallel_sizes[1], prod, cp);
+  }
+  if (cp == 1) return;
+  MG_CHECK(a.seq_length % (2 * cp) == 0,
+           "--seq-length ({}) must be divisible by 2 x --context-parallel-size ({}): each rank holds two of the 2 x CP "
+           "chunks of the sequence",
+           a.seq_length, 2 * cp);
+  MG_CHECK(!a.sequence_parallel || (a.seq_length / cp) % tp == 0,
+           "--sequence-parallel with context parallelism: --seq-length / --context-parallel-size ({}) must be "
+           "divisible by --tensor-model-parallel-size ({})",
+           a.seq_length / cp, tp);
+  MG_CHECK(!a.reset_attention_mask || a.micro_batch_size == 1,
+           "--reset-attention-mask with --context-parallel-size > 1 needs --micro-batch-size 1 (Megatron's packed THD "
+           "format), got {}",
+           a.micro_batch_size);
+  if (a.cp_comm_type == "a2a" || a.cp_comm_type == "a2a+p2p") {
+    const int64_t ranks = a.cp_comm_type == "a2a" ? cp : a.hierarchical_context_parallel_sizes[0];
+    const int groups = a.group_query_attention ? a.num_query_groups : a.num_attention_heads;
+    MG_CHECK(a.num_attention_heads % (tp * ranks) == 0 && groups % (tp * ranks) == 0,
+             "--cp-comm-type {} splits the heads over {} ranks: --num-attention-heads ({}) and the query groups ({}) "
+             "must be divisible by tensor parallel ({}) x {}",
+             a.cp_comm_type, ranks, a.num_attention_heads, groups, tp, ranks);
+  }
+}
 }  // namespace
 
 void validate_args(Arguments& a) {
@@ -458,6 +500,7 @@ void validate_args(Arguments& a) {
            "--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length ({}) must be "
            "divisible by --tensor-model-parallel-size ({})",
            a.seq_length, a.tensor_model_parallel_size);
+  validate_context_parallel_args(a);
   if (a.max_position_embeddings == 0) a.max_position_embeddings = a.seq_length;
   if (a.position_embedding_type == "learned_absolute") {
     MG_CHECK(a.max_position_embeddings >= a.seq_length,
@@ -537,6 +580,9 @@ void validate_args(Arguments& a) {
     MG_CHECK(a.tensor_model_parallel_size == 1 && a.pipeline_model_parallel_size == 1 && a.context_parallel_size == 1,
              "the full-iteration CUDA graph does not capture tensor, pipeline or context parallelism yet: give "
              "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1, or drop --cuda-graph-impl");
+    MG_CHECK(!a.reset_attention_mask,
+             "the full-iteration CUDA graph cannot capture --reset-attention-mask (each batch's documents are copied "
+             "to the GPU inside the step): drop one of them");
     MG_CHECK(!a.overlap_grad_reduce,
              "--overlap-grad-reduce would launch the gradient reduction inside the CUDA graph: drop it (the "
              "reduction runs after the graph) or drop --cuda-graph-impl");
@@ -617,6 +663,8 @@ TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab
   c.decoder_last_pipeline_num_layers = a.decoder_last_pipeline_num_layers;
   c.expert_model_parallel_size = a.expert_model_parallel_size;
   c.expert_tensor_parallel_size = a.expert_tensor_parallel_size;
+  c.context_parallel_size = a.context_parallel_size;
+  c.cp_comm_type = a.cp_comm_type;
   c.finalize();
   return c;
 }

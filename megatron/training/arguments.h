@@ -33,6 +33,8 @@ struct Arguments {
   int decoder_first_pipeline_num_layers = 0;
   int decoder_last_pipeline_num_layers = 0;
   int context_parallel_size = 1;
+  std::string cp_comm_type = "p2p";                          // p2p | all_gather | a2a | a2a+p2p
+  std::vector<int64_t> hierarchical_context_parallel_sizes;  // a2a+p2p: level sizes
   int expert_model_parallel_size = 1;
   int expert_tensor_parallel_size = 0;
   bool sequence_parallel = false;
@@ -46,6 +48,7 @@ struct Arguments {
   int world_size = 1;          // from the launcher (1 for a single process)
   int data_parallel_size = 1;  // derived
   int data_parallel_rank = 0;  // this process's (set by pretrain)
+  int context_parallel_rank = 0;  // this process's (set by pretrain)
 
   // ---- batches
   int micro_batch_size = 0;

@@ -387,9 +387,10 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
 
   // Note [Checkpoint ownership].
   const int tp_rank = distributed() ? parallel_->tp_rank() : 0;
-  const bool dp_writer = !distributed() || parallel_->dp_rank() == 0;
+  // Dense replicas span data × context parallelism: its rank (0, 0) writes.
+  const bool dp_writer = !distributed() || (parallel_->dp_rank() == 0 && parallel_->cp_rank() == 0);
   const bool edp_writer = !distributed() || parallel_->edp_rank() == 0;
-  // Dense parameters are written by data-parallel rank 0, experts by expert-data rank 0.
+  // Dense parameters are written by data-context rank 0, experts by expert-data rank 0.
   auto writer = [&](const Parameter& p) { return p.reduce_group == GradReduceGroup::ExpertData ? edp_writer : dp_writer; };
   auto owned = [&](const Parameter& p) { return !p.shared_embedding_copy && !(p.tp_duplicate && tp_rank != 0); };
   for (const Parameter* p : params) {

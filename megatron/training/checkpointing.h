@@ -11,7 +11,7 @@
 // metadata (Note [Sharded safetensors] in dist_checkpointing/sharded.h).
 //
 // Note [Checkpoint ownership]: a rank writes a parameter (and its optimizer state) iff it is on
-// data-parallel rank 0 (expert-data-parallel rank 0 for an expert's parameters, which are named by
+// data- and context-parallel rank 0 (expert-data-parallel rank 0 for an expert's parameters, which are named by
 // their global expert index, so an expert layout reshards like any other), the parameter is not a tensor-parallel duplicate on tp rank > 0 (norm
 // weights, row-parallel biases), and it is not the last stage's copy of tied embeddings. So every
 // global element is written once. The optimizer state goes through AdamOptimizer::gather_state,

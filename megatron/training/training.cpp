@@ -207,7 +207,13 @@ struct Trainer {
     ddp.zero_grad(ctx);
     ddp.finish_param_sync(ctx);  // --overlap-param-gather: the previous step's all-gathers
     // Megatron's MoEAuxLossAutoScaler.set_loss_scale: the aux losses' gradient, like the main loss's.
-    if (aux_losses) aux_losses->set_backward_scale(float(loss_scale() / double(microbatches.num_microbatches())));
+    // Megatron's MoEAuxLossAutoScaler scale: the loss scale over the microbatches, times the CP size
+    // (each CP rank's aux loss is its part of the sequence's; the gradient mean over data × context
+    // would otherwise shrink it, as for the main loss: Note [Loss under context parallelism]).
+    if (aux_losses) {
+      aux_losses->set_backward_scale(
+          float(loss_scale() * double(ps.cp_size()) / double(microbatches.num_microbatches())));
+    }
     timers.start("forward-backward", 1);
     LossSums sums = cuda_graph ? cuda_graph->forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step,
                                                               data.train, fb_args(loss_scale(), false), &ddp)
@@ -462,14 +468,13 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   args.world_size = launch.world_size;
   if (args.use_checkpoint_args && !args.load.empty()) apply_checkpoint_args(args, args.load);
   validate_args(args);
-  MG_CHECK(args.context_parallel_size == 1, "--context-parallel-size {}: context parallelism is not supported yet",
-           args.context_parallel_size);
   const Device device = select_device(args.device, launch.local_rank);
   check_deterministic_nccl(args, args.world_size > 1 && device.is_cuda());
   ParallelConfig layout;
   layout.tensor_model_parallel_size = args.tensor_model_parallel_size;
   layout.pipeline_model_parallel_size = args.pipeline_model_parallel_size;
   layout.context_parallel_size = args.context_parallel_size;
+  for (int64_t h : args.hierarchical_context_parallel_sizes) layout.hierarchical_context_parallel_sizes.push_back(int(h));
   layout.expert_model_parallel_size = args.expert_model_parallel_size;
   layout.expert_tensor_parallel_size = args.expert_tensor_parallel_size;
   layout.virtual_pipeline_model_parallel_size = args.virtual_pipeline_model_parallel_size;
@@ -477,6 +482,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   ParallelState ps(init_world(launch, device, std::chrono::minutes(args.distributed_timeout_minutes)), layout);
   g_printing_rank = ps.rank() == ps.world_size() - 1;
   args.data_parallel_rank = ps.dp_rank();
+  args.context_parallel_rank = ps.cp_rank();
   Context ctx(device, uint64_t(args.seed));
   ctx.set_deterministic(args.deterministic_mode);
 

@@ -32,15 +32,17 @@ Tensor on_device(const Tensor& t, Device device) { return t.defined() && t.devic
 bool on_host(const MicroBatch& b) { return b.tokens.defined() && b.tokens.device().is_host(); }
 }  // namespace
 
-LossFunc masked_token_loss(Tensor loss_mask) {
-  return [mask = std::move(loss_mask)](Context& c, const Tensor& output, Tensor& sums, const Tensor& loss_scale,
-                                       Tensor* grad) {
+LossFunc masked_token_loss(Tensor loss_mask, Communicator* cp) {
+  return [mask = std::move(loss_mask), cp](Context& c, const Tensor& output, Tensor& sums, const Tensor& loss_scale,
+                                           Tensor* grad) {
     Tensor losses = output.view({-1});
     Tensor m = mask.defined() ? mask.view({-1}) : Tensor();
     ops::masked_loss_sums(c, losses, m, sums);
+    if (cp && cp->size() > 1) cp->all_reduce(c, sums)->wait();  // Note [Loss under context parallelism]
     if (!grad) return;
     Tensor g = Tensor::empty({losses.numel()}, DType::Float32, c.device());
     ops::masked_loss_backward_normalized(c, m, sums, loss_scale, g);
+    if (cp && cp->size() > 1) ops::scale_(c, g, float(cp->size()));
     *grad = g.view(output.shape());
   };
 }
@@ -49,7 +51,7 @@ MicroBatch checked_on_device(const MicroBatch& b, const ModelChunk& model, Devic
   const ModelChunk::InputRanges r = model.input_ranges();
   if (r.token_rows > 0) check_batch_ids(b, r.token_rows, r.position_rows);
   return MicroBatch{on_device(b.tokens, device), on_device(b.labels, device), on_device(b.loss_mask, device),
-                    on_device(b.position_ids, device)};
+                    on_device(b.position_ids, device), b.cu_seqlens};
 }
 
 void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vector<const ModelChunk*>& chunks,

@@ -36,6 +36,9 @@ struct MicroBatch {
   Tensor labels;        // int64
   Tensor loss_mask;     // fp32
   Tensor position_ids;  // int64
+  /// The documents of each row with --reset-attention-mask: host int32 [b, n + 1] in positions of
+  /// the whole sequence (Note [Packed sequences]); undefined: causal over each row.
+  Tensor cu_seqlens;
 };
 
 /// Megatron's loss_func, run on the last stage: from the forward step's `output`, writes the
@@ -48,7 +51,15 @@ using LossFunc =
 
 /// The language-model loss over per-token losses [b, s] (fp32): the sum over the tokens where
 /// loss_mask [b, s] is 1 (undefined: every token), over their number — Megatron's GPT loss_func.
-LossFunc masked_token_loss(Tensor loss_mask);
+///
+/// Note [Loss under context parallelism]: with a context-parallel group `cp` each rank holds part
+/// of every sequence; its {Σ loss, tokens} are summed over the group before the gradient is
+/// taken, and the gradient is multiplied by the group's size (Megatron's `output_tensor *=
+/// cp_group_size`), which the mean over data × context ranks of the gradient reduction undoes.
+/// Megatron divides each rank's sum by its own token count; the sum over the group makes every
+/// layout equal the single process also when the loss mask is uneven (--eod-mask-loss), and is
+/// the same when it is not. Every CP rank reports the microbatch's whole sums.
+LossFunc masked_token_loss(Tensor loss_mask, Communicator* cp = nullptr);
 
 /// What forward_step returns (Megatron: the output tensor and the loss function).
 struct ForwardOutput {

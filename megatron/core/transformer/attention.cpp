@@ -35,7 +35,12 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
       q_layernorm_(qk_layernorm(config, params, prefix + ".q_layernorm", pg)),
       k_layernorm_(qk_layernorm(config, params, prefix + ".k_layernorm", pg)) {
   MG_ASSERT(spec.kind == MixerKind::SelfAttention, "SelfAttention built from a {} spec", mixer_kind_name(spec.kind));
+  if (multi_rank(pg.cp)) cp_.emplace(pg.cp, cp_comm_type_from_string(config.cp_comm_type), pg.hcp_a2a, pg.hcp_p2p);
 }
+
+namespace {
+AttnMask mask_of(const AttentionInputs& in) { return in.packed ? in.packed->mask() : AttnMask::causal(); }
+}  // namespace
 
 Tensor SelfAttention::head_norm_forward(Context& ctx, const Norm& norm, const Tensor& x, Norm::Saved& saved) {
   const int64_t d = x.size(x.dim() - 1);
@@ -48,14 +53,15 @@ Tensor SelfAttention::head_norm_backward(Context& ctx, const Norm& norm, const T
   return norm.backward(ctx, grad_out.view({-1, d}), saved).view(grad_out.shape());
 }
 
-void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const {
+void SelfAttention::core_forward(Context& ctx, const AttentionInputs& in, Saved& saved) const {
+  const Tensor& freqs = in.freqs;
   const int64_t s = saved.qkv.size(0), b = saved.qkv.size(1);
   const DType dt = saved.x.dtype();
   saved.context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
-  saved.lse = Tensor::empty({b, nq_, s}, DType::Float32, ctx.device());
+  if (!cp_) saved.lse = Tensor::empty({b, nq_, s}, DType::Float32, ctx.device());  // else saved.cp's
   const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
-  if (fused_qkv(freqs)) {
-    ops::attention_forward_qkv(ctx, saved.qkv, AttnMask::causal(), softmax_scale_, dropout_p_, seed,
+  if (fused_qkv(in)) {
+    ops::attention_forward_qkv(ctx, saved.qkv, mask_of(in), softmax_scale_, dropout_p_, seed,
                                saved.dropout_offset, saved.context, saved.lse);
     return;
   }
@@ -71,12 +77,17 @@ void SelfAttention::core_forward(Context& ctx, const Tensor& freqs, Saved& saved
     ops::rope_forward(ctx, q, freqs, rope_interleaved_, q);
     ops::rope_forward(ctx, k, freqs, rope_interleaved_, k);
   }
-  ops::attention_forward(ctx, q, k, v, AttnMask::causal(), softmax_scale_, dropout_p_, seed, saved.dropout_offset,
-                         saved.context, saved.lse);
+  if (cp_) {
+    cp_->forward(ctx, q, k, v, in.packed.get(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.context,
+                 saved.cp);
+  } else {
+    ops::attention_forward(ctx, q, k, v, mask_of(in), softmax_scale_, dropout_p_, seed, saved.dropout_offset,
+                           saved.context, saved.lse);
+  }
   saved.q = q, saved.k = k, saved.v = v;
 }
 
-Tensor SelfAttention::forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t dropout_offset,
+Tensor SelfAttention::forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t dropout_offset,
                               bool keep_core, Saved& saved) const {
   // Under sequence parallelism x is this rank's [s/tp, b, h] shard; the QKV projection gathers the
   // whole sequence and the output projection scatters it again.
@@ -85,38 +96,45 @@ Tensor SelfAttention::forward(Context& ctx, const Tensor& x, const Tensor& freqs
   saved.dropout_offset = dropout_offset;
   saved.qkv = linear_qkv_.forward(ctx, x.view({-1, h})).view({-1, b, linear_qkv_.out_features()});
   const int64_t s = saved.qkv.size(0);
-  core_forward(ctx, freqs, saved);
+  core_forward(ctx, in, saved);
   Tensor out = linear_proj_.forward(ctx, saved.context.view({s * b, nq_ * d_})).view({-1, b, h});
   // The split path needs the QKV projection's output only to recompute the core attention; the
   // fused path reads it in backward (Note [Fused QKV attention]).
   if (keep_core) {
-    if (!fused_qkv(freqs)) saved.qkv = Tensor();
+    if (!fused_qkv(in)) saved.qkv = Tensor();
   } else {
     saved.q = saved.k = saved.v = saved.context = saved.lse = Tensor();
     saved.q_norm = saved.k_norm = Norm::Saved();
+    saved.cp = ContextParallelAttention::Saved();
   }
   return out;
 }
 
-Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const {
+Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const AttentionInputs& in, Saved& saved) const {
+  const Tensor& freqs = in.freqs;
   const int64_t b = saved.x.size(1), h = saved.x.size(2);
-  if (!saved.context.defined()) core_forward(ctx, freqs, saved);  // Note [Selective recomputation]
+  if (!saved.context.defined()) core_forward(ctx, in, saved);  // Note [Selective recomputation]
   const int64_t s = saved.context.size(0);
   Tensor grad_context = linear_proj_.backward(ctx, grad_out.view({-1, h}), saved.context.view({s * b, nq_ * d_}));
   const DType dt = saved.x.dtype();
   const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
   Tensor grad_qkv;
-  if (fused_qkv(freqs)) {
+  if (fused_qkv(in)) {
     grad_qkv = Tensor::empty(saved.qkv.shape(), dt, ctx.device());
     ops::attention_backward_qkv(ctx, grad_context.view({s, b, nq_, d_}), saved.qkv, saved.context, saved.lse,
-                                AttnMask::causal(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, grad_qkv);
+                                mask_of(in), softmax_scale_, dropout_p_, seed, saved.dropout_offset, grad_qkv);
   } else {
     Tensor gq = Tensor::empty(saved.q.shape(), dt, ctx.device());
     Tensor gk = Tensor::empty(saved.k.shape(), dt, ctx.device());
     Tensor gv = Tensor::empty(saved.v.shape(), dt, ctx.device());
-    ops::attention_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.q, saved.k, saved.v, saved.context,
-                            saved.lse, AttnMask::causal(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, gq,
-                            gk, gv);
+    if (cp_) {
+      cp_->backward(ctx, grad_context.view({s, b, nq_, d_}), saved.q, saved.k, saved.v, saved.context,
+                    in.packed.get(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.cp, gq, gk, gv);
+    } else {
+      ops::attention_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.q, saved.k, saved.v, saved.context,
+                              saved.lse, mask_of(in), softmax_scale_, dropout_p_, seed, saved.dropout_offset, gq, gk,
+                              gv);
+    }
     if (freqs.defined()) {
       ops::rope_backward(ctx, gq, freqs, rope_interleaved_, gq);
       ops::rope_backward(ctx, gk, freqs, rope_interleaved_, gk);

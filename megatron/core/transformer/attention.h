@@ -21,6 +21,11 @@
 // without sequence parallelism (Parameter::tp_partial_grad; they are not marked sequence_parallel,
 // which would reduce them a second time under --sequence-parallel).
 //
+// Context parallelism (pg.cp, --cp-comm-type): x holds this rank's rows of the sequence (Note
+// [Load-balanced chunks]); the projections and RoPE work on them alone and the core attention is
+// ContextParallelAttention's (Note [Context-parallel attention]), which brings the other ranks' keys
+// and values. The fused QKV path is not taken (the exchange needs k and v split).
+//
 // Note [Selective recomputation]: with --recompute-granularity selective the core attention's
 // tensors (split q/k/v after RoPE where the split path runs, the attention output and its
 // log-sum-exp) are dropped after forward and recomputed in backward from the kept QKV projection,
@@ -31,7 +36,9 @@
 #include <optional>
 #include <string>
 
+#include "megatron/core/packed_seq_params.h"
 #include "megatron/core/tensor_parallel/layers.h"
+#include "megatron/core/transformer/context_parallel.h"
 #include "megatron/core/transformer/norm.h"
 #include "megatron/core/transformer/transformer_config.h"
 #include "megatron/core/transformer/transformer_layer_spec.h"
@@ -51,13 +58,14 @@ class SelfAttention {
     Tensor q, k, v, context, lse;  // core attention (dropped under selective recomputation); q/k/v
                                    // stay undefined on the fused path (Note [Fused QKV attention])
     Norm::Saved q_norm, k_norm;    // --qk-layernorm: the split q/k and their statistics (core tensors)
+    ContextParallelAttention::Saved cp;  // context parallelism: what its backward needs (core tensors)
     uint64_t dropout_offset = 0;
   };
-  /// x [s, b, h] -> [s, b, h] (output projection applied, its bias included). freqs: rotary angles
-  /// (undefined without RoPE). dropout_offset: the attention-dropout stream.
-  Tensor forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t dropout_offset, bool keep_core,
+  /// x [s, b, h] -> [s, b, h] (output projection applied, its bias included). in: the rotary angles
+  /// and the documents (AttentionInputs). dropout_offset: the attention-dropout stream.
+  Tensor forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t dropout_offset, bool keep_core,
                  Saved& saved) const;
-  Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
+  Tensor backward(Context& ctx, const Tensor& grad_out, const AttentionInputs& in, Saved& saved) const;
 
   // ---- inference (KV cache; no dropout, nothing saved) ----
   /// x [s, b, h] -> [s, b, h]. freqs: rotary angles per (position, sequence) row, [s·b, r/2]
@@ -67,9 +75,11 @@ class SelfAttention {
                            const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
 
  private:
-  void core_forward(Context& ctx, const Tensor& freqs, Saved& saved) const;
+  void core_forward(Context& ctx, const AttentionInputs& in, Saved& saved) const;
   /// Note [Fused QKV attention]: whether the core attention reads the QKV projection directly.
-  bool fused_qkv(const Tensor& freqs) const { return nq_ == ng_ && !freqs.defined() && !q_layernorm_; }
+  bool fused_qkv(const AttentionInputs& in) const {
+    return nq_ == ng_ && !in.freqs.defined() && !q_layernorm_ && !cp_;
+  }
   /// x [s, b, n, d] normalised over d by a per-head norm (Note [QK layernorm]), and its gradient.
   static Tensor head_norm_forward(Context& ctx, const Norm& norm, const Tensor& x, Norm::Saved& saved);
   static Tensor head_norm_backward(Context& ctx, const Norm& norm, const Tensor& grad_out, const Norm::Saved& saved);
@@ -82,6 +92,7 @@ class SelfAttention {
   Linear linear_qkv_;
   Linear linear_proj_;
   std::optional<Norm> q_layernorm_, k_layernorm_;  // Note [QK layernorm]
+  std::optional<ContextParallelAttention> cp_;     // context parallelism (pg.cp has more than one rank)
 };
 
 }  // namespace megatron

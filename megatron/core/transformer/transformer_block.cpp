@@ -49,20 +49,20 @@ TransformerBlock::TransformerBlock(const TransformerConfig& config, const Transf
   }
 }
 
-Tensor TransformerBlock::run_segment(Context& ctx, const Segment& seg, const Tensor& x, const Tensor& freqs,
+Tensor TransformerBlock::run_segment(Context& ctx, const Segment& seg, const Tensor& x, const AttentionInputs& in,
                                      Saved& saved, bool keep, bool report_aux_losses) const {
   Tensor h = x;
   for (int i = seg.begin; i < seg.end; ++i) {
     TransformerLayer::Saved layer_saved;
     uint64_t base = saved.rng_base + uint64_t(first_layer_ + i) * TransformerLayer::kRandomStreams;
-    h = layers_[size_t(i)]->forward(ctx, h, freqs, base, /*keep_core_attention=*/!selective_, layer_saved,
+    h = layers_[size_t(i)]->forward(ctx, h, in, base, /*keep_core_attention=*/!selective_, layer_saved,
                                     aux_losses_, report_aux_losses);
     if (keep) saved.layers[size_t(i)] = std::move(layer_saved);
   }
   return h;
 }
 
-Tensor TransformerBlock::forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t rng_base,
+Tensor TransformerBlock::forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t rng_base,
                                  Saved& saved) const {
   saved.rng_base = rng_base;
   saved.layers.assign(layers_.size(), TransformerLayer::Saved{});
@@ -70,14 +70,14 @@ Tensor TransformerBlock::forward(Context& ctx, const Tensor& x, const Tensor& fr
   Tensor h = x;
   for (const Segment& seg : segments_) {
     saved.segment_inputs.push_back(seg.recompute ? h : Tensor());
-    h = run_segment(ctx, seg, h, freqs, saved, /*keep=*/!seg.recompute, /*report_aux_losses=*/true);
+    h = run_segment(ctx, seg, h, in, saved, /*keep=*/!seg.recompute, /*report_aux_losses=*/true);
   }
   if (!final_layernorm_) return h;
   const int64_t s = h.size(0), b = h.size(1), hid = h.size(2);
   return final_layernorm_->forward(ctx, h.view({s * b, hid}), saved.final_norm).view({s, b, hid});
 }
 
-Tensor TransformerBlock::backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const {
+Tensor TransformerBlock::backward(Context& ctx, const Tensor& grad_out, const AttentionInputs& in, Saved& saved) const {
   const int64_t s = grad_out.size(0), b = grad_out.size(1), hid = grad_out.size(2);
   Tensor g = final_layernorm_
                  ? final_layernorm_->backward(ctx, grad_out.view({s * b, hid}), saved.final_norm).view({s, b, hid})
@@ -86,10 +86,10 @@ Tensor TransformerBlock::backward(Context& ctx, const Tensor& grad_out, const Te
   for (size_t k = segments_.size(); k-- > 0;) {
     const Segment& seg = segments_[k];
     if (seg.recompute) {  // the losses were reported by the first pass
-      run_segment(ctx, seg, saved.segment_inputs[k], freqs, saved, /*keep=*/true, /*report_aux_losses=*/false);
+      run_segment(ctx, seg, saved.segment_inputs[k], in, saved, /*keep=*/true, /*report_aux_losses=*/false);
     }
     for (int i = seg.end; i-- > seg.begin;) {
-      g = layers_[size_t(i)]->backward(ctx, g, freqs, saved.layers[size_t(i)]);
+      g = layers_[size_t(i)]->backward(ctx, g, in, saved.layers[size_t(i)]);
       saved.layers[size_t(i)] = TransformerLayer::Saved{};  // free as we go
     }
     saved.segment_inputs[k] = Tensor();

@@ -39,8 +39,8 @@ class TransformerBlock {
 
   /// x [s, b, h] -> final-normed hidden states [s, b, h] (not normed without the final norm).
   /// Global layer i draws its random streams at rng_base + i·TransformerLayer::kRandomStreams.
-  Tensor forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t rng_base, Saved& saved) const;
-  Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
+  Tensor forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t rng_base, Saved& saved) const;
+  Tensor backward(Context& ctx, const Tensor& grad_out, const AttentionInputs& in, Saved& saved) const;
   const std::vector<Segment>& segments() const { return segments_; }
   /// Where the MoE layers report their losses (and find their backward scale); null: nowhere.
   void set_aux_loss_tracker(AuxLossTracker* tracker) { aux_losses_ = tracker; }
@@ -55,7 +55,7 @@ class TransformerBlock {
                            const Tensor& starts, std::vector<Tensor>& keys, std::vector<Tensor>& values) const;
 
  private:
-  Tensor run_segment(Context& ctx, const Segment& seg, const Tensor& x, const Tensor& freqs, Saved& saved,
+  Tensor run_segment(Context& ctx, const Segment& seg, const Tensor& x, const AttentionInputs& in, Saved& saved,
                      bool keep, bool report_aux_losses) const;
 
   bool selective_;

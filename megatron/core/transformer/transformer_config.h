@@ -91,6 +91,8 @@ struct TransformerConfig {
   int decoder_last_pipeline_num_layers = 0;
   int expert_model_parallel_size = 1;
   int expert_tensor_parallel_size = 0;  // 0: tensor_model_parallel_size
+  int context_parallel_size = 1;
+  std::string cp_comm_type = "p2p";     // p2p | all_gather | a2a | a2a+p2p (core/transformer/context_parallel.h)
 
   /// Fills derived values and validates; throws megatron::Error naming the flag at fault.
   void finalize();

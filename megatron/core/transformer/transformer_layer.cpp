@@ -58,19 +58,19 @@ TransformerLayer::TransformerLayer(const TransformerConfig& config, const Transf
       pre_mlp_layernorm_(config, spec.pre_mlp_layernorm, params, prefix + ".pre_mlp_layernorm", pg),
       mlp_(make_mlp(config, spec.mlp, params, prefix, pg, layer_number)) {}
 
-Tensor TransformerLayer::mixer_forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t offset,
+Tensor TransformerLayer::mixer_forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t offset,
                                        bool keep_core, MixerSaved& saved) const {
   return std::visit(
       [&](const auto& m) {
-        return m.forward(ctx, x, freqs, offset, keep_core, fresh_saved<std::decay_t<decltype(m)>>(saved));
+        return m.forward(ctx, x, in, offset, keep_core, fresh_saved<std::decay_t<decltype(m)>>(saved));
       },
       mixer_);
 }
 
-Tensor TransformerLayer::mixer_backward(Context& ctx, const Tensor& grad, const Tensor& freqs,
+Tensor TransformerLayer::mixer_backward(Context& ctx, const Tensor& grad, const AttentionInputs& in,
                                         MixerSaved& saved) const {
   return std::visit(
-      [&](const auto& m) { return m.backward(ctx, grad, freqs, saved_of<std::decay_t<decltype(m)>>(saved)); }, mixer_);
+      [&](const auto& m) { return m.backward(ctx, grad, in, saved_of<std::decay_t<decltype(m)>>(saved)); }, mixer_);
 }
 
 // x [s·b, h]; an MoE layer routes the s·b tokens (sequence-major) and reports its losses.
@@ -106,13 +106,13 @@ Tensor TransformerLayer::mlp_backward(Context& ctx, const Tensor& grad, MlpSaved
       mlp_);
 }
 
-Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t rng_base,
+Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t rng_base,
                                  bool keep_core_attention, Saved& saved, AuxLossTracker* aux_losses,
                                  bool report_aux_losses) const {
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
   saved.rng_base = rng_base;
   Tensor h1 = input_layernorm_.forward(ctx, x.view({s * b, h}), saved.input_norm).view({s, b, h});
-  Tensor attn = mixer_forward(ctx, h1, freqs, rng_base, keep_core_attention, saved.mixer);
+  Tensor attn = mixer_forward(ctx, h1, in, rng_base, keep_core_attention, saved.mixer);
   Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::dropout_add_forward(ctx, attn, x, hidden_dropout_, tensor_parallel::region_seed(ctx, tp_, sequence_parallel_), rng_base + 1, x2);
   Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), saved.pre_mlp_norm);
@@ -122,7 +122,7 @@ Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, const Tensor& fr
   return out;
 }
 
-Tensor TransformerLayer::backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const {
+Tensor TransformerLayer::backward(Context& ctx, const Tensor& grad_out, const AttentionInputs& in, Saved& saved) const {
   const int64_t s = grad_out.size(0), b = grad_out.size(1), h = grad_out.size(2);
   const DType dt = grad_out.dtype();
   // out = x2 + dropout(mlp(norm2(x2)))
@@ -134,7 +134,7 @@ Tensor TransformerLayer::backward(Context& ctx, const Tensor& grad_out, const Te
   // x2 = x + dropout(attention(norm1(x)))
   Tensor grad_attn = Tensor::empty({s, b, h}, dt, ctx.device());
   ops::dropout_backward(ctx, grad_x2, hidden_dropout_, tensor_parallel::region_seed(ctx, tp_, sequence_parallel_), saved.rng_base + 1, grad_attn);
-  Tensor grad_h1 = mixer_backward(ctx, grad_attn, freqs, saved.mixer);
+  Tensor grad_h1 = mixer_backward(ctx, grad_attn, in, saved.mixer);
   Tensor grad_x = input_layernorm_.backward(ctx, grad_h1.view({s * b, h}), saved.input_norm).view({s, b, h});
   ops::add(ctx, grad_x, grad_x2, grad_x);
   return grad_x;

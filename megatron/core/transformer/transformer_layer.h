@@ -47,9 +47,9 @@ class TransformerLayer {
   /// x [s, b, h] -> [s, b, h]. keep_core_attention=false drops the core attention tensors
   /// (Note [Selective recomputation]). An MoE layer reports its router's losses to `aux_losses`
   /// when `report_aux_losses` (not when recomputing) and takes their backward scale from it.
-  Tensor forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t rng_base, bool keep_core_attention,
+  Tensor forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t rng_base, bool keep_core_attention,
                  Saved& saved, AuxLossTracker* aux_losses = nullptr, bool report_aux_losses = true) const;
-  Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, Saved& saved) const;
+  Tensor backward(Context& ctx, const Tensor& grad_out, const AttentionInputs& in, Saved& saved) const;
 
   /// Inference with a KV cache (SelfAttention::forward_inference): x [s, b, h] -> [s, b, h], no dropout.
   /// Refused for a mixer kind without a KV cache.
@@ -57,9 +57,9 @@ class TransformerLayer {
                            const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
 
  private:
-  Tensor mixer_forward(Context& ctx, const Tensor& x, const Tensor& freqs, uint64_t offset, bool keep_core,
+  Tensor mixer_forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t offset, bool keep_core,
                        MixerSaved& saved) const;
-  Tensor mixer_backward(Context& ctx, const Tensor& grad, const Tensor& freqs, MixerSaved& saved) const;
+  Tensor mixer_backward(Context& ctx, const Tensor& grad, const AttentionInputs& in, MixerSaved& saved) const;
   Tensor mlp_forward(Context& ctx, const Tensor& x, int64_t s, int64_t b, AuxLossTracker* aux_losses, bool report,
                      MlpSaved& saved) const;
   Tensor mlp_backward(Context& ctx, const Tensor& grad, MlpSaved& saved) const;

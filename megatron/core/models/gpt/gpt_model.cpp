@@ -4,6 +4,7 @@
 
 #include "megatron/core/models/gpt/gpt_layer_specs.h"
 #include "megatron/core/parallel_state.h"
+#include "megatron/core/transformer/context_parallel.h"
 #include "megatron/kernels/ops.h"
 
 namespace megatron {
@@ -118,12 +119,13 @@ uint64_t GPTModel::random_streams_per_microbatch() const {
 
 Shape GPTModel::stage_activation_shape(int64_t micro_batch, int64_t seq_length) const {
   const int64_t tp = tp_group() && config_.sequence_parallel ? tp_group()->size() : 1;
-  return {seq_length / tp, micro_batch, config_.hidden_size};
+  return {seq_length / group_size(pg_.cp) / tp, micro_batch, config_.hidden_size};
 }
 
 void GPTModel::forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& input,
-                                 Stash& stash) const {
+                                 const Tensor& cu_seqlens, Stash& stash) const {
   const int64_t h = config_.hidden_size;
+  const int cp = group_size(pg_.cp), cp_rank = group_rank(pg_.cp);
   Tensor x;
   int64_t s = 0, b = 0;
   if (pre_process_) {
@@ -133,7 +135,10 @@ void GPTModel::forward_to_logits(Context& ctx, const Tensor& tokens, const Tenso
       MG_CHECK(s <= config_.max_position_embeddings, "sequence length {} exceeds --max-position-embeddings {}", s,
                config_.max_position_embeddings);
     }
-    Tensor positions = position_ids.defined() ? position_ids : default_position_ids(b, s);
+    Tensor positions = position_ids;
+    if (!positions.defined()) {
+      positions = cp > 1 ? cp_split_rows(default_position_ids(b, s * cp), cp_rank, cp) : default_position_ids(b, s);
+    }
     if (positions.device() != tokens.device()) positions = positions.to(tokens.device());
     x = embedding_->forward(ctx, tokens, positions, stash.rng_base, stash.embedding);
   } else {
@@ -142,32 +147,45 @@ void GPTModel::forward_to_logits(Context& ctx, const Tensor& tokens, const Tenso
     b = input.size(1);
     s = input.size(0) * (tp_group() && config_.sequence_parallel ? tp_group()->size() : 1);
   }
-  if (rotary_) stash.freqs = rotary_->freqs(ctx, s);
-  stash.hidden = decoder_->forward(ctx, x, stash.freqs, stash.rng_base + 1, stash.decoder);
+  // Under context parallelism s is this rank's rows: the angles and documents are the whole
+  // sequence's, cut to its rows (Note [Load-balanced chunks]).
+  if (rotary_) {
+    stash.attn.freqs = cp > 1 ? gather_rows(ctx, rotary_->freqs(ctx, s * cp), cp_positions(cp_rank, cp, s * cp))
+                              : rotary_->freqs(ctx, s);
+  }
+  if (cu_seqlens.defined()) {
+    auto packed = std::make_shared<PackedSeqParams>(make_packed_seq_params(cu_seqlens, ctx.device()));
+    MG_CHECK(packed->batch == b && packed->seq_length == s * cp,
+             "the documents (cu_seqlens {}) are not those of {} sequences of {} positions", cu_seqlens.str(), b, s * cp);
+    if (cp > 1) add_context_parallel_chunks(*packed, cp, ctx.device());
+    stash.attn.packed = std::move(packed);
+  }
+  stash.hidden = decoder_->forward(ctx, x, stash.attn, stash.rng_base + 1, stash.decoder);
   if (post_process_) {
     stash.logits = output_layer_->forward(ctx, stash.hidden.view({-1, h})).view({s, b, output_layer_->out_features()});
   }
 }
 
 Tensor GPTModel::forward_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids) const {
-  MG_CHECK(pre_process_ && post_process_ && !tp_group(), "full-sequence logits need the whole model on one rank");
+  MG_CHECK(pre_process_ && post_process_ && !tp_group() && !pg_.cp,
+           "full-sequence logits need the whole model on one rank");
   Stash stash;
   stash.rng_base = ctx.rng().offset;
-  forward_to_logits(ctx, tokens, position_ids, Tensor(), stash);
+  forward_to_logits(ctx, tokens, position_ids, Tensor(), Tensor(), stash);
   return stash.logits;
 }
 
 Tensor GPTModel::forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
-                         Stash& stash) const {
+                         Stash& stash, const Tensor& cu_seqlens) const {
   MG_ASSERT(pre_process_ && post_process_, "forward() runs a whole model; a pipeline stage uses forward_step()");
-  return forward_step(ctx, tokens, position_ids, labels, Tensor(), stash);
+  return forward_step(ctx, tokens, position_ids, labels, Tensor(), stash, cu_seqlens);
 }
 
 Tensor GPTModel::forward_step(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
-                              const Tensor& input, Stash& stash) const {
+                              const Tensor& input, Stash& stash, const Tensor& cu_seqlens) const {
   stash.rng_base = ctx.rng().offset;
   ctx.rng().offset += random_streams_per_microbatch();
-  forward_to_logits(ctx, tokens, position_ids, input, stash);
+  forward_to_logits(ctx, tokens, position_ids, input, cu_seqlens, stash);
   if (!post_process_) {
     Tensor out = stash.hidden;
     stash.hidden = Tensor();
@@ -224,7 +242,7 @@ Tensor GPTModel::backward_step(Context& ctx, const Tensor& output_grad, Stash& s
   } else {
     grad_hidden = output_grad;
   }
-  Tensor grad_x = decoder_->backward(ctx, grad_hidden, stash.freqs, stash.decoder);
+  Tensor grad_x = decoder_->backward(ctx, grad_hidden, stash.attn, stash.decoder);
   if (pre_process_) {
     embedding_->backward(ctx, grad_x, stash.embedding);
     grad_x = Tensor();
@@ -243,7 +261,7 @@ Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std
            slots.size(), starts.size());
   MG_CHECK(config_.hidden_dropout == 0.0f && config_.attention_dropout == 0.0f,
            "inference needs a model built with hidden and attention dropout 0");
-  MG_CHECK(pre_process_ && post_process_ && !tp_group(), "inference needs the whole model on one rank");
+  MG_CHECK(pre_process_ && post_process_ && !tp_group() && !pg_.cp, "inference needs the whole model on one rank");
   std::vector<int64_t> positions(size_t(b * s));
   int64_t max_position = 0;
   for (int64_t i = 0; i < b; ++i) {

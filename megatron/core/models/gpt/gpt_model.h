@@ -51,7 +51,7 @@ class GPTModel : public ModelChunk {
     uint64_t rng_base = 0;
     LanguageModelEmbedding::Saved embedding;
     TransformerBlock::Saved decoder;
-    Tensor freqs;   // rotary angles [s, r/2] (RoPE only)
+    AttentionInputs attn;  // the rotary angles of this rank's positions (RoPE) and the documents
     Tensor hidden;  // final-normed hidden states [s, b, h]
     Tensor logits;  // [s, b, padded_vocab]; becomes its own gradient in backward
     Tensor labels;  // [s, b]
@@ -60,8 +60,12 @@ class GPTModel : public ModelChunk {
 
   /// tokens, position_ids, labels: [b, s] int. Returns the per-token losses [b, s] fp32
   /// (Megatron's GPTModel.forward with labels). position_ids may be undefined (0..s-1).
-  Tensor forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
-                 Stash& stash) const;
+  /// cu_seqlens: the documents packed in each row (host int32 [b, n + 1], Note [Packed
+  /// sequences]; Megatron's packed_seq_params), undefined: causal over each row.
+  /// Under context parallelism tokens/position_ids/labels are this rank's rows (Note
+  /// [Load-balanced chunks]) and cu_seqlens the whole sequence's.
+  Tensor forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels, Stash& stash,
+                 const Tensor& cu_seqlens = Tensor()) const;
   /// Inference: logits [s, b, padded_vocab] (model dtype) for tokens [b, s]; no loss, nothing kept.
   Tensor forward_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids) const;
   /// grad_losses [b, s] fp32 (d loss / d per-token loss). Accumulates into the parameters' main_grad.
@@ -71,7 +75,7 @@ class GPTModel : public ModelChunk {
   /// stage's output). Returns the per-token losses [b, s] on the last stage (labels needed there),
   /// else the activations to send on.
   Tensor forward_step(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
-                      const Tensor& input, Stash& stash) const;
+                      const Tensor& input, Stash& stash, const Tensor& cu_seqlens = Tensor()) const;
   /// output_grad: grad_losses [b, s] on the last stage, else the gradient of this stage's output.
   /// Returns the gradient of `input` (undefined on the first stage).
   Tensor backward_step(Context& ctx, const Tensor& output_grad, Stash& stash) const;
@@ -126,8 +130,12 @@ class GPTModel : public ModelChunk {
 
   // Embedding (or input) -> decoder -> output layer; fills the stash's activations and logits.
   void forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& input,
-                         Stash& stash) const;
+                         const Tensor& cu_seqlens, Stash& stash) const;
   Communicator* tp_group() const { return pg_.tp; }
+
+ public:
+  /// The context-parallel group (null: one rank): the loss's token count sums over it.
+  Communicator* cp_group() const { return pg_.cp; }
 };
 
 /// position_ids [b, s] = 0..s-1 for every sequence (int64, host).
