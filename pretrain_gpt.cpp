@@ -69,11 +69,17 @@ DataIterators train_valid_test_data_iterators(const Arguments& a, const Tokenize
     const char* flag = a.reset_attention_mask ? "--reset-attention-mask"
                        : a.reset_position_ids ? "--reset-position-ids"
                                               : "--eod-mask-loss";
-    const int64_t eod = tokenizer->eod();
+    int64_t eod = -1;
+    std::string why;
+    try {
+      eod = tokenizer->eod();
+    } catch (const Error& e) {
+      why = e.what();
+    }
     MG_CHECK(eod >= 0 && eod < tokenizer->vocab_size(),
-             "{} finds documents by their end-of-document token, and the {} tokenizer has none (eod {}): use a "
+             "{} finds documents by their end-of-document token, and the {} tokenizer has none ({}): use a "
              "tokenizer with an EOS/EOD token",
-             flag, a.tokenizer_type, eod);
+             flag, a.tokenizer_type, why.empty() ? fmt::format("eod {}", eod) : why);
   }
   // The tokenizer outlives the iterators (pretrain owns it); a non-owning shared_ptr hands it over.
   std::shared_ptr<const Tokenizer> tok(tokenizer, [](const Tokenizer*) {});

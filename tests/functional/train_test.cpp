@@ -139,6 +139,35 @@ TEST(Train, TensorBoardEventsAreReadByTensorBoard) {
   }
 }
 
+// Packed documents on real text (--reset-attention-mask, --reset-position-ids, --eod-mask-loss):
+// attention within documents, the loss falls; a tokenizer without an end-of-document token is one line.
+TEST(Train, PackedDocumentsTrainOnRealText) {
+  ScratchDir dir("packed");
+  RunResult r = run(concat(concat({bin("pretrain_gpt")}, tiny_gpt_flags(40)),
+                           {"--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"}),
+                    dir.path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::string> losses = field_values(r.output, "lm loss");
+  ASSERT_EQ(losses.size(), 40u) << r.output;
+  EXPECT_LT(std::stod(losses.back()), std::stod(losses.front()) - 0.5) << losses.front() << " -> " << losses.back();
+
+  const fs::path tok = dir.path / "tok-no-eos";
+  fs::create_directories(tok);
+  const fs::path src = fs::path(data_fixtures_dir()) / "tok-gpt2";
+  fs::copy_file(src / "vocab.json", tok / "vocab.json");
+  fs::copy_file(src / "merges.txt", tok / "merges.txt");
+  std::ofstream(tok / "tokenizer_config.json") << R"({"tokenizer_class": "GPT2Tokenizer", "model_max_length": 1024})";
+  RunResult bad = run({bin("pretrain_gpt"), "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+                       "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+                       "--lr", "1e-3", "--mock-data", "--device", "cpu", "--tokenizer-type", "HuggingFaceTokenizer",
+                       "--tokenizer-model", tok.string(), "--reset-attention-mask"},
+                      dir.path);
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("--reset-attention-mask finds documents by their end-of-document token"),
+            std::string::npos)
+      << bad.output;
+}
+
 TEST(Cli, BadInputGivesOneClearLine) {
   ScratchDir dir("cli");
   auto expect_error = [&](std::vector<std::string> flags, const std::string& needle) {
