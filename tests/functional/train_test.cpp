@@ -156,7 +156,8 @@ TEST(Train, PackedDocumentsTrainOnRealText) {
   const fs::path src = fs::path(data_fixtures_dir()) / "tok-gpt2";
   fs::copy_file(src / "vocab.json", tok / "vocab.json");
   fs::copy_file(src / "merges.txt", tok / "merges.txt");
-  std::ofstream(tok / "tokenizer_config.json") << R"({"tokenizer_class": "GPT2Tokenizer", "model_max_length": 1024})";
+  std::ofstream(tok / "tokenizer_config.json")
+      << R"({"tokenizer_class": "GPT2Tokenizer", "eos_token": null, "bos_token": null, "unk_token": null})";
   RunResult bad = run({bin("pretrain_gpt"), "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
                        "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
                        "--lr", "1e-3", "--mock-data", "--device", "cpu", "--tokenizer-type", "HuggingFaceTokenizer",
