@@ -141,7 +141,8 @@ void drop_tokens(Context& ctx, const MoeRoutingParams& c, int64_t t_count, Tenso
   const int64_t n = t_count * e;
   Tensor keys = Tensor::empty({2 * n}, DType::Int64, ctx.device());
   Tensor tokens = Tensor::empty({2 * n}, DType::Int32, ctx.device());
-  Tensor keep = Tensor::zeros({n}, DType::UInt8, ctx.device());
+  Tensor keep = Tensor::empty({n}, DType::UInt8, ctx.device());
+  CUDA_CHECK(cudaMemsetAsync(keep.raw_data(), 0, size_t(n), stream));
   uint64_t* keys_in = dev_ptr<uint64_t>(keys);
   int32_t* tokens_in = dev_ptr<int32_t>(tokens);
   drop_keys_kernel<<<grid_of(n, kSumBlock), kSumBlock, 0, stream>>>(dev_ptr<const float>(probs),

@@ -713,9 +713,12 @@ TEST(TopKRouter, Fp64RouterMatchesTheOracleInDouble) {
         EXPECT_EQ(pv[size_t(i * e + idx[0])], float(1.0 / (1.0 + std::exp(b - a))));
       }
     }
-    // Gradients: fp64 finite differences of L = Σ probs·w + the losses, in x and in W.
+    // Gradients: fp64 finite differences of L = Σ probs·w + the losses, in x and in W; the fp32
+    // router's gradient (its forward's counts are the same) is further from them.
     r64.params.zero_grad();
+    r32.params.zero_grad();
     const std::vector<float> gx = r64.router->backward(ctx, w, s64).to_floats();
+    const std::vector<float> gx32 = r32.router->backward(ctx, w, s32).to_floats();
     const std::vector<float> gw = r64.weight().main_grad.to_floats(), wg = w.to_floats();
     auto loss = [&](const std::vector<double>& xi, const std::vector<double>& wi) {
       moe::RoutingSaved s;
@@ -743,11 +746,18 @@ TEST(TopKRouter, Fp64RouterMatchesTheOracleInDouble) {
       return sum;
     };
     const double eps = 1e-5;
+    double worst64 = 0, worst32 = 0;
     for (int64_t i = 0; i < t * h; i += 2) {
       std::vector<double> up = xd, down = xd;
       up[size_t(i)] += eps, down[size_t(i)] -= eps;
-      EXPECT_NEAR(gx[size_t(i)], (loss(up, wd) - loss(down, wd)) / (2 * eps), 1e-6) << "x " << i;
+      const double fd = (loss(up, wd) - loss(down, wd)) / (2 * eps);
+      EXPECT_NEAR(gx[size_t(i)], fd, 1e-6) << "x " << i;
+      worst64 = std::max(worst64, std::fabs(gx[size_t(i)] - fd));
+      worst32 = std::max(worst32, std::fabs(gx32[size_t(i)] - fd));
     }
+    std::printf("fp64 router (%s): grad_x within %.1e of fp64 finite differences (the fp32 router: %.1e)\n", score,
+                worst64, worst32);
+    EXPECT_LE(worst64, worst32);
     for (int64_t i = 0; i < e * h; i += 3) {
       std::vector<double> up = wd, down = wd;
       up[size_t(i)] += eps, down[size_t(i)] -= eps;

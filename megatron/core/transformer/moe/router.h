@@ -42,12 +42,13 @@
 // gradient is a partial sum over the tensor-parallel ranks (Parameter::sequence_parallel).
 //
 // One code path for both backends: the gating GEMM is ops::linear_* in fp32 and the routing is
-// ops::moe_routing_forward/backward on the context's device; the losses go to the tracker as device
-// scalars and the token counts stay on the device (no host wait in the router). One exception
-// (Note [Load-balancing counts over tp x cp]): with a load-balancing loss and more than one rank in
-// tp x cp, the losses need the token counts summed over the group between the counting and the
-// loss, which the routing op does not take; that case routes with moe_utils.h's host routing (a
-// device->host copy of the logits and the count all-reduce on the context's device).
+// ops::moe_routing_forward/backward on the context's device (the global aux loss
+// ops::moe_global_aux_loss_*, the jitter ops::moe_input_jitter); the losses go to the tracker as
+// device scalars and the token counts stay on the device (no host wait in the router). The
+// exceptions route with moe_utils.h's host routing (a device->host copy of the logits): with an
+// aux or seq-aux loss and more than one rank in tp x cp (Note [Load-balancing counts over tp x
+// cp]: the losses need the group's counts between the counting and the loss, which the routing op
+// does not take), sinkhorn, and the fp64 router (CPU only).
 #pragma once
 
 #include <map>
