@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "megatron/kernels/ops.h"
+#include "megatron/runtime/philox.h"
 
 #if defined(__CUDACC__)
 #define MG_HD __host__ __device__
@@ -162,6 +163,28 @@ MG_HD inline double seq_aux_loss_scale_of(const MoeRoutingParams& c) {
          (double(c.topk) * double(c.seq_length) * double(c.seq_length)) / double(c.micro_batch);
 }
 
+// gt (E floats) += the gradient through one token's aux scores (the softmax, or the normalised
+// sigmoid, over every expert of logits l) of d(loss)/d(score i) = gscore(i). scratch: E floats.
+template <typename GradScore>
+MG_HD void aux_scores_backward_row(const MoeRoutingParams& c, const float* l, const float* aux_scores, float* scratch,
+                                   float* gt, GradScore gscore) {
+  const int e = c.num_experts;
+  if (!c.sigmoid) {
+    double dot = 0;
+    for (int i = 0; i < e; ++i) dot += gscore(i) * aux_scores[i];
+    for (int i = 0; i < e; ++i) gt[i] += float(aux_scores[i] * (gscore(i) - dot));
+  } else {  // scores = σ / (Σσ + eps)
+    double sum = 0, dot = 0;
+    for (int i = 0; i < e; ++i) sum += scratch[i] = sigmoid(l[i]);
+    for (int i = 0; i < e; ++i) dot += gscore(i) * scratch[i];
+    const double den = sum + kNormEps;
+    for (int i = 0; i < e; ++i) {
+      const double gsig = (gscore(i) * den - dot) / (den * den);
+      gt[i] += float(gsig * scratch[i] * (1.0 - scratch[i]));
+    }
+  }
+}
+
 // One token's grad_logits row g_out (E floats, overwritten): the chosen probabilities' part, the z
 // loss's and the aux losses'. g: grad_probs row; map: routing_map row; top: the chosen experts.
 // counts / seq_counts: the aux map's column sums over every token / over this token's sequence
@@ -206,28 +229,27 @@ MG_HD inline void routing_backward_row(const MoeRoutingParams& c, int64_t t_coun
     const double f = 2.0 * c.z_loss_coeff * logsumexp_row(l, e) / double(t_count) * aux_loss_scale;
     for (int i = 0; i < e; ++i) gt[i] += float(f * scratch[i]);
   }
-  if (!c.aux_on()) return;
+  if (!c.local_aux_on()) return;
   const double scale = aux_loss_scale_of(c, t_count), seq_scale = seq_aux_loss_scale_of(c);
-  auto gscore = [&](int i) {
+  aux_scores_backward_row(c, l, aux_scores, scratch, gt, [&](int i) {
     double v = 0.0;
     if (c.aux_loss_coeff > 0) v += counts[i] * scale * aux_loss_scale;
     if (c.seq_aux_loss_coeff > 0) v += seq_counts[i] * seq_scale * aux_loss_scale;
     return v;
-  };
-  if (!c.sigmoid) {
-    double dot = 0;
-    for (int i = 0; i < e; ++i) dot += gscore(i) * aux_scores[i];
-    for (int i = 0; i < e; ++i) gt[i] += float(aux_scores[i] * (gscore(i) - dot));
-  } else {  // scores = σ / (Σσ + eps)
-    double sum = 0, dot = 0;
-    for (int i = 0; i < e; ++i) sum += scratch[i] = sigmoid(l[i]);
-    for (int i = 0; i < e; ++i) dot += gscore(i) * scratch[i];
-    const double den = sum + kNormEps;
-    for (int i = 0; i < e; ++i) {
-      const double gsig = (gscore(i) * den - dot) / (den * den);
-      gt[i] += float(gsig * scratch[i] * (1.0 - scratch[i]));
-    }
-  }
+  });
+}
+
+// The global aux loss's scale (Note [Global aux loss], core/transformer/moe/router.h): E·coeff / (k·N²) with
+// N = T · global_aux_group.
+MG_HD inline double global_aux_loss_scale_of(const MoeRoutingParams& c, int64_t t_count) {
+  const double n = double(t_count) * double(c.global_aux_group);
+  return double(c.num_experts) * c.global_aux_loss_coeff / (double(c.topk) * n * n);
+}
+
+// Megatron's apply_input_jitter factor of stream element i (Note [Router input jitter],
+// core/transformer/moe/router.h): U(1 - eps, 1 + eps) from Philox's 24-bit uniform.
+MG_HD inline float jitter_factor(float eps, uint64_t seed, uint64_t offset, uint64_t i) {
+  return 1.0f - eps + 2.0f * eps * philox_uniform(seed, offset, i);
 }
 
 }  // namespace megatron::moe_rows

@@ -81,6 +81,9 @@ void check_moe_routing(const MoeRoutingParams& p, const Tensor& logits, const Te
   }
   MG_CHECK(p.capacity_factor >= 0.0f, "MoE routing: --moe-expert-capacity-factor must be positive (got {})",
            p.capacity_factor);
+  MG_CHECK(p.global_aux_loss_coeff >= 0.0f && p.global_aux_group >= 1,
+           "MoE routing: the global aux loss needs a coefficient >= 0 (got {}) over at least one rank (got {})",
+           p.global_aux_loss_coeff, p.global_aux_group);
   MG_CHECK(logits.defined() && logits.dim() == 2 && logits.size(1) == e && logits.dtype() == DType::Float32,
            "MoE routing: logits must be fp32 [tokens, {}], got {}", e, logits.defined() ? logits.str() : "undefined");
   MG_CHECK(p.seq_length > 0 && p.micro_batch > 0 && p.seq_length * p.micro_batch == logits.size(0),

@@ -77,12 +77,19 @@ struct MoeRoutingParams {
   int group_topk = 0;         // --moe-router-group-topk
   float topk_scaling_factor = 0.0f;  // 0: none
   float aux_loss_coeff = 0.0f, seq_aux_loss_coeff = 0.0f, z_loss_coeff = 0.0f;
+  // --moe-router-load-balancing-type global_aux_loss: its coefficient and the ranks whose tokens its
+  // counts cover (tp × dp × cp; the loss's total tokens are T · global_aux_group).
+  float global_aux_loss_coeff = 0.0f;
+  int64_t global_aux_group = 1;
   float capacity_factor = 0.0f;  // --moe-expert-capacity-factor (0: dropless)
   bool drop_by_position = false; // --moe-token-drop-policy position (else probs)
   bool pad_to_capacity = false;  // --moe-pad-expert-input-to-capacity
   int64_t seq_length = 0, micro_batch = 0;  // T = seq_length · micro_batch, token t = s·micro_batch + b
 
-  constexpr bool aux_on() const { return aux_loss_coeff > 0 || seq_aux_loss_coeff > 0; }
+  /// The load-balancing losses whose token counts the routing ops take themselves (aux, seq-aux).
+  constexpr bool local_aux_on() const { return aux_loss_coeff > 0 || seq_aux_loss_coeff > 0; }
+  /// Any load-balancing loss: the routing ops then write the aux scores and their top-k map.
+  constexpr bool aux_on() const { return local_aux_on() || global_aux_loss_coeff > 0; }
 };
 
 /// The token permutation of a routing map (Note [Permuted order], moe_utils.h), built by

@@ -220,7 +220,7 @@ struct Trainer {
                                : forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step, data.train,
                                                   fb_args(loss_scale(), false), &ddp);
     finalize_model_grads(ctx, ddp);
-    for (auto& c : chunks) c->update_router_expert_bias(ctx);
+    for (auto& c : chunks) c->finish_router_step(ctx);
     timers.stop("forward-backward");
     if (aux_losses && !aux_losses->empty()) {  // Megatron's track_moe_metrics
       for (const auto& [name, value] : aux_losses->report(ctx, &ps.pipeline(), &ps.data(),

@@ -1,7 +1,8 @@
 // pretrain_gpt training a small Mixtral-style model on the GPU (RoPE, RMSNorm, SwiGLU experts, 8
 // experts top-2, aux and z losses, the alltoall dispatcher at one rank): fp32 on CUDA gives the CPU
 // run's losses; the grouped GEMM gives the sequential experts' losses; bf16 trains (finite, falling
-// losses near fp32's); token dropping is refused at start-up with one line.
+// losses near fp32's); token dropping (dropping and padding), the global aux loss and the input
+// jitter give the CPU run's losses; the fp64 router is refused at start-up with one line.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -59,15 +60,32 @@ TEST(MoePretrainGpu, Bf16Trains) {
   expect_losses_close(sequential, bf16, 1e-6, "grouped vs sequential (bf16)");
 }
 
-TEST(MoePretrainGpu, TokenDroppingIsRefusedAtStartUp) {
+TEST(MoePretrainGpu, TokenDroppingGlobalAuxAndJitterMatchTheCpu) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU";
-  ScratchDir dir("moe_pretrain_capacity");
-  RunResult r = run(with(with({bin("pretrain_gpt")}, kMixtral), {"--device", "cuda", "--moe-expert-capacity-factor",
-                                                                 "1.0"}),
+  ScratchDir dir("moe_pretrain_router_options");
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"capacity_drop", {"--moe-expert-capacity-factor", "1.0"}},
+      {"capacity_pad_position",
+       {"--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy", "position",
+        "--moe-pad-expert-input-to-capacity"}},
+      {"global_aux_jitter",
+       {"--moe-router-load-balancing-type", "aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "1e-2", "1e-2",
+        "--moe-input-jitter-eps", "0.05"}},
+  };
+  for (const auto& [name, extra] : cases) {
+    const auto cpu = train(dir.path, name + "_cpu", extra, "cpu");
+    const auto cuda = train(dir.path, name + "_cuda", extra);
+    expect_losses_close(cuda, cpu, 1e-4, name + " cuda vs cpu");
+  }
+}
+
+TEST(MoePretrainGpu, Fp64RouterIsRefusedAtStartUp) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU";
+  ScratchDir dir("moe_pretrain_fp64");
+  RunResult r = run(with(with({bin("pretrain_gpt")}, kMixtral), {"--device", "cuda", "--moe-router-dtype", "fp64"}),
                     dir.path, "");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("--moe-expert-capacity-factor (token dropping) runs on the CPU only"), std::string::npos)
-      << r.output;
+  EXPECT_NE(r.output.find("--moe-router-dtype fp64 runs on the CPU only"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The mixture-of-experts ops on CUDA against the CPU reference: routing forward/backward for every
-// option (the same experts, probabilities and gradients to rounding), the capacity refusal, the
-// expert-bias update, the permutation (the same rows, exactly) and its data movement, the row
-// scaling and the grouped GEMM, fp32 and bf16.
+// option (the same experts, probabilities and gradients to rounding), token dropping by probability
+// and by position with and without padding (the same kept tokens, exactly), the global aux loss and
+// its gradient, the input jitter, the expert-bias update, the permutation (the same rows, exactly)
+// and its data movement, the row scaling and the grouped GEMM, fp32 and bf16.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -59,18 +60,71 @@ TEST(MoeRoutingGpu, MatchesCpu) {
   }
 }
 
-TEST(MoeRoutingGpu, TokenDroppingIsRefusedWithOneLine) {
-  Context ctx(kGpu);
-  moe::RouterConfig c;
-  c.num_experts = 8;
-  c.topk = 2;
-  c.capacity_factor = 1.0f;
-  const MoeRoutingParams p = moe::routing_params(c, 4, 2);
-  try {
-    testing::run_routing(ctx, p, random_tensor({8, 8}, 1, 1.0f), Tensor());
-    ADD_FAILURE() << "no error";
-  } catch (const Error& err) {
-    EXPECT_NE(std::string(err.what()).find("--moe-expert-capacity-factor"), std::string::npos) << err.what();
+// Note [Token dropping on the device]: every policy keeps the CPU's tokens, on small problems with
+// ties (position policy: every routed token has the value 1) and at training size.
+TEST(MoeRoutingGpu, TokenDroppingMatchesCpu) {
+  uint64_t seed = 500;
+  for (const char* policy : {"probs", "position"})
+    for (bool pad : {false, true})
+      for (float factor : {0.5f, 1.0f, 1.25f}) {
+        for (const testing::RoutingCase& base : testing::routing_cases()) {
+          testing::RoutingCase k = base;
+          k.name += std::string(" ") + policy + (pad ? " pad" : "") + " cf " + std::to_string(factor);
+          k.config.capacity_factor = factor;
+          k.config.drop_policy = policy;
+          k.config.pad_to_capacity = pad;
+          check_routing(k, seed += 10);
+          if (factor == 1.0f) {  // training-sized
+            k.seq = 1024;
+            k.mb = 4;
+            check_routing(k, seed += 10);
+          }
+        }
+      }
+}
+
+// The global aux loss's ops (Note [Global aux loss]): the aux map's counts exactly, the loss and its
+// gradient to rounding, for softmax and sigmoid scores.
+TEST(MoeRoutingGpu, GlobalAuxLossMatchesCpu) {
+  for (const char* score : {"softmax", "sigmoid"})
+    for (int64_t t : {int64_t(26), int64_t(4096)}) {
+      SCOPED_TRACE(std::string(score) + " T=" + std::to_string(t));
+      Context cpu_ctx, gpu_ctx(kGpu);
+      moe::RouterConfig c;
+      c.num_experts = 16;
+      c.topk = 4;
+      c.score_function = score;
+      c.global_aux_loss_coeff = 0.05f;
+      const MoeRoutingParams p = moe::routing_params(c, t / 2, 2, /*global_aux_group=*/4);
+      const Tensor logits = random_tensor({t, 16}, 31, 1.5f);
+      const testing::RoutingRun r = testing::run_routing(cpu_ctx, p, logits, Tensor());
+      Tensor want_n = Tensor::empty({16}, DType::Float32), got_n = Tensor::empty({16}, DType::Float32, kGpu);
+      cpu::moe_expert_counts(cpu_ctx, r.aux_map, want_n);
+      cuda::moe_expert_counts(gpu_ctx, r.aux_map.to(kGpu), got_n);
+      EXPECT_EQ(got_n.to(Device::cpu()).to_floats(), want_n.to_floats());
+      const Tensor tokens = random_tensor({16}, 32, 10.0f);  // any per-expert counts (averaged: not integers)
+      Tensor want_l = Tensor::empty({1}, DType::Float32), got_l = Tensor::empty({1}, DType::Float32, kGpu);
+      cpu::moe_global_aux_loss_forward(cpu_ctx, r.aux_scores, tokens, p, want_l);
+      cuda::moe_global_aux_loss_forward(gpu_ctx, r.aux_scores.to(kGpu), tokens.to(kGpu), p, got_l);
+      EXPECT_NEAR(got_l.to(Device::cpu()).item(0), want_l.item(0), 1e-6 * std::fabs(want_l.item(0)));
+      const Tensor g0 = random_tensor({t, 16}, 33, 1.0f);
+      Tensor want_g = g0.clone(), got_g = g0.to(kGpu);
+      cpu::moe_global_aux_loss_backward(cpu_ctx, logits, r.aux_scores, tokens, p, 0.5f, want_g);
+      cuda::moe_global_aux_loss_backward(gpu_ctx, logits.to(kGpu), r.aux_scores.to(kGpu), tokens.to(kGpu), p, 0.5f,
+                                         got_g);
+      expect_close(got_g.to(Device::cpu()), want_g, 1e-6, "grad_logits");
+    }
+}
+
+// The input jitter (Note [Router input jitter]) draws the same factors on both, for any sequence offset.
+TEST(MoeRoutingGpu, InputJitterMatchesCpu) {
+  Context cpu_ctx, gpu_ctx(kGpu);
+  const Tensor x = random_tensor({24, 40}, 41, 1.0f);
+  for (int64_t seq_offset : {int64_t(0), int64_t(12)}) {
+    Tensor want = Tensor::empty({24, 40}, DType::Float32), got = Tensor::empty({24, 40}, DType::Float32, kGpu);
+    cpu::moe_input_jitter(cpu_ctx, x, 0.1f, 1234, 77, 3, seq_offset, want);
+    cuda::moe_input_jitter(gpu_ctx, x.to(kGpu), 0.1f, 1234, 77, 3, seq_offset, got);
+    EXPECT_EQ(got.to(Device::cpu()).to_floats(), want.to_floats());
   }
 }
 

@@ -1,6 +1,7 @@
 // The CPU reference of the mixture-of-experts ops against core/transformer/moe/moe_utils.cpp (the
 // module code they will replace) on random problems and against Megatron's own routing outputs
-// (tests/fixtures/moe/router_*.safetensors), with finite differences for the backwards.
+// (tests/fixtures/moe/router_*.safetensors), with finite differences for the backwards; the global
+// aux loss against a hand computation, and the input jitter.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -309,6 +310,148 @@ TEST(MoeGroupedLinear, MatchesOneLinearPerExpertAndFiniteDifferences) {
     EXPECT_LE(rel_error(wg[size_t(e)].to_floats(), dw), 1e-6) << "expert " << e;
     r0 += rows[size_t(e)];
   }
+}
+
+// ---- the global aux loss (Note [Global aux loss] in core/transformer/moe/router.h) -------------------
+
+// Three tokens, four experts, top-2 softmax scores, worked by hand: the aux scores are each token's
+// softmax over the four logits, the aux map its top 2; with tokens per expert n (the step's average
+// over tp × dp × cp) and N = T · group the loss is coeff · E / (k · N²) · Σ_x (Σ_t score[t, x]) · n[x].
+TEST(MoeGlobalAuxLoss, MatchesAHandComputation) {
+  moe::RouterConfig c;
+  c.num_experts = 4;
+  c.topk = 2;
+  c.global_aux_loss_coeff = 0.5f;
+  const std::vector<float> l = {0.0f, 1.0f, 2.0f, 3.0f, 1.0f, 1.0f, 0.0f, -1.0f, 2.0f, 0.0f, 0.0f, 2.0f};
+  const Tensor logits = Tensor::from_floats(l, {3, 4});
+  const int64_t group = 2;
+  std::vector<double> score_sums(4, 0.0);
+  for (int t = 0; t < 3; ++t) {
+    double z = 0;
+    for (int x = 0; x < 4; ++x) z += std::exp(double(l[size_t(t * 4 + x)]));
+    for (int x = 0; x < 4; ++x) score_sums[size_t(x)] += std::exp(double(l[size_t(t * 4 + x)])) / z;
+  }
+  // The aux map's counts: token 0 -> {3, 2}, token 1 -> {0, 1} (ties to the lower index), token 2 -> {0, 3}.
+  const std::vector<float> counts = {2, 1, 1, 2};
+  const std::vector<float> tokens = {3.5f, 1.0f, 2.0f, 4.5f};  // e.g. (this + another microbatch) / 2
+  const double n_total = 3.0 * group;
+  double want = 0;
+  for (int x = 0; x < 4; ++x) want += score_sums[size_t(x)] * tokens[size_t(x)];
+  want *= 0.5 * 4 / (2 * n_total * n_total);
+
+  Context ctx;
+  const MoeRoutingParams p = moe::routing_params(c, 3, 1, group);
+  const testing::RoutingRun r = testing::run_routing(ctx, p, logits, Tensor());
+  Tensor n = Tensor::empty({4}, DType::Float32), loss = Tensor::empty({1}, DType::Float32);
+  cpu::moe_expert_counts(ctx, r.aux_map, n);
+  EXPECT_EQ(n.to_floats(), counts);
+  cpu::moe_global_aux_loss_forward(ctx, r.aux_scores, Tensor::from_floats(tokens, {4}), p, loss);
+  EXPECT_NEAR(loss.item(0), want, 1e-6 * want);
+  const std::vector<float> l3 = r.losses.to_floats();
+  EXPECT_EQ(l3, std::vector<float>(3, 0.0f)) << "the global loss is not one of the routing op's own";
+
+  // moe_utils.cpp: routing_forward with the counts' reduction given (the loss sees `tokens` for the
+  // counts it is handed), and the same loss function on its own.
+  moe::CountReduction red;
+  red.global_group_size = int(group);
+  std::vector<float> seen;
+  red.global_average = [&](std::vector<float> v) {
+    seen = v;
+    return tokens;
+  };
+  moe::RoutingSaved saved;
+  const moe::RoutingOutput out = moe::routing_forward(c, logits, Tensor(), 3, 1, saved, &red);
+  EXPECT_EQ(seen, counts);
+  EXPECT_NEAR(out.global_aux_loss, want, 1e-6 * want);
+  EXPECT_EQ(out.aux_loss, 0.0);
+  EXPECT_EQ(moe::global_aux_loss(saved.aux_scores, tokens, n_total, 2, 0.5f), out.global_aux_loss);
+  // Without a reduction (one rank, one microbatch) the counts are this microbatch's own.
+  moe::RoutingSaved one;
+  const moe::RoutingOutput single = moe::routing_forward(c, logits, Tensor(), 3, 1, one);
+  EXPECT_NEAR(single.global_aux_loss, moe::global_aux_loss(one.aux_scores, counts, 3.0, 2, 0.5f), 1e-15);
+}
+
+// The op's gradient (and moe_utils.cpp's) against finite differences of L = Σ probs·R + a·loss, for
+// softmax and sigmoid scores, composed with the other losses.
+TEST(MoeGlobalAuxLoss, GradientsMatchFiniteDifferencesAndMoeUtils) {
+  for (const char* score : {"softmax", "sigmoid"}) {
+    SCOPED_TRACE(score);
+    moe::RouterConfig c;
+    c.num_experts = 8;
+    c.topk = 2;
+    c.score_function = score;
+    c.global_aux_loss_coeff = 0.4f;
+    c.aux_loss_coeff = 0.1f;
+    c.z_loss_coeff = 0.05f;
+    const int64_t seq = 5, mb = 2, t = seq * mb, group = 3;
+    const MoeRoutingParams p = moe::routing_params(c, seq, mb, group);
+    const Tensor tokens = Tensor::from_floats({7, 1, 2.5f, 3, 0, 4, 1.5f, 5}, {8});
+    Tensor logits = random_tensor({t, 8}, 300, 1.0f);
+    Context ctx;
+    auto forward = [&] {
+      const testing::RoutingRun r = testing::run_routing(ctx, p, logits, Tensor());
+      Tensor loss = Tensor::empty({1}, DType::Float32);
+      cpu::moe_global_aux_loss_forward(ctx, r.aux_scores, tokens, p, loss);
+      const std::vector<float> l = r.losses.to_floats();
+      return std::vector<Tensor>{r.probs, Tensor::from_floats({l[0] + l[1] + l[2] + loss.item(0)}, {1})};
+    };
+    testing::GradCheck gc(forward);
+    const float up = gc.upstream(1).item(0);
+    const testing::RoutingRun r = testing::run_routing(ctx, p, logits, Tensor());
+    Tensor grad = testing::run_routing_backward(ctx, p, r, logits, gc.upstream(0), up);
+    cpu::moe_global_aux_loss_backward(ctx, logits, r.aux_scores, tokens, p, up, grad);
+    gc.check("logits", logits, grad, {1e-3, 2e-2, 3e-3});
+    // moe_utils.cpp's routing_backward with the same counts gives the same gradient.
+    moe::CountReduction red;
+    red.global_group_size = int(group);
+    red.global_average = [&](std::vector<float>) { return tokens.to_floats(); };
+    moe::RoutingSaved saved;
+    moe::routing_forward(c, logits, Tensor(), seq, mb, saved, &red);
+    const Tensor g_ref = moe::routing_backward(c, gc.upstream(0), saved, up);
+    EXPECT_LE(rel_error(grad.to_floats(), g_ref.to_floats()), 1e-6);
+  }
+}
+
+// ---- the input jitter (Note [Router input jitter]) ----------------------------------------------------
+
+TEST(MoeInputJitter, BoundedReplayableAndIndexedByThePlaceInTheSequence) {
+  Context ctx;
+  const int64_t seq = 8, mb = 3, h = 16, t = seq * mb;
+  const Tensor x = random_tensor({t, h}, 51, 1.0f);
+  auto jitter = [&](const Tensor& in, float eps, uint64_t offset, int64_t seq_offset) {
+    Tensor out = Tensor::empty(in.shape(), DType::Float32);
+    cpu::moe_input_jitter(ctx, in, eps, 1234, offset, mb, seq_offset, out);
+    return out;
+  };
+  EXPECT_EQ(jitter(x, 0.0f, 9, 0).to_floats(), x.to_floats()) << "eps 0 is the identity";
+  const Tensor a = jitter(x, 0.1f, 9, 0);
+  EXPECT_EQ(jitter(x, 0.1f, 9, 0).to_floats(), a.to_floats()) << "the same stream replays";
+  EXPECT_NE(jitter(x, 0.1f, 10, 0).to_floats(), a.to_floats()) << "another stream draws other noise";
+  const Tensor ones = Tensor::from_floats(std::vector<float>(size_t(t * h), 1.0f), {t, h});
+  const std::vector<float> u = jitter(ones, 0.1f, 9, 0).to_floats();
+  double mean = 0;
+  for (float v : u) {
+    EXPECT_GE(v, 0.9f);
+    EXPECT_LT(v, 1.1f);
+    mean += v;
+  }
+  mean /= double(u.size());
+  EXPECT_NEAR(mean, 1.0, 0.01);
+  const std::vector<float> xv = x.to_floats(), av = a.to_floats();
+  for (size_t i = 0; i < xv.size(); ++i) EXPECT_EQ(av[i], xv[i] * u[i]);
+  // Two sequence shards (sequence parallelism: positions [0, 4) and [4, 8)) draw the whole sequence's noise.
+  const int64_t half = seq / 2 * mb;
+  const std::vector<float> lo = jitter(x.slice(0, half).clone(), 0.1f, 9, 0).to_floats();
+  const std::vector<float> hi = jitter(x.slice(half, t).clone(), 0.1f, 9, seq / 2).to_floats();
+  std::vector<float> both = lo;
+  both.insert(both.end(), hi.begin(), hi.end());
+  EXPECT_EQ(both, av);
+  // moe_utils.cpp's host version is the same function.
+  EXPECT_EQ(moe::input_jitter(x, 0.1f, 1234, 9, mb, 0).to_floats(), av);
+  // In place, as the router applies it to its input's gradient.
+  Tensor g = x.clone();
+  cpu::moe_input_jitter(ctx, g, 0.1f, 1234, 9, mb, 0, g);
+  EXPECT_EQ(g.to_floats(), av);
 }
 
 TEST(MoeOps, BadInputsAreClearErrors) {

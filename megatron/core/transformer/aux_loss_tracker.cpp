@@ -5,14 +5,14 @@
 namespace megatron {
 
 void AuxLossTracker::declare(const std::string& name, int num_layers, Communicator* reduce_group,
-                             bool average_over_dp) {
+                             OverDp over_dp) {
   MG_CHECK(num_layers > 0, "aux loss '{}' declared for {} layers", name, num_layers);
   Entry& e = entries_[name];
   MG_CHECK(e.reported.empty() || int(e.reported.size()) == num_layers,
            "aux loss '{}' declared for {} layers, then for {}", name, e.reported.size(), num_layers);
   e.reported.resize(size_t(num_layers), false);
   e.reduce_group = reduce_group && reduce_group->size() > 1 ? reduce_group : nullptr;
-  e.average_over_dp = average_over_dp;
+  e.over_dp = over_dp;
 }
 
 void AuxLossTracker::add(Context& ctx, const std::string& name, int layer, const Tensor& value) {
@@ -45,10 +45,10 @@ std::vector<std::pair<std::string, double>> AuxLossTracker::report(Context& ctx,
     both.flat_slice(n, n).copy_from(Tensor::from_floats(flags, {n}, DType::Float32, ctx.device()));
     if (pp && pp->size() > 1) pp->all_reduce(ctx, both)->wait();
     if (e.reduce_group) e.reduce_group->all_reduce(ctx, both)->wait();
-    const bool average = e.average_over_dp && dp && dp->size() > 1;
-    if (average) dp->all_reduce(ctx, both)->wait();
+    const bool over_dp = e.over_dp != OverDp::None && dp && dp->size() > 1;
+    if (over_dp) dp->all_reduce(ctx, both)->wait();
     const std::vector<float> host = both.to_floats();
-    const double dp_size = average ? double(dp->size()) : 1.0;
+    const double dp_size = over_dp && e.over_dp == OverDp::Mean ? double(dp->size()) : 1.0;  // Sum: as reduced
     double sum = 0;
     int layers = 0;
     std::map<int, double>& per_layer = per_layer_[name];

@@ -9,7 +9,9 @@
 // a name's per-layer values are summed over the pipeline ranks (each stage adds its own layers),
 // then over the name's reduce group when it has one (the load-balancing losses are partial sums
 // over tensor × context parallel ranks), and averaged over the data-parallel ranks unless the name
-// says not to (Megatron averages the losses it reduces; its z-loss is logged as the rank's own).
+// says otherwise (Megatron averages the losses it reduces; its z-loss is logged as the rank's own;
+// the global load-balancing loss is a partial sum over tp × dp × cp, so it is summed over dp too:
+// Megatron's reduce_group_has_dp).
 // The value reported is the mean over the layers that reported the name of the per-microbatch mean.
 //
 // The tracker also carries the aux losses' backward scale for the step (Megatron's
@@ -27,9 +29,11 @@ namespace megatron {
 
 class AuxLossTracker {
  public:
+  /// What a name's values do over the data-parallel ranks at report().
+  enum class OverDp { Mean, Sum, None };
   /// A loss that layers [0, num_layers) may report (idempotent; on every rank, before the first step).
   void declare(const std::string& name, int num_layers, Communicator* reduce_group = nullptr,
-               bool average_over_dp = true);
+               OverDp over_dp = OverDp::Mean);
   bool empty() const { return entries_.empty(); }
   /// Adds `value` (one fp32 element on ctx's device; no host wait) to layer `layer`'s `name`.
   void add(Context& ctx, const std::string& name, int layer, const Tensor& value);
@@ -68,7 +72,7 @@ class AuxLossTracker {
     Tensor values;               // [num_layers] fp32 on the device, allocated at the first add
     std::vector<bool> reported;  // per layer, host-side
     Communicator* reduce_group = nullptr;
-    bool average_over_dp = true;
+    OverDp over_dp = OverDp::Mean;
   };
   void clear_losses();
 

@@ -70,8 +70,9 @@ class ModelChunk {
   AuxLossTracker* aux_loss_tracker() const { return aux_losses_; }
   /// After a step's gradients are final, before the optimizer: the MoE routers' aux-loss-free
   /// expert biases move by the step's token counts (Megatron's _update_router_expert_bias in
-  /// finalize_model_grads). Collective over the chunk's tp × cp and data-parallel groups.
-  virtual void update_router_expert_bias(Context&) {}
+  /// finalize_model_grads; collective over the chunk's tp × cp and data-parallel groups), and the
+  /// routers' per-step state restarts (reset_model_temporary_tensors: the global aux loss's counts).
+  virtual void finish_router_step(Context&) {}
   /// State that is not a parameter but belongs in checkpoints (the routers' expert biases), by name.
   virtual std::vector<std::pair<std::string, Tensor*>> buffers() { return {}; }
 

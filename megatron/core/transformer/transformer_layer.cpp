@@ -75,7 +75,7 @@ Tensor TransformerLayer::mixer_backward(Context& ctx, const Tensor& grad, const 
 
 // x [s·b, h]; an MoE layer routes the s·b tokens (sequence-major) and reports its losses.
 Tensor TransformerLayer::mlp_forward(Context& ctx, const Tensor& x, int64_t s, int64_t b, AuxLossTracker* aux_losses,
-                                     bool report, MlpSaved& saved) const {
+                                     bool report, bool training, uint64_t rng_base, MlpSaved& saved) const {
   return std::visit(
       [&](const auto& m) {
         using M = std::decay_t<decltype(m)>;
@@ -83,8 +83,7 @@ Tensor TransformerLayer::mlp_forward(Context& ctx, const Tensor& x, int64_t s, i
         if constexpr (std::is_same_v<M, moe::MoELayer>) {
           ms.aux_loss_scale = aux_losses ? aux_losses->backward_scale() : 1.0f;
           const bool reports = report && aux_losses && !aux_losses->evaluating();
-          return m.forward(ctx, x, s, b, reports ? aux_losses : nullptr, ms,
-                           /*training=*/!(aux_losses && aux_losses->evaluating()));
+          return m.forward(ctx, x, s, b, reports ? aux_losses : nullptr, ms, training, rng_base);
         } else {
           return m.forward(ctx, x, ms);
         }
@@ -116,7 +115,8 @@ Tensor TransformerLayer::forward(Context& ctx, const Tensor& x, const AttentionI
   Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::dropout_add_forward(ctx, attn, x, hidden_dropout_, tensor_parallel::region_seed(ctx, tp_, sequence_parallel_), rng_base + 1, x2);
   Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), saved.pre_mlp_norm);
-  Tensor mlp_out = mlp_forward(ctx, h2, s, b, aux_losses, report_aux_losses, saved.mlp);
+  const bool training = !(aux_losses && aux_losses->evaluating());
+  Tensor mlp_out = mlp_forward(ctx, h2, s, b, aux_losses, report_aux_losses, training, rng_base, saved.mlp);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::dropout_add_forward(ctx, mlp_out.view({s, b, h}), x2, hidden_dropout_, tensor_parallel::region_seed(ctx, tp_, sequence_parallel_), rng_base + 2, out);
   return out;
@@ -154,7 +154,7 @@ Tensor TransformerLayer::forward_inference(Context& ctx, const Tensor& x, const 
   Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::add(ctx, attn, x, x2);
   Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), norm_saved);
-  Tensor mlp_out = mlp_forward(ctx, h2, s, b, nullptr, false, mlp_saved);
+  Tensor mlp_out = mlp_forward(ctx, h2, s, b, nullptr, false, /*training=*/false, 0, mlp_saved);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::add(ctx, mlp_out.view({s, b, h}), x2, out);
   return out;

@@ -6,7 +6,9 @@
 // Saved, backward reads it back. Adding a kind is its module plus one alternative here.
 //
 // Each layer draws three random streams per forward (the mixer's dropout, two hidden dropouts) at
-// consecutive offsets from a base recorded in its Saved, so recomputation replays them exactly.
+// consecutive offsets from a base recorded in its Saved, so recomputation replays them exactly; an
+// MoE router's input jitter draws from a stream of its own named by the same base (Note [Router
+// input jitter] in moe/router.h).
 // Under sequence parallelism x is this rank's sequence shard [s/tp, b, h]; the norms, dropouts and
 // residuals work on the shard, the mixer and MLP gather and scatter the sequence.
 #pragma once
@@ -61,7 +63,7 @@ class TransformerLayer {
                        MixerSaved& saved) const;
   Tensor mixer_backward(Context& ctx, const Tensor& grad, const AttentionInputs& in, MixerSaved& saved) const;
   Tensor mlp_forward(Context& ctx, const Tensor& x, int64_t s, int64_t b, AuxLossTracker* aux_losses, bool report,
-                     MlpSaved& saved) const;
+                     bool training, uint64_t rng_base, MlpSaved& saved) const;
   Tensor mlp_backward(Context& ctx, const Tensor& grad, MlpSaved& saved) const;
 
   float hidden_dropout_;

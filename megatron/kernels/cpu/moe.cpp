@@ -136,7 +136,7 @@ void moe_routing_backward(Context& ctx, const Tensor& grad_probs, const Tensor& 
   check_host(grad_logits, DType::Float32, t_count * e, "grad_logits");
   std::vector<double> counts, seq_counts;
   const float* scores = nullptr;
-  if (c.aux_on()) {
+  if (c.local_aux_on()) {
     check_host(aux_scores, DType::Float32, t_count * e, "aux_scores");
     check_host(aux_map, DType::UInt8, t_count * e, "aux_map");
     scores = aux_scores.data<float>();
@@ -171,6 +171,75 @@ void moe_expert_bias_update(Context& ctx, const Tensor& tokens_per_expert, float
   for (int64_t i = 0; i < e; ++i) {
     const float off = mean - n[i];
     b[i] += (off > 0 ? 1.0f : off < 0 ? -1.0f : 0.0f) * update_rate;
+  }
+}
+
+// ---- the global aux loss (Note [Global aux loss] in core/transformer/moe/router.h) -----------------
+
+void moe_expert_counts(Context& ctx, const Tensor& map, Tensor& counts) {
+  MG_CHECK(map.defined() && map.dim() == 2 && map.dtype() == DType::UInt8,
+           "moe_expert_counts: the map must be uint8 [tokens, experts], got {}", map.defined() ? map.str() : "undefined");
+  const int64_t t_count = map.size(0), e = map.size(1);
+  check_host(counts, DType::Float32, e, "counts");
+  const uint8_t* m = map.data<uint8_t>();
+  float* n = counts.data<float>();
+  std::fill(n, n + e, 0.0f);
+  for (int64_t t = 0; t < t_count; ++t)
+    for (int64_t x = 0; x < e; ++x) n[x] += float(m[t * e + x]);
+}
+
+void moe_global_aux_loss_forward(Context& ctx, const Tensor& aux_scores, const Tensor& tokens,
+                                 const MoeRoutingParams& c, Tensor& loss) {
+  ops::check_moe_routing(c, aux_scores, Tensor());
+  const int64_t t_count = aux_scores.size(0), e = c.num_experts;
+  check_host(tokens, DType::Float32, e, "tokens");
+  check_host(loss, DType::Float32, 1, "loss");
+  const float* s = aux_scores.data<float>();
+  const float* n = tokens.data<float>();
+  double sum = 0;
+  for (int64_t x = 0; x < e; ++x) {  // the CUDA kernel's order: Σ_t per expert in fp64, then Σ_x
+    double p = 0;
+    for (int64_t t = 0; t < t_count; ++t) p += double(s[t * e + x]);
+    sum += p * double(n[x]);
+  }
+  loss.data<float>()[0] = float(sum * moe_rows::global_aux_loss_scale_of(c, t_count));
+}
+
+void moe_global_aux_loss_backward(Context& ctx, const Tensor& logits, const Tensor& aux_scores, const Tensor& tokens,
+                                  const MoeRoutingParams& c, float aux_loss_scale, Tensor& grad_logits) {
+  ops::check_moe_routing(c, logits, Tensor());
+  const int64_t t_count = logits.size(0), e = c.num_experts;
+  check_host(aux_scores, DType::Float32, t_count * e, "aux_scores");
+  check_host(tokens, DType::Float32, e, "tokens");
+  check_host(grad_logits, DType::Float32, t_count * e, "grad_logits");
+  const double scale = moe_rows::global_aux_loss_scale_of(c, t_count) * aux_loss_scale;
+  const float* l = logits.data<float>();
+  const float* s = aux_scores.data<float>();
+  const float* n = tokens.data<float>();
+  float* g = grad_logits.data<float>();
+  std::vector<float> scratch(static_cast<size_t>(e));
+  for (int64_t t = 0; t < t_count; ++t) {
+    moe_rows::aux_scores_backward_row(c, l + t * e, s + t * e, scratch.data(), g + t * e,
+                                      [&](int i) { return double(n[i]) * scale; });
+  }
+}
+
+// ---- input jitter (Note [Router input jitter] in core/transformer/moe/router.h) --------------------
+
+void moe_input_jitter(Context& ctx, const Tensor& x, float eps, uint64_t seed, uint64_t offset, int64_t micro_batch,
+                      int64_t seq_offset, Tensor& out) {
+  MG_CHECK(x.defined() && x.dim() == 2 && x.dtype() == DType::Float32 && micro_batch > 0 &&
+               x.size(0) % micro_batch == 0 && seq_offset >= 0,
+           "moe_input_jitter: x must be fp32 [tokens, hidden] of whole micro-batches of {}, got {}", micro_batch,
+           x.defined() ? x.str() : "undefined");
+  check_host(out, DType::Float32, x.numel(), "out");
+  const int64_t t_count = x.size(0), h = x.size(1);
+  const float* in = x.data<float>();
+  float* o = out.data<float>();
+  for (int64_t t = 0; t < t_count; ++t) {
+    const int64_t row = (seq_offset + t / micro_batch) * micro_batch + t % micro_batch;
+    for (int64_t j = 0; j < h; ++j)
+      o[t * h + j] = in[t * h + j] * moe_rows::jitter_factor(eps, seed, offset, uint64_t(row * h + j));
   }
 }
 

@@ -306,6 +306,55 @@ TEST_F(ParallelTraining, MoeSinkhornEP2) {
         Layout{"moe_sinkhorn_ep2_dp4", 4, {"--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"}});
 }
 
+// The global aux loss composed with aux_loss, and the router's input jitter (Note [Global aux loss],
+// Note [Router input jitter]): layouts without data parallelism give the single process — TP 2 × EP 2
+// (the counts summed over the sequence shards, the jitter drawn by each shard's place in the
+// sequence), interleaved PP 2, and full recomputation (the recomputed forwards reuse their counts and
+// noise).
+TEST_F(ParallelTraining, MoeGlobalAuxLossAndJitter) {
+  const std::vector<std::string> model =
+      concat(kMoe, {"--moe-router-load-balancing-type", "aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "1e-2",
+                    "2e-2", "--moe-input-jitter-eps", "0.1"});
+  TrainRun one = train(dir_->path, "moe_global_single", 1,
+                       concat(model, {"--train-iters", "5", "--save", (dir_->path / "moe_global_single").string()}));
+  ASSERT_EQ(one.aux.count("global_load_balancing_loss"), 1u) << one.output;
+  ASSERT_EQ(one.aux.count("load_balancing_loss"), 1u) << one.output;
+  check(model, one, "moe_global_single",
+        Layout{"moe_global_tp2sp_ep2_etp1", 2,
+               {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+                "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"}});
+  check(model, one, "moe_global_single",
+        Layout{"moe_global_pp2_vpp", 2,
+               {"--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"}});
+  check(model, one, "moe_global_single",
+        Layout{"moe_global_recompute_full", 1,
+               {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"}});
+}
+
+// Note [Global aux loss] over data parallelism: each of dp ranks' loss is its share of the counts of
+// tp × dp × cp, and the data-parallel gradient mean scales it by 1/dp (Megatron's semantics). So EP 2
+// with DP d (micro-batch 2, coefficient c) is the single process with micro-batch 2d (its microbatch
+// i is the union of the ranks' microbatches i, Megatron's sampler) and coefficient c/d: the same
+// losses, grad norms, global_load_balancing_loss and weights.
+TEST_F(ParallelTraining, MoeGlobalAuxLossDataParallel) {
+  const std::vector<std::string> model =
+      concat(kMoe, {"--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "2e-2"});
+  for (int dp : {2, 4}) {
+    const std::string name = "moe_global_dp" + std::to_string(dp);
+    std::vector<std::string> single = model;
+    for (size_t i = 0; i + 1 < single.size(); ++i) {
+      if (single[i] == "--micro-batch-size") single[i + 1] = std::to_string(2 * dp);
+    }
+    single = concat(single, {"--moe-aux-loss-coeff", std::to_string(2e-2 / dp)});  // the last list occurrence wins
+    TrainRun one = train(dir_->path, name + "_single", 1,
+                         concat(single, {"--train-iters", "5", "--save", (dir_->path / (name + "_single")).string()}));
+    ASSERT_EQ(one.aux.count("global_load_balancing_loss"), 1u) << one.output;
+    std::vector<std::string> flags = {"--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"};
+    if (dp == 4) flags = concat(flags, {"--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "20000"});
+    check(model, one, name + "_single", Layout{name + "_ep2", dp, flags});
+  }
+}
+
 // An MoE checkpoint saved by one expert layout at iteration 3 resumes under another with the
 // single run's losses.
 TEST_F(ParallelTraining, MoeCheckpointsReshardAcrossExpertLayouts) {

@@ -5,11 +5,14 @@
 // option read from the file. One line per fixture checked.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <numeric>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/distributed/param_and_grad_buffer.h"
@@ -480,5 +483,318 @@ TEST(SinkhornRouting, BalancesTrainingChoicesWithExactGradients) {
   bad.aux_loss_coeff = 0.01f;
   EXPECT_THROW(bad.validate(), Error);
 }
+}  // namespace
+}  // namespace megatron
+
+namespace megatron {
+namespace {
+
+// One router on one rank with its weight drawn, and a twin of another configuration with the same weight.
+struct RouterRig {
+  ParamAndGradBuffer params{DType::Float32, Device::cpu()};
+  std::unique_ptr<moe::TopKRouter> router;
+  RouterRig(const moe::RouterConfig& c, int64_t h, const RouterRig* same_weight = nullptr) {
+    router = std::make_unique<moe::TopKRouter>(c, h, params, "decoder.layers.0.mlp.router", 0, 2);
+    params.allocate();
+    params.init_weights(5, 0.5f, 2, false);
+    params.zero_grad();
+    if (same_weight) weight().data.copy_from(same_weight->router->weight()->data);
+  }
+  Parameter& weight() { return *params.find("decoder.layers.0.mlp.router.weight"); }
+  Tensor logits(Context& ctx, const Tensor& x) const {
+    Tensor l = Tensor::empty({x.size(0), router->weight()->data.size(0)}, DType::Float32);
+    ops::linear_forward(ctx, x, router->weight()->data, Tensor(), l);
+    return l;
+  }
+};
+
+std::map<std::string, double> reported(Context& ctx, AuxLossTracker& tracker, int microbatches) {
+  std::map<std::string, double> out;
+  for (const auto& [name, value] : tracker.report(ctx, nullptr, nullptr, microbatches)) out[name] = value;
+  return out;
+}
+
+// Note [Global aux loss]: each tracked forward adds its aux map's counts to the step's buffer and its
+// loss uses the buffer's mean over the forwards so far; a recomputed forward reuses its first pass's
+// counts; evaluation has none; the step's end restarts the buffer. Composed with aux_loss.
+TEST(TopKRouter, GlobalAuxLossCountsTheStepsMicrobatches) {
+  moe::RouterConfig c;
+  c.num_experts = 8;
+  c.topk = 2;
+  c.aux_loss_coeff = 0.1f;
+  c.global_aux_loss_coeff = 0.3f;
+  const int64_t h = 6, seq = 5, mb = 2, t = seq * mb;
+  RouterRig rig(c, h);
+  moe::TopKRouter& router = *rig.router;
+  AuxLossTracker tracker;
+  router.declare_losses(tracker);
+  Context ctx;
+  const Tensor xa = testing::random_tensor({t, h}, 61), xb = testing::random_tensor({t, h}, 62);
+  const Tensor w = testing::random_tensor({t, 8}, 63);
+  // The oracle: moe_utils.cpp's routing with the counts it is handed replaced by the step's mean.
+  std::vector<float> counts_a, counts_b;
+  auto oracle = [&](const Tensor& x, std::vector<float>* counts, const std::vector<float>* use, moe::RoutingSaved& s) {
+    moe::CountReduction red;
+    red.global_average = [&](std::vector<float> v) {
+      *counts = v;
+      return use ? *use : v;
+    };
+    return moe::routing_forward(c, rig.logits(ctx, x), Tensor(), seq, mb, s, &red);
+  };
+  moe::RoutingSaved sa, sb;
+  const moe::RoutingOutput ra = oracle(xa, &counts_a, nullptr, sa);
+  moe::RoutingSaved probe;
+  oracle(xb, &counts_b, nullptr, probe);
+  std::vector<float> mean(8);
+  for (int x = 0; x < 8; ++x) mean[size_t(x)] = (counts_a[size_t(x)] + counts_b[size_t(x)]) / 2;
+  const moe::RoutingOutput rb = oracle(xb, &counts_b, &mean, sb);
+  ASSERT_NE(counts_a, counts_b) << "two microbatches with different counts";
+
+  moe::TopKRouter::Saved a, b;
+  router.forward(ctx, xa, seq, mb, &tracker, a, true, /*rng_base=*/10);
+  router.forward(ctx, xb, seq, mb, &tracker, b, true, /*rng_base=*/20);
+  ASSERT_TRUE(a.global_on && b.global_on);
+  EXPECT_EQ(a.global_tokens.to_floats(), counts_a);
+  EXPECT_EQ(b.global_tokens.to_floats(), mean);
+  const std::map<std::string, double> step = reported(ctx, tracker, 2);
+  EXPECT_NEAR(step.at("global_load_balancing_loss"), (ra.global_aux_loss + rb.global_aux_loss) / 0.3 / 2, 1e-6);
+  EXPECT_NEAR(step.at("load_balancing_loss"), (ra.aux_loss + rb.aux_loss) / 0.1 / 2, 1e-6);
+
+  // The gradient of microbatch b's forward is the oracle's with the step's mean counts.
+  const Tensor gx = router.backward(ctx, w, b);
+  const Tensor g_logits = moe::routing_backward(c, w, sb, 1.0f);
+  Tensor want = Tensor::empty({t, h}, DType::Float32), no_bias;
+  Tensor wgrad = Tensor::zeros({8, h}, DType::Float32);
+  ops::linear_backward(ctx, g_logits, xb, router.weight()->data, want, wgrad, no_bias);
+  EXPECT_LE(rel_error(gx.to_floats(), want.to_floats()), 1e-6);
+  // Recomputing b (no tracker) reuses b's counts, not the buffer's state now.
+  moe::TopKRouter::Saved b2;
+  router.forward(ctx, xb, seq, mb, nullptr, b2, true, 20);
+  ASSERT_TRUE(b2.global_on);
+  EXPECT_EQ(b2.global_tokens.to_floats(), mean);
+  EXPECT_EQ(router.backward(ctx, w, b2).to_floats(), gx.to_floats());
+  // Evaluation and an untracked forward of no step: no global loss.
+  moe::TopKRouter::Saved ev, untracked;
+  router.forward(ctx, xa, seq, mb, nullptr, ev, false, 10);
+  router.forward(ctx, xa, seq, mb, nullptr, untracked, true, 30);
+  EXPECT_FALSE(ev.global_on);
+  EXPECT_FALSE(untracked.global_on);
+  // The next step starts over: microbatch a alone again.
+  router.reset_global_aux_loss_tracker(ctx);
+  moe::TopKRouter::Saved a2;
+  router.forward(ctx, xa, seq, mb, &tracker, a2, true, 10);
+  EXPECT_EQ(a2.global_tokens.to_floats(), counts_a);
+  EXPECT_NEAR(reported(ctx, tracker, 1).at("global_load_balancing_loss"), ra.global_aux_loss / 0.3, 1e-6);
+}
+
+// Note [Router input jitter]: training multiplies the router input by U(1 - eps, 1 + eps) drawn from
+// the layer's stream, evaluation does not; eps 0 is the plain router; the gradients agree with
+// finite differences of the jittered routing.
+TEST(TopKRouter, InputJitterInTrainingOnlyWithExactGradients) {
+  moe::RouterConfig plain;
+  plain.num_experts = 4;
+  plain.topk = 2;
+  plain.aux_loss_coeff = 0.1f;
+  moe::RouterConfig c = plain;
+  c.input_jitter_eps = 0.2f;
+  const int64_t h = 5, seq = 3, mb = 2, t = seq * mb;
+  RouterRig rig(c, h), twin(plain, h, &rig);
+  Context ctx;
+  const Tensor x = testing::random_tensor({t, h}, 71), w = testing::random_tensor({t, 4}, 72);
+  moe::TopKRouter::Saved s_eval, s_plain, s_train, s_again, s_other;
+  const Tensor p_eval = rig.router->forward(ctx, x, seq, mb, nullptr, s_eval, /*training=*/false, 5).probs;
+  const Tensor p_plain = twin.router->forward(ctx, x, seq, mb, nullptr, s_plain, true, 5).probs;
+  EXPECT_EQ(p_eval.to_floats(), p_plain.to_floats()) << "no jitter in evaluation";
+  EXPECT_FALSE(s_eval.jitter);
+  const Tensor p_train = rig.router->forward(ctx, x, seq, mb, nullptr, s_train, true, 5).probs;
+  const uint64_t stream = moe::TopKRouter::kJitterStream + 5;
+  const Tensor xj = moe::input_jitter(x, 0.2f, ctx.rng().seed, stream, mb, 0);
+  moe::RoutingSaved rs;
+  EXPECT_EQ(p_train.to_floats(), moe::routing_forward(plain, rig.logits(ctx, xj), Tensor(), seq, mb, rs).probs.to_floats());
+  EXPECT_NE(p_train.to_floats(), p_plain.to_floats());
+  EXPECT_EQ(rig.router->forward(ctx, x, seq, mb, nullptr, s_again, true, 5).probs.to_floats(), p_train.to_floats())
+      << "the same stream replays (recomputation)";
+  EXPECT_NE(rig.router->forward(ctx, x, seq, mb, nullptr, s_other, true, 6).probs.to_floats(), p_train.to_floats());
+  // eps 0: the jitter-free router exactly.
+  moe::RouterConfig zero = plain;
+  zero.input_jitter_eps = 0.0f;
+  RouterRig z(zero, h, &rig);
+  moe::TopKRouter::Saved s_zero;
+  EXPECT_EQ(z.router->forward(ctx, x, seq, mb, nullptr, s_zero, true, 5).probs.to_floats(), p_plain.to_floats());
+  // Finite differences of L = Σ probs·w + aux over the jittered routing.
+  rig.params.zero_grad();
+  const std::vector<float> gx = rig.router->backward(ctx, w, s_train).to_floats();
+  auto loss = [&](const Tensor& xi) {
+    moe::TopKRouter::Saved s;
+    const std::vector<float> p = rig.router->forward(ctx, xi, seq, mb, nullptr, s, true, 5).probs.to_floats();
+    moe::RoutingSaved r2;
+    const moe::RoutingOutput r = moe::routing_forward(
+        plain, rig.logits(ctx, moe::input_jitter(xi, 0.2f, ctx.rng().seed, stream, mb, 0)), Tensor(), seq, mb, r2);
+    double sum = r.aux_loss;
+    const std::vector<float> wv = w.to_floats();
+    for (size_t i = 0; i < p.size(); ++i) sum += double(p[i]) * wv[i];
+    return sum;
+  };
+  const float eps = 1e-3f;
+  for (int64_t i = 0; i < t * h; ++i) {
+    Tensor up = x.clone(), down = x.clone();
+    up.data<float>()[i] += eps, down.data<float>()[i] -= eps;
+    EXPECT_NEAR(gx[size_t(i)], (loss(up) - loss(down)) / (2 * eps), 2e-3) << "x " << i;
+  }
+  const std::vector<float> gw = rig.weight().main_grad.to_floats();
+  for (int64_t i = 0; i < 4 * h; i += 3) {
+    float* v = rig.weight().data.data<float>() + i;
+    const float keep = *v;
+    *v = keep + eps;
+    const double up = loss(x);
+    *v = keep - eps;
+    const double down = loss(x);
+    *v = keep;
+    EXPECT_NEAR(gw[size_t(i)], (up - down) / (2 * eps), 2e-3) << "weight " << i;
+  }
+  moe::RouterConfig bad = plain;
+  bad.input_jitter_eps = 1.5f;
+  EXPECT_THROW(bad.validate(), Error);
+}
+
+// Note [fp64 router]: the fp64 router agrees closely with the fp32 one, equals moe_utils.cpp's routing
+// of logits computed in double here, and its gradients agree with fp64 finite differences to a
+// tolerance fp32 could not reach.
+TEST(TopKRouter, Fp64RouterMatchesTheOracleInDouble) {
+  for (const char* score : {"softmax", "sigmoid"}) {
+    SCOPED_TRACE(score);
+    moe::RouterConfig c32;
+    c32.num_experts = 8;
+    c32.topk = 2;
+    c32.score_function = score;
+    c32.aux_loss_coeff = 0.1f;
+    c32.global_aux_loss_coeff = 0.05f;
+    c32.z_loss_coeff = 0.05f;
+    moe::RouterConfig c64 = c32;
+    c64.fp64 = true;
+    const int64_t h = 6, seq = 4, mb = 2, t = seq * mb, e = 8;
+    RouterRig r64(c64, h), r32(c32, h, &r64);
+    AuxLossTracker tr64, tr32;
+    r64.router->declare_losses(tr64);
+    r32.router->declare_losses(tr32);
+    Context ctx;
+    const Tensor x = testing::random_tensor({t, h}, 81), w = testing::random_tensor({t, e}, 82);
+    moe::TopKRouter::Saved s64, s32;
+    const Tensor p64 = r64.router->forward(ctx, x, seq, mb, &tr64, s64, true, 1).probs;
+    const Tensor p32 = r32.router->forward(ctx, x, seq, mb, &tr32, s32, true, 1).probs;
+    EXPECT_EQ(r64.router->forward(ctx, x, seq, mb, nullptr, s64, true, 1).routing_map.to_ints(),
+              r32.router->forward(ctx, x, seq, mb, nullptr, s32, true, 1).routing_map.to_ints());
+    EXPECT_LE(rel_error(p64.to_floats(), p32.to_floats()), 1e-6);
+    const std::map<std::string, double> l64 = reported(ctx, tr64, 1), l32 = reported(ctx, tr32, 1);
+    for (const char* name : {"load_balancing_loss", "global_load_balancing_loss", "z_loss"}) {
+      EXPECT_NEAR(l64.at(name), l32.at(name), 1e-6 * std::fabs(l32.at(name))) << name;
+    }
+    // Logits in double, here: x · Wᵀ over the fp32 values.
+    const std::vector<float> xv = x.to_floats(), wv = r64.router->weight()->data.to_floats();
+    auto logits64 = [&](const std::vector<double>& xd, const std::vector<double>& wd) {
+      std::vector<double> l(size_t(t * e), 0.0);
+      for (int64_t i = 0; i < t; ++i)
+        for (int64_t k = 0; k < e; ++k)
+          for (int64_t j = 0; j < h; ++j) l[size_t(i * e + k)] += xd[size_t(i * h + j)] * wd[size_t(k * h + j)];
+      return l;
+    };
+    const std::vector<double> xd(xv.begin(), xv.end()), wd(wv.begin(), wv.end());
+    moe::RoutingSaved rs;
+    const moe::RoutingOutput want = moe::routing_forward_fp64(c64, logits64(xd, wd), Tensor(), seq, mb, rs);
+    EXPECT_EQ(p64.to_floats(), want.probs.to_floats());
+    if (std::string(score) == "softmax") {  // by hand: the softmax of each token's two chosen logits, in double
+      const std::vector<double> l = logits64(xd, wd);
+      const std::vector<float> pv = p64.to_floats();
+      for (int64_t i = 0; i < t; ++i) {
+        std::vector<int> idx(8);
+        std::iota(idx.begin(), idx.end(), 0);
+        std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return l[size_t(i * e + a)] > l[size_t(i * e + b)]; });
+        const double a = l[size_t(i * e + idx[0])], b = l[size_t(i * e + idx[1])];
+        EXPECT_EQ(pv[size_t(i * e + idx[0])], float(1.0 / (1.0 + std::exp(b - a))));
+      }
+    }
+    // Gradients: fp64 finite differences of L = Σ probs·w + the losses, in x and in W; the fp32
+    // router's gradient (its forward's counts are the same) is further from them.
+    r64.params.zero_grad();
+    r32.params.zero_grad();
+    const std::vector<float> gx = r64.router->backward(ctx, w, s64).to_floats();
+    const std::vector<float> gx32 = r32.router->backward(ctx, w, s32).to_floats();
+    const std::vector<float> gw = r64.weight().main_grad.to_floats(), wg = w.to_floats();
+    auto loss = [&](const std::vector<double>& xi, const std::vector<double>& wi) {
+      moe::RoutingSaved s;
+      moe::CountReduction red;  // the forward's counts (its global aux loss saw them), fixed
+      const std::vector<float> fixed = s64.global_tokens.to_floats();
+      red.global_average = [&](std::vector<float>) { return fixed; };
+      const std::vector<double> li = logits64(xi, wi);
+      const moe::RoutingOutput o = moe::routing_forward_fp64(c64, li, Tensor(), seq, mb, s, &red);
+      // probs in double: the routing's own fp64 values, before their rounding to fp32
+      std::vector<double> p(size_t(t * e), 0.0);
+      for (int64_t i = 0; i < t; ++i) {
+        const int64_t a = s.top[size_t(i * 2)], b = s.top[size_t(i * 2 + 1)];
+        const double la = li[size_t(i * e + a)], lb = li[size_t(i * e + b)];
+        if (std::string(score) == "softmax") {
+          p[size_t(i * e + a)] = 1.0 / (1.0 + std::exp(lb - la));
+          p[size_t(i * e + b)] = 1.0 / (1.0 + std::exp(la - lb));
+        } else {
+          const double sa = 1.0 / (1.0 + std::exp(-la)), sb = 1.0 / (1.0 + std::exp(-lb));
+          p[size_t(i * e + a)] = sa / (sa + sb + 1e-20);
+          p[size_t(i * e + b)] = sb / (sa + sb + 1e-20);
+        }
+      }
+      double sum = o.aux_loss + o.global_aux_loss + o.z_loss;
+      for (size_t i = 0; i < p.size(); ++i) sum += p[i] * wg[i];
+      return sum;
+    };
+    const double eps = 1e-5;
+    double worst64 = 0, worst32 = 0;
+    for (int64_t i = 0; i < t * h; i += 2) {
+      std::vector<double> up = xd, down = xd;
+      up[size_t(i)] += eps, down[size_t(i)] -= eps;
+      const double fd = (loss(up, wd) - loss(down, wd)) / (2 * eps);
+      EXPECT_NEAR(gx[size_t(i)], fd, 1e-6) << "x " << i;
+      worst64 = std::max(worst64, std::fabs(gx[size_t(i)] - fd));
+      worst32 = std::max(worst32, std::fabs(gx32[size_t(i)] - fd));
+    }
+    std::printf("fp64 router (%s): grad_x within %.1e of fp64 finite differences (the fp32 router: %.1e)\n", score,
+                worst64, worst32);
+    EXPECT_LE(worst64, worst32);
+    for (int64_t i = 0; i < e * h; i += 3) {
+      std::vector<double> up = wd, down = wd;
+      up[size_t(i)] += eps, down[size_t(i)] -= eps;
+      EXPECT_NEAR(gw[size_t(i)], (loss(xd, up) - loss(xd, down)) / (2 * eps), 1e-6) << "weight " << i;
+    }
+  }
+}
+
+// The MoE flags reach the router: global_aux_loss composes with the other types, the jitter and the
+// fp64 router are passed on, an unknown type is one line naming the known ones.
+TEST(MoEConfig, RouterOptionsFromTheFlags) {
+  TransformerConfig tc;
+  tc.num_layers = 2;
+  tc.hidden_size = 8;
+  tc.num_attention_heads = 2;
+  tc.vocab_size = 16;
+  tc.max_position_embeddings = 8;
+  tc.num_moe_experts = 4;
+  tc.moe_router_topk = 2;
+  tc.moe_router_load_balancing_type = {"aux_loss", "global_aux_loss"};
+  tc.moe_aux_loss_coeff = {0.01f, 0.02f};
+  tc.moe_input_jitter_eps = 0.1f;
+  tc.moe_router_dtype = "fp64";
+  tc.finalize();
+  const moe::MoEConfig m = moe::moe_config(tc);
+  EXPECT_EQ(m.router.aux_loss_coeff, 0.01f);
+  EXPECT_EQ(m.router.global_aux_loss_coeff, 0.02f);
+  EXPECT_EQ(m.router.input_jitter_eps, 0.1f);
+  EXPECT_TRUE(m.router.fp64);
+  tc.moe_router_load_balancing_type = {"aux_loss", "switch"};
+  try {
+    moe::moe_config(tc);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("global_aux_loss"), std::string::npos) << err.what();
+  }
+}
+
 }  // namespace
 }  // namespace megatron

@@ -76,11 +76,12 @@ void GPTModel::set_aux_loss_tracker(AuxLossTracker* tracker) {
   }
 }
 
-void GPTModel::update_router_expert_bias(Context& ctx) {
-  if (!config_.is_moe() || !config_.moe_router_enable_expert_bias) return;
+void GPTModel::finish_router_step(Context& ctx) {
+  if (!config_.is_moe()) return;
   for (const auto& layer : decoder_->layers()) {
     if (moe::MoELayer* m = layer->moe()) {
       m->router().update_expert_bias(ctx, config_.moe_router_bias_update_rate, {pg_.tp_cp, pg_.dp});
+      m->router().reset_global_aux_loss_tracker(ctx);
     }
   }
 }

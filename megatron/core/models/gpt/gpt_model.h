@@ -110,7 +110,7 @@ class GPTModel : public ModelChunk {
   /// Also declares, on every rank, the losses the MoE layers of this config report (every stage
   /// declares the same names, MoE layers or not: the tracker's reduction is collective).
   void set_aux_loss_tracker(AuxLossTracker* tracker) override;
-  void update_router_expert_bias(Context& ctx) override;
+  void finish_router_step(Context& ctx) override;
   /// "decoder.layers.L.mlp.router.expert_bias" of each MoE layer with --moe-router-enable-expert-bias.
   std::vector<std::pair<std::string, Tensor*>> buffers() override;
   const TransformerConfig& config() const { return config_; }

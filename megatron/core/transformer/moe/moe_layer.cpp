@@ -29,17 +29,22 @@ MoEConfig moe_config(const TransformerConfig& c) {
       r.aux_loss_coeff = coeff;
     } else if (type == "seq_aux_loss") {
       r.seq_aux_loss_coeff = coeff;
+    } else if (type == "global_aux_loss") {  // Note [Global aux loss] (router.h)
+      r.global_aux_loss_coeff = coeff;
     } else if (type == "sinkhorn") {
       r.sinkhorn = true;
       MG_CHECK(coeff == 0.0f, "sinkhorn routing takes no aux loss (as Megatron): --moe-aux-loss-coeff must be 0 for it");
     } else {
       MG_CHECK(type == "none",
-               "--moe-router-load-balancing-type {} is not built yet: use aux_loss, seq_aux_loss, sinkhorn or none", type);
+               "--moe-router-load-balancing-type {} is unknown: use aux_loss, seq_aux_loss, global_aux_loss, sinkhorn "
+               "or none",
+               type);
     }
   }
-  MG_CHECK(c.moe_input_jitter_eps == 0.0f, "--moe-input-jitter-eps is not built yet: leave it out");
-  MG_CHECK(c.moe_router_dtype == "fp32", "--moe-router-dtype {} is not built yet: the router computes in fp32",
-           c.moe_router_dtype);
+  r.input_jitter_eps = c.moe_input_jitter_eps;  // Note [Router input jitter] (router.h)
+  MG_CHECK(c.moe_router_dtype == "fp32" || c.moe_router_dtype == "fp64",
+           "--moe-router-dtype must be fp32 or fp64 (got '{}')", c.moe_router_dtype);
+  r.fp64 = c.moe_router_dtype == "fp64";  // Note [fp64 router] (moe_utils.h)
   m.shared_expert_intermediate_size = c.moe_shared_expert_intermediate_size;
   m.shared_expert_gate = c.moe_shared_expert_gate;
   m.shared_expert_overlap = c.moe_shared_expert_overlap;
@@ -58,9 +63,6 @@ MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamA
                    const std::string& prefix, int layer_number, const ProcessGroupCollection& pg)
     : moe_(moe) {
   moe_.router.validate();
-  MG_CHECK(!(params.device().is_cuda() && moe_.router.capacity_factor.has_value()),
-           "--moe-expert-capacity-factor (token dropping) runs on the CPU only in this build: leave it out of a GPU "
-           "run (dropless routing)");
   router_ = std::make_unique<TopKRouter>(moe_.router, config.hidden_size, params, prefix + ".router", layer_number,
                                          config.num_layers, pg);
   DispatcherConfig d;
@@ -80,8 +82,9 @@ MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamA
 }
 
 Tensor MoELayer::forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch,
-                         AuxLossTracker* tracker, Saved& saved, bool training) const {
-  TopKRouter::Output routed = router_->forward(ctx, x, seq_length, micro_batch, tracker, saved.router, training);
+                         AuxLossTracker* tracker, Saved& saved, bool training, uint64_t rng_base) const {
+  TopKRouter::Output routed =
+      router_->forward(ctx, x, seq_length, micro_batch, tracker, saved.router, training, rng_base);
   std::unique_ptr<MoETokenDispatcher::Saved> dispatch_saved;
   MoETokenDispatcher::Dispatched d = dispatcher_->dispatch(ctx, x, routed.probs, routed.routing_map, dispatch_saved);
   saved.dispatch = std::move(dispatch_saved);

@@ -18,8 +18,9 @@
 // One code path on the CPU and on CUDA: every step is an op of the op library on the context's
 // device (routing, permutation, row scaling, the experts' GEMMs — grouped with --moe-grouped-gemm);
 // the host sees the rows per expert (one device->host copy per layer, as Megatron's
-// tokens_per_expert.cpu()). Token dropping (--moe-expert-capacity-factor) runs on the CPU only: a
-// GPU model refuses it when it is built.
+// tokens_per_expert.cpu()). Token dropping (--moe-expert-capacity-factor, with or without padding)
+// runs on both (Note [Token dropping on the device] in kernels/cuda/moe.cu). The fp64 router
+// (--moe-router-dtype fp64) is CPU-only: a GPU model refuses it when it is built.
 #pragma once
 
 #include <memory>
@@ -47,7 +48,8 @@ struct MoEConfig {
 };
 
 /// The MoE settings of a finalized TransformerConfig (its moe_* fields), with one clear line for
-/// what is not built: sinkhorn and global_aux_loss balancing, input jitter, the fp64 router.
+/// a setting that is unknown or not built (the input jitter under context parallelism and the
+/// fp64 router on a GPU are refused by the router when it is built).
 MoEConfig moe_config(const TransformerConfig& config);
 
 class MoELayer {
@@ -64,8 +66,9 @@ class MoELayer {
   };
   /// x [T, h] (T = seq_length · micro_batch tokens, sequence-major; this rank's sequence shard
   /// under sequence parallelism) -> [T, h]. The router reports its losses to `tracker` (may be null).
+  /// rng_base: the layer's random-stream base (the router's input jitter, TopKRouter::forward).
   Tensor forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch, AuxLossTracker* tracker,
-                 Saved& saved, bool training = true) const;
+                 Saved& saved, bool training = true, uint64_t rng_base = 0) const;
   /// The aux losses' gradients get the backward scale `aux_loss_scale` (Note [Router losses' gradients]).
   Tensor backward(Context& ctx, const Tensor& grad_out, Saved& saved, float aux_loss_scale = 1.0f) const;
 

@@ -7,8 +7,10 @@
 
 namespace megatron::moe {
 
-/// config (validated) with the token layout, for ops::moe_routing_forward/backward.
-inline MoeRoutingParams routing_params(const RouterConfig& config, int64_t seq_length, int64_t micro_batch) {
+/// config (validated) with the token layout, for ops::moe_routing_forward/backward; global_aux_group:
+/// the ranks whose tokens the global aux loss counts (Note [Global aux loss], router.h).
+inline MoeRoutingParams routing_params(const RouterConfig& config, int64_t seq_length, int64_t micro_batch,
+                                       int64_t global_aux_group = 1) {
   config.validate();
   MoeRoutingParams p;
   p.num_experts = config.num_experts;
@@ -21,6 +23,8 @@ inline MoeRoutingParams routing_params(const RouterConfig& config, int64_t seq_l
   p.aux_loss_coeff = config.aux_loss_coeff;
   p.seq_aux_loss_coeff = config.seq_aux_loss_coeff;
   p.z_loss_coeff = config.z_loss_coeff;
+  p.global_aux_loss_coeff = config.global_aux_loss_coeff;
+  p.global_aux_group = global_aux_group;
   p.capacity_factor = config.capacity_factor.value_or(0.0f);
   p.drop_by_position = config.drop_policy == "position";
   p.pad_to_capacity = config.pad_to_capacity;

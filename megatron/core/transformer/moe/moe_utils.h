@@ -19,8 +19,9 @@
 //
 // These host functions are the oracle the op library's MoE ops (kernels/op_list.inc) are tested
 // against; the modules run the ops. The router still routes with routing_forward/backward when
-// its load-balancing counts span tp x cp ranks (Note [Load-balancing counts over tp x cp]).
-// Not yet here: sinkhorn and global_aux_loss routing, input jitter, padding masks.
+// its load-balancing counts span tp x cp ranks (Note [Load-balancing counts over tp x cp]), for
+// sinkhorn, and for --moe-router-dtype fp64 (Note [fp64 router]).
+// Not here: padding masks (Megatron's padding_mask argument).
 #pragma once
 
 #include <cstdint>
@@ -43,6 +44,9 @@ struct RouterConfig {
   float aux_loss_coeff = 0.0f;             // aux_loss (switch load balancing) coefficient
   float seq_aux_loss_coeff = 0.0f;         // seq_aux_loss coefficient
   float z_loss_coeff = 0.0f;               // --moe-z-loss-coeff
+  float global_aux_loss_coeff = 0.0f;      // global_aux_loss coefficient (Note [Global aux loss], router.h)
+  float input_jitter_eps = 0.0f;           // --moe-input-jitter-eps (0: none; Note [Router input jitter], router.h)
+  bool fp64 = false;                       // --moe-router-dtype fp64 (Note [fp64 router])
   std::optional<float> capacity_factor;    // --moe-expert-capacity-factor (unset: dropless)
   std::string drop_policy = "probs";       // --moe-token-drop-policy probs | position
   bool pad_to_capacity = false;            // --moe-pad-expert-input-to-capacity
@@ -53,40 +57,59 @@ struct RouterConfig {
   void validate() const;
 };
 
-/// What routing_backward needs.
+/// What routing_backward needs. Values are kept in fp64: the fp32 ones exactly (Note [fp64 router]).
 struct RoutingSaved {
-  Tensor logits;                   // [T, E]
-  std::vector<int64_t> top;        // [T, topk]: the chosen experts of each token
-  Tensor probs_before_drop;        // [T, E] after scaling, before token dropping
-  Tensor routing_map;              // [T, E] uint8, after token dropping
-  Tensor aux_scores, aux_map;      // the aux losses' scores and top-k map (defined when an aux loss is on)
+  std::vector<double> logits;       // [T, E]
+  std::vector<int64_t> top;         // [T, topk]: the chosen experts of each token
+  std::vector<uint8_t> routing_map; // [T, E], after token dropping
+  std::vector<double> aux_scores;   // [T, E]: the aux losses' scores (when a load-balancing loss is on)
+  std::vector<uint8_t> aux_map;     // [T, E]: their top-k
   std::vector<float> aux_counts;      // [E] tokens per expert of aux_map, summed over the count group
   std::vector<float> seq_aux_counts;  // [B, E] per sequence, summed over the count group
   double aux_total_tokens = 0, seq_aux_total_tokens = 0;  // over the count group
+  std::vector<float> global_tokens;   // [E] the global aux loss's tokens per expert (empty: no global aux loss)
+  double global_total_tokens = 0;     // T · |tp × dp × cp|
   int64_t seq_length = 0, micro_batch = 0;
+  bool fp64 = false;
 };
 
 struct RoutingOutput {
-  Tensor probs;              // [T, E] fp32
+  Tensor probs;              // [T, E] fp32 (fp64 routing: rounded once)
   Tensor routing_map;        // [T, E] uint8
   Tensor tokens_per_expert;  // [E] fp32: Σ over tokens of routing_map
-  double aux_loss = 0, seq_aux_loss = 0, z_loss = 0;  // with their coefficients, as Megatron's functions return them
+  // With their coefficients, as Megatron's functions return them.
+  double aux_loss = 0, seq_aux_loss = 0, z_loss = 0, global_aux_loss = 0;
 };
 
 /// The load-balancing losses' token counts are global over the ranks that split the tokens of one
 /// batch (Megatron's get_tokens_per_expert_and_token_count over tp × cp): `sum` adds a count
 /// vector over that group, `group_size` ranks of equal token counts.
+/// The global aux loss (Note [Global aux loss], router.h) counts over tp × dp × cp and the step:
+/// `global_average` takes this microbatch's aux-map counts [E] and returns the tokens per expert
+/// the loss uses (summed over the group, accumulated over the step's microbatches, averaged over
+/// them); unset: the counts themselves (one rank, one microbatch). `global_group_size`: the ranks.
 struct CountReduction {
   std::function<std::vector<float>(std::vector<float>)> sum;
   int group_size = 1;
+  std::function<std::vector<float>(std::vector<float>)> global_average;
+  int global_group_size = 1;
 };
 
 /// Megatron's TopKRouter.routing (after the gating GEMM). expert_bias [E] fp32 (undefined unless
 /// config.expert_bias). counts: null for one rank.
 /// training: Megatron's self.training (sinkhorn balances the choice in training only).
+/// With config.fp64 the fp32 logits are widened and routed in fp64.
 RoutingOutput routing_forward(const RouterConfig& config, const Tensor& logits, const Tensor& expert_bias,
                               int64_t seq_length, int64_t micro_batch, RoutingSaved& saved,
                               const CountReduction* counts = nullptr, bool training = true);
+// Note [fp64 router] (--moe-router-dtype fp64; Megatron casts the router input and weight to fp64
+// and routes the fp64 logits): the gating GEMM, the score function, the top-k, token dropping, the
+// losses and every gradient in fp64; the probabilities the experts see are rounded to fp32 once.
+// On the host only (there is no fp64 tensor type): a GPU model refuses it when it is built.
+/// The fp64 routing of logits [T·E] (row-major).
+RoutingOutput routing_forward_fp64(const RouterConfig& config, const std::vector<double>& logits,
+                                   const Tensor& expert_bias, int64_t seq_length, int64_t micro_batch,
+                                   RoutingSaved& saved, const CountReduction* counts = nullptr, bool training = true);
 
 // Note [Sinkhorn routing] (Megatron's sinkhorn_load_balancing, S-BASE): in training each token's
 // experts are the top-k of the Sinkhorn-balanced exp(logits) (alternate row and column scaling of
@@ -98,6 +121,22 @@ RoutingOutput routing_forward(const RouterConfig& config, const Tensor& logits, 
 /// the backward scale `aux_loss_scale` (Note [Router losses' gradients]).
 Tensor routing_backward(const RouterConfig& config, const Tensor& grad_probs, const RoutingSaved& saved,
                         float aux_loss_scale);
+/// The same in fp64 (saved from routing_forward_fp64): grad_logits [T·E].
+std::vector<double> routing_backward_fp64(const RouterConfig& config, const Tensor& grad_probs,
+                                          const RoutingSaved& saved, float aux_loss_scale);
+
+/// Megatron's _apply_global_aux_loss on its own (Note [Global aux loss], router.h):
+/// switch_load_balancing_loss_func(aux_scores [T, E], tokens [E], total_tokens): coeff·E/(k·N²) ·
+/// Σ_x (Σ_t aux_scores[t, x]) · tokens[x], N = total_tokens.
+double global_aux_loss(const std::vector<double>& aux_scores, const std::vector<float>& tokens, double total_tokens,
+                       int topk, float coeff);
+
+/// Megatron's apply_input_jitter (Note [Router input jitter], router.h): x [T, h] fp32 times
+/// 1 - eps + 2·eps·uniform(seed, offset, i), i the element's place in the whole sequence
+/// ((seq_offset + t / micro_batch) · micro_batch + t % micro_batch) · h + j. The gradient is the same
+/// product of grad_out. On the host.
+Tensor input_jitter(const Tensor& x, float eps, uint64_t seed, uint64_t offset, int64_t micro_batch,
+                    int64_t seq_offset);
 
 // ---- token permutation (Megatron's permute / unpermute, the token dispatchers' local step) ----
 // Note [Permuted order]: the routed (token, expert) pairs grouped by expert, in expert order, and
