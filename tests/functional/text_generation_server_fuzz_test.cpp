@@ -19,7 +19,7 @@ namespace {
 using nlohmann::json;
 
 constexpr uint64_t kSeed = 20;
-constexpr int kTries = 400;
+constexpr int kTries = 2000;
 
 struct Seed {
   std::string method, path;
@@ -78,7 +78,7 @@ std::string mutate(const Seed& seed, std::mt19937_64& rng) {
   }
   std::string s = seed.body.dump();
   static const std::string kBytes = std::string("{}[]\",:0-9e.\\ \xff\xc3\x80\x00", 18);
-  const int ops = 1 + int(rng() % 4);
+  const int ops = 1 + int(rng() % 3);
   for (int k = 0; k < ops && !s.empty(); ++k) {
     const size_t at = pick(s.size());
     switch (rng() % 6) {
