@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string_view>
+#include <utility>
 
 #include "megatron/runtime/check.h"
 
@@ -38,6 +39,7 @@ struct HttpServer::Connection {
   bool broken = false;     // a read or write failed or timed out: close after this request
   bool draining = false;   // an error reply was sent: discard what still arrives, then close
   bool probed = false;     // Note [Hang-up probe]
+  bool fresh = true;       // just handed to the reactor: inspect its buffer before polling
 
   size_t unread() const { return in.size() - pos; }
   std::string_view pending() const { return std::string_view(in).substr(pos); }
@@ -393,6 +395,9 @@ int HttpServer::bind(const std::string& host, int port) {
            err == EADDRINUSE ? "the port is in use (another server?): pick another --port"
            : err             ? fmt::format("{} (is {} an address of this machine?)", std::strerror(err), host)
                              : fmt::format("{} is not an address of this machine", host));
+  // cpp-httplib listens with a backlog of 5: a burst of connections overflows it and the client
+  // retries its SYN a second later. Listening again on a listening socket only resizes the queue.
+  ::listen(svr_sock_, SOMAXCONN);
   return bound;
 }
 
@@ -443,6 +448,7 @@ bool HttpServer::process_and_close_socket(socket_t sock) {
 }
 
 void HttpServer::hand_to_reactor(std::shared_ptr<Connection> c) {
+  c->fresh = true;
   {
     std::lock_guard lock(incoming_m_);
     incoming_.push_back(std::move(c));  // after the reactor stopped: closed by serve()
@@ -474,16 +480,26 @@ void HttpServer::reactor_loop() {
   std::vector<pollfd> fds;
   std::vector<char> buf(64u << 10);
   const size_t cap = kMaxHeadBytes + options_.max_request_bytes + 1;
-  size_t fresh = 0;  // connections just added: inspect them before sleeping (pipelined requests)
+  const size_t budget = std::max<size_t>(64u << 20, 8 * options_.max_request_bytes);
   while (!stopping_) {
+    bool fresh = false;
     {
       std::lock_guard lock(incoming_m_);
-      fresh = incoming_.size();
-      for (auto& c : incoming_) conns.push_back(std::move(c));
+      for (auto& c : incoming_) {
+        fresh = fresh || c->unread() > 0;
+        conns.push_back(std::move(c));
+      }
       incoming_.clear();
     }
+    // Past the budget, partly received requests wait (their deadlines still run) while idle
+    // connections and those being drained are read: memory stays bounded whatever the clients do.
+    size_t buffered = 0;
+    for (auto& c : conns) buffered += c->in.size();
     fds.assign(1, pollfd{wake_[0], POLLIN, 0});
-    for (auto& c : conns) fds.push_back({c->fd, short(c->unread() < cap || c->draining ? POLLIN : 0), 0});
+    for (auto& c : conns) {
+      const bool want = c->draining || (c->unread() < cap && (buffered < budget || c->unread() == 0));
+      fds.push_back({c->fd, short(want ? POLLIN : 0), 0});
+    }
     int n;
     do {
       n = ::poll(fds.data(), fds.size(), fresh ? 0 : 100);
@@ -495,12 +511,14 @@ void HttpServer::reactor_loop() {
     keep.clear();
     for (size_t i = 0; i < conns.size(); ++i) {
       std::shared_ptr<Connection>& c = conns[i];
+      bool arrived = std::exchange(c->fresh, false);
       if (fds[i + 1].revents) {
         for (int reads = 0; reads < 16 && !c->eof && !c->broken; ++reads) {
           const size_t room = c->draining ? buf.size() : std::min(buf.size(), cap - std::min(cap, c->unread()));
           if (room == 0) break;
           const ssize_t got = ::recv(c->fd, buf.data(), room, 0);
           if (got > 0) {
+            arrived = true;
             if (!c->draining) c->in.append(buf.data(), size_t(got));
           } else if (got == 0) {
             c->eof = true;
@@ -523,7 +541,7 @@ void HttpServer::reactor_loop() {
         c->continued = false;
         c->deadline = now + seconds(options_.request_timeout_s);
       }
-      Head h = c->unread() > 0 ? inspect(c->pending(), options_.max_request_bytes) : Head{};
+      Head h = arrived && c->unread() > 0 ? inspect(c->pending(), options_.max_request_bytes) : Head{};
       if (h.kind == Head::Partial && h.expect && !c->continued) {
         c->continued = send_all(c->fd, "HTTP/1.1 100 Continue\r\n\r\n", seconds(1));
       }
