@@ -1,7 +1,8 @@
 // A bounded mutation fuzzer of request bodies against a running tools/text_generation_server: valid
 // PUT /api and POST /v1/completions bodies (plain and streamed) mutated at the byte level (flips,
 // insertions of JSON punctuation and invalid UTF-8, deletions, duplications, truncation) and at the
-// JSON level (a field set to a hostile value: huge or negative numbers, wrong types, long strings),
+// JSON level (a field set to a hostile value: huge or negative numbers, wrong types, long strings;
+// or to a plausible one, in and just out of its range, so that tries reach generation),
 // with a fixed seed and count. Each try is classified as a clean 4xx (a JSON error), a 200 (a
 // well-formed completion or event stream), a 5xx, an unclean reply, a hang (no reply in 20 s) or a
 // crash (the server gone); anything but the first two fails the test.
@@ -66,9 +67,43 @@ const std::vector<json>& hostile_values() {
   return v;
 }
 
+// A value of the kind the field takes, in and just out of its range (so that more tries get past
+// validation into generation: max_tokens 0, top_k beyond the vocabulary, stop strings, ...).
+json plausible(const std::string& key, std::mt19937_64& rng) {
+  auto uniform = [&](double lo, double hi) { return lo + (hi - lo) * double(rng() % 1000) / 999.0; };
+  auto ids = [&] {
+    json p = json::array();
+    for (int k = 0, n = 1 + int(rng() % 8); k < n; ++k) p.push_back(int64_t(rng() % 530));
+    return p;
+  };
+  if (key == "max_tokens" || key == "tokens_to_generate") return int64_t(rng() % 70);
+  if (key == "temperature") return uniform(0, 2.5);
+  if (key == "top_p") return uniform(0, 1.1);
+  if (key == "top_k") return int64_t(rng() % 600);
+  if (key == "seed" || key == "random_seed") return int64_t(rng() % 100000);
+  if (key == "stop") return rng() % 2 ? json(" " + std::to_string(rng() % 512)) : json::array({" 1", "2 3"});
+  if (key == "logprobs") return rng() % 2 ? json(bool(rng() % 2)) : json(int64_t(rng() % 25));
+  if (key == "prompt") return rng() % 2 ? json(ids()) : json::array({ids(), "5 6"});
+  if (key == "prompts") return json::array({"1 2", std::to_string(rng() % 600) + " 3"});
+  if (key == "stream" || key == "echo" || key == "add_BOS") return bool(rng() % 2);
+  return int64_t(rng() % 3);
+}
+
 std::string mutate(const Seed& seed, std::mt19937_64& rng) {
   auto pick = [&](size_t n) { return size_t(rng() % std::max<size_t>(n, 1)); };
-  if (rng() % 3 == 0) {  // JSON level: one field set to a hostile value (or a new field)
+  if (rng() % 3 == 0) {  // JSON level: one or two fields set to plausible values
+    json body = seed.body;
+    std::vector<std::string> keys;
+    for (const auto& [k, v] : body.items()) keys.push_back(k);
+    for (const char* k : {"max_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "stream", "echo"})
+      if (seed.path == "/v1/completions") keys.push_back(k);
+    for (int n = 1 + int(rng() % 2); n > 0; --n) {
+      const std::string& key = keys[pick(keys.size())];
+      body[key] = plausible(key, rng);
+    }
+    return body.dump();
+  }
+  if (rng() % 2 == 0) {  // JSON level: one field set to a hostile value (or a new field)
     json body = seed.body;
     std::vector<std::string> keys;
     for (const auto& [k, v] : body.items()) keys.push_back(k);
