@@ -165,9 +165,9 @@ class Server {
     }
     p->stream = completion && completion->stream;
     p->remaining = p->choices.size();
-    in_flight_ += int64_t(p->remaining);
     std::lock_guard lock(queue_m_);
     if (stopping_) throw std::runtime_error("the server is shutting down");
+    in_flight_ += int64_t(p->remaining);
     for (size_t i = 0; i < p->choices.size(); ++i) queue_.emplace_back(p, i);
     queue_cv_.notify_all();
     return p;
