@@ -433,7 +433,7 @@ bool HttpServer::blocking_route(const std::string& method, const std::string& ta
 bool HttpServer::process_and_close_socket(socket_t sock) {
   ::fcntl(sock, F_SETFL, ::fcntl(sock, F_GETFL) | O_NONBLOCK);
   if (stopping_ || open_.load() >= options_.max_connections) {
-    send_all(sock, error_reply(503, "the server is at its connection limit or shutting down"), seconds(0.1));
+    send_all(sock, error_reply(503, "the server is at its connection limit or shutting down"), {});
     ::close(sock);
     return false;
   }
@@ -543,7 +543,7 @@ void HttpServer::reactor_loop() {
       }
       Head h = arrived && c->unread() > 0 ? inspect(c->pending(), options_.max_request_bytes) : Head{};
       if (h.kind == Head::Partial && h.expect && !c->continued) {
-        c->continued = send_all(c->fd, "HTTP/1.1 100 Continue\r\n\r\n", seconds(1));
+        c->continued = send_all(c->fd, "HTTP/1.1 100 Continue\r\n\r\n", {});
       }
       if (h.kind == Head::Complete) {
         if (h.expect && c->continued) c->in[c->pos + *h.expect] = 'X';  // answered here: "Xxpect" for httplib
@@ -560,7 +560,7 @@ void HttpServer::reactor_loop() {
         h = reject(408, fmt::format("the request did not arrive within {} s", options_.request_timeout_s));
       }
       if (h.kind == Head::Reject) {
-        send_all(c->fd, error_reply(h.status, h.message), seconds(1));
+        send_all(c->fd, error_reply(h.status, h.message), {});  // the reactor never waits on a client
         ::shutdown(c->fd, SHUT_WR);
         c->draining = true;
         c->deadline = now + seconds(kLingerSeconds);
