@@ -5,13 +5,19 @@
 //
 //   PUT  /api             Megatron's text generation API (megatron/core/inference/text_generation_api.h)
 //   POST /v1/completions  OpenAI completions; "stream": true sends server-sent events
-//   GET  /health          liveness
+//   GET  /health          liveness: {"status": "ok", "prompts_in_flight": n, "connections": m}
 //
-// HTTP handlers validate a request (400 + {"error": ...} on any problem) and queue one job per
-// prompt; a single engine thread owns the model and the InferenceEngine, moves queued jobs into it
-// and steps it (continuous batching: jobs arriving while others decode join at the next step).
-// Tokens flow back through each request's mutex and condition variable. A streaming client that
-// goes away makes the next write fail: its jobs are cancelled and their cache slots freed.
+// The HTTP side is megatron/core/inference/http_server.h: requests are read whole by a reactor
+// thread (bounded by --max-request-bytes and --http-timeout) before a thread answers them, and
+// /health runs on a thread of its own, so slow or many clients cannot lock the server out.
+// Handlers validate a request (400 + {"error": ...} on any problem; at most
+// --max-prompts-per-request prompts on either endpoint) and queue one job per prompt, the
+// request's prompts sharing one engine group; a single engine thread owns the model and the
+// InferenceEngine, moves queued jobs into it and steps it (continuous batching, slots handed out
+// round-robin between requests: Note [Fair admission]). Tokens flow back through each request's
+// mutex and condition variable. A client that goes away cancels its request's jobs: a streaming
+// one at the next failed write, a waiting one through HttpServer::client_gone (Note [Hang-up
+// probe]); cancelled jobs leave the engine at its next step, queued or running.
 // SIGINT/SIGTERM stop the listener, then the engine thread (remaining jobs end with an error).
 #include <fmt/format.h>
 #include <httplib.h>
@@ -26,6 +32,7 @@
 #include <mutex>
 #include <thread>
 
+#include "megatron/core/inference/http_server.h"
 #include "megatron/core/inference/text_generation_api.h"
 #include "megatron/training/checkpointing.h"
 #include "megatron/training/training.h"
@@ -37,6 +44,10 @@ namespace {
 
 volatile std::sig_atomic_t g_stop = 0;
 void on_signal(int) { g_stop = 1; }
+
+// Responses carry detokenized text, which may hold invalid UTF-8 (a byte-level token cut in two):
+// it is replaced (U+FFFD), never thrown.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 // One HTTP request's prompts ("choices"), shared by its handler and the engine thread.
 struct Pending {
@@ -57,15 +68,15 @@ struct Pending {
   std::deque<Piece> pieces;  // streamed output not yet written
   bool stream = false;
   size_t remaining = 0;
-  std::atomic<bool> cancelled{false};
+  std::shared_ptr<std::atomic<bool>> cancelled = std::make_shared<std::atomic<bool>>(false);
 
   bool all_done() const { return remaining == 0; }
 };
 
 class Server {
  public:
-  Server(InferenceEngine& engine, const Tokenizer& tokenizer, std::string model_name)
-      : engine_(engine), tokenizer_(tokenizer), model_name_(std::move(model_name)) {}
+  Server(InferenceEngine& engine, const Tokenizer& tokenizer, std::string model_name, size_t max_prompts)
+      : engine_(engine), tokenizer_(tokenizer), model_name_(std::move(model_name)), max_prompts_(max_prompts) {}
 
   void run_engine() {
     while (true) {
@@ -94,22 +105,32 @@ class Server {
     queue_cv_.notify_all();
   }
 
-  void routes(httplib::Server& http) {
-    http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
-      res.set_content(R"({"status":"ok"})", "application/json");
-    });
-    http.Put("/api", [this](const httplib::Request& req, httplib::Response& res) {
-      guarded(res, [&] { handle_api(req, res); });
-    });
-    http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      guarded(res, [&] { handle_completions(req, res); });
-    });
+  void routes(HttpServer& http) {
+    http.route(
+        "GET", "/health",
+        [this, &http](const httplib::Request&, httplib::Response& res) {
+          json health = {{"status", "ok"},
+                         {"prompts_in_flight", in_flight_.load()},
+                         {"connections", http.open_connections()}};
+          res.set_content(health.dump(), "application/json");
+        },
+        /*blocking=*/false);
+    http.route(
+        "PUT", "/api",
+        [this](const httplib::Request& req, httplib::Response& res) { guarded(res, [&] { handle_api(req, res); }); },
+        /*blocking=*/true);
+    http.route(
+        "POST", "/v1/completions",
+        [this](const httplib::Request& req, httplib::Response& res) {
+          guarded(res, [&] { handle_completions(req, res); });
+        },
+        /*blocking=*/true);
   }
 
  private:
   static void error(httplib::Response& res, int status, const std::string& message) {
     res.status = status;
-    res.set_content(json{{"error", message}}.dump(), "application/json");
+    res.set_content(dump(json{{"error", message}}), "application/json");
   }
 
   // Every problem with the request is a 400; anything else a 500. Nothing escapes to httplib.
@@ -134,7 +155,10 @@ class Server {
   std::shared_ptr<Pending> enqueue(std::vector<GenerationRequest> requests, const CompletionRequest* completion) {
     for (const GenerationRequest& r : requests) engine_.validate(r);
     auto p = std::make_shared<Pending>();
+    const uint64_t group = next_group_++;
     for (GenerationRequest& r : requests) {
+      r.group = group;
+      r.cancelled = p->cancelled;
       Pending::Choice c{std::move(r), std::nullopt, {}, false};
       if (completion) c.text.emplace(tokenizer_, c.request.stop_tokens, completion->stop);
       p->choices.push_back(std::move(c));
@@ -143,6 +167,7 @@ class Server {
     p->remaining = p->choices.size();
     std::lock_guard lock(queue_m_);
     if (stopping_) throw std::runtime_error("the server is shutting down");
+    in_flight_ += int64_t(p->remaining);
     for (size_t i = 0; i < p->choices.size(); ++i) queue_.emplace_back(p, i);
     queue_cv_.notify_all();
     return p;
@@ -158,9 +183,9 @@ class Server {
         if (p->stream) p->pieces.push_back({i, std::move(piece), std::make_pair(token, logprob)});
       }
       p->cv.notify_all();
-      return !p->cancelled && !(c.text && c.text->stopped());
+      return !*p->cancelled && !(c.text && c.text->stopped());
     };
-    auto on_done = [p, i](const GenerationResult& result) {
+    auto on_done = [this, p, i](const GenerationResult& result) {
       std::lock_guard lock(p->m);
       Pending::Choice& c = p->choices[i];
       c.result = result;
@@ -170,14 +195,23 @@ class Server {
         if (p->stream && !rest.empty()) p->pieces.push_back({i, std::move(rest), std::nullopt});
       }
       --p->remaining;
+      --in_flight_;
       p->cv.notify_all();
     };
     engine_.submit(p->choices[i].request, on_token, on_done);
   }
 
-  static void wait_all(Pending& p) {
+  // Waits for every choice. False if the client hung up first: its jobs are cancelled (the engine
+  // drops them at its next step) and nobody is left to answer.
+  static bool wait_all(Pending& p, const httplib::Request& req) {
     std::unique_lock lock(p.m);
-    p.cv.wait(lock, [&] { return p.all_done(); });
+    while (!p.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return p.all_done(); })) {
+      if (HttpServer::client_gone(req)) {
+        *p.cancelled = true;
+        return false;
+      }
+    }
+    return true;
   }
 
   static std::optional<std::string> failure(const Pending& p) {
@@ -187,22 +221,23 @@ class Server {
   }
 
   void handle_api(const httplib::Request& req, httplib::Response& res) {
-    MegatronApiRequest api = parse_megatron_api_request(parse_body(req), tokenizer_);
+    MegatronApiRequest api = parse_megatron_api_request(parse_body(req), tokenizer_, max_prompts_);
     auto p = enqueue(api.requests, nullptr);
-    wait_all(*p);
+    if (!wait_all(*p, req)) return error(res, 499, "the client went away");
     if (auto f = failure(*p)) return error(res, 500, *f);
     std::vector<GenerationResult> results;
     for (const auto& c : p->choices) results.push_back(c.result);
-    res.set_content(megatron_api_response(api, results, tokenizer_).dump(), "application/json");
+    res.set_content(dump(megatron_api_response(api, results, tokenizer_)), "application/json");
   }
 
   void handle_completions(const httplib::Request& req, httplib::Response& res) {
-    auto completion = std::make_shared<CompletionRequest>(parse_completion_request(parse_body(req), tokenizer_));
+    auto completion =
+        std::make_shared<CompletionRequest>(parse_completion_request(parse_body(req), tokenizer_, max_prompts_));
     if (completion->model.empty()) completion->model = model_name_;
     auto p = enqueue(completion->requests, completion.get());
     const std::string id = fmt::format("cmpl-{}", next_id_++);
     if (completion->stream) return stream_completion(res, p, completion, id);
-    wait_all(*p);
+    if (!wait_all(*p, req)) return error(res, 499, "the client went away");
     if (auto f = failure(*p)) return error(res, 500, *f);
     json choices = json::array();
     int64_t prompt_tokens = 0, completion_tokens = 0;
@@ -219,7 +254,7 @@ class Server {
     json usage = {{"prompt_tokens", prompt_tokens},
                   {"completion_tokens", completion_tokens},
                   {"total_tokens", prompt_tokens + completion_tokens}};
-    res.set_content(completion_object(id, completion->model, choices, usage).dump(), "application/json");
+    res.set_content(dump(completion_object(id, completion->model, choices, usage)), "application/json");
   }
 
   // Server-sent events: a chunk per released piece of text, a final chunk per choice with its
@@ -234,9 +269,9 @@ class Server {
         [this, p, completion, id, finished, echoed](size_t, httplib::DataSink& sink) {
           auto send = [&](const json& choice) {
             std::string event =
-                "data: " + completion_object(id, completion->model, json::array({choice})).dump() + "\n\n";
+                "data: " + dump(completion_object(id, completion->model, json::array({choice}))) + "\n\n";
             if (!sink.write(event.data(), event.size())) {
-              p->cancelled = true;
+              *p->cancelled = true;
               return false;
             }
             return true;
@@ -270,7 +305,7 @@ class Server {
             if (!send(completion_choice(piece.index, piece.text, std::nullopt, lp))) return false;
           }
           if (failed) {
-            std::string event = "data: " + json{{"error", *failed}}.dump() + "\n\n";
+            std::string event = "data: " + dump(json{{"error", *failed}}) + "\n\n";
             sink.write(event.data(), event.size());
           } else {
             for (const auto& [i, choice] : ends)
@@ -284,14 +319,17 @@ class Server {
           return true;
         },
         [p](bool success) {
-          if (!success) p->cancelled = true;
+          if (!success) *p->cancelled = true;
         });
   }
 
   InferenceEngine& engine_;
   const Tokenizer& tokenizer_;
   std::string model_name_;
+  size_t max_prompts_;
   std::atomic<int64_t> next_id_{0};
+  std::atomic<uint64_t> next_group_{1};
+  std::atomic<int64_t> in_flight_{0};  // prompts queued or generating
   std::mutex queue_m_;
   std::condition_variable queue_cv_;
   std::vector<std::pair<std::shared_ptr<Pending>, size_t>> queue_;
@@ -306,7 +344,9 @@ int main(int argc, char** argv) {
     std::string host = "127.0.0.1";
     int port = 5000;
     EngineOptions options;
-    int threads = 32;
+    HttpServerOptions http_options;
+    size_t max_prompts = kDefaultMaxPrompts;
+    double http_timeout = 30;
     CLI::App app("Serve a megatron.cpp checkpoint over HTTP (Megatron's /api and OpenAI's /v1/completions)");
     app.add_option("--load", args.load, "Checkpoint directory")->required();
     app.add_option("--tokenizer-type", args.tokenizer_type, "Tokenizer type (as pretrain_gpt)")->required();
@@ -322,13 +362,36 @@ int main(int argc, char** argv) {
     app.add_option("--max-sequence-length", options.max_sequence_length,
                    "Longest prompt + generation (0: the model's position limit)")
         ->capture_default_str();
-    app.add_option("--http-threads", threads, "HTTP worker threads")->capture_default_str()->check(CLI::PositiveNumber);
+    app.add_option("--max-prompts-per-request", max_prompts,
+                   "Most prompts one request may carry, on /api and /v1/completions alike (Megatron's /api: 128)")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
+    app.add_option("--max-request-bytes", http_options.max_request_bytes,
+                   "Largest request body in bytes; a larger one is refused with 413")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
+    app.add_option("--http-threads", http_options.threads, "HTTP worker threads for generation requests")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
+    app.add_option("--http-timeout", http_timeout,
+                   "Seconds a request may take to arrive, and a write to a client that reads nothing may wait")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
+    app.add_option("--http-max-connections", http_options.max_connections,
+                   "Open connections at most; more are refused with 503")
+        ->capture_default_str()
+        ->check(CLI::Range(size_t(1), size_t(900)));
     app.add_option("--device", args.device, "auto, cpu or cuda")->capture_default_str();
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
       return app.exit(e);
     }
+    http_options.request_timeout_s = http_options.write_timeout_s = http_timeout;
+    // Bind first: a port in use is one line at once, not after loading the model.
+    HttpServer http(http_options);
+    http.bind(host, port);
+
     const Arguments flags = args;
     apply_checkpoint_args(args, args.load);
     args.tokenizer_type = flags.tokenizer_type;
@@ -347,14 +410,10 @@ int main(int argc, char** argv) {
     std::signal(SIGPIPE, SIG_IGN);  // a client that hangs up is a failed write, not a fatal signal
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    Server server(engine, *tokenizer, args.load);
-    httplib::Server http;
-    http.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
+    Server server(engine, *tokenizer, args.load, max_prompts);
     server.routes(http);
-    MG_CHECK(http.bind_to_port(host, port), "cannot listen on {}:{} (in use, or not an address of this host)", host,
-             port);
     std::thread engine_thread([&] { server.run_engine(); });
-    std::thread http_thread([&] { http.listen_after_bind(); });
+    std::thread http_thread([&] { http.serve(); });
     std::printf("serving %s on http://%s:%d (max batch %lld, max sequence %lld)\n", args.load.c_str(), host.c_str(),
                 port, (long long)engine.max_batch_size(), (long long)engine.max_sequence_length());
     std::fflush(stdout);
@@ -363,7 +422,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     server.stop_engine();
     engine_thread.join();
-    http.stop();
+    http.shutdown();
     http_thread.join();
     return 0;
   } catch (const std::exception& e) {

@@ -3,93 +3,37 @@
 // queried over HTTP: Megatron's PUT /api and OpenAI's /v1/completions (plain and streamed) give the
 // fixture's greedy continuations, concurrent clients all get theirs, bad requests get a 400 with a
 // JSON error, and a client that hangs up mid-stream leaves the server serving.
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <httplib.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-
 #include <nlohmann/json.hpp>
 
-#include "megatron/core/dist_checkpointing/safetensors.h"
-#include "tests/functional/run_util.h"
+#include "tests/functional/server_util.h"
 
 namespace megatron::testing {
 namespace {
 
 using nlohmann::json;
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-std::string ids_text(const std::vector<int64_t>& ids) {
-  std::string s;
-  for (size_t i = 0; i < ids.size(); ++i) s += (i ? " " : "") + std::to_string(ids[i]);
-  return s;
-}
-
 class TextGenerationServer : public ::testing::Test {
  protected:
   static inline std::unique_ptr<ScratchDir> dir;
-  static inline pid_t pid = -1;
+  static inline ServerProcess server;
   static inline int port = 0;
   static inline json cases;
 
   static void SetUpTestSuite() {
     ::signal(SIGPIPE, SIG_IGN);
     dir = std::make_unique<ScratchDir>("text_generation_server");
-    const fs::path fixtures = fs::absolute(fixtures_dir());
-    cases = json::parse(read_file(fixtures / "generation.json")).at("models").at("gpt2");
-    safetensors::File src((fixtures / "gpt2_model.safetensors").string());
-    fs::create_directories(dir->path / "hf");
-    fs::copy_file(fixtures / "gpt2_model.safetensors", dir->path / "hf/model.safetensors");
-    std::ofstream(dir->path / "hf/config.json") << src.metadata().at("config");
-    RunResult conv = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt"}, dir->path);
-    ASSERT_EQ(conv.exit_code, 0) << conv.output;
+    cases = json::parse(read_file(fs::absolute(fixtures_dir()) / "generation.json")).at("models").at("gpt2");
     port = free_port();
-    const std::string server = bin("text_generation_server"), ckpt = (dir->path / "ckpt").string(),
-                      log = (dir->path / "server.log").string(), port_s = std::to_string(port);
-    pid = ::fork();
-    if (pid == 0) {
-      int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-      ::execl(server.c_str(), server.c_str(), "--load", ckpt.c_str(), "--tokenizer-type", "NullTokenizer",
-              "--vocab-size", "512", "--port", port_s.c_str(), "--max-batch-size", "3", "--device", "cpu", nullptr);
-      ::_exit(127);
-    }
-    httplib::Client cli("127.0.0.1", port);
-    for (int i = 0; i < 300; ++i) {
-      if (auto r = cli.Get("/health"); r && r->status == 200) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    FAIL() << "the server did not come up:\n" << read_file(log);
+    server.start(gpt2_checkpoint(dir->path), port, dir->path / "server.log", {"--max-batch-size", "3"});
+    ASSERT_TRUE(server.wait_healthy()) << "the server did not come up:\n" << server.output();
   }
 
   static void TearDownTestSuite() {
-    if (pid > 0) {
-      ::kill(pid, SIGTERM);
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_file(dir->path / "server.log");
-    }
+    EXPECT_EQ(server.stop(), 0) << server.output();
     dir.reset();
   }
 
-  httplib::Client client() const {
-    httplib::Client cli("127.0.0.1", port);
-    cli.set_read_timeout(60, 0);
-    return cli;
-  }
+  httplib::Client client() const { return server.client(); }
   std::string prompt(size_t i) const { return ids_text(cases[i].at("prompt").get<std::vector<int64_t>>()); }
   std::string greedy(size_t i) const { return ids_text(cases[i].at("greedy").get<std::vector<int64_t>>()); }
 
@@ -221,21 +165,12 @@ TEST_F(TextGenerationServer, BadRequestsGet400AndTheServerStaysUp) {
 // Raw sockets: start a long stream, read its first bytes, hang up.
 TEST_F(TextGenerationServer, ClientHangingUpMidStreamFreesItsSlot) {
   for (int k = 0; k < 4; ++k) {  // more than --max-batch-size
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(uint16_t(port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    RawConnection c(port);
+    ASSERT_TRUE(c.ok());
     const std::string body = R"({"prompt": "7", "max_tokens": 62, "temperature": 0.9, "stream": true})";
-    const std::string req =
-        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-        "Content-Length: " +
-        std::to_string(body.size()) + "\r\n\r\n" + body;
-    ASSERT_EQ(::write(fd, req.data(), req.size()), ssize_t(req.size()));
-    char buf[256];
-    ASSERT_GT(::read(fd, buf, sizeof(buf)), 0);
-    ::close(fd);
+    ASSERT_TRUE(c.send(http_request("POST", "/v1/completions", body)));
+    ASSERT_FALSE(c.read_until(30, "data: ").empty());
+    c.close();
   }
   for (size_t i = 0; i < 3; ++i) {
     EXPECT_EQ(complete({{"prompt", prompt(i)}, {"max_tokens", 16}, {"temperature", 0}})["choices"][0]["text"],

@@ -50,19 +50,72 @@ void InferenceEngine::submit(GenerationRequest request, TokenCallback on_token, 
   validate(request);
   Sequence seq{std::move(request), std::move(on_token), std::move(on_done), {}, {}};
   seq.ids = seq.request.prompt;
-  waiting_.push_back(std::move(seq));
+  const uint64_t group = seq.request.group;
+  auto it = std::find_if(waiting_.rbegin(), waiting_.rend(), [&](const Group& g) { return g.id == group; });
+  if (it != waiting_.rend()) {
+    it->sequences.push_back(std::move(seq));
+  } else {
+    waiting_.push_back({group, {}});
+    waiting_.back().sequences.push_back(std::move(seq));
+  }
 }
 
 int64_t InferenceEngine::active_count() const {
   return std::count_if(slots_.begin(), slots_.end(), [](const auto& s) { return s.has_value(); });
 }
 
+int64_t InferenceEngine::waiting_count() const {
+  int64_t n = 0;
+  for (const Group& g : waiting_) n += int64_t(g.sequences.size());
+  return n;
+}
+
+namespace {
+bool is_cancelled(const GenerationRequest& r) { return r.cancelled && r.cancelled->load(); }
+}  // namespace
+
+void InferenceEngine::drop_cancelled() {
+  for (size_t k = 0; k < slots_.size(); ++k)
+    if (slots_[k] && is_cancelled(slots_[k]->request)) finish(int64_t(k), "cancelled");
+  std::vector<Sequence> dropped;
+  for (Group& g : waiting_) {
+    auto keep = std::stable_partition(g.sequences.begin(), g.sequences.end(),
+                                      [](const Sequence& s) { return !is_cancelled(s.request); });
+    for (auto it = keep; it != g.sequences.end(); ++it) dropped.push_back(std::move(*it));
+    g.sequences.erase(keep, g.sequences.end());
+  }
+  std::erase_if(waiting_, [](const Group& g) { return g.sequences.empty(); });
+  for (Sequence& seq : dropped) {
+    seq.result.finish_reason = "cancelled";
+    if (seq.on_done) seq.on_done(seq.result);
+  }
+}
+
+// Note [Fair admission]: a free slot goes to the group at the front of the turn order, which then
+// moves to the back. One HTTP request's prompts share a group, so a request of 128 prompts takes
+// every other slot that frees up while a one-prompt request waits, instead of all of them first:
+// the small one waits for one sequence to end, not for the whole big request. Within a group the
+// order is submission order; requests with the default group 0 are plain FIFO.
+InferenceEngine::Sequence InferenceEngine::next_waiting() {
+  Group& g = waiting_.front();
+  Sequence seq = std::move(g.sequences.front());
+  g.sequences.pop_front();
+  if (g.sequences.empty()) {
+    waiting_.pop_front();
+  } else if (waiting_.size() > 1) {
+    Group turn_over = std::move(g);
+    waiting_.pop_front();
+    waiting_.push_back(std::move(turn_over));
+  }
+  return seq;
+}
+
 bool InferenceEngine::step() {
+  drop_cancelled();
   std::vector<int64_t> admitted;
   for (size_t k = 0; k < slots_.size() && !waiting_.empty(); ++k) {
     if (slots_[k]) continue;
-    slots_[k] = std::move(waiting_.front());
-    waiting_.pop_front();
+    slots_[k] = next_waiting();
     admitted.push_back(int64_t(k));
   }
   if (!admitted.empty()) prefill(admitted);
@@ -144,8 +197,7 @@ void InferenceEngine::abort_all(const std::string& message) {
   for (size_t k = 0; k < slots_.size(); ++k)
     if (slots_[k]) finish(int64_t(k), "error: " + message);
   while (!waiting_.empty()) {
-    Sequence seq = std::move(waiting_.front());
-    waiting_.pop_front();
+    Sequence seq = next_waiting();
     seq.result.finish_reason = "error: " + message;
     if (seq.on_done) seq.on_done(seq.result);
   }

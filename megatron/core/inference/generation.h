@@ -5,7 +5,8 @@
 // their prompts through the model in one right-padded prefill forward, then runs one decode
 // forward for every active sequence, each at its own position. A sequence ends on a stop token
 // (emitted, then "stop"), after max_new_tokens ("length"), or when its token callback returns
-// false ("cancelled"); its slot is free for the next step at once.
+// false or its cancellation flag is set ("cancelled"); its slot is free for the next step at once.
+// Waiting requests are admitted round-robin over their groups (Note [Fair admission]).
 //
 // Sampling draws for token t of a request come from Philox(seed, t), so a seeded request gives
 // the same tokens whatever it was batched with. Log-probabilities are fp64 log-softmax over the
@@ -14,7 +15,9 @@
 // Not thread-safe: one thread owns the engine (the text generation server's engine thread).
 #pragma once
 
+#include <atomic>
 #include <deque>
+#include <memory>
 #include <functional>
 #include <optional>
 #include <string>
@@ -32,6 +35,8 @@ struct GenerationRequest {
   SamplingParams sampling;
   std::vector<int64_t> stop_tokens;  // end the sequence after emitting one (e.g. the eod id)
   bool prompt_logprobs = false;      // also the log-probability of every prompt token after the first
+  uint64_t group = 0;                // requests of one group (one HTTP request) take turns with other groups'
+  std::shared_ptr<const std::atomic<bool>> cancelled;  // once set, the request ends "cancelled" at the next step
 };
 
 struct GenerationResult {
@@ -64,6 +69,7 @@ class InferenceEngine {
   /// One engine iteration (admit + prefill, then one decode step). Returns false if there was nothing to do.
   bool step();
   bool idle() const { return waiting_.empty() && active_count() == 0; }
+  int64_t waiting_count() const;
   /// Ends every queued and active request with finish_reason "error: <message>" (after a failed step).
   void abort_all(const std::string& message);
 
@@ -82,7 +88,16 @@ class InferenceEngine {
     GenerationResult result;
   };
 
+  struct Group {
+    uint64_t id;
+    std::deque<Sequence> sequences;
+  };
+
   int64_t active_count() const;
+  // Ends every cancelled sequence, waiting or active, without computing it further.
+  void drop_cancelled();
+  // The next waiting sequence, round-robin over the groups.
+  Sequence next_waiting();
   void prefill(const std::vector<int64_t>& slots);
   void decode();
   // Samples the next token of `slot` from its logits row; ends the sequence if it is done.
@@ -94,7 +109,7 @@ class InferenceEngine {
   int64_t vocab_size_;
   int64_t max_length_;
   KVCache cache_;
-  std::deque<Sequence> waiting_;
+  std::deque<Group> waiting_;  // non-empty groups, in turn order
   std::vector<std::optional<Sequence>> slots_;
 };
 

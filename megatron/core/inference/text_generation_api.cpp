@@ -57,6 +57,12 @@ std::vector<int64_t> tokenize_prompt(const Tokenizer& tokenizer, const std::stri
   return ids;
 }
 
+void check_prompt_count(size_t n, size_t max_prompts) {
+  if (n > max_prompts)
+    throw ApiError(fmt::format("at most {} prompts per request (got {}; the server's --max-prompts-per-request)",
+                               max_prompts, n));
+}
+
 // temperature 0 means greedy; top_p 1 means no nucleus filter.
 SamplingParams sampling_params(double temperature, int64_t top_k, double top_p, uint64_t seed) {
   SamplingParams s;
@@ -72,14 +78,14 @@ SamplingParams sampling_params(double temperature, int64_t top_k, double top_p, 
 
 // ---- PUT /api ------------------------------------------------------------------------------------
 
-MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer& tokenizer) {
+MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer& tokenizer, size_t max_prompts) {
   check_fields(body, {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "logprobs", "add_BOS",
                       "random_seed", "stop_token"});
   if (!body.contains("prompts")) throw ApiError("'prompts' is required");
   const json& prompts = body.at("prompts");
   if (!prompts.is_array()) throw ApiError("'prompts' must be a list of strings");
   if (prompts.empty()) throw ApiError("'prompts' is empty");
-  if (prompts.size() > 128) throw ApiError("at most 128 prompts per request");
+  check_prompt_count(prompts.size(), max_prompts);
   MegatronApiRequest out;
   out.logprobs = get_bool(body, "logprobs", false);
   const int64_t tokens_to_generate = get_int(body, "tokens_to_generate", 64, 0, 1 << 30);
@@ -124,7 +130,7 @@ json megatron_api_response(const MegatronApiRequest& request, const std::vector<
 
 // ---- POST /v1/completions ----------------------------------------------------------------------------
 
-CompletionRequest parse_completion_request(const json& body, const Tokenizer& tokenizer) {
+CompletionRequest parse_completion_request(const json& body, const Tokenizer& tokenizer, size_t max_prompts) {
   check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "logprobs", "stream", "stop",
                       "seed", "n", "echo", "user"});
   CompletionRequest out;
@@ -140,6 +146,7 @@ CompletionRequest parse_completion_request(const json& body, const Tokenizer& to
   } else if (prompt.is_array() && !prompt.empty() && prompt[0].is_number_integer()) {
     token_prompts.push_back(prompt.get<std::vector<int64_t>>());  // one prompt of token ids
   } else if (prompt.is_array() && !prompt.empty()) {
+    check_prompt_count(prompt.size(), max_prompts);
     for (const json& p : prompt) {
       if (p.is_string()) {
         out.prompt_texts.push_back(p.get<std::string>());

@@ -7,7 +7,8 @@
 //                         top_p, top_k (extension), logprobs, stream, stop, seed, n = 1, echo, user)
 //                         -> a text_completion object, or server-sent chunks of one.
 // Every problem with a request (malformed JSON, a wrong type, an unknown field, a value out of
-// range, an empty prompt) throws ApiError with a one-line message: the server answers 400.
+// range, an empty prompt, more prompts than the server's cap) throws ApiError with a one-line
+// message: the server answers 400. Both endpoints share one prompt cap (Megatron's /api: 128).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -30,7 +31,11 @@ struct MegatronApiRequest {
   std::vector<GenerationRequest> requests;
   bool logprobs = false;
 };
-MegatronApiRequest parse_megatron_api_request(const nlohmann::json& body, const Tokenizer& tokenizer);
+/// The default cap on prompts per request (--max-prompts-per-request), Megatron's /api limit.
+inline constexpr size_t kDefaultMaxPrompts = 128;
+
+MegatronApiRequest parse_megatron_api_request(const nlohmann::json& body, const Tokenizer& tokenizer,
+                                              size_t max_prompts = kDefaultMaxPrompts);
 /// {"text": prompt + generation per prompt, "segments": per-token strings, "logprobs": per-token
 /// log-probabilities after the first token (prompt and generation), or null}.
 nlohmann::json megatron_api_response(const MegatronApiRequest& request, const std::vector<GenerationResult>& results,
@@ -46,7 +51,8 @@ struct CompletionRequest {
   bool logprobs = false;
   bool echo = false;
 };
-CompletionRequest parse_completion_request(const nlohmann::json& body, const Tokenizer& tokenizer);
+CompletionRequest parse_completion_request(const nlohmann::json& body, const Tokenizer& tokenizer,
+                                           size_t max_prompts = kDefaultMaxPrompts);
 
 /// The text of one completion as tokens arrive: the generated ids detokenized (a final stop
 /// token left out), cut at the first stop string. add() releases only text that can no longer

@@ -133,6 +133,67 @@ TEST(InferenceEngine, StopTokensMaxLengthAndPromptLogprobs) {
   EXPECT_TRUE(engine.idle());
 }
 
+// Note [Fair admission]: a group of six requests submitted first and a one-request group after
+// it, two slots: the late group gets the second slot at once instead of waiting for four others.
+TEST(InferenceEngine, GroupsAreAdmittedRoundRobin) {
+  Tiny t;
+  InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 2});
+  std::vector<std::string> first_token;  // "a0", "b0", ... in the order their first token came
+  auto submit = [&](const std::string& name, uint64_t group, int64_t len) {
+    GenerationRequest r = sampled({1, 2, 3}, 7);
+    r.max_new_tokens = len;
+    r.group = group;
+    engine.submit(r, [&, name, n = 0](int64_t, double) mutable {
+      if (n++ == 0) first_token.push_back(name);
+      return true;
+    });
+  };
+  for (int k = 0; k < 6; ++k) submit("a" + std::to_string(k), 1, 4);
+  submit("b0", 2, 4);
+  while (engine.step()) {
+  }
+  ASSERT_EQ(first_token.size(), 7u);
+  EXPECT_EQ(first_token[0], "a0");
+  EXPECT_EQ(first_token[1], "b0");
+  EXPECT_EQ(first_token[2], "a1");
+  // Group 0 (the default) keeps plain FIFO order.
+  first_token.clear();
+  for (int k = 0; k < 3; ++k) submit("c" + std::to_string(k), 0, 2);
+  while (engine.step()) {
+  }
+  EXPECT_EQ(first_token, (std::vector<std::string>{"c0", "c1", "c2"}));
+}
+
+TEST(InferenceEngine, ACancelledFlagEndsWaitingAndActiveRequests) {
+  Tiny t;
+  InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 1});
+  auto flag = std::make_shared<std::atomic<bool>>(false);
+  std::vector<GenerationResult> done(3);
+  std::vector<int> tokens(3, 0);
+  for (size_t i = 0; i < 3; ++i) {
+    GenerationRequest r = sampled({4, 5}, i);
+    r.max_new_tokens = 20;
+    if (i < 2) r.cancelled = flag;  // the first (active) and the second (waiting)
+    engine.submit(
+        r, [&, i](int64_t, double) { return ++tokens[i] > 0; }, [&, i](const GenerationResult& g) { done[i] = g; });
+  }
+  engine.step();
+  engine.step();
+  const int before = tokens[0];  // prefill and decode steps of the first
+  EXPECT_GT(before, 0);
+  EXPECT_EQ(engine.waiting_count(), 2);
+  flag->store(true);
+  while (engine.step()) {
+  }
+  EXPECT_EQ(done[0].finish_reason, "cancelled");
+  EXPECT_EQ(tokens[0], before) << "no token after the flag was set";
+  EXPECT_EQ(done[1].finish_reason, "cancelled");
+  EXPECT_EQ(tokens[1], 0) << "a cancelled waiting request is never computed";
+  EXPECT_EQ(done[2].finish_reason, "length");
+  EXPECT_EQ(tokens[2], 20);
+  EXPECT_TRUE(engine.idle());
+}
+
 TEST(InferenceEngine, InvalidRequestsAreClearErrors) {
   Tiny t;
   InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 2});
