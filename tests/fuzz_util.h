@@ -8,7 +8,8 @@
 //   crash        a signal (segfault, abort) or any other exception (std::bad_alloc, a json
 //                exception that escaped): what a user sees as a crash or a bare "terminate",
 //   hang         still running at the time limit.
-// A test fails on any crash or hang, and prints the counts per format for the record.
+// A test fails on any crash or hang, and prints the counts per format for the record. Tries run in
+// batches (Note [Batched fuzzing]); run_in_child runs one function alone.
 //
 // Note [Fuzzing in a forked child]: the parent may already run OpenMP or BLAS thread pools, which a
 // child of fork() does not have; the child therefore sets one OpenMP thread before the target runs,
@@ -17,6 +18,7 @@
 
 #include <gtest/gtest.h>
 #include <omp.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -199,33 +201,132 @@ inline ChildResult run_in_child(const std::function<void()>& fn, double timeout_
   return r;
 }
 
-/// Runs `tries` mutations of `seed_input` through `target`, each in run_in_child, and classifies them.
+// Note [Batched fuzzing]: a fork per try costs tens of milliseconds in a test binary that maps the
+// CUDA kernels, so one child runs the tries in order and reports each outcome on a pipe; a child
+// that dies (a crash) or stops reporting within the time limit (a hang, killed) is charged with the
+// try it was on, and a fresh child goes on from the next try.
 inline FuzzReport fuzz(const std::string& format, const std::string& seed_input, int tries, uint64_t seed,
                        const std::function<void(const std::string&)>& target, double timeout_s = 5.0,
                        size_t memory_mb = 1024) {
   FuzzReport report;
   report.format = format;
   FuzzRng rng(seed);
-  for (int t = 0; t < tries; ++t) {
-    const std::string input = mutate(seed_input, rng);
-    ++report.tries;
-    const ChildResult r = run_in_child([&] { target(input); }, timeout_s, memory_mb);
-    switch (r.outcome) {
-      case ChildOutcome::accepted:
-        ++report.accepted;
-        break;
-      case ChildOutcome::clean_error:
-        ++report.clean_error;
-        break;
-      case ChildOutcome::crash:
-        ++report.crash;
-        break;
-      case ChildOutcome::hang:
-        ++report.hang;
-        break;
+  std::vector<std::string> inputs;
+  for (int t = 0; t < tries; ++t) inputs.push_back(mutate(seed_input, rng));
+  long pages = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  const rlim_t limit = rlim_t(pages) * rlim_t(::sysconf(_SC_PAGESIZE)) + rlim_t(memory_mb) * (rlim_t(1) << 20);
+  auto fail = [&](int t, const std::string& what) {
+    if (report.failures.size() < 5) report.failures.push_back("try " + std::to_string(t) + ": " + what);
+  };
+  int next = 0;
+  while (next < tries) {
+    int fds[2];
+    if (::pipe(fds) != 0) {
+      ADD_FAILURE() << "pipe failed";
+      break;
     }
-    if ((r.outcome == ChildOutcome::crash || r.outcome == ChildOutcome::hang) && report.failures.size() < 5)
-      report.failures.push_back("try " + std::to_string(t) + ": " + r.message);
+    std::fflush(nullptr);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(fds[0]);
+      // Note [Fuzzing in a forked child].
+      omp_set_num_threads(1);
+      struct rlimit rl {limit, limit};
+      ::setrlimit(RLIMIT_AS, &rl);
+      for (int t = next; t < tries; ++t) {
+        char code = 0;
+        std::string message;
+        try {
+          target(inputs[size_t(t)]);
+        } catch (const Error&) {
+          code = 1;
+        } catch (const std::bad_alloc&) {
+          code = 3, message = "std::bad_alloc";
+        } catch (const std::exception& e) {
+          code = 4, message = std::string("exception: ") + e.what();
+        } catch (...) {
+          code = 5, message = "unknown exception";
+        }
+        std::string record(1, code);
+        if (code >= 3) {
+          message = message.substr(0, 1000);
+          record.push_back(char(message.size() & 0xff));
+          record.push_back(char(message.size() >> 8));
+          record += message;
+        }
+        if (::write(fds[1], record.data(), record.size()) != ssize_t(record.size())) ::_exit(9);
+      }
+      std::fflush(nullptr);
+      ::_exit(0);
+    }
+    ::close(fds[1]);
+    if (pid < 0) {
+      ::close(fds[0]);
+      ADD_FAILURE() << "fork failed";
+      break;
+    }
+    // Reads exactly n bytes unless the child dies (false) or the deadline passes (hang = true).
+    auto read_bytes = [&](char* out, size_t n, bool& hang) {
+      size_t got = 0;
+      const auto start = std::chrono::steady_clock::now();
+      while (got < n) {
+        struct pollfd pfd {fds[0], POLLIN, 0};
+        const double left = timeout_s - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (left <= 0) {
+          hang = true;
+          return false;
+        }
+        const int ready = ::poll(&pfd, 1, int(left * 1000) + 1);
+        if (ready == 0) continue;
+        const ssize_t r = ::read(fds[0], out + got, n - got);
+        if (r <= 0) return false;
+        got += size_t(r);
+      }
+      return true;
+    };
+    bool hang = false;
+    while (next < tries) {
+      char code = 0;
+      if (!read_bytes(&code, 1, hang)) break;
+      std::string message;
+      if (code >= 3) {
+        char len[2];
+        if (!read_bytes(len, 2, hang)) break;
+        message.resize(size_t(uint8_t(len[0])) | (size_t(uint8_t(len[1])) << 8));
+        if (!read_bytes(message.data(), message.size(), hang)) break;
+      }
+      ++report.tries;
+      if (code == 0) {
+        ++report.accepted;
+      } else if (code == 1) {
+        ++report.clean_error;
+      } else {
+        ++report.crash;
+        fail(next, message);
+      }
+      ++next;
+    }
+    int status = 0;
+    if (next < tries) {  // the child stopped on try `next`
+      if (hang) ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      ++report.tries;
+      if (hang) {
+        ++report.hang;
+        fail(next, "hang");
+      } else {
+        ++report.crash;
+        fail(next, WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status)) : "the child died");
+      }
+      ++next;
+    } else {
+      ::waitpid(pid, &status, 0);
+    }
+    ::close(fds[0]);
   }
   return report;
 }

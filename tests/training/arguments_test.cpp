@@ -130,7 +130,7 @@ TEST(Arguments, BadValuesSayWhatIsWrongWithThem) {
   check("--lr", "nan", "--lr must be a finite number >= 0, got nan");
   check("--min-lr", "inf", "--min-lr must be a finite number >= 0, got inf");
   check("--eval-iters", "-1", "--eval-iters must be an integer >= 0, got -1");
-  check("--train-iters", "-5", "--train-iters must be a positive integer, got -5");
+  check("--train-iters", "-5", "--train-iters must be an integer >= 0, got -5");
   // Missing ones are still "required".
   auto f = base();
   f.erase(f.begin(), f.begin() + 2);  // --num-layers 2

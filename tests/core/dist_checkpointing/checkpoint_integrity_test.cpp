@@ -2,6 +2,7 @@
 // tensor data), the progress fields and the tracker checked as Megatron's, stale temporary
 // directories of dead processes removed by the next save, and a bounded mutation fuzzer over
 // metadata.json and safetensors headers (tests/fuzz_util.h).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/dist_checkpointing/sharded.h"
 #include "megatron/core/parameter.h"
 #include "megatron/training/checkpointing.h"
 #include "tests/fuzz_util.h"
@@ -210,19 +212,22 @@ TEST_F(CheckpointIntegrity, FuzzTrackerFile) {
   testing::expect_no_crash_or_hang(r);
 }
 
+// The safetensors reader and the shard index over it: a file of three dtypes with its shard
+// metadata, one tensor empty; each accepted mutation is read completely.
 TEST_F(CheckpointIntegrity, FuzzSafetensorsHeader) {
-  const fs::path path = dir_ / "seed.safetensors";
-  safetensors::write(path.string(),
-                     {{"w", random_tensor({3, 4}, 5)},
-                      {"b16", random_tensor({5}, 6).to(DType::BFloat16)},
-                      {"ids", Tensor::from_floats({1, 2, 3}, {3}, DType::Int64)},
-                      {"empty", Tensor::zeros({0, 2}, DType::Float32)}},
-                     {{"format", "pt"}, {"shards", "{\"w\": {\"global_shape\": [3, 4]}}"}});
-  const std::string seed = read_bytes(path);
-  const fs::path target = dir_ / "fuzz.safetensors";
-  auto r = testing::fuzz("safetensors", seed, 400, 42, [&](const std::string& bytes) {
-    write_bytes(target, bytes);
-    safetensors::File f(target.string());
+  const fs::path seed_dir = dir_ / "seed", fuzz_dir = dir_ / "fuzz";
+  fs::create_directories(seed_dir);
+  fs::create_directories(fuzz_dir);
+  dist_checkpointing::save_shards(seed_dir.string(), "model", 0,
+                                  {{"w", random_tensor({3, 4}, 5), ShardSpec{}},
+                                   {"b16", random_tensor({5}, 6, 1.0f, DType::BFloat16), ShardSpec{}},
+                                   {"ids", Tensor::from_floats({1, 2, 3}, {3}, DType::Int64), ShardSpec{}},
+                                   {"empty", Tensor::zeros({0, 2}, DType::Float32), ShardSpec{}}},
+                                  {{"format", "megatron.cpp"}});
+  const std::string seed = read_bytes(seed_dir / "model_rank00000.safetensors");
+  auto target = [&](const std::string& bytes) {
+    write_bytes(fuzz_dir / "model_rank00000.safetensors", bytes);
+    safetensors::File f((fuzz_dir / "model_rank00000.safetensors").string());
     for (const std::string& name : f.names()) {
       Tensor t = f.read(name);
       try {
@@ -230,7 +235,14 @@ TEST_F(CheckpointIntegrity, FuzzSafetensorsHeader) {
       } catch (const Error&) {  // unaligned: read() only
       }
     }
-  });
+    dist_checkpointing::ShardIndex index(fuzz_dir.string(), "model");
+    for (const std::string& name : index.names()) {
+      Tensor whole = Tensor::empty(index.tensor(name).shape, DType::Float32);
+      index.load_into(name, ShardSpec{}, whole);
+    }
+  };
+  ASSERT_NO_THROW(target(seed));
+  auto r = testing::fuzz("safetensors", seed, 400, 42, target);
   testing::expect_no_crash_or_hang(r);
 }
 
