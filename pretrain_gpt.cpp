@@ -86,8 +86,12 @@ DataIterators train_valid_test_data_iterators(const Arguments& a, const Tokenize
   SplitDatasets ds = build_train_valid_test_datasets(data_args(a), tok);
   DataIterators it;
   it.train = make_iterator(ds[0], a, consumed_train, "training");
-  it.valid = make_iterator(ds[1], a, consumed_valid, "validation");
-  it.test = make_iterator(ds[2], a, 0, "test");
+  // --eval-iters 0 turns evaluation off (Megatron's do_valid/do_test need eval_iters > 0): no loaders
+  // for splits that are never read, which may also be empty (a small corpus, the default split).
+  if (a.eval_iters > 0) {
+    it.valid = make_iterator(ds[1], a, consumed_valid, "validation");
+    it.test = make_iterator(ds[2], a, 0, "test");
+  }
   return it;
 }
 

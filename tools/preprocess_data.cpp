@@ -164,8 +164,9 @@ struct Encoded {
 };
 
 struct Stats {
-  size_t documents = 0;
-  size_t skipped = 0;
+  size_t documents = 0;  // lines read (Megatron's "Processed N documents" counts them)
+  size_t skipped = 0;    // invalid lines skipped
+  size_t written = 0;    // documents written
 };
 
 /// Encodes the lines of a batch; a malformed line is an error naming its number unless skipping.
@@ -181,7 +182,7 @@ Encoded encode_batch(const Batch& batch, const Tokenizer& tok, const Args& args,
     try {
       doc = nlohmann::json::parse(batch.lines[n]);
       if (!doc.is_object()) problem = fmt::format("expected a JSON object, got {}", doc.type_name());
-    } catch (const nlohmann::json::parse_error& e) {
+    } catch (const nlohmann::json::exception& e) {  // a syntax error, or a number out of range (1e400)
       problem = fmt::format("malformed JSON ({})", e.what());
     }
     for (size_t k = 0; problem.empty() && k < args.json_keys.size(); ++k) {
@@ -340,6 +341,7 @@ Stats encode_file(const std::string& input, const std::vector<IndexedDatasetBuil
       }
       total_bytes += enc.bytes;
       stats.skipped += enc.skipped;
+      stats.written += enc.docs.size();
       for (size_t d = 0; d < enc.documents; ++d) {
         if (++stats.documents % size_t(args.log_interval) != 0) continue;
         double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -497,7 +499,8 @@ Stats process_partitions(const Args& args) {
   }
   pending.commit();
   Stats total;
-  for (const auto& s : stats) total = {total.documents + s.documents, total.skipped + s.skipped};
+  for (const auto& s : stats)
+    total = {total.documents + s.documents, total.skipped + s.skipped, total.written + s.written};
   return total;
 }
 
@@ -514,9 +517,10 @@ int main(int argc, char** argv) {
       stats = process_partitions(args);
     }
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::fprintf(stderr, "Done: %zu documents in %.2f s", stats.documents, secs);
-    if (args.skip_invalid_lines) std::fprintf(stderr, "; skipped %zu invalid lines", stats.skipped);
-    std::fprintf(stderr, ".\n");
+    std::fprintf(stderr, "Done: %zu document%s written (%zu lines read", stats.written, stats.written == 1 ? "" : "s",
+                 stats.documents);
+    if (args.skip_invalid_lines) std::fprintf(stderr, ", %zu invalid lines skipped", stats.skipped);
+    std::fprintf(stderr, ") in %.2f s.\n", secs);
     for (const auto& key : args.json_keys) {
       std::fprintf(stderr, "Wrote %s.{bin,idx}\n", output_prefix_for(args.output_prefix, key).c_str());
     }

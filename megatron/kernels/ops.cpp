@@ -108,9 +108,12 @@ std::vector<int64_t> moe_expert_row_starts(const std::vector<int64_t>& rows_per_
 }
 
 void throw_bad_table_id(const char* what, int64_t id, int64_t flat, int64_t s, int64_t rows) {
-  throw Error(fmt::format("{} {} at [{}, {}] is outside the embedding table of {} rows: check the tokenizer's "
-                          "vocabulary size (--vocab-size / --padded-vocab-size) or --max-position-embeddings",
-                          what, id, flat / s, flat % s, rows));
+  throw Error(
+      fmt::format("{} {} at [{}, {}] is outside the embedding table of {} rows: check that the data was "
+                  "tokenized with this run's tokenizer (the table is its vocabulary padded to a multiple of "
+                  "--make-vocab-size-divisible-by x --tensor-model-parallel-size; --vocab-size for "
+                  "NullTokenizer) or --max-position-embeddings",
+                  what, id, flat / s, flat % s, rows));
 }
 
 void throw_bad_label(int64_t label, int64_t position, int64_t vocab) {

@@ -5,17 +5,24 @@
 // launch scripts run unchanged.
 #include "megatron/training/arguments.h"
 
-#include <cstdlib>
-
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <map>
+#include <set>
 #include <type_traits>
 
+#include "megatron/core/datasets/blended_megatron_dataset_builder.h"
 #include "megatron/runtime/check.h"
 
 namespace megatron {
@@ -226,6 +233,8 @@ struct Parser {
     opt(g, "--ckpt-format", a.ckpt_format, "Checkpoint format (accepted; megatron.cpp writes its own)");
     flag(g, "--use-checkpoint-args", a.use_checkpoint_args, "Take the model arguments from the checkpoint");
     flag(g, "--exit-on-missing-checkpoint", a.exit_on_missing_checkpoint, "Fail if --load has no checkpoint");
+    flag(g, "--no-verify-checkpoint-checksums", a.no_verify_checkpoint_checksums,
+         "Load without verifying the files' checksums (megatron.cpp)");
 
     g = "Evaluation";
     opt(g, "--eval-interval", a.eval_interval, "Evaluate every N iterations");
@@ -338,6 +347,99 @@ std::vector<std::string> last_occurrences_of_lists(const CLI::App& app, const st
 }
 }  // namespace
 
+namespace {
+
+// Megatron's own flags (megatron_flags.inc): an unknown flag in this list is one we do not implement.
+const char* const kMegatronFlags[] = {
+#include "megatron/training/megatron_flags.inc"
+};
+
+// The hint for an unknown flag (Note [Unknown flags]).
+std::string unknown_flag_hint(const std::string& name, const std::vector<std::string>& known) {
+  std::string dashed = name;
+  std::replace(dashed.begin(), dashed.end(), '_', '-');
+  if (dashed != name && std::find(known.begin(), known.end(), dashed) != known.end())
+    return fmt::format("did you mean {}?", dashed);
+  for (const char* m : kMegatronFlags) {
+    if (name == m || dashed == m) return "a Megatron flag that megatron.cpp does not support";
+  }
+  const std::string nearest = nearest_flag(dashed, known);
+  const size_t d = edit_distance(dashed, nearest);
+  if (!nearest.empty() && d <= std::max<size_t>(2, dashed.size() / 6)) return fmt::format("did you mean {}?", nearest);
+  return "no similar flag";
+}
+
+// Note [Unknown flags]: every "--name" of the command line that is not ours is reported in one line,
+// each with a hint that does not mislead: a Megatron flag megatron.cpp does not implement says so
+// (it is not "corrected" to another flag that happens to be spelled alike); a misspelling names the
+// nearest flag, when one is within a couple of edits; anything else gets no suggestion.
+void report_unknown_flags(const std::vector<std::string>& args, const std::vector<std::string>& known) {
+  const std::set<std::string> ours(known.begin(), known.end());
+  std::vector<std::string> unknown;
+  for (const std::string& word : args) {
+    if (word.rfind("--", 0) != 0 || word == "--") continue;
+    const std::string name = word.substr(0, word.find('='));
+    if (name == "--help" || ours.count(name) || std::find(unknown.begin(), unknown.end(), name) != unknown.end())
+      continue;
+    unknown.push_back(name);
+  }
+  if (unknown.empty()) return;
+  std::vector<std::string> items;
+  for (const std::string& name : unknown) items.push_back(fmt::format("{} ({})", name, unknown_flag_hint(name, known)));
+  MG_CHECK(false, "{} {}; see --help",
+           unknown.size() == 1 ? std::string("unknown flag") : fmt::format("{} unknown flags:", unknown.size()),
+           fmt::join(items, ", "));
+}
+
+// Values that are given but impossible, each named with what is wrong (validate_args says "is
+// required" only for what is missing).
+void check_given_values(const CLI::App& app, const Arguments& a) {
+  auto given = [&](const char* flag) { return app.count(flag) > 0; };
+  auto positive = [&](const char* flag, int64_t v) {
+    MG_CHECK(!given(flag) || v > 0, "{} must be a positive integer, got {}", flag, v);
+  };
+  auto non_negative = [&](const char* flag, int64_t v) {
+    MG_CHECK(!given(flag) || v >= 0, "{} must be an integer >= 0, got {}", flag, v);
+  };
+  auto non_negative_real = [&](const char* flag, double v) {
+    MG_CHECK(!given(flag) || (std::isfinite(v) && v >= 0), "{} must be a finite number >= 0, got {}", flag, v);
+  };
+  auto probability = [&](const char* flag, double v) {
+    MG_CHECK(!given(flag) || (v >= 0 && v < 1), "{} must be in [0, 1), got {}", flag, v);
+  };
+  positive("--num-layers", a.num_layers);
+  positive("--hidden-size", a.hidden_size);
+  positive("--num-attention-heads", a.num_attention_heads);
+  positive("--ffn-hidden-size", a.ffn_hidden_size);
+  positive("--kv-channels", a.kv_channels);
+  positive("--num-query-groups", a.num_query_groups);
+  positive("--seq-length", a.seq_length);
+  positive("--max-position-embeddings", a.max_position_embeddings);
+  positive("--micro-batch-size", a.micro_batch_size);
+  positive("--global-batch-size", a.global_batch_size);
+  non_negative("--train-iters", a.train_iters);  // 0 with --skip-train
+  non_negative("--train-samples", a.train_samples);
+  positive("--tensor-model-parallel-size", a.tensor_model_parallel_size);
+  positive("--pipeline-model-parallel-size", a.pipeline_model_parallel_size);
+  positive("--context-parallel-size", a.context_parallel_size);
+  positive("--eval-interval", a.eval_interval);
+  positive("--log-interval", a.log_interval);
+  non_negative("--save-interval", a.save_interval);  // 0: no interval saves, as Megatron's falsy value
+  non_negative("--eval-iters", a.eval_iters);
+  non_negative("--lr-warmup-iters", a.lr_warmup_iters);
+  non_negative("--lr-decay-iters", a.lr_decay_iters);
+  non_negative("--exit-interval", a.exit_interval);
+  non_negative_real("--lr", a.lr);
+  non_negative_real("--min-lr", a.min_lr);
+  non_negative_real("--lr-warmup-init", a.lr_warmup_init);
+  non_negative_real("--weight-decay", a.weight_decay);
+  non_negative_real("--clip-grad", a.clip_grad);
+  probability("--hidden-dropout", a.hidden_dropout);
+  probability("--attention-dropout", a.attention_dropout);
+}
+
+}  // namespace
+
 std::vector<std::string> known_flags() {
   Arguments a;
   Parser p(a, "");
@@ -349,6 +451,7 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
   Arguments a;
   Parser p(a, description);
   p.define();
+  report_unknown_flags(std::vector<std::string>(argv + 1, argv + argc), p.flags);
   std::vector<std::string> args = last_occurrences_of_lists(p.app, std::vector<std::string>(argv + 1, argv + argc));
   // CLI11 takes "--flag=value" and "--flag value"; Megatron's argparse takes both too.
   std::reverse(args.begin(), args.end());
@@ -370,6 +473,7 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
   } catch (const CLI::ParseError& e) {
     MG_CHECK(false, "bad command line: {} (see --help)", e.what());
   }
+  check_given_values(p.app, a);
   for (const auto& [name, set] : p.no_effect_flags) {
     if (*set) std::fprintf(stderr, "warning: %s has no effect in megatron.cpp\n", name.c_str());
   }
@@ -447,6 +551,29 @@ void validate_context_parallel_args(const Arguments& a) {
 }
 }  // namespace
 
+namespace {
+// A shape or batch field: 0 is "not given" (validate_args also runs on Arguments built in code).
+void require_positive(const char* flag, int64_t v) {
+  MG_CHECK(v != 0, "{} is required", flag);
+  MG_CHECK(v > 0, "{} must be a positive integer, got {}", flag, v);
+}
+
+// Creates `dir` (as the first save would) and a file in it, removed at once.
+void check_writable_directory(const char* flag, const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  MG_CHECK(!ec && std::filesystem::is_directory(dir),
+           "{} {}: cannot create the directory ({}): give a writable directory", flag, dir,
+           ec ? ec.message() : std::string("a file is in the way"));
+  const std::string probe = fmt::format("{}/.megatron-write-test-{}", dir, ::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  const int err = errno;
+  MG_CHECK(fd >= 0, "{} {} is not writable ({}): give a writable directory", flag, dir, std::strerror(err));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+}  // namespace
+
 void validate_args(Arguments& a) {
   // ---- parallel layout (Megatron's order tp-cp-ep-dp-pp)
   const int model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size * a.context_parallel_size;
@@ -462,9 +589,9 @@ void validate_args(Arguments& a) {
   MG_CHECK(a.fp8_format.empty(), "--fp8-format is not supported yet");
 
   // ---- model shape
-  MG_CHECK(a.num_layers > 0, "--num-layers is required");
-  MG_CHECK(a.hidden_size > 0, "--hidden-size is required");
-  MG_CHECK(a.num_attention_heads > 0, "--num-attention-heads is required");
+  require_positive("--num-layers", a.num_layers);
+  require_positive("--hidden-size", a.hidden_size);
+  require_positive("--num-attention-heads", a.num_attention_heads);
   const int pp = a.pipeline_model_parallel_size;
   MG_CHECK(pp >= 1, "--pipeline-model-parallel-size must be >= 1");
   MG_CHECK(!(a.num_layers_per_virtual_pipeline_stage > 0 && a.num_virtual_stages_per_pipeline_rank > 0),
@@ -495,7 +622,7 @@ void validate_args(Arguments& a) {
     a.ffn_hidden_size = a.swiglu ? int((4.0 * a.hidden_size * 2.0 / 3.0) / 64.0) * 64 : 4 * a.hidden_size;
   }
   if (!a.group_query_attention) a.num_query_groups = a.num_attention_heads;
-  MG_CHECK(a.seq_length > 0, "--seq-length is required");
+  require_positive("--seq-length", a.seq_length);
   MG_CHECK(!a.sequence_parallel || a.seq_length % a.tensor_model_parallel_size == 0,
            "--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length ({}) must be "
            "divisible by --tensor-model-parallel-size ({})",
@@ -509,7 +636,7 @@ void validate_args(Arguments& a) {
   }
 
   // ---- batches
-  MG_CHECK(a.micro_batch_size > 0, "--micro-batch-size is required");
+  require_positive("--micro-batch-size", a.micro_batch_size);
   if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size * a.data_parallel_size;
   MG_CHECK(a.global_batch_size % (a.micro_batch_size * a.data_parallel_size) == 0,
            "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) x data-parallel size ({})",
@@ -522,6 +649,7 @@ void validate_args(Arguments& a) {
   // ---- training length and schedule
   if (!a.skip_train) {
     MG_CHECK((a.train_iters > 0) != (a.train_samples > 0), "give exactly one of --train-iters and --train-samples");
+    MG_CHECK(a.lr >= 0.0 || a.lr == -1.0, "--lr must be a finite number >= 0, got {}", a.lr);
     MG_CHECK(a.lr >= 0.0, "--lr is required");
   }
   if (a.train_iters > 0) {
@@ -558,10 +686,20 @@ void validate_args(Arguments& a) {
              "no data: give --data-path (or --train-data-path/--valid-data-path/--test-data-path) or --mock-data");
   }
   MG_CHECK(!(per_split && !a.data_path.empty()), "give --data-path or the per-split paths, not both");
+  // The blends' form (weights paired with prefixes) is checked now, not when the data is built.
+  get_blend_from_list(a.data_path);
+  get_blend_from_list(a.train_data_path);
+  get_blend_from_list(a.valid_data_path);
+  get_blend_from_list(a.test_data_path);
   if (a.split.empty()) a.split = a.mock_data ? "1,1,1" : "969, 30, 1";
   MG_CHECK(a.eval_interval > 0, "--eval-interval must be positive");
   MG_CHECK(a.log_interval > 0, "--log-interval must be positive");
   MG_CHECK(a.device == "auto" || a.device == "cpu" || a.device == "cuda", "--device must be auto, cpu or cuda");
+
+  // ---- checkpoints: an unwritable --save fails now, not at the first save
+  MG_CHECK(!a.use_checkpoint_args || !a.load.empty(),
+           "--use-checkpoint-args takes the model arguments from the checkpoint in --load: give --load");
+  if (!a.save.empty()) check_writable_directory("--save", a.save);
 
   // ---- CUDA graphs (what the full-iteration graph can follow: core/full_cuda_graph.h)
   if (a.enable_cuda_graph) a.cuda_graph_impl = "local";

@@ -107,6 +107,7 @@ struct Arguments {
   std::string ckpt_format = "torch_dist";
   bool use_checkpoint_args = false;
   bool exit_on_missing_checkpoint = false;
+  bool no_verify_checkpoint_checksums = false;  // ours: skip Note [Checkpoint checksums] on load
 
   // ---- evaluation
   int64_t eval_interval = 1000;

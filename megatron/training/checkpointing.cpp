@@ -4,13 +4,18 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <regex>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/dist_checkpointing/sharded.h"
@@ -37,6 +42,8 @@ struct Checkpointer::SaveJob {
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   uint64_t total_bytes = 0;   // of every rank's files, known after publishing
   size_t num_files = 0;
+  std::vector<dist_checkpointing::SavedShardFile> written;  // this rank's files, once written
+  std::map<std::string, uint64_t> checksums;  // publishing rank: every rank's files (Note [Checkpoint checksums])
   double seconds = 0;         // from the snapshot to the publication
 };
 
@@ -49,6 +56,21 @@ constexpr const char* kModelStem = "model";
 constexpr const char* kOptimStem = "optim";
 // 1: one model_rank00000/optim_rank00000 pair without shard metadata; 2: shards of any layout.
 constexpr int kFormatVersion = 2;
+constexpr const char* kChecksumAlgorithm = "xxh3-64";
+
+// `s` as it can be printed on one line: printable ASCII kept, every other byte as \xNN.
+std::string printable(std::string_view s, size_t limit = 80) {
+  std::string out;
+  for (size_t i = 0; i < s.size() && i < limit; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f)
+      out.push_back(char(c));
+    else
+      out += fmt::format("\\x{:02x}", c);
+  }
+  if (s.size() > limit) out += "...";
+  return out;
+}
 
 void fsync_path(const fs::path& p) {
   int fd = ::open(p.c_str(), O_RDONLY);
@@ -132,10 +154,14 @@ void write_files(Checkpointer::SaveJob& job) {
     fs::create_directories(job.tmp_dir);
   }
   const safetensors::Metadata meta = {{"format", "megatron.cpp"}};
+  job.written.clear();
   if (!job.model_tensors.empty())
-    dist_checkpointing::save_shards(job.tmp_dir.string(), kModelStem, job.rank, job.model_tensors, meta);
+    job.written.push_back(
+        dist_checkpointing::save_shards(job.tmp_dir.string(), kModelStem, job.rank, job.model_tensors, meta));
   if (!job.optim_tensors.empty())
-    dist_checkpointing::save_shards(job.tmp_dir.string(), kOptimStem, job.rank, job.optim_tensors, meta);
+    job.written.push_back(
+        dist_checkpointing::save_shards(job.tmp_dir.string(), kOptimStem, job.rank, job.optim_tensors, meta));
+  for (const auto& f : job.written) job.checksums[f.file] = f.checksum;  // a single process: all of them
   maybe_inject_fault();
 }
 
@@ -144,17 +170,22 @@ void publish(Checkpointer::SaveJob& job) {
   const fs::path final_dir = job.save_dir / job.dir_name;
   nlohmann::json meta = job.metadata;
   ShardIndex model(job.tmp_dir.string(), kModelStem);
+  model.expect_checksums(job.checksums);  // every file on disk was written by a rank of this save
   nlohmann::json tensors = tensor_table(model);
   job.total_bytes = model.total_bytes();
   job.num_files = model.files().size();
   if (job.has_optim) {
     ShardIndex optim(job.tmp_dir.string(), kOptimStem);
+    optim.expect_checksums(job.checksums);
     const nlohmann::json optim_tensors = tensor_table(optim);
     for (const auto& [key, value] : optim_tensors.items()) tensors[key] = value;
     job.total_bytes += optim.total_bytes();
     job.num_files += optim.files().size();
   }
   meta["tensors"] = std::move(tensors);
+  nlohmann::json files = nlohmann::json::object();
+  for (const auto& [file, checksum] : job.checksums) files[file] = fmt::format("{:016x}", checksum);
+  meta["checksums"] = {{"algorithm", kChecksumAlgorithm}, {"files", std::move(files)}};
   write_text_atomically(job.tmp_dir / "metadata.json", meta.dump(2));
   fsync_path(job.tmp_dir);
   if (fs::exists(final_dir)) {  // overwriting the same iteration: move the old one aside first
@@ -181,23 +212,27 @@ const nlohmann::json& require(const nlohmann::json& j, const char* key, const fs
   return j.at(key);
 }
 
-// Reads latest_checkpointed_iteration.txt; nullopt when there is no checkpoint.
+// Reads latest_checkpointed_iteration.txt; nullopt when there is no checkpoint. As Megatron's
+// read_metadata: the file, stripped of surrounding whitespace, is "release" or one iteration number;
+// we also refuse what our writer never writes and int() would read (leading zeros, a sign).
 std::optional<std::pair<std::string, int64_t>> read_tracker(const fs::path& load_dir) {
   const fs::path tracker = load_dir / kTracker;
   if (!fs::exists(tracker)) return std::nullopt;
-  std::ifstream in(tracker);
-  std::string value;
-  in >> value;
-  MG_CHECK(!value.empty(), "{} is empty: the checkpoint tracker is corrupt", tracker.string());
+  std::ifstream in(tracker, std::ios::binary);
+  MG_CHECK(in.good(), "cannot read {}: check its permissions", tracker.string());
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  constexpr const char* kSpace = " \t\n\r\f\v";
+  const size_t begin = text.find_first_not_of(kSpace);
+  const std::string value =
+      begin == std::string::npos ? "" : text.substr(begin, text.find_last_not_of(kSpace) + 1 - begin);
   if (value == "release") return std::make_pair(std::string("release"), int64_t(0));
-  int64_t iteration = 0;
-  try {
-    size_t used = 0;
-    iteration = std::stoll(value, &used);
-    MG_CHECK(used == value.size() && iteration >= 0, "");
-  } catch (...) {
-    MG_CHECK(false, "{} holds '{}', expected an iteration number or 'release'", tracker.string(), value);
-  }
+  const bool digits = !value.empty() && value.size() <= 18 &&
+                      std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; });
+  MG_CHECK(digits && (value == "0" || value[0] != '0'),
+           "{} holds '{}', not an iteration number (decimal digits without leading zeros) or 'release': the "
+           "checkpoint tracker is corrupt; write the iteration of the checkpoint to load into it",
+           tracker.string(), printable(text));
+  const int64_t iteration = std::stoll(value);
   return std::make_pair(checkpoint_dir_name(iteration), iteration);
 }
 
@@ -211,11 +246,95 @@ nlohmann::json read_metadata(const fs::path& dir) {
   } catch (const std::exception& e) {
     MG_CHECK(false, "{} is not valid JSON ({}): the checkpoint is corrupt", meta.string(), e.what());
   }
-  MG_CHECK(j.value("format", "") == "megatron.cpp", "{} is not a megatron.cpp checkpoint", meta.string());
-  const int version = j.value("version", 0);
+  MG_CHECK(j.is_object() && j.contains("format") && j["format"] == "megatron.cpp",
+           "{} is not a megatron.cpp checkpoint", meta.string());
+  MG_CHECK(j.contains("version") && j["version"].is_number_integer(),
+           "{} has no integer \"version\": the checkpoint "
+           "is corrupt",
+           meta.string());
+  const int64_t version = j["version"].get<int64_t>();
   MG_CHECK(version >= 1 && version <= kFormatVersion, "{} has format version {}, this build reads 1 to {}",
            meta.string(), version, kFormatVersion);
   return j;
+}
+
+// The progress fields of metadata.json, each checked (Megatron's iteration, consumed samples and
+// FLOPs): `iteration` a non-negative integer equal to the tracker's (the directory's name), the
+// sample counts non-negative integers, the FLOPs a finite non-negative number.
+TrainingProgress read_progress(const nlohmann::json& meta, const fs::path& dir, const std::string& dir_name,
+                               int64_t tracker_iteration, bool release) {
+  const fs::path file = dir / "metadata.json";
+  auto count = [&](const char* key, bool required) -> int64_t {
+    if (!meta.contains(key)) {
+      MG_CHECK(!required, "{} has no \"{}\": the checkpoint is corrupt", file.string(), key);
+      return 0;
+    }
+    const nlohmann::json& v = meta.at(key);
+    MG_CHECK(v.is_number_integer() && (v.is_number_unsigned() || v.get<int64_t>() >= 0),
+             "{} has \"{}\": {}, not a non-negative integer: the checkpoint is corrupt", file.string(), key,
+             printable(v.dump()));
+    MG_CHECK(!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t(INT64_MAX),
+             "{} has \"{}\": {}, out of range: the checkpoint is corrupt", file.string(), key, printable(v.dump()));
+    return v.get<int64_t>();
+  };
+  TrainingProgress p;
+  p.iteration = count("iteration", true);
+  MG_CHECK(release || p.iteration == tracker_iteration,
+           "{} has \"iteration\": {} but it is the checkpoint {} of the tracker: the checkpoint is corrupt or was "
+           "moved",
+           file.string(), p.iteration, dir_name);
+  p.consumed_train_samples = count("consumed_train_samples", false);
+  p.consumed_valid_samples = count("consumed_valid_samples", false);
+  if (meta.contains("floating_point_operations_so_far")) {
+    const nlohmann::json& v = meta.at("floating_point_operations_so_far");
+    MG_CHECK(v.is_number() && std::isfinite(v.get<double>()) && v.get<double>() >= 0,
+             "{} has \"floating_point_operations_so_far\": {}, not a non-negative number: the checkpoint is corrupt",
+             file.string(), printable(v.dump()));
+    p.floating_point_operations_so_far = v.get<double>();
+  }
+  return p;
+}
+
+// metadata.json's checksums (Note [Checkpoint checksums]); nullopt for a checkpoint written before them.
+std::optional<std::map<std::string, uint64_t>> recorded_checksums(const nlohmann::json& meta, const fs::path& dir) {
+  if (!meta.contains("checksums")) return std::nullopt;
+  const fs::path file = dir / "metadata.json";
+  const nlohmann::json& c = meta.at("checksums");
+  MG_CHECK(c.is_object() && c.contains("algorithm") && c["algorithm"] == kChecksumAlgorithm && c.contains("files") &&
+               c["files"].is_object(),
+           "{} has \"checksums\" that are not {{\"algorithm\": \"{}\", \"files\": {{...}}}}: the checkpoint is corrupt",
+           file.string(), kChecksumAlgorithm);
+  std::map<std::string, uint64_t> out;
+  for (const auto& [name, value] : c["files"].items()) {
+    const bool hex = value.is_string() && value.get_ref<const std::string&>().size() == 16 &&
+                     value.get_ref<const std::string&>().find_first_not_of("0123456789abcdef") == std::string::npos;
+    MG_CHECK(hex, "{}: the checksum of '{}' is {}, not 16 hex digits: the checkpoint is corrupt", file.string(),
+             printable(name), printable(value.dump()));
+    out[name] = std::stoull(value.get<std::string>(), nullptr, 16);
+  }
+  return out;
+}
+
+// Note [Stale temporary checkpoints]: "<iter_N|release>.tmp-PID" folders that a killed save (or a
+// full disk) left behind are removed by the next save when PID is not a running process on this
+// host. A live process's folder is left alone (another save in progress). PIDs are per host: with
+// the save directory on a shared file system, two jobs saving into one directory at once are not
+// supported anyway.
+void remove_stale_temporary_checkpoints(const fs::path& save_dir) {
+  static const std::regex kTmp(R"((iter_\d{7,}|release)\.tmp-(\d{1,9}))");
+  std::error_code ec;
+  if (!fs::is_directory(save_dir, ec)) return;
+  for (const auto& entry : fs::directory_iterator(save_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    std::smatch m;
+    if (!entry.is_directory(ec) || !std::regex_match(name, m, kTmp)) continue;
+    const pid_t pid = pid_t(std::stol(m[2]));
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    fs::remove_all(entry.path(), ec);
+    if (!ec)
+      print_progress(fmt::format("  removed {}: a checkpoint save by process {}, which is gone, left it",
+                                 entry.path().string(), pid));
+  }
 }
 
 }  // namespace
@@ -275,7 +394,8 @@ nlohmann::json model_args_to_json(const Arguments& a) {
   return j;
 }
 
-void apply_checkpoint_args(Arguments& a, const std::string& load_dir, bool with_recorded) {
+namespace {
+void apply_checkpoint_args_checked(Arguments& a, const std::string& load_dir, bool with_recorded) {
   auto latest = read_tracker(load_dir);
   MG_CHECK(latest.has_value(), "--use-checkpoint-args: no checkpoint in {} (no {})", load_dir, kTracker);
   const fs::path dir = fs::path(load_dir) / latest->first;
@@ -293,6 +413,18 @@ void apply_checkpoint_args(Arguments& a, const std::string& load_dir, bool with_
   // The run's tokenizer wins; bf16/fp16 are the run's choice.
   if (a.vocab_size == 0) set("vocab_size", a.vocab_size);
   if (a.tokenizer_type.empty()) set("tokenizer_type", a.tokenizer_type);
+}
+}  // namespace
+
+void apply_checkpoint_args(Arguments& a, const std::string& load_dir, bool with_recorded) {
+  try {
+    apply_checkpoint_args_checked(a, load_dir, with_recorded);
+  } catch (const nlohmann::json::exception& e) {
+    MG_CHECK(false,
+             "--use-checkpoint-args: the checkpoint in {} has a model argument of an unexpected type ({}): the "
+             "checkpoint is corrupt",
+             load_dir, e.what());
+  }
 }
 
 Checkpointer::Checkpointer(const Arguments& args, const ParallelState* parallel) : args_(args), parallel_(parallel) {}
@@ -331,6 +463,7 @@ void Checkpointer::publish_collective(Context& ctx, SaveJob& job, std::exception
     MG_CHECK(false, "saving checkpoint {} failed on another rank (see its error); the previous checkpoint stays the "
              "latest", where);
   }
+  gather_checksums(ctx, job);
   std::exception_ptr publish_error;
   if (job.publish) {
     try {
@@ -346,6 +479,34 @@ void Checkpointer::publish_collective(Context& ctx, SaveJob& job, std::exception
              where);
   }
   if (job.publish) report_save(job);
+}
+
+// Every rank's file checksums to rank 0: each rank puts its (at most two) files' checksums as 16-bit
+// pieces (exact in float32) into its own slots of a zero tensor; a sum over the world fills them all.
+void Checkpointer::gather_checksums(Context& ctx, SaveJob& job) const {
+  constexpr size_t kStems = 2, kSlot = 5;  // model, optim; present flag + four 16-bit pieces
+  const size_t world = size_t(parallel_->world_size());
+  std::vector<float> v(world * kStems * kSlot, 0.0f);
+  for (const auto& f : job.written) {
+    const size_t stem = f.file.rfind(kOptimStem, 0) == 0 ? 1 : 0;
+    float* slot = &v[(size_t(job.rank) * kStems + stem) * kSlot];
+    slot[0] = 1.0f;
+    for (size_t k = 0; k < 4; ++k) slot[1 + k] = float((f.checksum >> (16 * k)) & 0xffff);
+  }
+  Tensor t = Tensor::from_floats(v, {int64_t(v.size())}, DType::Float32, ctx.device());
+  parallel_->world().all_reduce(ctx, t, ReduceOp::Sum)->wait();
+  ctx.synchronize();
+  const std::vector<float> all = t.to_floats();
+  job.checksums.clear();
+  for (size_t r = 0; r < world; ++r) {
+    for (size_t stem = 0; stem < kStems; ++stem) {
+      const float* slot = &all[(r * kStems + stem) * kSlot];
+      if (slot[0] != 1.0f) continue;
+      uint64_t c = 0;
+      for (size_t k = 0; k < 4; ++k) c |= uint64_t(slot[1 + k]) << (16 * k);
+      job.checksums[dist_checkpointing::shard_file_name(stem == 0 ? kModelStem : kOptimStem, int(r))] = c;
+    }
+  }
 }
 
 void Checkpointer::finalize() {
@@ -441,6 +602,7 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
   if (!distributed()) {
     job->tmp_dir = job->save_dir / fmt::format("{}.tmp-{}", job->dir_name, ::getpid());
     fs::create_directories(job->save_dir);
+    remove_stale_temporary_checkpoints(job->save_dir);
     auto write_and_publish = [job] {
       write_files(*job);
       publish(*job);
@@ -475,6 +637,7 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
     if (error) std::rethrow_exception(error);
     MG_CHECK(false, "rank 0 could not create checkpoint directory {} (see its error)", job->tmp_dir.string());
   }
+  if (rank() == 0) remove_stale_temporary_checkpoints(job->save_dir);  // the others agreed: nothing of theirs
   if (args_.async_save) {
     pending_ = std::async(std::launch::async, [job] { write_files(*job); });
     job_ = std::move(job);
@@ -498,6 +661,21 @@ std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::stri
 std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::string& load_dir,
                                                    const std::vector<Parameter*>& params, AdamOptimizer* optimizer,
                                                    OptimizerParamScheduler* scheduler) {
+  // A metadata.json that parses but holds a value of the wrong type somewhere deeper (the optimizer
+  // or scheduler state) is a corrupt checkpoint too: one line, not a JSON library exception.
+  try {
+    return load_checked(ctx, load_dir, params, optimizer, scheduler);
+  } catch (const nlohmann::json::exception& e) {
+    MG_CHECK(false, "the checkpoint in {} has a metadata.json with an unexpected value ({}): the checkpoint is corrupt",
+             load_dir, e.what());
+  }
+  return std::nullopt;
+}
+
+std::optional<TrainingProgress> Checkpointer::load_checked(Context& ctx, const std::string& load_dir,
+                                                           const std::vector<Parameter*>& params,
+                                                           AdamOptimizer* optimizer,
+                                                           OptimizerParamScheduler* scheduler) {
   const Clock::time_point start = Clock::now();
   auto latest = read_tracker(load_dir);
   if (!latest) {
@@ -508,53 +686,84 @@ std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::stri
   const fs::path dir = fs::path(load_dir) / latest->first;
   const nlohmann::json meta = read_metadata(dir);
   check_model_identity(meta, args_, dir);
+  const TrainingProgress recorded = read_progress(meta, dir, latest->first, latest->second, release);
+  // Note [Checkpoint checksums]: each file is verified the first time this rank reads from it.
+  std::optional<std::map<std::string, uint64_t>> checksums;
+  if (!args_.no_verify_checkpoint_checksums) checksums = recorded_checksums(meta, dir);
+
+  // A failure that depends on the rank (a corrupt file that only some ranks read) fails every rank
+  // at the next agreement, so that no rank is left waiting in a collective.
+  auto agree = [&](std::exception_ptr error) {
+    if (all_ok(ctx, !error)) return;
+    if (error) std::rethrow_exception(error);
+    MG_CHECK(false, "loading checkpoint {} failed on another rank (see its error)", dir.string());
+  };
 
   // Model weights: every parameter must be there with its global shape (else: another model).
   uint64_t bytes = 0;
+  double verify_seconds = 0;
   ShardIndex model_index(dir.string(), kModelStem);
-  for (Parameter* p : params) {
-    MG_CHECK(model_index.contains(p->name), "checkpoint {} has no tensor '{}': it was saved from another model",
-             dir.string(), p->name);
-    const Shape& shape = model_index.tensor(p->name).shape;
-    const Shape& want = p->shard.global_shape.empty() ? p->data.shape() : p->shard.global_shape;
-    MG_CHECK(shape == want,
-             "checkpoint {} was saved from another model: tensor '{}' has shape {} there, {} in this model{}",
-             dir.string(), p->name, shape_str(shape), shape_str(want), vocabulary_hint(p->name, shape, want));
-    bytes += model_index.load_into(p->name, p->shard, p->data);
+  if (checksums) model_index.expect_checksums(*checksums);
+  std::exception_ptr model_error;
+  try {
+    for (Parameter* p : params) {
+      MG_CHECK(model_index.contains(p->name), "checkpoint {} has no tensor '{}': it was saved from another model",
+               dir.string(), p->name);
+      const Shape& shape = model_index.tensor(p->name).shape;
+      const Shape& want = p->shard.global_shape.empty() ? p->data.shape() : p->shard.global_shape;
+      MG_CHECK(shape == want,
+               "checkpoint {} was saved from another model: tensor '{}' has shape {} there, {} in this model{}",
+               dir.string(), p->name, shape_str(shape), shape_str(want), vocabulary_hint(p->name, shape, want));
+      bytes += model_index.load_into(p->name, p->shard, p->data);
+    }
+    for (const auto& [name, t] : buffers_) {
+      MG_CHECK(model_index.contains(name), "checkpoint {} has no tensor '{}': it was saved from another model",
+               dir.string(), name);
+      bytes += model_index.load_into(name, ShardSpec{}, *t);
+    }
+  } catch (...) {
+    model_error = std::current_exception();
   }
-  for (const auto& [name, t] : buffers_) {
-    MG_CHECK(model_index.contains(name), "checkpoint {} has no tensor '{}': it was saved from another model",
-             dir.string(), name);
-    bytes += model_index.load_into(name, ShardSpec{}, *t);
-  }
+  agree(model_error);
 
+  verify_seconds += model_index.verify_seconds();
   TrainingProgress progress;
   const bool finetune = args_.finetune || release;
-  if (!finetune) {
-    progress.iteration = meta.value("iteration", int64_t(0));
-    progress.consumed_train_samples = meta.value("consumed_train_samples", int64_t(0));
-    progress.consumed_valid_samples = meta.value("consumed_valid_samples", int64_t(0));
-    progress.floating_point_operations_so_far = meta.value("floating_point_operations_so_far", 0.0);
-  }
+  if (!finetune) progress = recorded;
   if (optimizer) {
     const bool load_optim = !finetune && !args_.no_load_optim && meta.contains("optimizer");
     if (load_optim) {
       ShardIndex optim_index(dir.string(), kOptimStem);
+      if (checksums) optim_index.expect_checksums(*checksums);
+      // Every state this rank reads is there and its files verified before the collectives of the
+      // loop (the ranks of different stages hold different parameters: one agreement for all).
+      std::exception_ptr optim_error;
+      try {
+        for (const Parameter& p : optimizer->parameters()) {
+          for (const char* suffix : {"master", "exp_avg", "exp_avg_sq"}) {
+            const std::string key = p.name + "." + suffix;
+            MG_CHECK(optim_index.contains(key),
+                     "checkpoint {} has no optimizer state '{}': it was saved from another model (--no-load-optim "
+                     "loads the weights alone)",
+                     dir.string(), key);
+            optim_index.verify_files_for(key, p.shard, p.data.shape());
+          }
+        }
+      } catch (...) {
+        optim_error = std::current_exception();
+      }
+      agree(optim_error);
       for (const Parameter& p : optimizer->parameters()) {
         AdamParamState st;
         for (auto& [suffix, t] : {std::pair<const char*, Tensor*>{"master", &st.master},
                                   {"exp_avg", &st.exp_avg},
                                   {"exp_avg_sq", &st.exp_avg_sq}}) {
-          const std::string key = p.name + "." + suffix;
-          MG_CHECK(optim_index.contains(key),
-                   "checkpoint {} has no optimizer state '{}': it was saved from another model (--no-load-optim "
-                   "loads the weights alone)",
-                   dir.string(), key);
           *t = Tensor::empty(p.data.shape(), DType::Float32, p.data.device());
-          bytes += optim_index.load_into(key, p.shard, *t);
+          bytes += optim_index.load_into(p.name + "." + suffix, p.shard, *t);
         }
         optimizer->scatter_state(ctx, p.name, st);  // collective over data-parallel ranks, same order everywhere
       }
+      verify_seconds += optim_index.verify_seconds();
       optimizer->load_state_dict(meta.at("optimizer"));
       optimizer->copy_main_params_to_model_params(ctx);  // collective with the distributed optimizer
     } else {
@@ -569,8 +778,12 @@ std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::stri
     ctx.rng().offset = meta["rng"].at("offset").get<uint64_t>();
   }
   if (rank() == 0) {
-    print_progress(fmt::format("  read checkpoint {} ({} into rank 0) in {:.3f} s", dir.string(), bytes_str(bytes),
-                               seconds_since(start)));
+    print_progress(fmt::format(
+        "  read checkpoint {} ({} into rank 0) in {:.3f} s{}", dir.string(), bytes_str(bytes), seconds_since(start),
+        checksums ? fmt::format(" (checksums verified in {:.3f} s)", verify_seconds)
+                  : std::string(args_.no_verify_checkpoint_checksums
+                                    ? " (checksums not verified: --no-verify-checkpoint-checksums)"
+                                    : " (no checksums: written before they were recorded)")));
   }
   return progress;
 }

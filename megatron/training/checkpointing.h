@@ -12,14 +12,13 @@
 //
 // Note [Checkpoint ownership]: a rank writes a parameter (and its optimizer state) iff it is on
 // data- and context-parallel rank 0 (expert-data-parallel rank 0 for an expert's parameters, which are named by
-// their global expert index, so an expert layout reshards like any other), the parameter is not a tensor-parallel duplicate on tp rank > 0 (norm
-// weights, row-parallel biases), and it is not the last stage's copy of tied embeddings. So every
-// global element is written once. The optimizer state goes through AdamOptimizer::gather_state,
-// which every data-parallel rank calls for the same parameters in the same order (collective with
-// the distributed optimizer); only dp rank 0 writes what it returns. Loading is layout-free: every
-// rank opens all files of the checkpoint and fills its own parameters (ShardIndex::load_into with
-// the parameter's ShardSpec) and optimizer state (scatter_state) — from a checkpoint written by any
-// TP/PP/DP layout, single-process checkpoints of format 1 included.
+// their global expert index, so an expert layout reshards like any other), the parameter is not a tensor-parallel
+// duplicate on tp rank > 0 (norm weights, row-parallel biases), and it is not the last stage's copy of tied embeddings.
+// So every global element is written once. The optimizer state goes through AdamOptimizer::gather_state, which every
+// data-parallel rank calls for the same parameters in the same order (collective with the distributed optimizer); only
+// dp rank 0 writes what it returns. Loading is layout-free: every rank opens all files of the checkpoint and fills its
+// own parameters (ShardIndex::load_into with the parameter's ShardSpec) and optimizer state (scatter_state) — from a
+// checkpoint written by any TP/PP/DP layout, single-process checkpoints of format 1 included.
 //
 // Note [Atomic checkpoints]: a checkpoint is written into "<dir>.tmp-<pid>" (the pid of rank 0),
 // every file fsynced, the directory renamed into place and fsynced, and only then
@@ -34,6 +33,22 @@
 // thread while training goes on. In a single process that thread also publishes (renames and
 // updates the tracker); with several ranks the publication is collective, so it happens on the
 // main thread in finalize() (called by the next save() and at the end of training).
+//
+// Note [Checkpoint checksums]: metadata.json records, under "checksums", the XXH3-64 of every file
+// of the checkpoint ({"algorithm": "xxh3-64", "files": {"model_rank00000.safetensors": "<16 hex>"}}),
+// computed by each rank while it writes its files and gathered to rank 0 (an all-reduce of 16-bit
+// pieces) before it publishes. load() verifies a file the first time it reads from it, so each rank
+// checks the files it reads, and a byte flip anywhere in a file is one line naming the file. On by
+// default (--no-verify-checkpoint-checksums turns it off); XXH3 runs at memory speed, so the cost
+// is one more pass over the bytes read (bench/checkpoint_verify.cpp measures it). Checkpoints
+// written before the checksums load unverified, saying so.
+//
+// The progress fields are checked as Megatron's read_metadata checks the tracker: the tracker holds
+// "release" or one decimal iteration number (surrounding whitespace allowed), and metadata.json's
+// iteration is a non-negative integer equal to it, its consumed sample counts non-negative
+// integers and its FLOPs a finite non-negative number; anything else is one line naming the file.
+// Note [Stale temporary checkpoints] (checkpointing.cpp): the next save removes the .tmp-PID
+// folders of processes that are gone (rank 0, after the others agreed on the new one).
 //
 // Model identity: load() first compares the checkpoint's model arguments marked identity in
 // model_arguments.inc (--qk-layernorm, --normalization, ...) with the run's and refuses a
@@ -129,6 +144,11 @@ class Checkpointer {
   bool all_ok(Context& ctx, bool ok) const;
   /// The collective end of a save: agree on the writes, rank 0 publishes, agree on that.
   void publish_collective(Context& ctx, SaveJob& job, std::exception_ptr write_error);
+  /// Every rank's file checksums into job.checksums (collective over the world).
+  void gather_checksums(Context& ctx, SaveJob& job) const;
+  std::optional<TrainingProgress> load_checked(Context& ctx, const std::string& load_dir,
+                                               const std::vector<Parameter*>& params, AdamOptimizer* optimizer,
+                                               OptimizerParamScheduler* scheduler);
 
   const Arguments& args_;
   const ParallelState* parallel_;

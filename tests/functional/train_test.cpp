@@ -169,6 +169,29 @@ TEST(Train, PackedDocumentsTrainOnRealText) {
       << bad.output;
 }
 
+// --eval-iters 0 is Megatron's ordinary way to turn evaluation off; with --data-path and the default
+// split it ended with "no sample to load: the dataset is empty".
+TEST(Train, EvalItersZeroTurnsEvaluationOff) {
+  ScratchDir dir("eval_iters_0");
+  std::vector<std::string> flags;
+  const std::vector<std::string> tiny = tiny_gpt_flags(3);
+  for (size_t i = 0; i < tiny.size(); ++i) {
+    if (tiny[i] == "--split") {
+      ++i;  // the default split, 969,30,1
+      continue;
+    }
+    flags.push_back(tiny[i]);
+  }
+  for (size_t i = 0; i + 1 < flags.size(); ++i) {
+    if (flags[i] == "--eval-iters") flags[i + 1] = "0";
+    if (flags[i] == "--eval-interval") flags[i + 1] = "1";
+  }
+  RunResult r = run(concat({bin("pretrain_gpt")}, flags), dir.path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(field_values(r.output, "lm loss").size(), 3u) << r.output;
+  EXPECT_EQ(r.output.find("validation loss"), std::string::npos) << r.output;
+}
+
 TEST(Cli, BadInputGivesOneClearLine) {
   ScratchDir dir("cli");
   auto expect_error = [&](std::vector<std::string> flags, const std::string& needle) {

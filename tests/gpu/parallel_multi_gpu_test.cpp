@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "megatron/runtime/device.h"
 #include "tests/gpu/pretrain_run_util.h"
@@ -86,6 +88,34 @@ TEST(ParallelMultiGpu, AKilledRankEndsTheJob) {
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_LT(seconds, 60.0) << r.output;
   EXPECT_EQ(r.output.find("iteration       50/"), std::string::npos) << r.output;
+}
+
+// Note [Checkpoint checksums] over NCCL: each rank's file checksums reach rank 0 through an
+// all-reduce on the GPU; a resume verifies them, and a flipped byte in the second rank's file fails
+// the load on both ranks (no rank left waiting), naming the file, well inside the collective timeout.
+TEST(ParallelMultiGpu, CheckpointChecksumsAreGatheredAndVerified) {
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  ScratchDir dir("multi_gpu_checksums");
+  auto base = with(with({bin("pretrain_gpt")}, kModel), {"--tensor-model-parallel-size", "2", "--nproc-per-node", "2"});
+  RunResult saved = run(with(base, {"--train-iters", "3", "--save", "ckpt"}), dir.path, "NCCL_NVLS_ENABLE=0");
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  const nlohmann::json meta = nlohmann::json::parse(read_file(dir.path / "ckpt/iter_0000003/metadata.json"));
+  ASSERT_TRUE(meta.contains("checksums")) << meta.dump().substr(0, 400);
+  EXPECT_EQ(meta["checksums"]["files"].size(), 4u) << meta["checksums"].dump();
+  RunResult resumed = run(with(base, {"--load", "ckpt"}), dir.path, "NCCL_NVLS_ENABLE=0");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("checksums verified"), std::string::npos) << resumed.output;
+  const fs::path file = dir.path / "ckpt/iter_0000003/model_rank00001.safetensors";
+  std::string bytes = read_file(file);
+  bytes[bytes.size() - 5] = char(bytes[bytes.size() - 5] ^ 4);
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  const auto start = std::chrono::steady_clock::now();
+  RunResult corrupt = run(with(base, {"--load", "ckpt"}), dir.path, "NCCL_NVLS_ENABLE=0");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(corrupt.exit_code, 0) << corrupt.output;
+  EXPECT_NE(corrupt.output.find("model_rank00001.safetensors does not match its checksum"), std::string::npos)
+      << corrupt.output;
+  EXPECT_LT(seconds, 60.0) << corrupt.output;
 }
 
 }  // namespace

@@ -6,13 +6,16 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
 #include <vector>
 
 #include "megatron/core/datasets/indexed_dataset.h"
+#include "tests/fuzz_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -174,7 +177,9 @@ TEST(PreprocessData, SkipInvalidLinesReportsTheCount) {
                    " --append-eod --workers 2 --skip-invalid-lines"),
             0)
       << fx.stderr_text();
-  EXPECT_NE(fx.stderr_text().find("skipped 2 invalid lines"), std::string::npos) << fx.stderr_text();
+  EXPECT_NE(fx.stderr_text().find("Done: 4 documents written (6 lines read, 2 invalid lines skipped)"),
+            std::string::npos)
+      << fx.stderr_text();
   IndexedDataset ds(fx.path("data/mixed_text_document"));
   // Documents: "hello world", "" (empty: no sequence), ["a b", "", "c"] (two sequences), "last".
   EXPECT_EQ(ds.num_documents(), 4u);
@@ -183,6 +188,80 @@ TEST(PreprocessData, SkipInvalidLinesReportsTheCount) {
   EXPECT_EQ(ds.get(0), (std::vector<int64_t>{31373, 995, 50256}));
   EXPECT_EQ(ds.get(1), (std::vector<int64_t>{64, 275}));
   EXPECT_EQ(ds.get(2), (std::vector<int64_t>{66, 50256}));
+}
+
+// "Done: N documents" counted the lines read; it counts the documents written.
+TEST(PreprocessData, DoneCountsTheDocumentsWritten) {
+  FixtureCopy fx;
+  write_text(fx.path("one.jsonl"), "{\"text\": \"hello\"}\nnot json\n[1]\n{\"body\": \"x\"}\n");
+  ASSERT_EQ(fx.run(tool("preprocess_data") + " --input one.jsonl --output-prefix data/one " + kGpt2 +
+                   " --workers 1 --skip-invalid-lines"),
+            0)
+      << fx.stderr_text();
+  EXPECT_NE(fx.stderr_text().find("Done: 1 document written (4 lines read, 3 invalid lines skipped)"),
+            std::string::npos)
+      << fx.stderr_text();
+  EXPECT_EQ(IndexedDataset(fx.path("data/one_text_document")).num_documents(), 1u);
+}
+
+// A vocab.json id of 10^9 made preprocess_data allocate 7.8 GB and write int32 tokens; 2^32 ended
+// with a bare std::bad_alloc. Run under a 2 GB address-space limit: one clear line, nothing written.
+TEST(PreprocessData, AVocabIdBeyondTheVocabularyIsOneClearLine) {
+  FixtureCopy fx;
+  const std::string good = read_bytes(fx.path("tok-gpt2/vocab.json"));
+  for (const std::string id : {"1000000000", "4294967296"}) {
+    std::string vocab = good;
+    const std::string key = "\"<|endoftext|>\": 50256";
+    const size_t at = vocab.find(key);
+    ASSERT_NE(at, std::string::npos);
+    vocab.replace(at, key.size(), "\"<|endoftext|>\": " + id);
+    write_text(fx.path("tok-gpt2/vocab.json"), vocab);
+    EXPECT_EQ(fx.run("ulimit -v 2000000 && " + tool("preprocess_data") +
+                     " --input in/shakespeare.jsonl --output-prefix data/big " + kGpt2 + " --workers 1"),
+              1)
+        << fx.stderr_text();
+    EXPECT_NE(fx.stderr_text().find(id), std::string::npos) << fx.stderr_text();
+    EXPECT_NE(fx.stderr_text().find("vocabulary"), std::string::npos) << fx.stderr_text();
+    EXPECT_EQ(fx.stderr_text().find("bad_alloc"), std::string::npos) << fx.stderr_text();
+    EXPECT_TRUE(fs::is_empty(fx.path("data"))) << "no output after an error";
+  }
+}
+
+// The JSONL fuzzer: mutated lines (tests/fuzz_util.h's mutations, fixed seed) in one file, run with
+// --skip-invalid-lines under a time limit; every line is either written or skipped as invalid, and
+// the tool neither crashes nor hangs. Then the same file without skipping: one clean error line.
+TEST(PreprocessData, FuzzJsonlLines) {
+  FixtureCopy fx;
+  const std::string seed = "{\"text\": \"The quick brown fox\\njumps \\u00e9 over\", \"id\": 17, \"meta\": [1, 2.5, null]}";
+  testing::FuzzRng rng(50);
+  std::string file;
+  int tries = 0;
+  for (; tries < 400; ++tries) {
+    std::string line = testing::mutate(seed, rng);
+    for (char& c : line) if (c == '\n' || c == '\r') c = ' ';  // one try per line
+    file += line + "\n";
+  }
+  write_text(fx.path("fuzz.jsonl"), file);
+  const int rc = fx.run("timeout 120 " + tool("preprocess_data") + " --input fuzz.jsonl --output-prefix data/fuzz " +
+                        kGpt2 + " --workers 2 --skip-invalid-lines");
+  ASSERT_EQ(rc, 0) << "crash or hang: " << fx.stderr_text();
+  const std::string& err = fx.stderr_text();
+  const size_t done = err.find("Done: ");
+  ASSERT_NE(done, std::string::npos) << err;
+  std::smatch m;
+  const std::regex re(R"(Done: (\d+) documents? written \((\d+) lines read, (\d+) invalid)");
+  ASSERT_TRUE(std::regex_search(err, m, re)) << err;
+  const size_t written = std::stoul(m[1]), read = std::stoul(m[2]), skipped = std::stoul(m[3]);
+  EXPECT_EQ(read, size_t(tries));
+  EXPECT_EQ(written + skipped, read);
+  EXPECT_GT(skipped, 0u);
+  EXPECT_EQ(IndexedDataset(fx.path("data/fuzz_text_document")).num_documents(), written);
+  std::printf("[fuzz] JSONL lines: %d tries: %zu clean errors (skipped as invalid), %zu accepted, 0 crashes, 0 hangs\n",
+              tries, skipped, written);
+  EXPECT_EQ(fx.run("timeout 120 " + tool("preprocess_data") + " --input fuzz.jsonl --output-prefix data/fuzz2 " + kGpt2 +
+                   " --workers 2"),
+            1);
+  EXPECT_NE(fx.stderr_text().find("fuzz.jsonl:"), std::string::npos) << fx.stderr_text();
 }
 
 TEST(PreprocessData, FlagErrors) {

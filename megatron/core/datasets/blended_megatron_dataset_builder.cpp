@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "megatron/core/datasets/indexed_dataset.h"
 #include "megatron/runtime/check.h"
 
 namespace megatron {
@@ -20,18 +21,30 @@ std::optional<Blend> get_blend_from_list(const std::vector<std::string>& raw) {
     for (std::string w; ss >> w;) tokens.push_back(w);
   }
   if (tokens.empty()) return std::nullopt;
+  auto number = [](const std::string& w, double& v) {
+    char* end = nullptr;
+    v = std::strtod(w.c_str(), &end);
+    return !w.empty() && end == w.c_str() + w.size();
+  };
   Blend blend;
   if (tokens.size() % 2 == 1) {
+    // Megatron reads an odd count as prefixes only; a number among them that names no dataset is a
+    // weight whose partner is missing.
+    for (const std::string& t : tokens) {
+      double v = 0;
+      MG_CHECK(!number(t, v) || IndexedDataset::exists(t),
+               "--data-path '{}' has {} values: a weighted blend is pairs of weight and prefix (an even count), and "
+               "'{}' reads as a weight, not a dataset; give a weight for every prefix, or prefixes alone",
+               fmt::join(tokens, " "), tokens.size(), t);
+    }
     blend.prefixes = tokens;
     return blend;
   }
   std::vector<double> weights;
   size_t parsed = 0;
   for (size_t i = 0; i < tokens.size(); i += 2) {
-    const std::string& w = tokens[i];
-    char* end = nullptr;
-    double v = std::strtod(w.c_str(), &end);
-    if (end == w.c_str() + w.size()) {
+    double v = 0;
+    if (number(tokens[i], v)) {
       ++parsed;
       weights.push_back(v);
     }

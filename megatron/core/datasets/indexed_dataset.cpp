@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include "megatron/runtime/check.h"
@@ -60,10 +61,19 @@ void decode_tokens(IndexDType dtype, const std::byte* src, size_t n, std::vector
   out.resize(base + n);
   int64_t* dst = out.data() + base;
   auto convert = [&]<typename T>(T) {
-    for (size_t k = 0; k < n; ++k) dst[k] = static_cast<int64_t>(load<T>(src + k * sizeof(T)));
+    if constexpr (std::is_floating_point_v<T>) {
+      for (size_t k = 0; k < n; ++k) {  // NaN, infinities and negatives become -1 (refused by read_into)
+        const T x = load<T>(src + k * sizeof(T));
+        dst[k] = x >= 0 && x < T(9.0e18) ? static_cast<int64_t>(x) : -1;
+      }
+    } else {
+      for (size_t k = 0; k < n; ++k) dst[k] = static_cast<int64_t>(load<T>(src + k * sizeof(T)));
+    }
   };
   visit_index_dtype(dtype, convert);
 }
+
+bool is_unsigned(IndexDType dtype) { return dtype == IndexDType::UInt8 || dtype == IndexDType::UInt16; }
 
 /// Converts ids to the file dtype into `out` (resized); an id the dtype cannot hold is an error.
 void encode_tokens(IndexDType dtype, std::span<const int64_t> ids, std::vector<std::byte>& out,
@@ -325,18 +335,34 @@ void IndexedDataset::map_bin(const std::string& bin_path) {
       if (m != nullptr) FileMap::unmap(m->data, m->size);
     }
   } unmap{&m};
+  // Note [Packed index]: Megatron's builders write the sequences back to back, so sequence k starts
+  // where k - 1 ends and the .bin holds exactly their bytes. Checking that (one pass over the index,
+  // no read of the .bin) catches a dtype code of another item size, pointers into another sequence
+  // and a truncated or padded .bin; a code of the same size but another signedness is caught when a
+  // token reads negative (read_into).
   const uint64_t itemsize = index_dtype_size(dtype_);
+  const std::string idx_path = get_idx_path(path_prefix_);
   num_tokens_ = 0;
+  uint64_t end = 0;  // where the sequences so far end
   for (size_t k = 0; k < lengths_.size(); ++k) {
     const int32_t len = lengths_[k];
     const int64_t ptr = pointers_[k];
-    MG_CHECK(len >= 0, "index file {}: sequence {} has a negative length {}", get_idx_path(path_prefix_), k, len);
-    MG_CHECK(ptr >= 0, "index file {}: sequence {} has a negative pointer {}", get_idx_path(path_prefix_), k, ptr);
+    MG_CHECK(len >= 0, "index file {}: sequence {} has a negative length {}", idx_path, k, len);
+    MG_CHECK(ptr >= 0, "index file {}: sequence {} has a negative pointer {}", idx_path, k, ptr);
     MG_CHECK(uint64_t(ptr) <= m.size && uint64_t(len) * itemsize <= m.size - uint64_t(ptr),
-             "data file {} is too short for its index: sequence {} spans bytes [{}, {}) of {}", bin_path, k, ptr,
-             ptr + int64_t(len) * int64_t(itemsize), m.size);
+             "data file {} is too short for its index of {} tokens: sequence {} spans bytes [{}, {}) of {}", bin_path,
+             to_string(dtype_), k, ptr, ptr + int64_t(len) * int64_t(itemsize), m.size);
+    MG_CHECK(uint64_t(ptr) == end,
+             "index file {}: sequence {} starts at byte {} but the sequences before it end at byte {}: the index does "
+             "not describe a packed .bin of {} tokens (dtype code {}); the index is corrupt or its dtype code is wrong",
+             idx_path, k, ptr, end, to_string(dtype_), int(dtype_));
+    end += uint64_t(len) * itemsize;
     num_tokens_ += len;
   }
+  MG_CHECK(end == m.size,
+           "data file {} has {} bytes but its index covers {} ({} {} tokens): the .bin is truncated, padded or not "
+           "this index's",
+           bin_path, m.size, end, num_tokens_, to_string(dtype_));
   unmap.m = nullptr;
   bin_ = m.data;
   bin_size_ = m.size;
@@ -358,7 +384,15 @@ void IndexedDataset::read_into(size_t i, int64_t offset, int64_t length, std::ve
            "indexed dataset {}: tokens [{}, {}) requested from sequence {} of length {}", path_prefix_, offset,
            offset + length, i, len);
   const size_t itemsize = index_dtype_size(dtype_);
+  const size_t first = out.size();
   decode_tokens(dtype_, bin_ + pointers_[i] + offset * int64_t(itemsize), size_t(length), out);
+  if (is_unsigned(dtype_)) return;
+  for (size_t k = first; k < out.size(); ++k) {  // Note [Packed index]: a code of the wrong signedness
+    MG_CHECK(out[k] >= 0,
+             "indexed dataset {}: sequence {} holds a negative token at position {}: the .bin does not hold {} token "
+             "ids (is the dtype code {} of {} right?)",
+             path_prefix_, i, offset + int64_t(k - first), to_string(dtype_), int(dtype_), get_idx_path(path_prefix_));
+  }
 }
 
 std::span<const std::byte> IndexedDataset::raw(size_t i) const {
@@ -422,17 +456,7 @@ void IndexedDatasetBuilder::add_index(const std::string& path_prefix) {
   IndexedDataset other(path_prefix, multimodal_);
   MG_CHECK(other.dtype() == dtype_, "cannot merge {} (dtype {}) into {} (dtype {}): the dtypes differ", path_prefix,
            to_string(other.dtype()), bin_path_, to_string(dtype_));
-  // The merged pointers are recomputed as running sums, so the source must be packed exactly so.
-  const int64_t itemsize = int64_t(index_dtype_size(dtype_));
-  int64_t expected = 0;
-  for (size_t k = 0; k < other.size(); ++k) {
-    MG_CHECK(other.sequence_pointers()[k] == expected,
-             "cannot merge {}: sequence {} starts at byte {} of {}, not at {} (the .bin is not packed)", path_prefix, k,
-             other.sequence_pointers()[k], get_bin_path(path_prefix), expected);
-    expected += int64_t(other.sequence_lengths()[k]) * itemsize;
-  }
-  MG_CHECK(uint64_t(expected) == other.bin_bytes(), "cannot merge {}: {} has {} bytes but its index covers {}",
-           path_prefix, get_bin_path(path_prefix), other.bin_bytes(), expected);
+  // The merged pointers are recomputed as running sums: every opened dataset is packed so (Note [Packed index]).
   const auto lengths = other.sequence_lengths();
   const int64_t base = int64_t(lengths_.size());
   lengths_.insert(lengths_.end(), lengths.begin(), lengths.end());

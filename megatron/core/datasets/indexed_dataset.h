@@ -5,11 +5,12 @@
 //   int32 lengths[S] | int64 byte pointers[S] | int64 document indices[D] | int8 modes[S] (multimodal)
 // The .bin is the raw concatenation of the sequences in the index dtype.
 //
-// IndexedDataset validates the whole index when it opens it (every pointer and length inside the
-// .bin, document indices monotone from 0 to S), so a corrupt or truncated pair of files is one
-// clear megatron::Error naming the file and never an out-of-bounds read. The index arrays are
-// copied into aligned vectors (the file's int32 lengths start at the unaligned offset 34); the .bin
-// stays memory-mapped.
+// IndexedDataset validates the whole index when it opens it: the pointers are the running sums of
+// the lengths in the dtype's item size and the .bin holds exactly those bytes (Note [Packed index]
+// in the .cpp), document indices are monotone from 0 to S; a signed dtype's negative token is an
+// error when read. So a corrupt, truncated or mislabelled pair of files is one clear megatron::Error
+// naming the file and never an out-of-bounds read. The index arrays are copied into aligned vectors
+// (the file's int32 lengths start at the unaligned offset 34); the .bin stays memory-mapped.
 #pragma once
 
 #include <cstddef>

@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -320,10 +321,14 @@ MappedTensor File::view(std::string_view name) const {
   return m;
 }
 
+uint64_t File::checksum() const { return checksum_of(mapping_->addr, mapping_->size); }
+
+uint64_t checksum_of(const void* data, size_t n) { return XXH3_64bits(data, n); }
+
 // ---- writer --------------------------------------------------------------------------------------
 
-void write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
-           const Metadata& metadata) {
+uint64_t write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+               const Metadata& metadata) {
   std::set<std::string_view> seen;
   for (const auto& [name, t] : tensors) {
     MG_CHECK(name != "__metadata__",
@@ -361,19 +366,25 @@ void write(const std::string& path, const std::vector<std::pair<std::string, Ten
   header.append((8 - header.size() % 8) % 8, ' ');
 
   TempFile tmp{path + ".tmp"};
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash(XXH3_createState(), XXH3_freeState);
+  MG_CHECK(hash && XXH3_64bits_reset(hash.get()) == XXH_OK, "cannot write '{}': out of memory for its checksum", path);
+  auto put = [&](int fd, const void* data, size_t n) {
+    XXH3_64bits_update(hash.get(), data, n);
+    write_all(fd, data, n, tmp.path);
+  };
   {
     Fd fd(::open(tmp.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     MG_CHECK(fd.fd >= 0, "cannot create '{}': {}; check that the directory exists and is writable", tmp.path,
              errno_message(errno));
     uint8_t len_bytes[8];
     for (int i = 0; i < 8; ++i) len_bytes[i] = uint8_t(uint64_t(header.size()) >> (8 * i));
-    write_all(fd.fd, len_bytes, 8, tmp.path);
-    write_all(fd.fd, header.data(), header.size(), tmp.path);
+    put(fd.fd, len_bytes, 8);
+    put(fd.fd, header.data(), header.size());
     for (const auto* item : order) {
       const Tensor& t = item->second;
       if (t.numel() == 0) continue;
       Tensor host = t.device().is_host() ? t : t.to(Device::cpu());
-      write_all(fd.fd, host.raw_data(), host.nbytes(), tmp.path);
+      put(fd.fd, host.raw_data(), host.nbytes());
     }
     MG_CHECK(::fsync(fd.fd) == 0, "cannot flush '{}' to disk: {}; check free disk space", tmp.path,
              errno_message(errno));
@@ -390,6 +401,7 @@ void write(const std::string& path, const std::vector<std::pair<std::string, Ten
   Fd dir_fd(::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   MG_CHECK(dir_fd.fd >= 0 && ::fsync(dir_fd.fd) == 0, "wrote '{}' but cannot sync its directory: {}", path,
            errno_message(errno));
+  return XXH3_64bits_digest(hash.get());
 }
 
 }  // namespace megatron::safetensors

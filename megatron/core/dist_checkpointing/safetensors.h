@@ -78,6 +78,10 @@ class File {
   /// element size, which only files from other writers can cause; read() works for those).
   MappedTensor view(std::string_view name) const;
 
+  /// The XXH3-64 checksum of the whole file (every byte of the mapping; Note [Checkpoint checksums]
+  /// in training/checkpointing.h). Reads the file once.
+  uint64_t checksum() const;
+
  private:
   struct Mapping;
 
@@ -90,8 +94,12 @@ class File {
 
 /// Writes `tensors` (any device; names unique) and `metadata` as a safetensors file at `path`:
 /// to `path + ".tmp"`, fsynced, then renamed into place, so `path` is either the old file or the
-/// complete new one. Throws megatron::Error naming the file on any I/O failure.
-void write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
-           const Metadata& metadata = {});
+/// complete new one. Throws megatron::Error naming the file on any I/O failure. Returns the XXH3-64
+/// checksum of the bytes written (File::checksum() of the file), computed as they are written.
+uint64_t write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+               const Metadata& metadata = {});
+
+/// XXH3-64 of `n` bytes (the checksum File::checksum() and write() use).
+uint64_t checksum_of(const void* data, size_t n);
 
 }  // namespace megatron::safetensors

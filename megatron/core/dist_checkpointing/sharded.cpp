@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -154,8 +155,8 @@ std::optional<ShardBox> uncovered_block(const Shape& shape, const std::vector<Sh
 
 std::string shard_file_name(const std::string& stem, int rank) { return fmt::format("{}_rank{:05d}.safetensors", stem, rank); }
 
-uint64_t save_shards(const std::string& dir, const std::string& stem, int rank,
-                     const std::vector<ShardedTensor>& tensors, const safetensors::Metadata& metadata) {
+SavedShardFile save_shards(const std::string& dir, const std::string& stem, int rank,
+                           const std::vector<ShardedTensor>& tensors, const safetensors::Metadata& metadata) {
   std::vector<std::pair<std::string, Tensor>> items;
   json shards = json::object();
   for (const ShardedTensor& t : tensors) {
@@ -172,8 +173,50 @@ uint64_t save_shards(const std::string& dir, const std::string& stem, int rank,
   safetensors::Metadata meta = metadata;
   meta[kShardsKey] = shards.dump();
   const fs::path path = fs::path(dir) / shard_file_name(stem, rank);
-  safetensors::write(path.string(), items, meta);
-  return fs::file_size(path);
+  const uint64_t checksum = safetensors::write(path.string(), items, meta);
+  return {shard_file_name(stem, rank), fs::file_size(path), checksum};
+}
+
+void ShardIndex::expect_checksums(const std::map<std::string, uint64_t>& by_file) {
+  expected_checksums_.assign(files_.size(), std::nullopt);
+  verified_.assign(files_.size(), false);
+  for (size_t i = 0; i < files_.size(); ++i) {
+    const std::string name = fs::path(files_[i].path()).filename().string();
+    auto it = by_file.find(name);
+    MG_CHECK(it != by_file.end(),
+             "checkpoint {}: {} has no checksum in metadata.json, so it is not a file this checkpoint was written "
+             "with; remove it",
+             dir_, name);
+    expected_checksums_[i] = it->second;
+  }
+}
+
+void ShardIndex::verify_files_for(const std::string& name, const ShardSpec& spec_in, const Shape& local_shape) const {
+  const Global& g = tensor(name);
+  const ShardSpec spec = normalized(spec_in, local_shape);
+  for (const ShardBox& want : shard_boxes(spec)) {
+    for (const Piece& p : g.pieces) {
+      bool overlap = want.shape.size() == p.box.shape.size();
+      for (size_t d = 0; overlap && d < want.shape.size(); ++d) {
+        overlap = std::max(want.global_offset[d], p.box.global_offset[d]) <
+                  std::min(want.global_offset[d] + want.shape[d], p.box.global_offset[d] + p.box.shape[d]);
+      }
+      if (overlap) verify(p.file);
+    }
+  }
+}
+
+// Note [Checkpoint checksums] (training/checkpointing.h): the whole file, header included.
+void ShardIndex::verify(size_t file) const {
+  if (file >= expected_checksums_.size() || !expected_checksums_[file] || verified_[file]) return;
+  const auto start = std::chrono::steady_clock::now();
+  const uint64_t got = files_[file].checksum();
+  verify_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  MG_CHECK(got == *expected_checksums_[file],
+           "checkpoint file {} does not match its checksum in metadata.json (xxh3-64 {:016x}, recorded {:016x}): the "
+           "file is corrupt; restore it or load another checkpoint",
+           files_[file].path(), got, *expected_checksums_[file]);
+  verified_[file] = true;
 }
 
 ShardIndex::ShardIndex(const std::string& dir, const std::string& stem) : dir_(dir), stem_(stem) {
@@ -267,6 +310,7 @@ uint64_t ShardIndex::load_into(const std::string& name, const ShardSpec& spec_in
         copy.shape[d] = hi - lo;
       }
       if (empty) continue;
+      verify(p.file);
       const safetensors::File& f = files_[p.file];
       const safetensors::Entry& e = f.entry(name);
       // Files from this writer are aligned and read in place; others' are read into a copy.

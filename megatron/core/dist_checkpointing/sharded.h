@@ -21,6 +21,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -41,11 +43,18 @@ struct ShardedTensor {
 /// "<stem>_rank00003.safetensors".
 std::string shard_file_name(const std::string& stem, int rank);
 
+/// A file save_shards wrote: its name in the directory, size and XXH3-64 checksum.
+struct SavedShardFile {
+  std::string file;
+  uint64_t bytes = 0;
+  uint64_t checksum = 0;
+};
+
 /// Writes `tensors` (names unique) as `dir`/shard_file_name(stem, rank), atomically (safetensors::write:
 /// temporary file, fsync, rename), with the shard metadata of Note [Sharded safetensors] and
-/// `metadata`. Returns the file's size in bytes.
-uint64_t save_shards(const std::string& dir, const std::string& stem, int rank,
-                     const std::vector<ShardedTensor>& tensors, const safetensors::Metadata& metadata = {});
+/// `metadata`.
+SavedShardFile save_shards(const std::string& dir, const std::string& stem, int rank,
+                           const std::vector<ShardedTensor>& tensors, const safetensors::Metadata& metadata = {});
 
 /// The shard files of one stem in a checkpoint directory, validated as one set of global tensors.
 class ShardIndex {
@@ -82,12 +91,26 @@ class ShardIndex {
   /// checkpoint's. Returns the bytes written into `local`.
   uint64_t load_into(const std::string& name, const ShardSpec& spec, Tensor& local) const;
 
+  /// The expected XXH3-64 checksum of each file by its name in the directory: load_into() verifies a
+  /// file the first time it reads from it (so a rank checks only the files it reads) and throws
+  /// megatron::Error naming the file when it does not match. Every file of the index must be listed.
+  void expect_checksums(const std::map<std::string, uint64_t>& by_file);
+  /// Verifies (expect_checksums) every file that load_into(name, spec, a tensor of `local_shape`)
+  /// would read, without copying: lets a rank find a corrupt file before a collective.
+  void verify_files_for(const std::string& name, const ShardSpec& spec, const Shape& local_shape) const;
+  /// Seconds spent verifying checksums so far.
+  double verify_seconds() const { return verify_seconds_; }
+
  private:
   std::string dir_;
   std::string stem_;
   std::vector<safetensors::File> files_;
   std::map<std::string, Global, std::less<>> tensors_;
   uint64_t total_bytes_ = 0;
+  void verify(size_t file) const;
+  std::vector<std::optional<uint64_t>> expected_checksums_;  // by file index
+  mutable std::vector<bool> verified_;
+  mutable double verify_seconds_ = 0;
 };
 
 }  // namespace megatron::dist_checkpointing

@@ -1,6 +1,8 @@
 // Byte-level alphabet, lossy UTF-8 decoding, the sharded word cache and the merge-rank BPE model.
 #include "megatron/core/tokenizers/bpe.h"
 
+#include <fmt/format.h>
+
 #include <limits>
 #include <queue>
 
@@ -154,8 +156,14 @@ BpeModel::BpeModel(std::unordered_map<std::string, int64_t> vocab,
                    const std::vector<std::pair<std::string, std::string>>& merges, Options options)
     : vocab_(std::move(vocab)), options_(std::move(options)) {
   int64_t max_id = -1;
+  const uint64_t limit = uint64_t(vocab_.size()) + options_.extra_ids;
   for (const auto& [tok, id] : vocab_) {
-    MG_CHECK(id >= 0, "tokenizer vocab has a negative id {} for token '{}'", id, tok);
+    MG_CHECK(id >= 0, "{}: token '{}' has a negative id {}; the file is corrupt", options_.source, tok, id);
+    MG_CHECK(uint64_t(id) < limit,
+             "{}: token '{}' has id {}, beyond the vocabulary's {} entries{}: the file is corrupt (ids run from 0 to "
+             "the number of tokens - 1)",
+             options_.source, tok, id, vocab_.size(),
+             options_.extra_ids ? fmt::format(" and {} added tokens", options_.extra_ids) : std::string());
     max_id = std::max(max_id, id);
   }
   id_to_token_.assign(size_t(max_id + 1), nullptr);

@@ -67,6 +67,11 @@ class BpeModel {
     bool ignore_merges = false;      // a word already in the vocab is emitted whole
     std::optional<std::string> unk;  // unknown characters -> unk (else dropped)
     bool fuse_unk = false;
+    // Ids run from 0 to the vocabulary's size - 1; a file may leave up to `extra_ids` holes for its
+    // added tokens. An id beyond that is an error naming `source` (the file), before any table of
+    // the id's size is allocated.
+    size_t extra_ids = 0;
+    std::string source = "tokenizer vocabulary";
   };
   BpeModel(std::unordered_map<std::string, int64_t> vocab,
            const std::vector<std::pair<std::string, std::string>>& merges, Options options);

@@ -62,6 +62,10 @@ bool flag(const json& obj, const char* key) { return obj.is_object() && obj.valu
 void HfPipeline::add_token(const std::string& content, std::optional<int64_t> id, bool lstrip, bool rstrip,
                            bool single_word) {
   if (auto it = added_by_content_.find(content); it != added_by_content_.end()) return;
+  MG_CHECK(!id || (*id >= 0 && *id < id_limit_),
+           "{}: added token '{}' has id {}, beyond the vocabulary's {} tokens: the file is corrupt (ids run from 0 to "
+           "the number of tokens - 1)",
+           source_, content, id.value_or(0), id_limit_);
   if (!id) {
     if (auto v = model_->token_to_id(content)) {
       id = v;
@@ -79,8 +83,12 @@ void HfPipeline::add_token(const std::string& content, std::optional<int64_t> id
 void HfPipeline::resolve_roles(const json& config, bool gpt2_defaults) {
   const json cfg = config.is_object() ? config : json::object();
   if (cfg.contains("added_tokens_decoder") && cfg["added_tokens_decoder"].is_object()) {
+    id_limit_ += int64_t(cfg["added_tokens_decoder"].size());
     for (const auto& [key, tok] : cfg["added_tokens_decoder"].items()) {
       if (auto content = token_content(tok)) {
+        const bool number =
+            !key.empty() && key.size() <= 18 && key.find_first_not_of("0123456789") == std::string::npos;
+        MG_CHECK(number, "tokenizer config: added_tokens_decoder key '{}' is not a token id", key);
         add_token(*content, std::stoll(key), flag(tok, "lstrip"), flag(tok, "rstrip"), flag(tok, "single_word"));
       }
     }
@@ -113,9 +121,18 @@ void HfPipeline::resolve_roles(const json& config, bool gpt2_defaults) {
   bos_ = role("bos_token") ? role("bos_token") : role("cls_token");
   pad_ = role("pad_token");
   std::unordered_set<std::string> names;
-  for (const auto& [tok, id] : model_->vocab()) names.insert(tok);
-  for (const auto& [tok, id] : added_by_content_) names.insert(tok);
-  vocab_size_ = int64_t(names.size());
+  int64_t max_id = -1;
+  for (const auto& [tok, id] : model_->vocab()) names.insert(tok), max_id = std::max(max_id, id);
+  for (const auto& [tok, id] : added_by_content_) names.insert(tok), max_id = std::max(max_id, id);
+  // Dense files have max_id + 1 tokens; one with holes (bounded by its token count) counts them too,
+  // so that every id it produces is below vocab_size().
+  vocab_size_ = std::max(int64_t(names.size()), max_id + 1);
+  for (const std::vector<int64_t>* ids : {&prefix_, &suffix_}) {
+    for (int64_t id : *ids) {
+      MG_CHECK(id >= 0 && id < vocab_size_, "{}: the post-processor adds token id {}, outside the vocabulary of {}",
+               source_, id, vocab_size_);
+    }
+  }
 }
 
 void HfPipeline::parse_pre_tokenizer(const json& j) {
@@ -203,7 +220,13 @@ std::unique_ptr<HfPipeline> HfPipeline::from_tokenizer_json(const std::string& p
                "'{}': BPE {} is not supported", path, key);
     }
     std::unordered_map<std::string, int64_t> vocab;
-    for (const auto& [tok, id] : m.at("vocab").items()) vocab.emplace(tok, id.get<int64_t>());
+    MG_CHECK(m.contains("vocab") && m["vocab"].is_object(), "'{}': the BPE model's vocab is not a map of token -> id",
+             path);
+    for (const auto& [tok, id] : m.at("vocab").items()) {
+      MG_CHECK(id.is_number_integer(), "'{}': token '{}' has id {}, not an integer; the file is corrupt", path, tok,
+               id.dump());
+      vocab.emplace(tok, id.get<int64_t>());
+    }
     std::vector<std::pair<std::string, std::string>> merges;
     for (const auto& mg : m.at("merges")) {
       if (mg.is_array()) {
@@ -221,6 +244,12 @@ std::unique_ptr<HfPipeline> HfPipeline::from_tokenizer_json(const std::string& p
         m.contains("ignore_merges") && m["ignore_merges"].is_boolean() && m["ignore_merges"].get<bool>();
     if (m.contains("unk_token") && m["unk_token"].is_string()) opt.unk = m["unk_token"].get<std::string>();
     opt.fuse_unk = m.contains("fuse_unk") && m["fuse_unk"].is_boolean() && m["fuse_unk"].get<bool>();
+    const json added = tj.value("added_tokens", json::array());
+    MG_CHECK(added.is_array(), "'{}': added_tokens is not a list", path);
+    opt.extra_ids = added.size();
+    opt.source = "'" + path + "'";
+    p->source_ = opt.source;
+    p->id_limit_ = int64_t(vocab.size() + added.size());
     p->model_ = std::make_unique<BpeModel>(std::move(vocab), merges, opt);
 
     const json norm = tj.value("normalizer", json());
@@ -268,7 +297,11 @@ std::unique_ptr<HfPipeline> HfPipeline::from_gpt2_files(const std::string& vocab
     merges.emplace_back(line.substr(0, sp), line.substr(sp + 1));
   }
   std::unique_ptr<HfPipeline> p(new HfPipeline());
-  p->model_ = std::make_unique<BpeModel>(std::move(vocab), merges, BpeModel::Options{});
+  BpeModel::Options opt;
+  opt.source = "vocab file '" + vocab_file + "'";
+  p->source_ = opt.source;
+  p->id_limit_ = int64_t(vocab.size()) + 16;  // + the roles and extra tokens of a tokenizer config
+  p->model_ = std::make_unique<BpeModel>(std::move(vocab), merges, opt);
   Step step;
   step.byte_level = true;
   step.add_prefix_space = config.is_object() && config.value("add_prefix_space", false);

@@ -65,6 +65,8 @@ class HfPipeline {
   std::unordered_map<int64_t, std::string> added_by_id_;
   std::vector<int64_t> prefix_, suffix_;
   int64_t vocab_size_ = 0;
+  std::string source_;    // the file, for messages
+  int64_t id_limit_ = 0;  // explicit added-token ids must be below it (the file's token count)
   std::optional<int64_t> bos_, eos_, pad_;
 };
 

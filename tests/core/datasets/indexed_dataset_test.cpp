@@ -13,10 +13,12 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "megatron/runtime/check.h"
+#include "tests/fuzz_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -349,9 +351,97 @@ TEST(IndexedDatasetCorrupt, MergeRejectsUnpackedBin) {
   Corruptible c;
   std::string longer = c.bin + "xx";
   std::string prefix = c.make("trailing", c.idx, longer);
-  EXPECT_NO_THROW(IndexedDataset{prefix});
   IndexedDatasetBuilder b(c.tmp / "out.bin", IndexDType::UInt16);
-  expect_error([&] { b.add_index(prefix); }, {"trailing.bin", "14 bytes", "covers 12"});
+  expect_error([&] { b.add_index(prefix); }, {"trailing.bin", "14 bytes", "12"});
+}
+
+// Note [Packed index]: a .bin holds exactly its sequences, back to back, so the pointers are the
+// running sums of length x item size and the .bin's size is their total. A dtype code of another
+// item size, a pointer into the middle of another sequence and trailing bytes all break that.
+TEST(IndexedDatasetCorrupt, ADtypeCodeOfAnotherItemSizeIsAnError) {
+  Corruptible c;  // uint16 (code 8): pointers 0, 4, 10 and a 12-byte .bin
+  expect_error([&] { IndexedDataset(c.make("u8", c.patched<uint8_t>(17, 1), c.bin)); }, {"u8.idx", "uint8"});
+  expect_error([&] { IndexedDataset(c.make("i8", c.patched<uint8_t>(17, 2), c.bin)); }, {"i8.idx", "int8"});
+  expect_error([&] { IndexedDataset(c.make("f32", c.patched<uint8_t>(17, 7), c.bin)); }, {"f32", "float32"});
+}
+
+TEST(IndexedDatasetCorrupt, PointersThatAreNotTheRunningSumsAreAnError) {
+  Corruptible c;
+  // Sequence 1 pointing into sequence 0 (in bounds, so a bounds check alone accepts it).
+  expect_error([&] { IndexedDataset(c.make("overlap", c.patched<int64_t>(kPointers + 8, 2), c.bin)); },
+               {"overlap.idx", "sequence 1", "starts at byte 2", "byte 4"});
+  expect_error([&] { IndexedDataset(c.make("first", c.patched<int64_t>(kPointers, 2), c.bin)); },
+               {"first.idx", "sequence 0", "starts at byte 2"});
+  // A length shortened inside the .bin: the next pointer no longer follows it.
+  expect_error([&] { IndexedDataset(c.make("shorter", c.patched<int32_t>(kLengths, 1), c.bin)); },
+               {"shorter.idx", "sequence 1"});
+  expect_error([&] { IndexedDataset(c.make("trail", c.idx, c.bin + "xx")); }, {"trail.bin", "14 bytes", "12"});
+}
+
+TEST(IndexedDatasetCorrupt, ASignedDtypeOfTheSameSizeIsCaughtAtTheFirstNegativeToken) {
+  TempDir tmp;
+  IndexedDatasetBuilder b(tmp / "big.bin", IndexDType::UInt16);
+  b.add_item(std::vector<int64_t>{1, 40000, 3});
+  b.end_document();
+  b.finalize(tmp / "big.idx");
+  std::string idx = read_bytes(tmp / "big.idx");
+  idx[17] = char(3);  // int16: the same item size, so the index itself stays consistent
+  write_bytes(tmp / "i16.idx", idx);
+  write_bytes(tmp / "i16.bin", read_bytes(tmp / "big.bin"));
+  IndexedDataset ds(tmp / "i16");
+  expect_error([&] { ds.get(0); }, {"i16", "negative token", "sequence 0", "int16"});
+}
+
+// ---- fuzzing -------------------------------------------------------------------------------------
+
+/// A 12-document uint16 dataset (some documents empty, some of several sequences) to mutate.
+struct FuzzSeed {
+  TempDir tmp;
+  std::string idx, bin;
+  FuzzSeed() {
+    IndexedDatasetBuilder b(tmp / "seed.bin", IndexDType::UInt16);
+    for (int d = 0; d < 12; ++d) {
+      for (int s = 0; s < d % 3; ++s) {
+        std::vector<int64_t> ids;
+        for (int k = 0; k < 1 + (d * 7 + s) % 9; ++k) ids.push_back((d * 131 + k * 17) % 65000);
+        b.add_item(ids);
+      }
+      b.end_document();
+    }
+    b.finalize(tmp / "seed.idx");
+    idx = read_bytes(tmp / "seed.idx");
+    bin = read_bytes(tmp / "seed.bin");
+  }
+};
+
+/// Opens <dir>/<pid>.{idx,bin}; if accepted, reads every sequence and checks that the index is
+/// exactly the .bin (Note [Packed index]): an inconsistent index that opens is a failure.
+void open_and_read_all(const std::string& dir, const std::string& idx, const std::string& bin) {
+  const std::string prefix = dir + "/" + std::to_string(::getpid());
+  write_bytes(prefix + ".idx", idx);
+  write_bytes(prefix + ".bin", bin);
+  IndexedDataset ds(prefix);
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < ds.size(); ++i) {
+    bytes += ds.get(i).size() * index_dtype_size(ds.dtype());
+    if (uint64_t(ds.sequence_pointers()[i]) + ds.sequence_lengths()[i] * index_dtype_size(ds.dtype()) != bytes)
+      throw std::logic_error("accepted an index whose pointers are not the running sums");
+  }
+  if (bytes != ds.bin_bytes()) throw std::logic_error("accepted an index that does not cover its .bin exactly");
+}
+
+TEST(IndexedDatasetFuzz, MutatedIndexFilesAreCleanErrorsOrConsistent) {
+  FuzzSeed seed;
+  const std::string dir = seed.tmp / "";
+  auto r = testing::fuzz(".idx", seed.idx, 400, 20, [&](const std::string& idx) { open_and_read_all(dir, idx, seed.bin); });
+  testing::expect_no_crash_or_hang(r);
+}
+
+TEST(IndexedDatasetFuzz, MutatedDataFilesAreCleanErrorsOrConsistent) {
+  FuzzSeed seed;
+  const std::string dir = seed.tmp / "";
+  auto r = testing::fuzz(".bin", seed.bin, 200, 21, [&](const std::string& bin) { open_and_read_all(dir, seed.idx, bin); });
+  testing::expect_no_crash_or_hang(r);
 }
 
 }  // namespace

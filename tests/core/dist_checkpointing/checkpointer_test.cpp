@@ -460,6 +460,38 @@ TEST_F(CheckpointerLayouts, AnotherModelIsAnErrorOnEveryRank) {
   }
 }
 
+// Note [Checkpoint checksums]: every rank's checksums reach metadata.json through rank 0; a flipped
+// byte in one rank's file fails the load on every rank (no rank left waiting in a collective), and
+// the ranks that read the file name it.
+TEST_F(CheckpointerLayouts, ACorruptRankFileFailsTheLoadOnEveryRank) {
+  save(/*world=*/4, /*tp=*/2, 2);
+  const nlohmann::json meta = nlohmann::json::parse(read_text(dir_ / "ckpt/iter_0000002/metadata.json"));
+  ASSERT_TRUE(meta.contains("checksums")) << meta.dump();
+  EXPECT_EQ(meta["checksums"]["files"].size(), 4u) << "dp rank 0 of each tp rank writes model and optim files";
+  load_and_check(/*world=*/2, /*tp=*/2, 2);
+  const fs::path file = dir_ / "ckpt/iter_0000002/model_rank00001.safetensors";
+  std::string bytes = read_text(file);
+  bytes[bytes.size() - 3] = char(bytes[bytes.size() - 3] ^ 1);
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  std::mutex mu;
+  std::vector<std::string> messages;
+  run_ranks(2, 2, [&](ParallelState& ps) {
+    RankModel m(2, ps.tp_rank(), false);
+    Context ctx;
+    Checkpointer ck(args_, &ps);
+    try {
+      ck.load(ctx, args_.save, m.ptrs, m.optimizer.get(), nullptr);
+    } catch (const Error& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      messages.push_back(e.what());
+    }
+  });
+  ASSERT_EQ(messages.size(), 2u);
+  bool named = false;
+  for (const std::string& msg : messages) named = named || msg.find("model_rank00001.safetensors") != std::string::npos;
+  EXPECT_TRUE(named) << messages[0] << " | " << messages[1];
+}
+
 TEST_F(CheckpointerLayouts, AMissingRankFileIsAnErrorNamingTheTensor) {
   save(/*world=*/2, /*tp=*/2, 2);
   fs::remove(dir_ / "ckpt/iter_0000002/model_rank00001.safetensors");
