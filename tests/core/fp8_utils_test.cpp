@@ -21,7 +21,7 @@ using testing::error_of;
 // x whose max |x| is a — for a NaN, 0.5 with a NaN among the values (the quantiser's amax skips it).
 Tensor with_amax(float a, int64_t n = 6) {
   const float top = std::isnan(a) ? 0.5f : a;
-  std::vector<float> v(size_t(n));
+  std::vector<float> v(static_cast<size_t>(n), 0.0f);
   for (int64_t i = 0; i + 1 < n; ++i) v[size_t(i)] = (i % 2 ? -1.0f : 1.0f) * top * float(i + 1) / float(n);
   v[size_t(n - 1)] = top;
   if (std::isnan(a)) v[1] = a;
