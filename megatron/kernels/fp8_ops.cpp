@@ -117,7 +117,8 @@ std::pair<int64_t, int64_t> check_fp8_delayed_scale_update(const Tensor& amax_hi
   return {amax_history.size(0), n};
 }
 
-void check_fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, const Tensor& out, bool accumulate, bool cuda) {
+void check_fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, const Tensor& out, bool accumulate,
+                    bool cuda) {
   auto check_operand = [](const Fp8Operand& o, const char* name) {
     MG_CHECK(o.data.defined() && o.data.dim() == 2 && is_fp8(o.data.dtype()),
              "fp8_gemm: {} must be fp8 [rows, K], got {}", name, str_of(o.data));
@@ -150,6 +151,9 @@ void check_fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, const Tensor& out,
            "fp8_gemm: out must be bf16 or fp32 [{}, {}] on {}, got {}", m, n, a.data.device().str(), str_of(out));
   MG_CHECK(!accumulate || out.dtype() == DType::Float32, "fp8_gemm: accumulating needs an fp32 out, got {}",
            out.str());
+  MG_CHECK(!bias.defined() || (!accumulate && bias.numel() == n && bias.device() == out.device() &&
+                               (bias.dtype() == DType::BFloat16 || bias.dtype() == DType::Float32)),
+           "fp8_gemm: the bias must be bf16 or fp32 [{}] beside out, and not with accumulate; got {}", n, bias.str());
   if (cuda) {
     MG_CHECK(k % 16 == 0 && n % 8 == 0,
              "fp8_gemm on CUDA: K = {} must be a multiple of 16 and N = {} of 8 (cuBLASLt's FP8 alignment); pad the "

@@ -36,7 +36,9 @@
 // elements along K of each row: activations and gradients, 1x128) or BLK128x128_32F (one per
 // 128x128 tile: weights), in the compact layouts of fp8_block_scale_shape (rows padded to 4 for
 // 16-byte alignment). Not both operands 128x128 (cuBLASLt has no 2D x 2D kernel). The GEMM applies
-// the scales per K block in fp32 inside its main loop (no fast accumulation). Because a 128x128
+// the scales per K block in fp32 inside its main loop (no fast accumulation); TE's documentation
+// calls these GEMMs software-emulated on Hopper (cheaper with one 128x128 operand than with two
+// 1x128), and TE pads M and N of block-scaled operands to multiples of 8. Because a 128x128
 // tile's amax does not depend on orientation, the weight's transposed copy for grad_in is
 // fp8_block_quantize of Wᵀ with the same scales transposed; a 1x128 copy along the other dimension
 // (the weight gradient's dy_t and x_t) is a quantisation of its own.
@@ -86,8 +88,9 @@ struct Fp8DelayedParams {
 namespace megatron::ops {
 /// The checks of an FP8 GEMM's operands, worded once for both backends: fp8 data [M, K] and [N, K]
 /// on one device, not both e5m2, scale_inv of each operand's mode (not both 128x128), out [M, N] bf16
-/// or fp32 (fp32 to accumulate). `cuda` adds cuBLASLt's alignment rules (K % 16, N % 8).
-void check_fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, const Tensor& out, bool accumulate, bool cuda);
+/// or fp32 (fp32 to accumulate), bias [N] bf16/fp32 or undefined (not with accumulate). `cuda` adds cuBLASLt's alignment rules (K % 16, N % 8).
+void check_fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, const Tensor& out, bool accumulate,
+                    bool cuda);
 /// The checks of fp8_quantize's tensors: x float [M, K], scale [1] fp32, q x's shape, q_t [K, M],
 /// both fp8 of one dtype, amax / scale_inv [1] fp32 (each output may be undefined). Returns M and K.
 std::pair<int64_t, int64_t> check_fp8_quantize(const Tensor& x, const Tensor& scale, const Tensor& q,

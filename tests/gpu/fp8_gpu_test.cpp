@@ -242,21 +242,25 @@ struct GemmCase {
   DType ta, tb, out;
   Fp8ScaleMode ma = Fp8ScaleMode::Tensor, mb = Fp8ScaleMode::Tensor;
   bool accumulate = false;
+  bool bias = false;
+  DType bias_type = DType::BFloat16;
 };
 
 void run_gemm(const GemmCase& g, uint64_t seed) {
   SCOPED_TRACE("m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k) + " " +
                std::string(to_string(g.ta)) + " x " + std::string(to_string(g.tb)) + " -> " +
                std::string(to_string(g.out)) + " modes " + std::to_string(int(g.ma)) + "," + std::to_string(int(g.mb)) +
-               (g.accumulate ? " accumulate" : ""));
+               (g.accumulate ? " accumulate" : "") + (g.bias ? " bias" : ""));
   Context cpu, gpu(kGpu);
   Tensor xa = random_tensor({g.m, g.k}, seed, 1.5f), xb = random_tensor({g.n, g.k}, seed + 1, 0.7f);
   const Fp8Operand a = quantized_operand(cpu, xa, g.ma, g.ta, 40.0f), b = quantized_operand(cpu, xb, g.mb, g.tb, 90.0f);
   Tensor init = random_tensor({g.m, g.n}, seed + 2, 1.0f, g.out);
+  Tensor bias = random_tensor({g.n}, seed + 3, 1.0f, g.bias_type);
   Tensor want = init.clone();
-  cpu::fp8_gemm(cpu, a, b, want, g.accumulate);
+  cpu::fp8_gemm(cpu, a, b, g.bias ? bias : Tensor(), want, g.accumulate);
   Tensor got = init.to(kGpu);
-  cuda::fp8_gemm(gpu, to_gpu(a), to_gpu(b), got, g.accumulate);
+  Tensor dbias = g.bias ? bias.to(kGpu) : Tensor();
+  cuda::fp8_gemm(gpu, to_gpu(a), to_gpu(b), dbias, got, g.accumulate);
   gpu.synchronize();
   // Hopper's FP8 MMA keeps fewer accumulator bits than fp32 inside each K chunk before cuBLASLt
   // promotes the partial sum (Note [FP8 GEMM accumulation]): 1e-3 of the largest output for fp32,
@@ -273,6 +277,10 @@ TEST_F(CudaFp8, PerTensorGemmMatchesCpuProduct) {
       run_gemm({m, n, k, ta, tb, b16}, seed += 3);
       run_gemm({m, n, k, ta, tb, f32}, seed += 3);
       run_gemm({m, n, k, ta, tb, f32, Fp8ScaleMode::Tensor, Fp8ScaleMode::Tensor, true}, seed += 3);
+      run_gemm({m, n, k, ta, tb, b16, Fp8ScaleMode::Tensor, Fp8ScaleMode::Tensor, false, true}, seed += 3);
+      run_gemm({m, n, k, ta, tb, b16, Fp8ScaleMode::Tensor, Fp8ScaleMode::Tensor, false, true, DType::Float32},
+               seed += 3);
+      run_gemm({m, n, k, ta, tb, f32, Fp8ScaleMode::Tensor, Fp8ScaleMode::Tensor, false, true}, seed += 3);
     }
   }
 }
@@ -284,6 +292,7 @@ TEST_F(CudaFp8, BlockScaledGemmMatchesCpuProduct) {
   for (auto [m, n, k] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
            {128, 128, 128}, {256, 384, 512}, {136, 128, 384}, {2048, 1536, 1024}}) {
     run_gemm({m, n, k, e4, e4, b16, v, t}, seed += 3);           // forward: activations x weights
+    run_gemm({m, n, k, e4, e4, b16, v, t, false, true}, seed += 3);  // with a bias
     run_gemm({m, n, k, e5, e4, b16, v, t}, seed += 3);           // grad_in: e5m2 gradients x weights
     run_gemm({m, n, k, e4, e4, f32, t, v}, seed += 3);
     run_gemm({m, n, k, e5, e4, f32, v, v, true}, seed += 3);     // weight gradient, accumulated
@@ -311,9 +320,10 @@ TEST_F(CudaFp8, LinearLayerFormsThroughTransposedCopies) {
   quant(dy, DType::Float8E5M2, 16384.0f, qdy, qdy_t, sdy);
   Tensor y = Tensor::empty({tokens, out}, DType::BFloat16, kGpu), dx = Tensor::empty({tokens, in}, DType::BFloat16, kGpu);
   Tensor dw = Tensor::zeros({out, in}, DType::Float32, kGpu);
-  cuda::fp8_gemm(gpu, {qx, sx}, {qw, sw}, y, false);
-  cuda::fp8_gemm(gpu, {qdy, sdy}, {qw_t, sw}, dx, false);
-  cuda::fp8_gemm(gpu, {qdy_t, sdy}, {qx_t, sx}, dw, true);
+  Tensor none;
+  cuda::fp8_gemm(gpu, {qx, sx}, {qw, sw}, none, y, false);
+  cuda::fp8_gemm(gpu, {qdy, sdy}, {qw_t, sw}, none, dx, false);
+  cuda::fp8_gemm(gpu, {qdy_t, sdy}, {qx_t, sx}, none, dw, true);
   // the fp32 reference on the dequantised tensors
   auto deq = [&](const Tensor& q, const Tensor& si) {
     Tensor o = Tensor::empty(q.shape(), DType::Float32, kGpu);
@@ -323,7 +333,7 @@ TEST_F(CudaFp8, LinearLayerFormsThroughTransposedCopies) {
   Tensor fx = deq(qx, sx).to(Device::cpu()), fw = deq(qw, sw).to(Device::cpu()), fdy = deq(qdy, sdy).to(Device::cpu());
   gpu.synchronize();
   Tensor y_ref = Tensor::empty({tokens, out}, DType::Float32), dx_ref = Tensor::empty({tokens, in}, DType::Float32);
-  Tensor dw_ref = Tensor::zeros({out, in}, DType::Float32), none;
+  Tensor dw_ref = Tensor::zeros({out, in}, DType::Float32);
   cpu::linear_forward(cpu, fx, fw, none, y_ref);
   cpu::linear_backward(cpu, fdy, fx, fw, dx_ref, dw_ref, none);
   expect_close(y, y_ref, 1e-2, "forward");

@@ -310,7 +310,8 @@ void check_gemm(Fp8ScaleMode mode_a, Fp8ScaleMode mode_b, DType ta, DType tb, DT
   Fp8Operand a = make(m, mode_a, ta, 21), b = make(n, mode_b, tb, 22);
   Tensor out = accumulate ? Tensor::from_floats(std::vector<float>(size_t(m * n), 1.0f), {m, n}, out_type)
                           : Tensor::empty({m, n}, out_type);
-  ops::fp8_gemm(ctx, a, b, out, accumulate);
+  Tensor none;
+  ops::fp8_gemm(ctx, a, b, none, out, accumulate);
   const std::vector<float> got = out.to_floats();
   double worst = 0, scale = 0;
   for (int64_t i = 0; i < m; ++i) {
@@ -336,6 +337,35 @@ TEST(Fp8Ops, GemmIsTheProductOfTheDequantizedOperands) {
              DType::Float32, true);
 }
 
+// The bias is added in fp32 before the one rounding into out.
+TEST(Fp8Ops, GemmAddsTheBiasBeforeRounding) {
+  Context ctx;
+  const int64_t m = 8, n = 16, k = 32;
+  Fp8Operand a{Tensor::empty({m, k}, DType::Float8E4M3), scalar(0.0f)}, b{Tensor::empty({n, k}, DType::Float8E4M3),
+                                                                            scalar(0.0f)};
+  Tensor none;
+  ops::fp8_quantize(ctx, random_tensor({m, k}, 1, 3.0f), scalar(8.0f), a.data, none, none, a.scale_inv);
+  ops::fp8_quantize(ctx, random_tensor({n, k}, 2, 3.0f), scalar(4.0f), b.data, none, none, b.scale_inv);
+  for (DType bt : {DType::Float32, DType::BFloat16}) {
+    Tensor bias = random_tensor({n}, 3, 5.0f, bt);
+    Tensor plain = Tensor::empty({m, n}, DType::Float32), with32 = Tensor::empty({m, n}, DType::Float32);
+    Tensor with16 = Tensor::empty({m, n}, DType::BFloat16);
+    ops::fp8_gemm(ctx, a, b, none, plain, false);
+    ops::fp8_gemm(ctx, a, b, bias, with32, false);
+    ops::fp8_gemm(ctx, a, b, bias, with16, false);
+    const std::vector<float> p = plain.to_floats(), w32 = with32.to_floats(), w16 = with16.to_floats(),
+                             bv = bias.to_floats();
+    for (int64_t i = 0; i < m * n; ++i) {
+      const float want = p[size_t(i)] + bv[size_t(i % n)];
+      EXPECT_EQ(w32[size_t(i)], want);
+      EXPECT_EQ(w16[size_t(i)], to_float(to_bf16(want)));
+    }
+  }
+  Tensor acc = Tensor::zeros({m, n}, DType::Float32), bias = Tensor::zeros({n}, DType::Float32);
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, a, b, bias, acc, true); }).find("not with accumulate"),
+            std::string::npos);
+}
+
 TEST(Fp8Ops, GemmRefusesWhatCublasLtCannotRun) {
   Context ctx;
   auto op = [](int64_t rows, int64_t k, DType t, Fp8ScaleMode mode = Fp8ScaleMode::Tensor) {
@@ -349,20 +379,20 @@ TEST(Fp8Ops, GemmRefusesWhatCublasLtCannotRun) {
   };
   Tensor out = Tensor::zeros({16, 16}, DType::Float32), out16 = Tensor::zeros({16, 16}, DType::BFloat16);
   auto e5 = op(16, 32, DType::Float8E5M2);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, e5, e5, out, false); }).find("e5m2 x e5m2"), std::string::npos);
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, e5, e5, Tensor(), out, false); }).find("e5m2 x e5m2"), std::string::npos);
   auto b2 = op(16, 128, DType::Float8E4M3, Fp8ScaleMode::Block128x128);
   Tensor out_b = Tensor::zeros({16, 16}, DType::Float32);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, b2, b2, out_b, false); }).find("both operands have 128x128"),
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, b2, b2, Tensor(), out_b, false); }).find("both operands have 128x128"),
             std::string::npos);
   auto t = op(16, 32, DType::Float8E4M3), v = op(16, 32, DType::Float8E4M3, Fp8ScaleMode::Block1x128);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, v, out, false); }).find("cannot be mixed"), std::string::npos);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, t, out16, true); }).find("accumulating needs an fp32 out"),
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, v, Tensor(), out, false); }).find("cannot be mixed"), std::string::npos);
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, t, Tensor(), out16, true); }).find("accumulating needs an fp32 out"),
             std::string::npos);
   auto k_other = op(16, 48, DType::Float8E4M3);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, k_other, out, false); }).find("one K"), std::string::npos);
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, k_other, Tensor(), out, false); }).find("one K"), std::string::npos);
   // the CUDA alignment rule, checked the same way on every backend's entry
   std::string e = error_of([&] { ops::check_fp8_gemm(op(16, 40, DType::Float8E4M3), op(16, 40, DType::Float8E4M3),
-                                                     out, false, true); });
+                                                     Tensor(), out, false, true); });
   EXPECT_NE(e.find("multiple of 16"), std::string::npos) << e;
 }
 

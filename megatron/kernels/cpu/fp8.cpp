@@ -185,8 +185,10 @@ void fp8_block_quantize(Context& ctx, const Tensor& x, bool tile_2d, bool power_
   }
 }
 
-void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, Tensor& out, bool accumulate) {
-  ops::check_fp8_gemm(a, b, out, accumulate, /*cuda=*/false);
+void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
+              bool accumulate) {
+  ops::check_fp8_gemm(a, b, bias, out, accumulate, /*cuda=*/false);
+  assert_host(bias, "bias");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&a.data, &a.scale_inv, &b.data, &b.scale_inv, &out}) assert_host(*t, "fp8_gemm's tensors");
   const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
   const std::vector<float> da = dequantized(a), db = dequantized(b);
@@ -194,6 +196,11 @@ void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, Tensor& ou
   if (m > 0 && n > 0) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), int(n), int(k), 1.0f, da.data(), int(k), db.data(),
                 int(k), accumulate ? 1.0f : 0.0f, o.data(), int(n));
+  }
+  if (bias.defined()) {
+    FloatIn bv(bias);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < n; ++c) o[r * n + c] += bv[c];
   }
 }
 

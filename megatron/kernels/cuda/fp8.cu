@@ -219,6 +219,15 @@ float max_finite() {
   }
 }
 
+// out = acc + bias per row, rounded once (out may be acc itself).
+template <typename T, typename B>
+__global__ void add_bias_kernel(const float* acc, const B* __restrict__ bias, int64_t rows, int64_t cols, T* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = store_float<T>(acc[i] + load_float(bias[i % cols]));
+  }
+}
+
 uint8_t* fp8_ptr(const Tensor& t) { return t.defined() ? static_cast<uint8_t*>(t.raw_data()) : nullptr; }
 float* f32_ptr(const Tensor& t) { return t.defined() ? static_cast<float*>(t.raw_data()) : nullptr; }
 
@@ -450,13 +459,27 @@ std::shared_ptr<Fp8GemmPlan> make_fp8_plan(cublasLtHandle_t handle, const Fp8Ope
 
 }  // namespace
 
-void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, Tensor& out, bool accumulate) {
-  ops::check_fp8_gemm(a, b, out, accumulate, /*cuda=*/true);
-  check_on_gpu({&a.data, &a.scale_inv, &b.data, &b.scale_inv, &out}, "fp8_gemm");
+void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
+              bool accumulate) {
+  ops::check_fp8_gemm(a, b, bias, out, accumulate, /*cuda=*/true);
+  check_on_gpu({&a.data, &a.scale_inv, &b.data, &b.scale_inv, &bias, &out}, "fp8_gemm");
   const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
   if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (!accumulate) out.zero_();
+  MG_CHECK(k > 0, "fp8_gemm: K = 0");
+  if (bias.defined()) {
+    // Note [FP8 GEMM bias]: the product goes to fp32 (out itself when fp32), then one kernel adds
+    // the bias and rounds once, as the CPU does. (cuBLASLt's BIAS epilogue would save the pass for
+    // a bf16 out and bias; not used yet.)
+    Tensor acc = out.dtype() == DType::Float32 ? out : Tensor::empty(out.shape(), DType::Float32, out.device());
+    Tensor none;
+    fp8_gemm(ctx, a, b, none, acc, false);
+    dispatch_float(out.dtype(), [&]<typename T>() {
+      dispatch_float(bias.dtype(), [&]<typename B>() {
+        add_bias_kernel<T, B><<<grid_for(m * n), kBlockSize, 0, stream_of(ctx)>>>(f32_ptr(acc), dev_ptr<const B>(bias),
+                                                                                 m, n, dev_ptr<T>(out));
+      });
+    });
+    CUDA_CHECK(cudaGetLastError());
     return;
   }
   auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt_handle());
