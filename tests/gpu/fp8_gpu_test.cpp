@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "megatron/core/fp8_utils.h"
+#include "megatron/core/tensor_parallel/fp8_linear.h"
 #include "megatron/kernels/cpu/cpu_ops.h"
 #include "megatron/kernels/fp8_ops.h"
 #include "megatron/runtime/allocator.h"
@@ -339,6 +340,52 @@ TEST_F(CudaFp8, LinearLayerFormsThroughTransposedCopies) {
   expect_close(y, y_ref, 1e-2, "forward");
   expect_close(dx, dx_ref, 1e-2, "grad_in");
   expect_close(dw, dw_ref, 1e-3, "weight_grad");
+}
+
+// One FP8 linear layer's state on both backends over 3 steps (the delayed recipe's scales moving):
+// forward, input and weight gradients within the GEMM tolerance of the CPU's, scales equal.
+void run_fp8_linear(Fp8Recipe recipe, const std::string& format) {
+  SCOPED_TRACE(to_string(recipe) + " " + format);
+  Context cpu, gpu(kGpu);
+  Fp8Config c;
+  c.format = format;
+  c.recipe = recipe;
+  const int64_t tokens = 512, in = 768, out = 1024;
+  Fp8LinearState on_cpu(c, Device::cpu()), on_gpu(c, kGpu);
+  const Tensor w = random_tensor({out, in}, 7, 0.02f, DType::BFloat16), b = random_tensor({out}, 8, 0.1f, DType::BFloat16);
+  const Tensor dw = w.to(kGpu), db = b.to(kGpu);
+  Tensor wg = Tensor::zeros({out, in}, DType::Float32), bg = Tensor::zeros({out}, DType::Float32);
+  Tensor dwg = wg.to(kGpu), dbg = bg.to(kGpu);
+  for (int step = 0; step < 3; ++step) {
+    const Tensor x = random_tensor({tokens, in}, uint64_t(20 + step), float(step + 1), DType::BFloat16);
+    const Tensor dy = random_tensor({tokens, out}, uint64_t(30 + step), 1e-3f, DType::BFloat16);
+    Tensor y = Tensor::empty({tokens, out}, DType::BFloat16), gx = Tensor::empty({tokens, in}, DType::BFloat16);
+    Tensor dy_out = Tensor::empty({tokens, out}, DType::BFloat16, kGpu), dgx = Tensor::empty({tokens, in}, DType::BFloat16, kGpu);
+    on_cpu.forward(cpu, x, w, b, y);
+    on_cpu.backward(cpu, dy, x, w, gx, wg, bg);
+    const Tensor dx = x.to(kGpu), ddy = dy.to(kGpu);
+    on_gpu.forward(gpu, dx, dw, db, dy_out);
+    on_gpu.backward(gpu, ddy, dx, dw, dgx, dwg, dbg);
+    gpu.synchronize();
+    const std::string at = "step " + std::to_string(step);
+    expect_close(dy_out, y, 1e-2, at + " y");
+    expect_close(dgx, gx, 1e-2, at + " grad_in");
+    expect_close(dwg, wg, 1e-3, at + " weight_grad");
+    expect_close(dbg, bg, 1e-3, at + " bias_grad");
+    on_cpu.update(cpu);
+    on_gpu.update(gpu);
+    gpu.synchronize();
+    if (recipe != Fp8Recipe::Blockwise) {
+      expect_same_floats(on_gpu.forward_scaling().scales(), on_cpu.forward_scaling().scales(), at + " forward scales");
+      expect_same_floats(on_gpu.backward_scaling().scales(), on_cpu.backward_scaling().scales(), at + " backward scales");
+    }
+  }
+}
+
+TEST_F(CudaFp8, LinearLayerStateEqualsCpu) {
+  for (Fp8Recipe r : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise}) {
+    for (const char* f : {"e4m3", "hybrid"}) run_fp8_linear(r, f);
+  }
 }
 
 }  // namespace
