@@ -10,7 +10,9 @@
 // the history (max), rolls the history one row (the oldest row receives this step's amax, row 0
 // is cleared), and sets scale = (fp8_max / amax) / 2^--fp8-margin — keeping the previous scale
 // when amax is 0, inf or NaN (a tensor that was all zeros or overflowed says nothing new) and
-// using FLT_MAX when the division overflows. One pass over each tensor per use; the scale lags
+// using FLT_MAX when the division overflows. A step whose amax is 0 (all zeros, or the tensor not
+// used) neither rolls the history nor moves the scale, as TE's bulk update (the kernel behind its
+// PyTorch recipes: amax_and_scale_update_after_reduction) does. One pass over each tensor per use; the scale lags
 // one step behind the data, so a sudden jump in range saturates for a step. --fp8-interval is
 // accepted and ignored, as in Megatron (deprecated since TE 1.8: the scale updates every step).
 //

@@ -139,6 +139,7 @@ void fp8_delayed_scale_update(Context& ctx, Tensor& amax_history, Tensor& scale,
   const float scaled_max = p.scaled_max();
   for (int64_t j = 0; j < n; ++j) {
     const float last = h[j];
+    if (last == 0.0f) continue;  // not seen this step: nothing moves (TE's bulk update)
     float amax = last;
     if (p.use_max) {
       amax = 0.0f;

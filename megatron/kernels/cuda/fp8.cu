@@ -145,6 +145,7 @@ __global__ void delayed_scale_update_kernel(float* __restrict__ h, int64_t len, 
   const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (j >= n) return;
   const float last = h[j];
+  if (last == 0.0f) return;  // not seen this step: nothing moves (TE's bulk update)
   float amax = last;
   if (use_max) {
     amax = 0.0f;
