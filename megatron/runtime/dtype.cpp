@@ -115,34 +115,47 @@ float fp8_decode(uint8_t b, int mbits, int bias, bool e4m3) {
   return sign ? -v : v;
 }
 
-// Encodes by searching the nearest representable value (ties to even mantissa); saturating.
-uint8_t fp8_encode(float f, int mbits, int bias, bool e4m3, float max_finite) {
-  if (std::isnan(f)) return e4m3 ? 0x7f : 0x7e;
-  uint8_t sign = std::signbit(f) ? 0x80 : 0;
-  float a = std::fabs(f);
-  if (a >= max_finite) {
-    if (!e4m3 && std::isinf(f)) return sign | 0x7c;
-    a = max_finite;
+// Note [FP8 rounding and saturation]: the encoders are the GPU's __nv_cvt_float_to_fp8(x,
+// __NV_SATFINITE, ...) (cuda_fp8.hpp, the cvt.rn.satfinite PTX instruction) bit for bit: round to
+// nearest, ties to an even mantissa, on the format's grid including its subnormals; anything past
+// the largest finite value plus half an ulp — infinities included — saturates to ±max (448 for
+// e4m3, 57344 for e5m2); a magnitude at most half the smallest subnormal becomes +0 or -0 by its
+// sign; NaN stays NaN with its sign (e4m3 has one NaN, S.1111.111; for e5m2 the code is S.11111.1x
+// with x the float's second mantissa bit, as the CUDA header's host path gives).
+uint8_t fp8_encode(float f, int mbits, int bias, bool e4m3) {
+  const uint32_t u = float_to_bits(f);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint8_t(sign | (e4m3 ? 0x7fu : (0x7eu | ((u >> 21) & 1u))));
+  const uint8_t max_code = e4m3 ? 0x7e : 0x7b;
+  const float max_finite = e4m3 ? 448.0f : 57344.0f;
+  // the rounding threshold to overflow: max + half an ulp (an ulp at max is 2^(emax - mbits))
+  const float half_ulp = e4m3 ? 16.0f : 4096.0f;
+  const float v = bits_to_float(a);
+  if (v >= max_finite + half_ulp) return uint8_t(sign | max_code);
+  // the value on the grid of its binade (or the subnormal grid), in units of its ulp; an integer
+  // and a half in fp32 exactly, so nearbyint (ties to even under the default rounding mode) is RNE.
+  const int min_exp = 1 - bias;  // exponent of the smallest normal
+  int e = int((a >> 23) & 0xff) - 127;
+  if (e < min_exp) e = min_exp;  // subnormal range: a fixed ulp of 2^(min_exp - mbits)
+  const float units = std::ldexp(v, mbits - e);  // exact: a power-of-two scaling of an fp32
+  const float r = std::nearbyint(units);
+  // r in [0, 2^(mbits+1)]: carrying into the next binade is the code arithmetic's own carry
+  int64_t code;
+  if (e == min_exp && r < float(1 << mbits)) {
+    code = int64_t(r);  // subnormal (or zero)
+  } else {
+    code = (int64_t(e + bias) << mbits) + (int64_t(r) - (1 << mbits));
   }
-  uint8_t best = 0;
-  float best_err = INFINITY;
-  for (int code = 0; code < 128; ++code) {
-    float v = fp8_decode(uint8_t(code), mbits, bias, e4m3);
-    if (std::isnan(v) || std::isinf(v)) continue;
-    float err = std::fabs(v - a);
-    if (err < best_err || (err == best_err && (code & 1) == 0)) {
-      best_err = err;
-      best = uint8_t(code);
-    }
-  }
-  return sign | best;
+  if (code > max_code) code = max_code;  // rounds up to max exactly below the threshold
+  return uint8_t(sign | uint8_t(code));
 }
 }  // namespace
 
 float to_float(fp8_e4m3 x) { return fp8_decode(x.bits, 3, 7, true); }
-fp8_e4m3 to_fp8_e4m3(float f) { return fp8_e4m3{fp8_encode(f, 3, 7, true, 448.0f)}; }
+fp8_e4m3 to_fp8_e4m3(float f) { return fp8_e4m3{fp8_encode(f, 3, 7, true)}; }
 float to_float(fp8_e5m2 x) { return fp8_decode(x.bits, 2, 15, false); }
-fp8_e5m2 to_fp8_e5m2(float f) { return fp8_e5m2{fp8_encode(f, 2, 15, false, 57344.0f)}; }
+fp8_e5m2 to_fp8_e5m2(float f) { return fp8_e5m2{fp8_encode(f, 2, 15, false)}; }
 
 // ---- bulk conversion -----------------------------------------------------------------------------
 namespace {

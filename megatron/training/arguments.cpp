@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "megatron/core/datasets/blended_megatron_dataset_builder.h"
+#include "megatron/core/fp8_utils.h"
 #include "megatron/runtime/check.h"
 
 namespace megatron {
@@ -265,8 +266,21 @@ struct Parser {
     opt(g, "--loss-scale-window", a.loss_scale_window, "Iterations without overflow before growing the scale");
     opt(g, "--hysteresis", a.hysteresis, "Overflows tolerated before backing off");
     flag(g, "--accumulate-allreduce-grads-in-fp32", a.accumulate_allreduce_grads_in_fp32, "fp32 grads (always on)");
-    opt(g, "--fp8-format", a.fp8_format, "e4m3 or hybrid");
-    opt(g, "--fp8-recipe", a.fp8_recipe, "delayed, tensorwise or blockwise");
+    opt(g, "--fp8-format", a.fp8_format, "FP8 GEMMs: e4m3, or hybrid (e4m3 forward, e5m2 gradients)")
+        ->check(CLI::IsMember({"e4m3", "hybrid"}));
+    opt(g, "--fp8-recipe", a.fp8_recipe, "delayed, tensorwise or blockwise (mxfp8: Blackwell only)");
+    opt(g, "--fp8-margin", a.fp8_margin, "Scale with fp8_max / amax / 2^margin (delayed recipe)");
+    opt(g, "--fp8-interval", a.fp8_interval, "Scaling update interval (deprecated in Megatron: ignored)");
+    opt(g, "--fp8-amax-history-len", a.fp8_amax_history_len, "Steps of amax history (delayed recipe)");
+    opt(g, "--fp8-amax-compute-algo", a.fp8_amax_compute_algo, "max or most_recent: the amax the scale comes from")
+        ->check(CLI::IsMember({"max", "most_recent"}));
+    flag(g, "--first-last-layers-bf16", a.first_last_layers_bf16, "Keep the first and last layers in bf16");
+    opt(g, "--num-layers-at-start-in-bf16", a.num_layers_at_start_in_bf16,
+        "Layers kept in bf16 at the start with --first-last-layers-bf16");
+    opt(g, "--num-layers-at-end-in-bf16", a.num_layers_at_end_in_bf16,
+        "Layers kept in bf16 at the end with --first-last-layers-bf16");
+    flag(g, "--fp8-param-gather", a.fp8_param_gather,
+         "Keep the compute weights in fp8 and all-gather them in fp8 (distributed optimizer)");
 
     g = "Activation recomputation";
     opt(g, "--recompute-granularity", a.recompute_granularity, "full or selective")
@@ -574,6 +588,21 @@ void check_writable_directory(const char* flag, const std::string& dir) {
 }
 }  // namespace
 
+Fp8Config fp8_config_from_args(const Arguments& a) {
+  Fp8Config c;
+  c.format = a.fp8_format;
+  c.recipe = fp8_recipe_from_string(a.fp8_recipe);
+  c.margin = a.fp8_margin;
+  c.interval = a.fp8_interval;
+  c.amax_history_len = a.fp8_amax_history_len;
+  c.amax_compute_max = a.fp8_amax_compute_algo == "max";
+  c.first_last_layers_bf16 = a.first_last_layers_bf16;
+  c.num_layers_at_start_in_bf16 = a.num_layers_at_start_in_bf16;
+  c.num_layers_at_end_in_bf16 = a.num_layers_at_end_in_bf16;
+  c.param_gather = a.fp8_param_gather;
+  return c;
+}
+
 void validate_args(Arguments& a) {
   // ---- parallel layout (Megatron's order tp-cp-ep-dp-pp)
   const int model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size * a.context_parallel_size;
@@ -586,7 +615,6 @@ void validate_args(Arguments& a) {
   validate_moe_args(a);
   if (a.sequence_parallel && a.tensor_model_parallel_size == 1) a.sequence_parallel = false;  // as Megatron
   MG_CHECK(!a.apply_residual_connection_post_layernorm, "--apply-residual-connection-post-layernorm is not supported");
-  MG_CHECK(a.fp8_format.empty(), "--fp8-format is not supported yet");
 
   // ---- model shape
   require_positive("--num-layers", a.num_layers);
@@ -622,6 +650,12 @@ void validate_args(Arguments& a) {
     a.ffn_hidden_size = a.swiglu ? int((4.0 * a.hidden_size * 2.0 / 3.0) / 64.0) * 64 : 4 * a.hidden_size;
   }
   if (!a.group_query_attention) a.num_query_groups = a.num_attention_heads;
+  // ---- FP8: Megatron's checks first, so a wrong combination says what is wrong
+  fp8_config_from_args(a).validate(a.num_layers, pp, a.use_distributed_optimizer, a.hidden_size, a.ffn_hidden_size);
+  MG_CHECK(a.fp8_format.empty(),
+           "--fp8-format {}: FP8 training is not wired into the layers yet (the FP8 ops and recipes exist, the "
+           "linear layers do not use them): train with --bf16",
+           a.fp8_format);
   require_positive("--seq-length", a.seq_length);
   MG_CHECK(!a.sequence_parallel || a.seq_length % a.tensor_model_parallel_size == 0,
            "--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length ({}) must be "

@@ -17,6 +17,7 @@ namespace megatron {
 
 struct OptimizerConfig;
 struct SchedulerConfig;
+struct Fp8Config;
 
 struct Arguments {
   // ---- model: the table in model_arguments.inc
@@ -137,7 +138,17 @@ struct Arguments {
   int64_t loss_scale_window = 1000;
   int64_t hysteresis = 2;
   bool accumulate_allreduce_grads_in_fp32 = false;
-  std::string fp8_format, fp8_recipe;
+  // FP8 (Megatron's names and defaults; megatron/core/fp8_utils.h)
+  std::string fp8_format;  // e4m3 | hybrid; empty: off
+  std::string fp8_recipe = "delayed";
+  int fp8_margin = 0;
+  int fp8_interval = 1;
+  int fp8_amax_history_len = 1;
+  std::string fp8_amax_compute_algo = "most_recent";
+  bool first_last_layers_bf16 = false;
+  int num_layers_at_start_in_bf16 = 1;
+  int num_layers_at_end_in_bf16 = 1;
+  bool fp8_param_gather = false;
 
   // ---- activation recomputation
   std::string recompute_granularity;
@@ -173,6 +184,8 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
 void validate_args(Arguments& args);
 
 /// The pieces other modules take.
+/// The FP8 options (--fp8-*, --first-last-layers-bf16, ...); --fp8-recipe is checked by name here.
+Fp8Config fp8_config_from_args(const Arguments& args);
 TransformerConfig transformer_config_from_args(const Arguments& args, int64_t vocab_size);
 /// The inverse for the model arguments: those that give `config` (a converted checkpoint's
 /// arguments). Only the model_arguments.inc fields are set.

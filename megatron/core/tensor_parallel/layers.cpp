@@ -1,5 +1,6 @@
 #include "megatron/core/tensor_parallel/layers.h"
 
+#include "megatron/core/tensor_parallel/fp8_linear.h"
 #include "megatron/core/tensor_parallel/mappings.h"
 #include "megatron/kernels/ops.h"
 
@@ -41,22 +42,43 @@ Linear::Linear(ParamAndGradBuffer& params, const std::string& prefix, int64_t in
 Linear::Linear(Parameter* shared_weight, ParallelMode mode, Communicator* tp_group, bool sequence_parallel)
     : weight_(shared_weight), mode_(mode), tp_(multi_rank(tp_group)), sequence_parallel_(tp_ && sequence_parallel) {}
 
+void Linear::enable_fp8(const Fp8Config& config) {
+  fp8_ = std::make_shared<Fp8LinearState>(config, weight_->data.device());
+}
+
+void Linear::gemm_forward(Context& ctx, const Tensor& x, const Tensor& bias, Tensor& y) const {
+  if (fp8_) {
+    fp8_->forward(ctx, x, weight_->data, bias, y);
+  } else {
+    ops::linear_forward(ctx, x, weight_->data, bias, y);
+  }
+}
+
+void Linear::gemm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tensor& grad_in,
+                           Tensor& bias_grad) const {
+  if (fp8_) {
+    fp8_->backward(ctx, grad_out, x, weight_->data, grad_in, weight_->main_grad, bias_grad);
+  } else {
+    ops::linear_backward(ctx, grad_out, x, weight_->data, grad_in, weight_->main_grad, bias_grad);
+  }
+}
+
 Tensor Linear::forward(Context& ctx, const Tensor& x) const {
   Communicator* tp = tp_group();
   if (mode_ == ParallelMode::Column && tp && sequence_parallel()) {
     Tensor x_full = tensor_parallel::all_gather_sequence(ctx, *tp, x);
     Tensor y = Tensor::empty({x_full.size(0), out_features()}, x.dtype(), ctx.device());
-    ops::linear_forward(ctx, x_full, weight_->data, bias_ ? bias_->data : Tensor(), y);
+    gemm_forward(ctx, x_full, bias_ ? bias_->data : Tensor(), y);
     return y;
   }
   Tensor y = Tensor::empty({x.size(0), out_features()}, x.dtype(), ctx.device());
   if (mode_ == ParallelMode::Row && tp) {
-    ops::linear_forward(ctx, x, weight_->data, bias_ && tp->rank() == 0 ? bias_->data : Tensor(), y);
+    gemm_forward(ctx, x, bias_ && tp->rank() == 0 ? bias_->data : Tensor(), y);
     if (sequence_parallel()) return tensor_parallel::reduce_scatter_sequence(ctx, *tp, y);
     tensor_parallel::all_reduce_(ctx, *tp, y);
     return y;
   }
-  ops::linear_forward(ctx, x, weight_->data, bias_ ? bias_->data : Tensor(), y);
+  gemm_forward(ctx, x, bias_ ? bias_->data : Tensor(), y);
   return y;
 }
 
@@ -66,6 +88,11 @@ Tensor Linear::forward_gelu(Context& ctx, const Tensor& x, Tensor& pre) const {
   const Tensor x_full = tp && sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, x) : x;
   pre = Tensor::empty({x_full.size(0), out_features()}, x.dtype(), ctx.device());
   Tensor out = Tensor::empty(pre.shape(), x.dtype(), ctx.device());
+  if (fp8_) {
+    gemm_forward(ctx, x_full, bias_ ? bias_->data : Tensor(), pre);
+    ops::gelu_forward(ctx, pre, out);
+    return out;
+  }
   ops::linear_gelu_forward(ctx, x_full, weight_->data, bias_ ? bias_->data : Tensor(), pre, out);
   return out;
 }
@@ -75,8 +102,16 @@ Tensor Linear::backward_through_gelu(Context& ctx, const Tensor& grad_out, const
   Communicator* tp = tp_group();
   const Tensor g = tp && sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, grad_out) : grad_out;
   Tensor grad_pre = Tensor::empty(pre.shape(), pre.dtype(), ctx.device());
-  ops::linear_dgelu_backward(ctx, g, weight_->data, pre, grad_pre);
   Tensor none;
+  if (fp8_) {
+    Tensor grad_x = Tensor::empty(pre.shape(), pre.dtype(), ctx.device());
+    gemm_backward(ctx, g, x, grad_x, bias_ ? bias_->main_grad : none);
+    ops::gelu_backward(ctx, grad_x, pre, grad_pre);
+    notify_grad_accumulated(ctx, weight_);
+    notify_grad_accumulated(ctx, bias_);
+    return grad_pre;
+  }
+  ops::linear_dgelu_backward(ctx, g, weight_->data, pre, grad_pre);
   ops::linear_backward(ctx, g, x, weight_->data, none, weight_->main_grad, bias_ ? bias_->main_grad : none);
   notify_grad_accumulated(ctx, weight_);
   notify_grad_accumulated(ctx, bias_);
@@ -91,7 +126,7 @@ Tensor Linear::backward(Context& ctx, const Tensor& grad_out, const Tensor& x, b
   if (mode_ == ParallelMode::Column && tp) {
     const Tensor x_full = sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, x) : x;
     Tensor grad_full = need_grad_in ? Tensor::empty(x_full.shape(), x.dtype(), ctx.device()) : Tensor();
-    ops::linear_backward(ctx, grad_out, x_full, weight_->data, grad_full, weight_->main_grad, bias_grad);
+    gemm_backward(ctx, grad_out, x_full, grad_full, bias_grad);
     if (need_grad_in) {
       if (sequence_parallel()) {
         grad_in = tensor_parallel::reduce_scatter_sequence(ctx, *tp, grad_full);
@@ -103,10 +138,10 @@ Tensor Linear::backward(Context& ctx, const Tensor& grad_out, const Tensor& x, b
   } else if (mode_ == ParallelMode::Row && tp) {
     const Tensor g = sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, grad_out) : grad_out;
     grad_in = need_grad_in ? Tensor::empty(x.shape(), x.dtype(), ctx.device()) : Tensor();
-    ops::linear_backward(ctx, g, x, weight_->data, grad_in, weight_->main_grad, bias_grad);
+    gemm_backward(ctx, g, x, grad_in, bias_grad);
   } else {
     grad_in = need_grad_in ? Tensor::empty(x.shape(), x.dtype(), ctx.device()) : Tensor();
-    ops::linear_backward(ctx, grad_out, x, weight_->data, grad_in, weight_->main_grad, bias_grad);
+    gemm_backward(ctx, grad_out, x, grad_in, bias_grad);
   }
   notify_grad_accumulated(ctx, weight_);
   notify_grad_accumulated(ctx, bias_);

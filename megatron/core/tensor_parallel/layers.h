@@ -18,6 +18,7 @@
 // N is the flattened [s, b] sequence-first dimension, so sequence shards are contiguous row blocks.
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include "megatron/core/distributed/param_and_grad_buffer.h"
@@ -27,6 +28,9 @@
 namespace megatron {
 
 enum class ParallelMode { None, Column, Row, ExpertColumn, ExpertRow };
+
+struct Fp8Config;
+class Fp8LinearState;
 
 class Linear {
  public:
@@ -54,12 +58,22 @@ class Linear {
   /// column-parallel layer (its input gradient is reduced across ranks first).
   Tensor backward_through_gelu(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& pre) const;
 
+  /// Runs this layer's GEMMs in FP8 with the recipe of `config` (Note [FP8 linear layer],
+  /// fp8_linear.h): Megatron's choice for the linear layers of attention and MLP. The GeLU fusions
+  /// then run as a GEMM and the elementwise op.
+  void enable_fp8(const Fp8Config& config);
+  /// The layer's FP8 state (null when FP8 is off): its update() is the delayed recipe's step.
+  Fp8LinearState* fp8() const { return fp8_.get(); }
+
   const Parameter* weight() const { return weight_; }
   /// Local output features (out/tp for a column-parallel layer).
   int64_t out_features() const { return weight_->data.size(0); }
 
  private:
   Communicator* tp_group() const { return tp_; }
+  // The layer's GEMMs on local tensors: ops::linear_* or, with FP8, fp8_'s.
+  void gemm_forward(Context& ctx, const Tensor& x, const Tensor& bias, Tensor& y) const;
+  void gemm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tensor& grad_in, Tensor& bias_grad) const;
   bool sequence_parallel() const { return sequence_parallel_; }
 
   Parameter* weight_;
@@ -67,6 +81,7 @@ class Linear {
   ParallelMode mode_ = ParallelMode::None;
   Communicator* tp_ = nullptr;  // null: one rank
   bool sequence_parallel_ = false;
+  std::shared_ptr<Fp8LinearState> fp8_;
 };
 
 /// The ShardSpec of a tensor-parallel parameter of global shape `shape` split along `dim` (-1:

@@ -1,0 +1,90 @@
+// One linear layer's GEMMs in FP8 (fp8_linear.h, Note [FP8 linear layer]).
+#include "megatron/core/tensor_parallel/fp8_linear.h"
+
+#include "megatron/kernels/ops.h"
+
+namespace megatron {
+
+Fp8LinearState::Fp8LinearState(const Fp8Config& config, Device device) : config_(config) {
+  MG_CHECK(config.enabled(), "an FP8 linear layer needs --fp8-format (e4m3 or hybrid)");
+  if (config.recipe != Fp8Recipe::Blockwise) {
+    fwd_ = Fp8TensorScaling(config, 2, config.forward_dtype(), device);
+    bwd_ = Fp8TensorScaling(config, 1, config.backward_dtype(), device);
+  }
+}
+
+// x [rows, cols] quantised for a GEMM operand [rows, cols] (transposed: [cols, rows], the copy of
+// xᵀ); per-tensor recipes through the state's tensor `index`, blockwise per tile.
+Fp8Operand Fp8LinearState::quantize(Context& ctx, bool backward, int64_t index, const Tensor& x, bool transposed,
+                                    bool tile_2d) {
+  const DType t = backward ? config_.backward_dtype() : config_.forward_dtype();
+  const int64_t rows = x.size(0), cols = x.size(1);
+  Fp8Operand o;
+  if (config_.recipe != Fp8Recipe::Blockwise) {
+    Fp8TensorScaling& s = backward ? bwd_ : fwd_;
+    Tensor none;
+    if (transposed) {
+      o.data = Tensor::empty({cols, rows}, t, ctx.device());
+      s.quantize(ctx, index, x, none, o.data);
+    } else {
+      o.data = Tensor::empty({rows, cols}, t, ctx.device());
+      s.quantize(ctx, index, x, o.data, none);
+    }
+    o.scale_inv = s.scale_inv(index);
+    return o;
+  }
+  Tensor src = x;
+  if (transposed) {
+    src = Tensor::empty({cols, rows}, x.dtype(), ctx.device());
+    ops::transpose_01(ctx, x, src);
+  }
+  o.mode = tile_2d ? Fp8ScaleMode::Block128x128 : Fp8ScaleMode::Block1x128;
+  o.data = Tensor::empty(src.shape(), t, ctx.device());
+  o.scale_inv = Tensor::empty(fp8_block_scale_shape(src.size(0), src.size(1), tile_2d), DType::Float32, ctx.device());
+  ops::fp8_block_quantize(ctx, src, tile_2d, /*power_of_two_scales=*/true, o.data, o.scale_inv);
+  return o;
+}
+
+void Fp8LinearState::forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y) {
+  const int64_t in = weight.size(1);
+  const Tensor x2 = x.view({-1, in});
+  Tensor y2 = y.view({-1, weight.size(0)});
+  const Fp8Operand qx = quantize(ctx, false, 0, x2, false, false);
+  const Fp8Operand qw = quantize(ctx, false, 1, weight, false, true);
+  ops::fp8_gemm(ctx, qx, qw, bias, y2, false);
+}
+
+void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                              Tensor& grad_in, Tensor& weight_grad, Tensor& bias_grad) {
+  const int64_t in = weight.size(1), out = weight.size(0);
+  const Tensor x2 = x.view({-1, in}), g2 = grad_out.view({-1, out});
+  Tensor none;
+  Fp8Operand qg, qg_t;
+  if (config_.recipe != Fp8Recipe::Blockwise && grad_in.defined() && weight_grad.defined()) {
+    // one pass over dy for both copies
+    qg = {Tensor::empty(g2.shape(), config_.backward_dtype(), ctx.device()), bwd_.scale_inv(0)};
+    qg_t = {Tensor::empty({out, g2.size(0)}, config_.backward_dtype(), ctx.device()), bwd_.scale_inv(0)};
+    bwd_.quantize(ctx, 0, g2, qg.data, qg_t.data);
+  }
+  if (grad_in.defined()) {
+    Tensor gi2 = grad_in.view({-1, in});
+    if (!qg.data.defined()) qg = quantize(ctx, true, 0, g2, false, false);
+    const Fp8Operand qw_t = quantize(ctx, false, 1, weight, true, true);
+    ops::fp8_gemm(ctx, qg, qw_t, none, gi2, false);
+  }
+  if (weight_grad.defined()) {
+    if (!qg_t.data.defined()) qg_t = quantize(ctx, true, 0, g2, true, false);
+    const Fp8Operand qx_t = quantize(ctx, false, 0, x2, true, false);
+    Tensor wg = weight_grad;
+    ops::fp8_gemm(ctx, qg_t, qx_t, none, wg, true);
+  }
+  if (bias_grad.defined()) ops::linear_backward(ctx, g2, x2, weight, none, none, bias_grad);
+}
+
+void Fp8LinearState::update(Context& ctx) {
+  if (config_.recipe == Fp8Recipe::Blockwise) return;
+  fwd_.update(ctx);
+  bwd_.update(ctx);
+}
+
+}  // namespace megatron

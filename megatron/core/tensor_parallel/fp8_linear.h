@@ -1,0 +1,49 @@
+// One linear layer's GEMMs in FP8: y = x·Wᵀ + b and its two gradients, with the layer's FP8
+// scaling state (TE's fp8 meta of one te.Linear). Linear (layers.h) calls these on its local
+// tensors when FP8 is on for the layer; the tensor-parallel communication stays in Linear.
+//
+// Note [FP8 linear layer]: the three GEMMs of Note [FP8 GEMM layouts] with the recipe's operands:
+//   forward      x (e4m3, the input's scale), W (e4m3, the weight's scale), bias added in fp32;
+//   grad_in      dy (the backward dtype: e5m2 with hybrid) · the transposed weight copy W_t;
+//   weight_grad  dy_t · x_t, accumulated into the fp32 main_grad; the bias gradient is the column
+//                sum of dy in its own precision (not quantised), as TE's bgrad.
+// Per-tensor recipes quantise with Fp8TensorScaling (forward: tensors 0 = input, 1 = weight;
+// backward: 0 = output gradient); the transposed copies x_t and W_t are made in backward by
+// quantising the kept bf16 tensors again with the same state (delayed: the step's scale, so the
+// copies equal the forward's transposed; current scaling: the tensor's own scale again). Nothing
+// fp8 is kept between forward and backward. The blockwise recipe quantises x and dy per 1x128
+// tile, W per 128x128 tile; the weight gradient's operands are 1x128 tiles along the token
+// dimension of the transposed tensors (Note [FP8 block scaling]).
+// update() is the delayed recipe's step, once per training step after its last backward.
+#pragma once
+
+#include "megatron/core/fp8_utils.h"
+
+namespace megatron {
+
+class Fp8LinearState {
+ public:
+  Fp8LinearState(const Fp8Config& config, Device device);
+
+  /// y [N, out] (x's dtype) = x [N, in] · weight [out, in]ᵀ + bias (undefined: none).
+  void forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y);
+  /// grad_in [N, in] = grad_out · weight (undefined: skipped); weight_grad [out, in] fp32 +=
+  /// grad_outᵀ · x (undefined: skipped); bias_grad [out] fp32 += Σ_rows grad_out (undefined: skipped).
+  void backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight, Tensor& grad_in,
+                Tensor& weight_grad, Tensor& bias_grad);
+  /// The delayed recipe's history roll and scale update for this layer (a no-op for the others).
+  void update(Context& ctx);
+
+  const Fp8Config& config() const { return config_; }
+  /// Per-tensor recipes: the forward (input, weight) and backward (output gradient) state.
+  Fp8TensorScaling& forward_scaling() { return fwd_; }
+  Fp8TensorScaling& backward_scaling() { return bwd_; }
+
+ private:
+  Fp8Operand quantize(Context& ctx, bool backward, int64_t index, const Tensor& x, bool transposed, bool tile_2d);
+
+  Fp8Config config_;
+  Fp8TensorScaling fwd_, bwd_;
+};
+
+}  // namespace megatron

@@ -1,0 +1,514 @@
+// The FP8 ops on the GPU (fp8_ops.h; the formats, layouts and recipes are its Notes), the CUDA
+// twin of kernels/cpu/fp8.cpp: the same fp32 arithmetic in the same order, so both produce the
+// same bits (the GEMM aside, whose fp32 sums run in cuBLASLt's order).
+//   quantise      one pass: q, the transposed copy q_t (32x32 tiles through shared memory), the
+//                 amax (a block reduction, then one atomic max per block) and scale_inv;
+//   recipes       the delayed update (one thread per tensor over its history) and current
+//                 scaling's scale from amax, both reading and writing device memory only;
+//   block scaling one warp per 1x128 tile, one block per 128x128 tile;
+//   GEMM          cuBLASLt's FP8 matmul in the TN form (Note [FP8 GEMM layouts]) with device scale
+//                 pointers, per tensor or per block (Note [FP8 block scaling]).
+#include <cuda_fp8.h>
+
+#include <cfloat>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+
+#include "megatron/kernels/cuda/cuda_common.cuh"
+#include "megatron/kernels/fp8_ops.h"
+
+namespace megatron::cuda {
+
+namespace {
+
+__device__ __forceinline__ uint8_t encode_fp8(float v, bool e4m3) {
+  return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, e4m3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+__device__ __forceinline__ float decode_fp8(uint8_t b, bool e4m3) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(b), e4m3 ? __NV_E4M3 : __NV_E5M2);
+  return __half2float(__half(h));
+}
+
+// amax of non-negative floats: their bit patterns order as integers.
+__device__ __forceinline__ void atomic_max_nonneg(float* p, float v) {
+  atomicMax(reinterpret_cast<int*>(p), __float_as_int(v));
+}
+
+// Block-wide fmaxf; every thread gets the result.
+__device__ float block_max(float v) {
+  __shared__ float warp_max[32];
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int warps = (blockDim.x + 31) / 32;
+  __syncthreads();  // warp_max may still be read by a previous call
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  v = lane < warps ? warp_max[lane] : 0.0f;
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// TE's compute_scale_from_amax with no epsilon: the CPU's scale_from_amax.
+__device__ __forceinline__ float scale_from_amax(float amax, float fp8_max, bool pow2, float value_for_inf) {
+  if (isinf(amax) || amax == 0.0f || isnan(amax)) return 1.0f;
+  float scale = __fdiv_rn(fp8_max, amax);
+  if (isinf(scale)) scale = value_for_inf;
+  if (pow2) scale = __int_as_float(__float_as_int(scale) & int(0xff800000u));
+  return scale;
+}
+
+// ---- per-tensor quantise -------------------------------------------------------------------------
+
+// Flat pass: q (optional) and the amax (optional).
+template <typename T>
+__global__ void quantize_flat_kernel(const T* __restrict__ x, int64_t n, const float* __restrict__ scale,
+                                     uint8_t* __restrict__ q, bool e4m3, float* __restrict__ amax) {
+  const float s = scale != nullptr ? *scale : 1.0f;
+  float local = 0.0f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = load_float(x[i]);
+    local = fmaxf(local, fabsf(v));
+    if (q != nullptr) q[i] = encode_fp8(v * s, e4m3);
+  }
+  if (amax != nullptr) {
+    local = block_max(local);
+    if (threadIdx.x == 0) atomic_max_nonneg(amax, local);
+  }
+}
+
+constexpr int kTile = 32, kTileRows = 8;
+
+// Tiled pass with the transposed copy: block (bx, by) takes x[by·32 .. +32, bx·32 .. +32].
+template <typename T>
+__global__ void quantize_transpose_kernel(const T* __restrict__ x, int64_t m, int64_t k,
+                                          const float* __restrict__ scale, uint8_t* __restrict__ q,
+                                          uint8_t* __restrict__ q_t, bool e4m3, float* __restrict__ amax) {
+  __shared__ uint8_t tile[kTile][kTile + 4];
+  const float s = *scale;
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  float local = 0.0f;
+  for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+    const int64_t r = r0 + i, c = c0 + threadIdx.x;
+    if (r < m && c < k) {
+      const float v = load_float(x[r * k + c]);
+      local = fmaxf(local, fabsf(v));
+      const uint8_t code = encode_fp8(v * s, e4m3);
+      if (q != nullptr) q[r * k + c] = code;
+      tile[i][threadIdx.x] = code;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+    const int64_t c = c0 + i, r = r0 + threadIdx.x;  // q_t[c, r]
+    if (r < m && c < k) q_t[c * m + r] = tile[threadIdx.x][i];
+  }
+  if (amax != nullptr) {
+    // each warp (one threadIdx.y) reduces its lanes, then one atomic max per warp
+    float v = local;
+    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (threadIdx.x == 0) atomic_max_nonneg(amax, v);
+  }
+}
+
+__global__ void reciprocal_kernel(const float* __restrict__ scale, float* __restrict__ scale_inv, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) scale_inv[i] = __frcp_rn(scale[i]);
+}
+
+template <typename T>
+__global__ void dequantize_kernel(const uint8_t* __restrict__ q, int64_t n, bool e4m3,
+                                  const float* __restrict__ scale_inv, T* __restrict__ out) {
+  const float si = *scale_inv;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = store_float<T>(decode_fp8(q[i], e4m3) * si);
+  }
+}
+
+// ---- recipes -------------------------------------------------------------------------------------
+
+__global__ void scale_from_amax_kernel(const float* __restrict__ amax, int64_t n, float fp8_max, bool pow2,
+                                       float* __restrict__ scale, float* __restrict__ scale_inv) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const float s = scale_from_amax(amax[i], fp8_max, pow2, FLT_MAX);
+  scale[i] = s;
+  if (scale_inv != nullptr) scale_inv[i] = __frcp_rn(s);
+}
+
+// One thread per tensor (column j of the [L, n] history): threads of a warp read neighbouring columns.
+__global__ void delayed_scale_update_kernel(float* __restrict__ h, int64_t len, int64_t n, float* __restrict__ scale,
+                                            float scaled_max, bool use_max) {
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (j >= n) return;
+  const float last = h[j];
+  if (last == 0.0f) return;  // not seen this step: nothing moves (TE's bulk update)
+  float amax = last;
+  if (use_max) {
+    amax = 0.0f;
+    for (int64_t i = 0; i < len; ++i) amax = fmaxf(amax, h[i * n + j]);
+  }
+  for (int64_t i = 1; i < len; ++i) h[(i - 1) * n + j] = h[i * n + j];
+  h[(len - 1) * n + j] = last;
+  h[j] = 0.0f;
+  float s = (isfinite(amax) && amax > 0.0f) ? __fdiv_rn(scaled_max, amax) : scale[j];
+  if (isinf(s)) s = FLT_MAX;
+  scale[j] = s;
+}
+
+// ---- block scaling -------------------------------------------------------------------------------
+
+// One warp per (row, 128-column tile): each lane takes 4 columns.
+template <typename T>
+__global__ void block_quantize_1x128_kernel(const T* __restrict__ x, int64_t m, int64_t k, bool e4m3, bool pow2,
+                                            float fp8_max, float inf_scale, uint8_t* __restrict__ q,
+                                            float* __restrict__ scale_inv, int64_t ld) {
+  const int64_t tiles_k = (k + kFp8BlockLen - 1) / kFp8BlockLen;
+  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= m * tiles_k) return;  // whole warps leave together
+  const int64_t r = warp / tiles_k, j = warp % tiles_k;
+  float v[4];
+  float local = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int64_t c = j * kFp8BlockLen + lane + 32 * e;
+    v[e] = c < k ? load_float(x[r * k + c]) : 0.0f;
+    local = fmaxf(local, fabsf(v[e]));
+  }
+  for (int o = 16; o > 0; o /= 2) local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
+  const float s = scale_from_amax(local, fp8_max, pow2, inf_scale);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int64_t c = j * kFp8BlockLen + lane + 32 * e;
+    if (c < k) q[r * k + c] = encode_fp8(v[e] * s, e4m3);
+  }
+  if (lane == 0) scale_inv[j * ld + r] = __frcp_rn(s);
+}
+
+// One block per 128x128 tile.
+template <typename T>
+__global__ void block_quantize_128x128_kernel(const T* __restrict__ x, int64_t m, int64_t k, bool e4m3, bool pow2,
+                                              float fp8_max, float inf_scale, uint8_t* __restrict__ q,
+                                              float* __restrict__ scale_inv, int64_t ld) {
+  const int64_t r0 = int64_t(blockIdx.y) * kFp8BlockLen, c0 = int64_t(blockIdx.x) * kFp8BlockLen;
+  const int64_t rows = min(kFp8BlockLen, m - r0), cols = min(kFp8BlockLen, k - c0);
+  float local = 0.0f;
+  for (int64_t e = threadIdx.x; e < rows * kFp8BlockLen; e += blockDim.x) {
+    const int64_t r = e / kFp8BlockLen, c = e % kFp8BlockLen;
+    if (c < cols) local = fmaxf(local, fabsf(load_float(x[(r0 + r) * k + c0 + c])));
+  }
+  const float s = scale_from_amax(block_max(local), fp8_max, pow2, inf_scale);
+  for (int64_t e = threadIdx.x; e < rows * kFp8BlockLen; e += blockDim.x) {
+    const int64_t r = e / kFp8BlockLen, c = e % kFp8BlockLen;
+    if (c < cols) q[(r0 + r) * k + c0 + c] = encode_fp8(load_float(x[(r0 + r) * k + c0 + c]) * s, e4m3);
+  }
+  if (threadIdx.x == 0) scale_inv[int64_t(blockIdx.y) * ld + blockIdx.x] = __frcp_rn(s);
+}
+
+template <typename T>
+float max_finite() {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return bits_to_float(0x7f7f0000u);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return 65504.0f;
+  } else {
+    return FLT_MAX;
+  }
+}
+
+// out = acc + bias per row, rounded once (out may be acc itself).
+template <typename T, typename B>
+__global__ void add_bias_kernel(const float* acc, const B* __restrict__ bias, int64_t rows, int64_t cols, T* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = store_float<T>(acc[i] + load_float(bias[i % cols]));
+  }
+}
+
+uint8_t* fp8_ptr(const Tensor& t) { return t.defined() ? static_cast<uint8_t*>(t.raw_data()) : nullptr; }
+float* f32_ptr(const Tensor& t) { return t.defined() ? static_cast<float*>(t.raw_data()) : nullptr; }
+
+void check_on_gpu(std::initializer_list<const Tensor*> ts, const char* op) {  // undefined ones pass
+  for (const Tensor* t : ts) {
+    MG_ASSERT(!t->defined() || t->device().is_cuda(), "{}: {} must be on a CUDA device", op, t->str());
+  }
+}
+
+}  // namespace
+
+void fp8_quantize(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax,
+                  Tensor& scale_inv) {
+  const auto [m, k] = ops::check_fp8_quantize(x, scale, q, q_t, amax, scale_inv);
+  check_on_gpu({&x, &scale, &q, &q_t, &amax, &scale_inv}, "fp8_quantize");
+  const bool e4m3 = (q.defined() ? q.dtype() : (q_t.defined() ? q_t.dtype() : DType::Float8E4M3)) ==
+                    DType::Float8E4M3;
+  cudaStream_t st = stream_of(ctx);
+  const int64_t n = m * k;
+  if (n > 0) {
+    dispatch_float(x.dtype(), [&]<typename T>() {
+      if (q_t.defined()) {
+        const dim3 grid(unsigned((k + kTile - 1) / kTile), unsigned((m + kTile - 1) / kTile));
+        MG_CHECK(grid.y <= 65535u, "fp8_quantize: {} rows are too many for one transposed pass", m);
+        quantize_transpose_kernel<T><<<grid, dim3(kTile, kTileRows), 0, st>>>(
+            dev_ptr<const T>(x), m, k, f32_ptr(scale), fp8_ptr(q), fp8_ptr(q_t), e4m3, f32_ptr(amax));
+      } else if (q.defined() || amax.defined()) {
+        quantize_flat_kernel<T><<<grid_for(n, kBlockSize, 4096), kBlockSize, 0, st>>>(
+            dev_ptr<const T>(x), n, f32_ptr(scale), fp8_ptr(q), e4m3, f32_ptr(amax));
+      }
+      CUDA_CHECK(cudaGetLastError());
+    });
+  }
+  if (scale_inv.defined()) {
+    reciprocal_kernel<<<1, 32, 0, st>>>(f32_ptr(scale), f32_ptr(scale_inv), 1);
+    CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+void fp8_amax(Context& ctx, const Tensor& x, Tensor& amax) {
+  check_float_cuda(x, "x");
+  check_fp32(amax, 1, "amax");
+  CUDA_CHECK(cudaMemsetAsync(amax.raw_data(), 0, sizeof(float), stream_of(ctx)));
+  if (x.numel() == 0) return;
+  dispatch_float(x.dtype(), [&]<typename T>() {
+    quantize_flat_kernel<T><<<grid_for(x.numel(), kBlockSize, 4096), kBlockSize, 0, stream_of(ctx)>>>(
+        dev_ptr<const T>(x), x.numel(), nullptr, nullptr, true, f32_ptr(amax));
+    CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void fp8_dequantize(Context& ctx, const Tensor& q, const Tensor& scale_inv, Tensor& out) {
+  MG_CHECK(q.defined() && is_fp8(q.dtype()), "fp8_dequantize: q must be fp8, got {}", q.defined() ? q.str() : "undefined");
+  check_cuda(q, "q");
+  check_fp32(scale_inv, 1, "scale_inv");
+  check_float_cuda(out, "out");
+  MG_ASSERT(out.numel() == q.numel(), "out is {}, q {}", out.str(), q.str());
+  if (q.numel() == 0) return;
+  dispatch_float(out.dtype(), [&]<typename T>() {
+    dequantize_kernel<T><<<grid_for(q.numel()), kBlockSize, 0, stream_of(ctx)>>>(
+        fp8_ptr(q), q.numel(), q.dtype() == DType::Float8E4M3, f32_ptr(scale_inv), dev_ptr<T>(out));
+    CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void fp8_scale_from_amax(Context& ctx, const Tensor& amax, float fp8_max, bool power_of_two_scales, Tensor& scale,
+                         Tensor& scale_inv) {
+  const int64_t n = amax.numel();
+  check_fp32(amax, n, "amax");
+  check_fp32(scale, n, "scale");
+  if (scale_inv.defined()) check_fp32(scale_inv, n, "scale_inv");
+  if (n == 0) return;
+  scale_from_amax_kernel<<<unsigned((n + 255) / 256), 256, 0, stream_of(ctx)>>>(
+      f32_ptr(amax), n, fp8_max, power_of_two_scales, f32_ptr(scale), f32_ptr(scale_inv));
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void fp8_delayed_scale_update(Context& ctx, Tensor& amax_history, Tensor& scale, const Fp8DelayedParams& p) {
+  const auto [len, n] = ops::check_fp8_delayed_scale_update(amax_history, scale);
+  check_on_gpu({&amax_history, &scale}, "fp8_delayed_scale_update");
+  if (n == 0) return;
+  delayed_scale_update_kernel<<<unsigned((n + 127) / 128), 128, 0, stream_of(ctx)>>>(
+      f32_ptr(amax_history), len, n, f32_ptr(scale), p.scaled_max(), p.use_max);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void fp8_block_quantize(Context& ctx, const Tensor& x, bool tile_2d, bool power_of_two_scales, Tensor& q,
+                        Tensor& scale_inv) {
+  const auto [m, k] = ops::check_fp8_block_quantize(x, tile_2d, q, scale_inv);
+  check_on_gpu({&x, &q, &scale_inv}, "fp8_block_quantize");
+  if (m == 0 || k == 0) return;
+  const bool e4m3 = q.dtype() == DType::Float8E4M3;
+  const float fp8_max = fp8_max_of(q.dtype());
+  const int64_t ld = scale_inv.size(1);
+  cudaStream_t st = stream_of(ctx);
+  dispatch_float(x.dtype(), [&]<typename T>() {
+    if (tile_2d) {
+      const dim3 grid(unsigned((k + kFp8BlockLen - 1) / kFp8BlockLen), unsigned((m + kFp8BlockLen - 1) / kFp8BlockLen));
+      MG_CHECK(grid.y <= 65535u, "fp8_block_quantize: {} rows are too many", m);
+      block_quantize_128x128_kernel<T><<<grid, 256, 0, st>>>(dev_ptr<const T>(x), m, k, e4m3, power_of_two_scales,
+                                                             fp8_max, max_finite<T>(), fp8_ptr(q), f32_ptr(scale_inv),
+                                                             ld);
+    } else {
+      const int64_t warps = m * ((k + kFp8BlockLen - 1) / kFp8BlockLen);
+      const int64_t blocks = (warps * 32 + 255) / 256;
+      MG_CHECK(blocks <= INT32_MAX, "fp8_block_quantize: too many tiles ({})", warps);
+      block_quantize_1x128_kernel<T><<<unsigned(blocks), 256, 0, st>>>(dev_ptr<const T>(x), m, k, e4m3,
+                                                                       power_of_two_scales, fp8_max, max_finite<T>(),
+                                                                       fp8_ptr(q), f32_ptr(scale_inv), ld);
+    }
+    CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+// ---- GEMM ------------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr size_t kFp8WorkspaceBytes = size_t(32) << 20;
+
+cudaDataType_t fp8_cuda_type(DType t) { return t == DType::Float8E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+cublasLtMatmulMatrixScale_t scale_mode(Fp8ScaleMode m) {
+  switch (m) {
+    case Fp8ScaleMode::Tensor: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    case Fp8ScaleMode::Block1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case Fp8ScaleMode::Block128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  }
+  return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
+
+uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && (a % align) != 0) align /= 2;
+  return align;
+}
+
+// (device, handle, m, n, k, A type, B type, D type, A mode, B mode, accumulate, alignments of A, B, D)
+using Fp8GemmKey = std::tuple<int, void*, int64_t, int64_t, int64_t, int, int, int, int, int, bool, uint32_t, uint32_t,
+                              uint32_t>;
+
+struct Fp8GemmPlan {
+  std::mutex mu;  // guards the scale-pointer attributes between set and enqueue
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;
+  ~Fp8GemmPlan() {
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+struct Fp8PlanCache {
+  std::mutex mu;
+  std::map<Fp8GemmKey, std::shared_ptr<Fp8GemmPlan>> plans;
+};
+
+// Leaked on purpose, as linear.cu's cache: plans must outlive every Context.
+Fp8PlanCache& fp8_plan_cache() {
+  static auto* cache = new Fp8PlanCache;
+  return *cache;
+}
+
+// In cuBLASLt's column-major terms (Note [FP8 GEMM layouts]): its A is our B [N, K] (K×N, ld K,
+// transposed: op(A) is N×K), its B our A [M, K] (K×M, ld K, not transposed), its D our out [M, N]
+// (N×M, ld N). So its A scale is our B's and its B scale our A's.
+std::shared_ptr<Fp8GemmPlan> make_fp8_plan(cublasLtHandle_t handle, const Fp8Operand& a, const Fp8Operand& b,
+                                           const Tensor& out, bool accumulate) {
+  const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
+  auto plan = std::make_shared<Fp8GemmPlan>();
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  // Note [FP8 GEMM accumulation]: fast accumulation (FAST_ACCUM = 1) keeps the Hopper FP8 MMA's
+  // reduced-precision accumulator across the whole K loop; off, cuBLASLt promotes partial sums to
+  // full fp32 every few K steps (TE's use_split_accumulator, which its recipes use for the
+  // backward GEMMs and block scaling requires). Always off here: the GEMM stays within fp32
+  // accumulation tolerance of the CPU product.
+  const int8_t fast_accum = 0;
+  CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof(fast_accum)));
+  const cublasLtMatmulMatrixScale_t mode_a = scale_mode(b.mode), mode_b = scale_mode(a.mode);
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)));
+  const void* sa = b.scale_inv.raw_data();
+  const void* sb = a.scale_inv.raw_data();
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->la, fp8_cuda_type(b.data.dtype()), uint64_t(k), uint64_t(n), k));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lb, fp8_cuda_type(a.data.dtype()), uint64_t(k), uint64_t(m), k));
+  const cudaDataType_t dt = out.dtype() == DType::Float32 ? CUDA_R_32F : CUDA_R_16BF;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->ld, dt, uint64_t(n), uint64_t(m), n));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t max_ws = kFp8WorkspaceBytes;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws,
+                                                    sizeof(max_ws)));
+  const uint32_t align_a = alignment_of(b.data.raw_data()), align_b = alignment_of(a.data.raw_data()),
+                 align_d = alignment_of(out.raw_data());
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                                                    sizeof(align_a)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                                                    sizeof(align_b)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
+                                                    sizeof(align_d)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
+                                                    sizeof(align_d)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->la, plan->lb, plan->ld, plan->ld,
+                                                           pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  MG_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0,
+           "fp8_gemm: cuBLASLt has no FP8 kernel for M={} N={} K={} ({} x {} -> {}, scales {} x {}{}): {} — FP8 "
+           "GEMMs need a Hopper (sm_90) or newer GPU and CUDA 12.9+ for block scales",
+           m, n, k, to_string(a.data.dtype()), to_string(b.data.dtype()), to_string(out.dtype()), int(a.mode),
+           int(b.mode), accumulate ? ", accumulating" : "",
+           cublasLtGetStatusString(st == CUBLAS_STATUS_SUCCESS ? CUBLAS_STATUS_NOT_SUPPORTED : st));
+  plan->algo = result.algo;
+  plan->workspace = result.workspaceSize;
+  return plan;
+}
+
+}  // namespace
+
+void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
+              bool accumulate) {
+  ops::check_fp8_gemm(a, b, bias, out, accumulate, /*cuda=*/true);
+  check_on_gpu({&a.data, &a.scale_inv, &b.data, &b.scale_inv, &bias, &out}, "fp8_gemm");
+  const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
+  if (m == 0 || n == 0) return;
+  MG_CHECK(k > 0, "fp8_gemm: K = 0");
+  if (bias.defined()) {
+    // Note [FP8 GEMM bias]: the product goes to fp32 (out itself when fp32), then one kernel adds
+    // the bias and rounds once, as the CPU does. (cuBLASLt's BIAS epilogue would save the pass for
+    // a bf16 out and bias; not used yet.)
+    Tensor acc = out.dtype() == DType::Float32 ? out : Tensor::empty(out.shape(), DType::Float32, out.device());
+    Tensor none;
+    fp8_gemm(ctx, a, b, none, acc, false);
+    dispatch_float(out.dtype(), [&]<typename T>() {
+      dispatch_float(bias.dtype(), [&]<typename B>() {
+        add_bias_kernel<T, B><<<grid_for(m * n), kBlockSize, 0, stream_of(ctx)>>>(f32_ptr(acc), dev_ptr<const B>(bias),
+                                                                                 m, n, dev_ptr<T>(out));
+      });
+    });
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt_handle());
+  MG_ASSERT(handle != nullptr, "fp8_gemm on CUDA needs a CUDA Context (no cuBLASLt handle)");
+  const Fp8GemmKey key{ctx.device().index, ctx.cublaslt_handle(), m, n, k, int(a.data.dtype()), int(b.data.dtype()),
+                       int(out.dtype()), int(a.mode), int(b.mode), accumulate, alignment_of(a.data.raw_data()),
+                       alignment_of(b.data.raw_data()), alignment_of(out.raw_data())};
+  std::shared_ptr<Fp8GemmPlan> plan;
+  {
+    Fp8PlanCache& cache = fp8_plan_cache();
+    std::lock_guard<std::mutex> lock(cache.mu);
+    auto it = cache.plans.find(key);
+    if (it == cache.plans.end()) {
+      if (cache.plans.size() >= 4096) cache.plans.clear();
+      it = cache.plans.emplace(key, make_fp8_plan(handle, a, b, out, accumulate)).first;
+    }
+    plan = it->second;
+  }
+  Tensor ws = ctx.workspace(kFp8WorkspaceBytes);
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  std::lock_guard<std::mutex> lock(plan->mu);
+  const void* sa = b.scale_inv.raw_data();
+  const void* sb = a.scale_inv.raw_data();
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  CUBLAS_CHECK(cublasLtMatmul(handle, plan->desc, &alpha, b.data.raw_data(), plan->la, a.data.raw_data(), plan->lb,
+                              &beta, out.raw_data(), plan->ld, out.raw_data(), plan->ld, &plan->algo, ws.raw_data(),
+                              plan->workspace, stream_of(ctx)));
+}
+
+}  // namespace megatron::cuda

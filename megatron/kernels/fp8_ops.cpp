@@ -1,0 +1,168 @@
+// Dispatch of the FP8 ops (fp8_op_list.inc) to the CPU reference or the CUDA kernels, as ops.cpp
+// does for op_list.inc (Note [Generated dispatch]), and the argument checks both backends share.
+#include "megatron/kernels/fp8_ops.h"
+
+#include <cmath>
+
+#include "megatron/runtime/profiler.h"
+
+namespace megatron {
+
+float fp8_max_of(DType t) {
+  switch (t) {
+    case DType::Float8E4M3: return 448.0f;
+    case DType::Float8E5M2: return 57344.0f;
+    default: MG_CHECK(false, "fp8: {} is not an fp8 dtype (fp8_e4m3 or fp8_e5m2)", to_string(t));
+  }
+  return 0.0f;
+}
+
+Shape fp8_block_scale_shape(int64_t rows, int64_t cols, bool tile_2d) {
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  auto round_up4 = [](int64_t a) { return (a + 3) / 4 * 4; };
+  if (tile_2d) return {ceil_div(rows, kFp8BlockLen), round_up4(ceil_div(cols, kFp8BlockLen))};
+  return {ceil_div(cols, kFp8BlockLen), round_up4(rows)};
+}
+
+float Fp8DelayedParams::scaled_max() const { return fp8_max * std::pow(2.0f, float(-margin)); }
+
+}  // namespace megatron
+
+namespace megatron::ops {
+
+namespace {
+bool on_cuda(const Context& ctx, const char* op) {
+#ifdef MEGATRON_WITH_CUDA_OPS
+  (void)op;
+  return ctx.is_cuda();
+#else
+  MG_CHECK(!ctx.is_cuda(), "op {} was asked to run on {} but this build has no CUDA kernels: run on the CPU", op,
+           ctx.device().str());
+  return false;
+#endif
+}
+
+std::string str_of(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
+
+bool is_fp32_scalar(const Tensor& t, const Device& d) {
+  return t.defined() && t.dtype() == DType::Float32 && t.numel() == 1 && t.device() == d;
+}
+}  // namespace
+
+#ifdef MEGATRON_WITH_CUDA_OPS
+#define MG_DISPATCH_CUDA(name, args) \
+  if (on_cuda(ctx, #name)) return cuda::name args;
+#else
+#define MG_DISPATCH_CUDA(name, args) on_cuda(ctx, #name);
+#endif
+#define MG_OP_AS(ret, name, label, params, args) \
+  ret name params {                              \
+    ProfileScope profile(ctx, label);            \
+    MG_DISPATCH_CUDA(name, args)                 \
+    return cpu::name args;                       \
+  }
+#define MG_OP(ret, name, params, args) MG_OP_AS(ret, name, #name, params, args)
+#include "megatron/kernels/fp8_op_list.inc"
+#undef MG_OP
+#undef MG_OP_AS
+#undef MG_DISPATCH_CUDA
+
+std::pair<int64_t, int64_t> check_fp8_quantize(const Tensor& x, const Tensor& scale, const Tensor& q,
+                                               const Tensor& q_t, const Tensor& amax, const Tensor& scale_inv) {
+  MG_CHECK(x.defined() && (x.dtype() == DType::Float32 || x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16),
+           "fp8_quantize: x must be fp32, bf16 or fp16, got {}", str_of(x));
+  const Device& d = x.device();
+  const int64_t k = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t m = k == 0 ? 0 : x.numel() / k;
+  MG_CHECK(is_fp32_scalar(scale, d), "fp8_quantize: scale must be fp32 [1] beside x ({}), got {}", d.str(),
+           str_of(scale));
+  MG_CHECK(!q.defined() || (is_fp8(q.dtype()) && q.shape() == x.shape() && q.device() == d),
+           "fp8_quantize: q must be fp8 of x's shape {} on {}, got {}", shape_str(x.shape()), d.str(), q.str());
+  const Shape transposed{k, m};
+  MG_CHECK(!q_t.defined() || (is_fp8(q_t.dtype()) && q_t.shape() == transposed && q_t.device() == d),
+           "fp8_quantize: q_t must be fp8 [{}, {}] on {}, got {}", k, m, d.str(), q_t.str());
+  MG_CHECK(!q.defined() || !q_t.defined() || q.dtype() == q_t.dtype(), "fp8_quantize: q is {} but q_t {}",
+           to_string(q.dtype()), to_string(q_t.dtype()));
+  MG_CHECK(!amax.defined() || is_fp32_scalar(amax, d), "fp8_quantize: amax must be fp32 [1] on {}, got {}", d.str(),
+           amax.str());
+  MG_CHECK(!scale_inv.defined() || is_fp32_scalar(scale_inv, d),
+           "fp8_quantize: scale_inv must be fp32 [1] on {}, got {}", d.str(), scale_inv.str());
+  return {m, k};
+}
+
+std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_2d, const Tensor& q,
+                                                     const Tensor& scale_inv) {
+  MG_CHECK(x.defined() && x.dim() == 2 &&
+               (x.dtype() == DType::Float32 || x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16),
+           "fp8_block_quantize: x must be fp32, bf16 or fp16 [M, K], got {}", str_of(x));
+  const int64_t m = x.size(0), k = x.size(1);
+  MG_CHECK(q.defined() && is_fp8(q.dtype()) && q.shape() == x.shape() && q.device() == x.device(),
+           "fp8_block_quantize: q must be fp8 {} on {}, got {}", shape_str(x.shape()), x.device().str(), str_of(q));
+  const Shape ss = fp8_block_scale_shape(m, k, tile_2d);
+  MG_CHECK(scale_inv.defined() && scale_inv.dtype() == DType::Float32 && scale_inv.shape() == ss &&
+               scale_inv.device() == x.device(),
+           "fp8_block_quantize: scale_inv must be fp32 {} for {} tiles of {}, got {}", shape_str(ss),
+           tile_2d ? "128x128" : "1x128", shape_str(x.shape()), str_of(scale_inv));
+  return {m, k};
+}
+
+std::pair<int64_t, int64_t> check_fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale) {
+  MG_CHECK(amax_history.defined() && amax_history.dtype() == DType::Float32 && amax_history.dim() == 2 &&
+               amax_history.size(0) >= 1,
+           "fp8_delayed_scale_update: amax_history must be fp32 [L >= 1, n], got {}", str_of(amax_history));
+  const int64_t n = amax_history.size(1);
+  MG_CHECK(scale.defined() && scale.dtype() == DType::Float32 && scale.numel() == n &&
+               scale.device() == amax_history.device(),
+           "fp8_delayed_scale_update: scale must be fp32 [{}] beside the history, got {}", n, str_of(scale));
+  return {amax_history.size(0), n};
+}
+
+void check_fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, const Tensor& out, bool accumulate,
+                    bool cuda) {
+  auto check_operand = [](const Fp8Operand& o, const char* name) {
+    MG_CHECK(o.data.defined() && o.data.dim() == 2 && is_fp8(o.data.dtype()),
+             "fp8_gemm: {} must be fp8 [rows, K], got {}", name, str_of(o.data));
+    Shape want{1};
+    if (o.mode != Fp8ScaleMode::Tensor) {
+      want = fp8_block_scale_shape(o.data.size(0), o.data.size(1), o.mode == Fp8ScaleMode::Block128x128);
+    }
+    MG_CHECK(o.scale_inv.defined() && o.scale_inv.dtype() == DType::Float32 && o.scale_inv.shape() == want &&
+                 o.scale_inv.device() == o.data.device(),
+             "fp8_gemm: {}'s scale_inv must be fp32 {} on {}, got {}", name, shape_str(want), o.data.device().str(),
+             str_of(o.scale_inv));
+  };
+  check_operand(a, "A");
+  check_operand(b, "B");
+  const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
+  MG_CHECK(b.data.size(1) == k, "fp8_gemm: A is {} and B {}: both must be [rows, K] with one K (out = A·Bᵀ)",
+           a.data.str(), b.data.str());
+  MG_CHECK(a.data.device() == b.data.device(), "fp8_gemm: A is on {} and B on {}", a.data.device().str(),
+           b.data.device().str());
+  MG_CHECK(!(a.data.dtype() == DType::Float8E5M2 && b.data.dtype() == DType::Float8E5M2),
+           "fp8_gemm: e5m2 x e5m2 has no kernel (cuBLASLt takes e4m3 x e4m3, e4m3 x e5m2, e5m2 x e4m3)");
+  MG_CHECK((a.mode == Fp8ScaleMode::Tensor) == (b.mode == Fp8ScaleMode::Tensor),
+           "fp8_gemm: per-tensor and block scales cannot be mixed in one GEMM");
+  MG_CHECK(!(a.mode == Fp8ScaleMode::Block128x128 && b.mode == Fp8ScaleMode::Block128x128),
+           "fp8_gemm: both operands have 128x128 block scales; cuBLASLt takes 1x128 x 1x128, 1x128 x 128x128 or "
+           "128x128 x 1x128");
+  const Shape out_shape{m, n};
+  MG_CHECK(out.defined() && out.shape() == out_shape && out.device() == a.data.device() &&
+               (out.dtype() == DType::BFloat16 || out.dtype() == DType::Float32),
+           "fp8_gemm: out must be bf16 or fp32 [{}, {}] on {}, got {}", m, n, a.data.device().str(), str_of(out));
+  MG_CHECK(!accumulate || out.dtype() == DType::Float32, "fp8_gemm: accumulating needs an fp32 out, got {}",
+           out.str());
+  MG_CHECK(!bias.defined() || (!accumulate && bias.numel() == n && bias.device() == out.device() &&
+                               (bias.dtype() == DType::BFloat16 || bias.dtype() == DType::Float32)),
+           "fp8_gemm: the bias must be bf16 or fp32 [{}] beside out, and not with accumulate; got {}", n, bias.str());
+  if (cuda) {
+    MG_CHECK(k % 16 == 0 && n % 8 == 0,
+             "fp8_gemm on CUDA: K = {} must be a multiple of 16 and N = {} of 8 (cuBLASLt's FP8 alignment); pad the "
+             "hidden sizes (or the token count, for the weight gradient)",
+             k, n);
+    if (a.mode != Fp8ScaleMode::Tensor) {
+      MG_CHECK(m % 8 == 0, "fp8_gemm on CUDA: block-scaled M = {} must be a multiple of 8", m);
+    }
+  }
+}
+
+}  // namespace megatron::ops

@@ -1,0 +1,212 @@
+// One FP8 linear layer on the CPU (Note [FP8 linear layer]): forward and backward against the fp32
+// linear math on the dequantised operands, for each recipe and format; the delayed recipe's scales
+// across steps; the GeLU paths; and the FP8 result near the unquantised one.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "megatron/core/distributed/param_and_grad_buffer.h"
+#include "megatron/core/tensor_parallel/fp8_linear.h"
+#include "megatron/core/tensor_parallel/layers.h"
+#include "megatron/kernels/cpu/cpu_ops.h"
+#include "tests/test_util.h"
+
+namespace megatron {
+namespace {
+
+using testing::random_tensor;
+
+constexpr int64_t kTokens = 192, kIn = 256, kOut = 384;
+
+double rel_error(const Tensor& got, const Tensor& want) {
+  const std::vector<float> g = got.to_floats(), w = want.to_floats();
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    worst = std::max(worst, std::fabs(double(g[i]) - double(w[i])));
+    scale = std::max(scale, std::fabs(double(w[i])));
+  }
+  return worst / std::max(scale, 1e-30);
+}
+
+// The dequantised copy of x [rows, cols] as the layer quantises it: per tensor with `scale`, or per
+// tile (the block recipe's power-of-two scales).
+Tensor dequantized(Context& ctx, const Tensor& x, DType t, float scale, Fp8Recipe recipe, bool tile_2d) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  Tensor q = Tensor::empty(x.shape(), t), out = Tensor::empty(x.shape(), DType::Float32), none;
+  if (recipe != Fp8Recipe::Blockwise) {
+    Tensor s = Tensor::from_floats({scale}, {1}), si = Tensor::from_floats({0.0f}, {1});
+    cpu::fp8_quantize(ctx, x, s, q, none, none, si);
+    cpu::fp8_dequantize(ctx, q, si, out);
+    return out;
+  }
+  Tensor si = Tensor::zeros(fp8_block_scale_shape(rows, cols, tile_2d), DType::Float32);
+  cpu::fp8_block_quantize(ctx, x, tile_2d, true, q, si);
+  const std::vector<float> s = si.to_floats();
+  const int64_t ld = si.size(1);
+  std::vector<float> v(size_t(rows * cols));
+  const uint8_t* qb = static_cast<const uint8_t*>(q.raw_data());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float inv = tile_2d ? s[size_t((r / 128) * ld + c / 128)] : s[size_t((c / 128) * ld + r)];
+      const float d = t == DType::Float8E4M3 ? to_float(fp8_e4m3{qb[r * cols + c]}) : to_float(fp8_e5m2{qb[r * cols + c]});
+      v[size_t(r * cols + c)] = d * inv;
+    }
+  }
+  return Tensor::from_floats(v, x.shape());
+}
+
+Tensor transposed(Context& ctx, const Tensor& x) {
+  Tensor t = Tensor::empty({x.size(1), x.size(0)}, x.dtype());
+  cpu::transpose_01(ctx, x, t);
+  return t;
+}
+
+struct Layer {
+  ParamAndGradBuffer params{DType::Float32, Device::cpu()};
+  Linear lin;
+  Layer() : lin(params, "l", kIn, kOut, /*bias=*/true, ParamInit::Normal) {
+    params.allocate();
+    params.init_weights(3, 0.05f, 2, false);
+    params.zero_grad();
+    params.find("l.bias")->data.copy_from(random_tensor({kOut}, 9, 0.3f));
+  }
+  Parameter* w() { return params.find("l.weight"); }
+  Parameter* b() { return params.find("l.bias"); }
+};
+
+void check_layer(Fp8Recipe recipe, const std::string& format) {
+  SCOPED_TRACE(to_string(recipe) + " " + format);
+  Context ctx;
+  Fp8Config c;
+  c.format = format;
+  c.recipe = recipe;
+  Layer L;
+  L.lin.enable_fp8(c);
+  ASSERT_NE(L.lin.fp8(), nullptr);
+  const Tensor x = random_tensor({kTokens, kIn}, 1, 1.0f), dy = random_tensor({kTokens, kOut}, 2, 1e-2f);
+  if (recipe == Fp8Recipe::Delayed) {  // one step for a history: the first step's scales are 1
+    L.lin.forward(ctx, x);
+    L.lin.backward(ctx, dy, x);
+    L.lin.fp8()->update(ctx);
+    L.params.zero_grad();
+  }
+  const Tensor y = L.lin.forward(ctx, x);
+  const Tensor gx = L.lin.backward(ctx, dy, x);
+
+  const DType fwd = c.forward_dtype(), bwd = c.backward_dtype();
+  Fp8LinearState& s = *L.lin.fp8();
+  auto sc = [&](bool backward, int i) {
+    return recipe == Fp8Recipe::Blockwise ? 0.0f
+                                          : (backward ? s.backward_scaling() : s.forward_scaling()).scale(i).item();
+  };
+  // The reference: fp32 linear math on the operands each GEMM saw (Note [FP8 linear layer]).
+  const Tensor W = L.w()->data;
+  const Tensor xq = dequantized(ctx, x, fwd, sc(false, 0), recipe, false);
+  const Tensor wq = dequantized(ctx, W, fwd, sc(false, 1), recipe, true);
+  Tensor y_ref = Tensor::empty({kTokens, kOut}, DType::Float32);
+  cpu::linear_forward(ctx, xq, wq, L.b()->data, y_ref);
+  EXPECT_LE(rel_error(y, y_ref), 1e-5);
+
+  const Tensor gq = dequantized(ctx, dy, bwd, sc(true, 0), recipe, false);
+  const Tensor wtq = recipe == Fp8Recipe::Blockwise ? transposed(ctx, dequantized(ctx, transposed(ctx, W), fwd, 0, recipe, true))
+                                                    : wq;
+  Tensor gx_ref = Tensor::empty({kTokens, kIn}, DType::Float32), none;
+  cpu::linear_backward(ctx, gq, xq, wtq, gx_ref, none, none);
+  EXPECT_LE(rel_error(gx, gx_ref), 1e-5);
+
+  // weight gradient: dy_t and x_t (1x128 along the tokens for blockwise)
+  Tensor gq_t = transposed(ctx, dequantized(ctx, transposed(ctx, dy), bwd, sc(true, 0), recipe, false));
+  Tensor xq_t = transposed(ctx, dequantized(ctx, transposed(ctx, x), fwd, sc(false, 0), recipe, false));
+  Tensor wg_ref = Tensor::zeros({kOut, kIn}, DType::Float32), bg_ref = Tensor::zeros({kOut}, DType::Float32);
+  cpu::linear_backward(ctx, gq_t, xq_t, W, none, wg_ref, none);
+  cpu::linear_backward(ctx, dy, x, W, none, none, bg_ref);  // the bias gradient from dy itself
+  EXPECT_LE(rel_error(L.w()->main_grad, wg_ref), 1e-5);
+  EXPECT_LE(rel_error(L.b()->main_grad, bg_ref), 1e-6);
+
+  // and near the unquantised layer
+  Tensor y32 = Tensor::empty({kTokens, kOut}, DType::Float32), gx32 = Tensor::empty({kTokens, kIn}, DType::Float32);
+  Tensor wg32 = Tensor::zeros({kOut, kIn}, DType::Float32);
+  cpu::linear_forward(ctx, x, W, L.b()->data, y32);
+  cpu::linear_backward(ctx, dy, x, W, gx32, wg32, none);
+  EXPECT_LE(rel_error(y, y32), 0.08);
+  EXPECT_LE(rel_error(gx, gx32), bwd == DType::Float8E5M2 ? 0.2 : 0.08);
+  EXPECT_LE(rel_error(L.w()->main_grad, wg32), bwd == DType::Float8E5M2 ? 0.2 : 0.08);
+}
+
+TEST(Fp8Linear, EachRecipeEqualsTheDequantizedFp32Math) {
+  for (Fp8Recipe r : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise}) {
+    for (const char* f : {"e4m3", "hybrid"}) check_layer(r, f);
+  }
+}
+
+TEST(Fp8Linear, DelayedScalesFollowTheLastStepsAmax) {
+  Context ctx;
+  Fp8Config c;
+  c.format = "hybrid";
+  c.recipe = Fp8Recipe::Delayed;
+  Layer L;
+  L.lin.enable_fp8(c);
+  Fp8LinearState& s = *L.lin.fp8();
+  float want_x = 1.0f, want_w = 1.0f, want_g = 1.0f;
+  for (int step = 0; step < 3; ++step) {
+    const Tensor x = random_tensor({kTokens, kIn}, uint64_t(10 + step), float(step + 1));
+    const Tensor dy = random_tensor({kTokens, kOut}, uint64_t(20 + step), 1e-3f);
+    EXPECT_EQ(s.forward_scaling().scale(0).item(), want_x) << step;
+    EXPECT_EQ(s.forward_scaling().scale(1).item(), want_w) << step;
+    EXPECT_EQ(s.backward_scaling().scale(0).item(), want_g) << step;
+    const Tensor y = L.lin.forward(ctx, x);
+    L.lin.backward(ctx, dy, x);
+    Tensor y_ref = Tensor::empty({kTokens, kOut}, DType::Float32);
+    cpu::linear_forward(ctx, dequantized(ctx, x, DType::Float8E4M3, want_x, c.recipe, false),
+                        dequantized(ctx, L.w()->data, DType::Float8E4M3, want_w, c.recipe, true), L.b()->data, y_ref);
+    EXPECT_LE(rel_error(y, y_ref), 1e-5) << step;
+    s.update(ctx);
+    auto amax = [](const Tensor& t) {
+      float m = 0;
+      for (float v : t.to_floats()) m = std::max(m, std::fabs(v));
+      return m;
+    };
+    want_x = 448.0f / amax(x);
+    want_w = 448.0f / amax(L.w()->data);
+    want_g = 57344.0f / amax(dy);
+  }
+}
+
+TEST(Fp8Linear, GeluPathsAreTheGemmThenTheActivation) {
+  Context ctx;
+  Fp8Config c;
+  c.format = "e4m3";
+  c.recipe = Fp8Recipe::Tensorwise;
+  Layer L;
+  L.lin.enable_fp8(c);
+  const Tensor x = random_tensor({kTokens, kIn}, 5, 1.0f);
+  Tensor pre;
+  const Tensor out = L.lin.forward_gelu(ctx, x, pre);
+  const Tensor y = L.lin.forward(ctx, x);
+  EXPECT_EQ(pre.to_floats(), y.to_floats());
+  Tensor g = Tensor::empty(y.shape(), DType::Float32);
+  cpu::gelu_forward(ctx, y, g);
+  EXPECT_EQ(out.to_floats(), g.to_floats());
+
+  // fc2's backward through the GeLU: the FP8 input gradient, then gelu'
+  ParamAndGradBuffer p2(DType::Float32, Device::cpu());
+  Linear fc2(p2, "fc2", kOut, kIn, false, ParamInit::Normal);
+  p2.allocate();
+  p2.init_weights(4, 0.05f, 2, false);
+  p2.zero_grad();
+  fc2.enable_fp8(c);
+  const Tensor dy = random_tensor({kTokens, kIn}, 6, 1e-2f);
+  const Tensor grad_pre = fc2.backward_through_gelu(ctx, dy, out, pre);
+  const Tensor wg = p2.find("fc2.weight")->main_grad.clone();
+  p2.zero_grad();
+  const Tensor grad_x = fc2.backward(ctx, dy, out);
+  EXPECT_EQ(p2.find("fc2.weight")->main_grad.to_floats(), wg.to_floats());
+  Tensor want = Tensor::empty(pre.shape(), DType::Float32);
+  cpu::gelu_backward(ctx, grad_x, pre, want);
+  EXPECT_EQ(grad_pre.to_floats(), want.to_floats());
+}
+
+}  // namespace
+}  // namespace megatron

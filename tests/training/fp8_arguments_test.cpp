@@ -1,0 +1,84 @@
+// Megatron's FP8 flags: names, defaults, the rules that refuse a combination, and the one line
+// that refuses FP8 training while the layers do not use the FP8 ops.
+#include <gtest/gtest.h>
+
+#include "megatron/core/fp8_utils.h"
+#include "megatron/training/arguments.h"
+#include "tests/test_util.h"
+#include "tests/training/parse_util.h"
+
+namespace megatron {
+namespace {
+
+using testing::error_of;
+using testing::parse;
+
+std::vector<std::string> base(std::vector<std::string> extra) {
+  std::vector<std::string> f = {"--num-layers", "4",  "--hidden-size",  "128", "--num-attention-heads", "4",
+                                "--seq-length", "32", "--micro-batch-size", "2", "--train-iters",      "10",
+                                "--lr",         "1e-3", "--mock-data",    "--vocab-size", "100"};
+  f.insert(f.end(), extra.begin(), extra.end());
+  return f;
+}
+
+std::string validate_error(std::vector<std::string> extra) {
+  return error_of([&] {
+    Arguments a = parse(base(extra));
+    validate_args(a);
+  });
+}
+
+TEST(Fp8Arguments, MegatronDefaults) {
+  Arguments a = parse(base({}));
+  const Fp8Config c = fp8_config_from_args(a);
+  EXPECT_FALSE(c.enabled());
+  EXPECT_EQ(c.recipe, Fp8Recipe::Delayed);
+  EXPECT_EQ(c.margin, 0);
+  EXPECT_EQ(c.interval, 1);
+  EXPECT_EQ(c.amax_history_len, 1);
+  EXPECT_FALSE(c.amax_compute_max);
+  EXPECT_FALSE(c.first_last_layers_bf16);
+  EXPECT_EQ(c.num_layers_at_start_in_bf16, 1);
+  EXPECT_EQ(c.num_layers_at_end_in_bf16, 1);
+  EXPECT_FALSE(c.param_gather);
+  EXPECT_EQ(validate_error({}), "");
+}
+
+TEST(Fp8Arguments, FlagsReachTheConfig) {
+  Arguments a = parse(base({"--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-margin", "2",
+                            "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max", "--fp8-interval", "3",
+                            "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "2",
+                            "--num-layers-at-end-in-bf16", "0", "--fp8-param-gather"}));
+  const Fp8Config c = fp8_config_from_args(a);
+  EXPECT_EQ(c.format, "hybrid");
+  EXPECT_EQ(c.recipe, Fp8Recipe::Tensorwise);
+  EXPECT_EQ(c.margin, 2);
+  EXPECT_EQ(c.amax_history_len, 1024);
+  EXPECT_TRUE(c.amax_compute_max);
+  EXPECT_EQ(c.interval, 3);
+  EXPECT_TRUE(c.first_last_layers_bf16);
+  EXPECT_EQ(c.num_layers_at_start_in_bf16, 2);
+  EXPECT_EQ(c.num_layers_at_end_in_bf16, 0);
+  EXPECT_TRUE(c.param_gather);
+}
+
+TEST(Fp8Arguments, BadCombinationsSayWhichRuleFailed) {
+  auto check = [](std::vector<std::string> extra, const std::string& needle) {
+    const std::string e = validate_error(extra);
+    EXPECT_NE(e.find(needle), std::string::npos) << "got: " << e;
+  };
+  check({"--fp8-format", "e4m3"}, "FP8 training is not wired into the layers yet");
+  check({"--fp8-format", "hybrid", "--fp8-recipe", "blockwise"}, "FP8 training is not wired");
+  check({"--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"}, "needs a Blackwell GPU");
+  check({"--fp8-format", "e4m3", "--first-last-layers-bf16"}, "does not work with --fp8-recipe delayed");
+  check({"--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--hidden-size", "96"}, "multiples of the 128 block");
+  check({"--fp8-param-gather"}, "--fp8-param-gather needs --fp8-format");
+  check({"--fp8-format", "e4m3", "--fp8-param-gather"}, "only works with the distributed optimizer");
+  check({"--fp8-format", "e4m3", "--fp8-amax-history-len", "0"}, "--fp8-amax-history-len must be at least 1");
+  // a value outside the choices is a parse error naming the flag
+  std::vector<const char*> argv = {"pretrain_gpt", "--fp8-format", "e5m2"};
+  EXPECT_NE(error_of([&] { parse_args(int(argv.size()), argv.data(), "test"); }), "");
+}
+
+}  // namespace
+}  // namespace megatron
