@@ -93,14 +93,14 @@ TEST(Arguments, UnknownFlagNamesTheNearest) {
 // the nearest flag, and a word close to no flag gets no suggestion.
 TEST(Arguments, UnknownFlagsAreReportedAllAtOnce) {
   auto f = base();
-  for (const char* x : {"--num-layer", "3", "--fp8-param-gather", "--hiden-size=8", "--frobnicate-widgets", "2",
+  for (const char* x : {"--num-layer", "3", "--decoupled-min-lr", "1e-5", "--hiden-size=8", "--frobnicate-widgets", "2",
                         "--decoupled-lr", "1e-4"})
     f.push_back(x);
   const std::string e = error_of([&] { parse(f); });
   EXPECT_NE(e.find("5 unknown flags"), std::string::npos) << e;
   EXPECT_NE(e.find("--num-layer (did you mean --num-layers?)"), std::string::npos) << e;
   EXPECT_NE(e.find("--hiden-size (did you mean --hidden-size?)"), std::string::npos) << e;
-  EXPECT_NE(e.find("--fp8-param-gather (a Megatron flag that megatron.cpp does not support)"), std::string::npos) << e;
+  EXPECT_NE(e.find("--decoupled-min-lr (a Megatron flag that megatron.cpp does not support)"), std::string::npos) << e;
   EXPECT_NE(e.find("--decoupled-lr (a Megatron flag that megatron.cpp does not support)"), std::string::npos)
       << e;
   EXPECT_NE(e.find("--frobnicate-widgets (no similar flag)"), std::string::npos) << e;
