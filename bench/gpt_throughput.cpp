@@ -5,6 +5,11 @@
 //
 //   build/bench/gpt_throughput --preset gpt-1.3B [--steps 20 --warmup 5 --device cuda --dtype bf16]
 //   build/bench/gpt_throughput --preset llama-1B --seq 32768 --micro-batch-size 1 --doc-mean 2048
+//   build/bench/gpt_throughput --preset gpt-1.3B --fp8-format hybrid --fp8-recipe delayed
+//
+// With --fp8-format the attention and MLP linear layers run in FP8 (Note [FP8 layers]) and each step
+// ends with the recipe's scale update, as pretrain_gpt's; "fp8_tflops" is the FLOPs those GEMMs
+// carry per second ("linear_flop_share" of Megatron's count; the rest runs in bf16).
 //
 // --doc-mean N packs documents into each sequence (Note [Packed sequences]): lengths
 // N/2 + (((i + 1) · 2654435761) mod 2^32) mod N for document i of the run (row r starts at
@@ -64,8 +69,8 @@ const std::map<std::string, Preset> kPresets = {
 int main(int argc, char** argv) {
   try {
     std::string preset = "tiny", device = "auto", dtype = "bf16";
-    int steps = 10, warmup = 3, vocab = 50257, mbs = 0, seq = 0, doc_mean = 0;
-    std::string recompute;
+    int steps = 10, warmup = 3, vocab = 50257, mbs = 0, seq = 0, doc_mean = 0, layers = 0;
+    std::string recompute, fp8_format, fp8_recipe = "delayed";
     bool profile = false, cuda_graph = false, deterministic = false, grouped_gemm = false;
     CLI::App app("GPT training-step throughput");
     app.add_option("--preset", preset, "Model shape")->capture_default_str();
@@ -78,6 +83,7 @@ int main(int argc, char** argv) {
             ->capture_default_str();
     app.add_option("--micro-batch-size", mbs, "Micro-batch size (default: the preset's)");
     app.add_option("--seq", seq, "Sequence length (default: the preset's)");
+    app.add_option("--layers", layers, "Number of layers (default: the preset's)");
     app.add_option("--doc-mean", doc_mean, "Pack documents of about this mean length into each sequence");
     app.add_option("--recompute", recompute, "Activation recomputation: full (uniform, every layer) or selective")
         ->check(CLI::IsMember({"full", "selective"}));
@@ -86,6 +92,8 @@ int main(int argc, char** argv) {
                  "Forward and backward as one CUDA graph, captured after the warmup steps (the optimizer eager)");
     app.add_flag("--deterministic", deterministic, "Deterministic algorithms (Megatron's --deterministic-mode)");
     app.add_flag("--moe-grouped-gemm", grouped_gemm, "MoE presets: the experts' GEMMs grouped (--moe-grouped-gemm)");
+    app.add_option("--fp8-format", fp8_format, "FP8 GEMMs: e4m3 or hybrid (default: off)");
+    app.add_option("--fp8-recipe", fp8_recipe, "delayed, tensorwise or blockwise")->capture_default_str();
     CLI11_PARSE(app, argc, argv);
     MG_CHECK(!(cuda_graph && profile), "--profile times ops one by one: drop --cuda-graph");
     MG_CHECK(!cuda_graph || warmup >= 1, "--cuda-graph needs --warmup >= 1 (the eager steps build the plans)");
@@ -94,6 +102,7 @@ int main(int argc, char** argv) {
     Preset p = it->second;
     if (mbs > 0) p.mbs = mbs;
     if (seq > 0) p.seq = seq;
+    if (layers > 0) p.layers = layers;
     if (p.vocab > 0 && vocab_opt->count() == 0) vocab = p.vocab;
 
     Arguments a;
@@ -131,6 +140,8 @@ int main(int argc, char** argv) {
       a.moe_ffn_hidden_size = p.moe_ffn;
       a.moe_grouped_gemm = grouped_gemm;
     }
+    a.fp8_format = fp8_format;
+    a.fp8_recipe = fp8_recipe;
     validate_args(a);
     Context ctx(select_device(device), 1234);
     ctx.set_deterministic(deterministic);
@@ -205,6 +216,7 @@ int main(int argc, char** argv) {
         forward_backward();
       }
       mark();
+      model.finish_fp8_step(ctx);
       optimizer.step(ctx);
       mark();
     };
@@ -270,20 +282,33 @@ int main(int argc, char** argv) {
     const double median = times[times.size() / 2];
     const double tokens_per_step = double(p.mbs) * p.seq;
     const double flops = num_floating_point_operations(a, config.padded_vocab_size, p.mbs);
+    // The FLOPs of the linear layers of attention and MLP (the GEMMs that run in FP8 with
+    // --fp8-format; dense layers): 6 per weight per token (forward, input and weight gradients).
+    double linear_flops = 0;
+    if (p.experts == 0) {
+      const double h = config.hidden_size, d = config.kv_channels, ffn = config.ffn_hidden_size;
+      const double qkv = d * (config.num_attention_heads + 2.0 * config.num_query_groups);
+      const double weights = h * qkv + config.num_attention_heads * d * h +
+                             h * ffn * (config.gated_linear_unit ? 2.0 : 1.0) + ffn * h;
+      linear_flops = 6.0 * weights * tokens_per_step * config.num_layers;
+    }
     MemoryStats m = memory_stats(ctx.device());
     std::printf(
         "%s\n",
         fmt::format("{{\"bench\": \"gpt_throughput\", \"impl\": \"megatron.cpp\", \"preset\": \"{}\", "
-                    "\"device\": \"{}\", \"dtype\": \"{}\", \"seq\": {}, \"mbs\": {}, \"vocab\": {}, \"params\": {}, "
+                    "\"device\": \"{}\", \"dtype\": \"{}\", \"layers\": {}, \"seq\": {}, \"mbs\": {}, \"vocab\": {}, \"params\": {}, "
                     "\"tokens_per_s\": {:.1f}, "
                     "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
                     "\"cuda_graph\": {}, \"deterministic\": {}, \"graph_mem_gb\": {:.3f}, \"loss\": {:.6f}, "
                     "\"experts\": {}, \"topk\": {}, \"grouped_gemm\": {}, \"doc_mean\": {}, \"documents\": {}, "
-                    "\"recompute\": \"{}\"}}",
-                    preset, ctx.device().str(), dtype, p.seq, p.mbs, config.padded_vocab_size, model.params().numel(),
+                    "\"recompute\": \"{}\", \"fp8_format\": \"{}\", \"fp8_recipe\": \"{}\", "
+                    "\"linear_flop_share\": {:.4f}, \"fp8_tflops\": {:.2f}}}",
+                    preset, ctx.device().str(), dtype, p.layers, p.seq, p.mbs, config.padded_vocab_size, model.params().numel(),
                     tokens_per_step / median, flops / median / 1e12, flops / median / 989e12, median * 1e3,
                     double(m.peak_allocated) / 1e9, cuda_graph, deterministic, double(CudaGraph::memory_bytes(ctx.device())) / 1e9,
-                    loss, p.experts, p.topk, grouped_gemm, doc_mean, documents, recompute)
+                    loss, p.experts, p.topk, grouped_gemm, doc_mean, documents, recompute, fp8_format,
+                    fp8_format.empty() ? "" : fp8_recipe, linear_flops / flops,
+                    fp8_format.empty() ? 0.0 : linear_flops / median / 1e12)
             .c_str());
     return 0;
   } catch (const std::exception& e) {

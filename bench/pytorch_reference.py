@@ -42,6 +42,8 @@ PRESETS = {  # layers, hidden, heads, seq, micro-batch
 }
 LLAMA_PRESETS = {  # layers, hidden, heads, query groups, ffn, seq, micro-batch, vocab, RoPE base
     "llama-1B": (16, 2048, 32, 8, 8192, 4096, 2, 128256, 500000.0),  # Llama-3.2-1B-like, untied output
+    # eight layers of Llama-3-8B's shape with its vocabulary, as bench/gpt_throughput's preset
+    "llama-8B-layers": (8, 4096, 32, 8, 14336, 8192, 1, 128256, 500000.0),
 }
 
 

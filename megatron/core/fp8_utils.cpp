@@ -75,7 +75,11 @@ Fp8TensorScaling::Fp8TensorScaling(const Fp8Config& config, int64_t num_tensors,
   params_.margin = config.margin;
   params_.use_max = config.amax_compute_max;
   scale_ = Tensor::from_floats(std::vector<float>(size_t(num_tensors), 1.0f), {num_tensors}, DType::Float32, device);
-  scale_inv_ = scale_.clone();
+  // Note [Aligned scale inverses]: each scale_inv gets a 16-byte slot of its own: cuBLASLt reads
+  // them through device pointers whose alignment its kernels depend on (a [n] array would put
+  // tensor 1's at 4 bytes).
+  scale_inv_ = Tensor::from_floats(std::vector<float>(size_t(num_tensors * kScaleInvStride), 1.0f),
+                                   {num_tensors, kScaleInvStride}, DType::Float32, device);
   if (recipe_ == Fp8Recipe::Delayed) {
     amax_history_ = Tensor::zeros({int64_t(config.amax_history_len), num_tensors}, DType::Float32, device);
   } else {
@@ -87,9 +91,14 @@ Tensor Fp8TensorScaling::amax(int64_t i) const {
   return recipe_ == Fp8Recipe::Delayed ? amax_history_.flat_slice(i, 1) : amax_.flat_slice(i, 1);
 }
 
-void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const Tensor& x, Tensor& q, Tensor& q_t) {
+void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const Tensor& x, Tensor& q, Tensor& q_t, bool again) {
   MG_ASSERT(i >= 0 && i < size(), "FP8 tensor {} of {}", i, size());
   Tensor s = scale(i), si = scale_inv(i), a = amax(i);
+  if (again) {
+    Tensor none;
+    ops::fp8_quantize(ctx, x, s, q, q_t, none, none);
+    return;
+  }
   if (recipe_ == Fp8Recipe::Tensorwise) {
     ops::fp8_amax(ctx, x, a);
     ops::fp8_scale_from_amax(ctx, a, params_.fp8_max, /*power_of_two_scales=*/false, s, si);

@@ -89,18 +89,25 @@ class Fp8TensorScaling {
 
   /// q = fp8(x · scale_i) and/or q_t, its transpose (either may be undefined), recording the amax
   /// (delayed: into the history's row 0; current scaling: scale_i from this x first) and writing
-  /// scale_inv_i — Note [Delayed scaling], Note [Current scaling].
-  void quantize(Context& ctx, int64_t i, const Tensor& x, Tensor& q, Tensor& q_t);
+  /// scale_inv_i — Note [Delayed scaling], Note [Current scaling]. `again`: x was quantised with
+  /// tensor i's current scale already (the backward pass's transposed copies of the weight, and
+  /// of the input under the delayed recipe): quantise with that scale and record nothing.
+  void quantize(Context& ctx, int64_t i, const Tensor& x, Tensor& q, Tensor& q_t, bool again = false);
   /// The delayed recipe's step after the forward or backward pass that used these tensors (a no-op
   /// for current scaling): roll the histories and update the scales, on the device.
   void update(Context& ctx);
 
   Tensor scale(int64_t i) const { return scale_.flat_slice(i, 1); }
-  Tensor scale_inv(int64_t i) const { return scale_inv_.flat_slice(i, 1); }
+  Tensor scale_inv(int64_t i) const { return scale_inv_.flat_slice(i * kScaleInvStride, 1); }
   /// The amax that quantize records into: the history's row 0 (delayed) or the current amax.
   Tensor amax(int64_t i) const;
   const Tensor& scales() const { return scale_; }
   const Tensor& amax_history() const { return amax_history_; }  // [L, n], delayed only
+  Tensor& mutable_scales() { return scale_; }
+  Tensor& mutable_amax_history() { return amax_history_; }
+
+  /// Floats between consecutive scale inverses (Note [Aligned scale inverses]).
+  static constexpr int64_t kScaleInvStride = 4;
 
  private:
   Fp8Recipe recipe_ = Fp8Recipe::Delayed;

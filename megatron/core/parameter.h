@@ -93,6 +93,17 @@ struct Parameter {
   GradHook* grad_hook = nullptr;
 };
 
+/// Model state that is not a parameter but belongs in checkpoints (Megatron's persistent buffers —
+/// the MoE routers' expert biases — and TransformerEngine's extra state — the FP8 scaling state), by
+/// name, the same on every rank that holds it.
+struct ModelBuffer {
+  std::string name;
+  Tensor* tensor = nullptr;
+  /// Loaded when the checkpoint has it, else left as it is (the FP8 scaling state: a bf16 run's
+  /// checkpoint has none, and a bf16 run ignores an FP8 run's). A required one must be there.
+  bool optional = false;
+};
+
 inline void notify_grad_accumulated(Context& ctx, Parameter* p) {
   if (p && p->grad_hook) p->grad_hook->grad_accumulated(ctx, *p);
 }

@@ -47,6 +47,11 @@ int cuda_device_count() {
   return hooks.device_count ? hooks.device_count() : 0;
 }
 
+int cuda_compute_capability(int device) {
+  auto& hooks = detail::cuda_hooks();
+  return hooks.compute_capability ? hooks.compute_capability(device) : 0;
+}
+
 std::shared_ptr<Storage> allocate(size_t nbytes, Device device) {
   if (device.type == DeviceType::CPU) {
     size_t rounded = (std::max<size_t>(nbytes, 1) + kCpuAlignment - 1) / kCpuAlignment * kCpuAlignment;

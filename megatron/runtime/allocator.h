@@ -62,6 +62,7 @@ struct CudaAllocatorHooks {
   void (*reset_peak)(Device) = nullptr;
   void (*copy)(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) = nullptr;
   int (*device_count)() = nullptr;
+  int (*compute_capability)(int device) = nullptr;
   void (*memset)(void* dst, int value, size_t n, void* stream) = nullptr;
   // Element conversion between fp32, bf16 and fp16 on one device (false: a pair it does not do).
   bool (*convert)(const void* src, DType src_type, void* dst, DType dst_type, size_t n) = nullptr;
@@ -81,5 +82,7 @@ void fill_bytes(void* dst, Device dev, int value, size_t n, void* stream = nullp
 bool cuda_available();
 /// The number of CUDA devices this process sees (0 in a CPU build or on a machine without a GPU).
 int cuda_device_count();
+/// A CUDA device's compute capability as major * 10 + minor (90: Hopper); 0 without CUDA.
+int cuda_compute_capability(int device);
 
 }  // namespace megatron

@@ -280,7 +280,9 @@ struct Parser {
     opt(g, "--num-layers-at-end-in-bf16", a.num_layers_at_end_in_bf16,
         "Layers kept in bf16 at the end with --first-last-layers-bf16");
     flag(g, "--fp8-param-gather", a.fp8_param_gather,
-         "Keep the compute weights in fp8 and all-gather them in fp8 (distributed optimizer)");
+         "Keep the compute weights in fp8 and all-gather them in fp8 (distributed optimizer; not supported yet)");
+    flag(g, "--fp8-cpu-reference", a.fp8_cpu_reference,
+         "Allow --fp8-format on the CPU: the FP8 ops' reference implementation (slow; for tests)");
 
     g = "Activation recomputation";
     opt(g, "--recompute-granularity", a.recompute_granularity, "full or selective")
@@ -652,10 +654,10 @@ void validate_args(Arguments& a) {
   if (!a.group_query_attention) a.num_query_groups = a.num_attention_heads;
   // ---- FP8: Megatron's checks first, so a wrong combination says what is wrong
   fp8_config_from_args(a).validate(a.num_layers, pp, a.use_distributed_optimizer, a.hidden_size, a.ffn_hidden_size);
-  MG_CHECK(a.fp8_format.empty(),
-           "--fp8-format {}: FP8 training is not wired into the layers yet (the FP8 ops and recipes exist, the "
-           "linear layers do not use them): train with --bf16",
-           a.fp8_format);
+  MG_CHECK(!a.fp8_param_gather,
+           "--fp8-param-gather is not supported yet: the FP8 GEMMs quantise the bf16 weights each step, and the "
+           "distributed optimizer all-gathers bf16 weights; drop the flag (the training math is the same)");
+  MG_CHECK(a.fp8_format.empty() || !(a.fp16), "--fp8-format with --fp16 is not supported: train FP8 with --bf16");
   require_positive("--seq-length", a.seq_length);
   MG_CHECK(!a.sequence_parallel || a.seq_length % a.tensor_model_parallel_size == 0,
            "--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length ({}) must be "
@@ -837,6 +839,7 @@ TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab
   c.expert_tensor_parallel_size = a.expert_tensor_parallel_size;
   c.context_parallel_size = a.context_parallel_size;
   c.cp_comm_type = a.cp_comm_type;
+  c.fp8 = fp8_config_from_args(a);
   c.finalize();
   return c;
 }

@@ -558,7 +558,7 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
     if (owned(*p) && writer(*p)) job->model_tensors.push_back({p->name, host_copy(p->data), p->shard});
   }
   if (dp_writer && tp_rank == 0) {
-    for (const auto& [name, t] : buffers_) job->model_tensors.push_back({name, host_copy(*t), ShardSpec{}});
+    for (const ModelBuffer& b : buffers_) job->model_tensors.push_back({b.name, host_copy(*b.tensor), ShardSpec{}});
   }
   const bool save_optim = optimizer && !args_.no_save_optim;
   job->has_optim = save_optim && !optimizer->parameters().empty();
@@ -716,10 +716,15 @@ std::optional<TrainingProgress> Checkpointer::load_checked(Context& ctx, const s
                dir.string(), p->name, shape_str(shape), shape_str(want), vocabulary_hint(p->name, shape, want));
       bytes += model_index.load_into(p->name, p->shard, p->data);
     }
-    for (const auto& [name, t] : buffers_) {
-      MG_CHECK(model_index.contains(name), "checkpoint {} has no tensor '{}': it was saved from another model",
-               dir.string(), name);
-      bytes += model_index.load_into(name, ShardSpec{}, *t);
+    for (const ModelBuffer& b : buffers_) {
+      if (b.optional && !model_index.contains(b.name)) continue;
+      MG_CHECK(model_index.contains(b.name), "checkpoint {} has no tensor '{}': it was saved from another model",
+               dir.string(), b.name);
+      const Shape& shape = model_index.tensor(b.name).shape;
+      MG_CHECK(shape == b.tensor->shape(), "checkpoint {}: '{}' has shape {} there, {} in this run{}", dir.string(),
+               b.name, shape_str(shape), shape_str(b.tensor->shape()),
+               b.name.find("amax_history") != std::string::npos ? " (another --fp8-amax-history-len)" : "");
+      bytes += model_index.load_into(b.name, ShardSpec{}, *b.tensor);
     }
   } catch (...) {
     model_error = std::current_exception();

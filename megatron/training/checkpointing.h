@@ -129,15 +129,15 @@ class Checkpointer {
   std::optional<TrainingProgress> load(Context& ctx, const std::string& load_dir, ModelChunk& model,
                                        AdamOptimizer* optimizer, OptimizerParamScheduler* scheduler);
 
-  /// Model state that is not a parameter (Megatron's persistent buffers: the MoE routers' expert
-  /// biases), by name, the same on every rank that holds it: saved with the model weights by
-  /// data- and tensor-parallel rank 0, and loaded (it must be in the checkpoint) with them.
-  void set_model_buffers(std::vector<std::pair<std::string, Tensor*>> buffers) { buffers_ = std::move(buffers); }
+  /// Model state that is not a parameter (ModelBuffer: the MoE routers' expert biases, the FP8
+  /// scaling state), by name, the same on every rank that holds it: saved with the model weights by
+  /// data- and tensor-parallel rank 0, and loaded with them (a required one must be in the checkpoint).
+  void set_model_buffers(std::vector<ModelBuffer> buffers) { buffers_ = std::move(buffers); }
 
   struct SaveJob;  // a save's host snapshot and its progress (checkpointing.cpp)
 
  private:
-  std::vector<std::pair<std::string, Tensor*>> buffers_;
+  std::vector<ModelBuffer> buffers_;
   bool distributed() const { return parallel_ != nullptr && parallel_->world_size() > 1; }
   int rank() const { return distributed() ? parallel_->rank() : 0; }
   /// With several ranks: true on every rank iff `ok` on every rank (all-reduce; also a barrier).

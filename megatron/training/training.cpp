@@ -121,8 +121,8 @@ std::vector<Parameter*> chunk_parameters(const std::vector<std::unique_ptr<Model
 }
 
 // The non-parameter state a checkpoint carries (ModelChunk::buffers), over all model chunks.
-std::vector<std::pair<std::string, Tensor*>> chunk_buffers(const std::vector<std::unique_ptr<ModelChunk>>& chunks) {
-  std::vector<std::pair<std::string, Tensor*>> v;
+std::vector<ModelBuffer> chunk_buffers(const std::vector<std::unique_ptr<ModelChunk>>& chunks) {
+  std::vector<ModelBuffer> v;
   for (const auto& c : chunks)
     for (const auto& b : c->buffers()) v.push_back(b);
   return v;
@@ -221,6 +221,7 @@ struct Trainer {
                                                   fb_args(loss_scale(), false), &ddp);
     finalize_model_grads(ctx, ddp);
     for (auto& c : chunks) c->finish_router_step(ctx);
+    for (auto& c : chunks) c->finish_fp8_step(ctx);
     timers.stop("forward-backward");
     if (aux_losses && !aux_losses->empty()) {  // Megatron's track_moe_metrics
       for (const auto& [name, value] : aux_losses->report(ctx, &ps.pipeline(), &ps.data(),
@@ -463,12 +464,28 @@ Device select_device(const std::string& requested, int local_rank) {
   return Device::cuda(local_rank % cuda_device_count());  // one process per GPU
 }
 
+static void check_fp8_device(const Arguments& args, Device device) {
+  if (args.fp8_format.empty()) return;
+  if (!device.is_cuda()) {
+    MG_CHECK(args.fp8_cpu_reference,
+             "--fp8-format {} needs a Hopper (sm_90) or newer GPU, and this run is on the CPU (add "
+             "--fp8-cpu-reference to run the slow CPU reference of the FP8 ops, for tests)",
+             args.fp8_format);
+    return;
+  }
+  const int cc = cuda_compute_capability(device.index);
+  MG_CHECK(cc >= 90,
+           "--fp8-format {} needs a Hopper (sm_90) or newer GPU: {} has compute capability {}.{} (train with --bf16)",
+           args.fp8_format, device.str(), cc / 10, cc % 10);
+}
+
 int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_point program_start) {
   const LaunchInfo launch = detect_launch();
   args.world_size = launch.world_size;
   if (args.use_checkpoint_args && !args.load.empty()) apply_checkpoint_args(args, args.load);
   validate_args(args);
   const Device device = select_device(args.device, launch.local_rank);
+  check_fp8_device(args, device);
   check_deterministic_nccl(args, args.world_size > 1 && device.is_cuda());
   ParallelConfig layout;
   layout.tensor_model_parallel_size = args.tensor_model_parallel_size;

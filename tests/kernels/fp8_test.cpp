@@ -311,7 +311,7 @@ void check_gemm(Fp8ScaleMode mode_a, Fp8ScaleMode mode_b, DType ta, DType tb, DT
   Tensor out = accumulate ? Tensor::from_floats(std::vector<float>(size_t(m * n), 1.0f), {m, n}, out_type)
                           : Tensor::empty({m, n}, out_type);
   Tensor none;
-  ops::fp8_gemm(ctx, a, b, none, out, accumulate);
+  ops::fp8_gemm(ctx, a, b, none, out, accumulate, false);
   const std::vector<float> got = out.to_floats();
   double worst = 0, scale = 0;
   for (int64_t i = 0; i < m; ++i) {
@@ -350,9 +350,9 @@ TEST(Fp8Ops, GemmAddsTheBiasBeforeRounding) {
     Tensor bias = random_tensor({n}, 3, 5.0f, bt);
     Tensor plain = Tensor::empty({m, n}, DType::Float32), with32 = Tensor::empty({m, n}, DType::Float32);
     Tensor with16 = Tensor::empty({m, n}, DType::BFloat16);
-    ops::fp8_gemm(ctx, a, b, none, plain, false);
-    ops::fp8_gemm(ctx, a, b, bias, with32, false);
-    ops::fp8_gemm(ctx, a, b, bias, with16, false);
+    ops::fp8_gemm(ctx, a, b, none, plain, false, false);
+    ops::fp8_gemm(ctx, a, b, bias, with32, false, false);
+    ops::fp8_gemm(ctx, a, b, bias, with16, false, false);
     const std::vector<float> p = plain.to_floats(), w32 = with32.to_floats(), w16 = with16.to_floats(),
                              bv = bias.to_floats();
     for (int64_t i = 0; i < m * n; ++i) {
@@ -362,7 +362,7 @@ TEST(Fp8Ops, GemmAddsTheBiasBeforeRounding) {
     }
   }
   Tensor acc = Tensor::zeros({m, n}, DType::Float32), bias = Tensor::zeros({n}, DType::Float32);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, a, b, bias, acc, true); }).find("not with accumulate"),
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, a, b, bias, acc, true, false); }).find("not with accumulate"),
             std::string::npos);
 }
 
@@ -379,17 +379,17 @@ TEST(Fp8Ops, GemmRefusesWhatCublasLtCannotRun) {
   };
   Tensor out = Tensor::zeros({16, 16}, DType::Float32), out16 = Tensor::zeros({16, 16}, DType::BFloat16);
   auto e5 = op(16, 32, DType::Float8E5M2);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, e5, e5, Tensor(), out, false); }).find("e5m2 x e5m2"), std::string::npos);
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, e5, e5, Tensor(), out, false, false); }).find("e5m2 x e5m2"), std::string::npos);
   auto b2 = op(16, 128, DType::Float8E4M3, Fp8ScaleMode::Block128x128);
   Tensor out_b = Tensor::zeros({16, 16}, DType::Float32);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, b2, b2, Tensor(), out_b, false); }).find("both operands have 128x128"),
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, b2, b2, Tensor(), out_b, false, false); }).find("both operands have 128x128"),
             std::string::npos);
   auto t = op(16, 32, DType::Float8E4M3), v = op(16, 32, DType::Float8E4M3, Fp8ScaleMode::Block1x128);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, v, Tensor(), out, false); }).find("cannot be mixed"), std::string::npos);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, t, Tensor(), out16, true); }).find("accumulating needs an fp32 out"),
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, v, Tensor(), out, false, false); }).find("cannot be mixed"), std::string::npos);
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, t, Tensor(), out16, true, false); }).find("accumulating needs an fp32 out"),
             std::string::npos);
   auto k_other = op(16, 48, DType::Float8E4M3);
-  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, k_other, Tensor(), out, false); }).find("one K"), std::string::npos);
+  EXPECT_NE(error_of([&] { ops::fp8_gemm(ctx, t, k_other, Tensor(), out, false, false); }).find("one K"), std::string::npos);
   // the CUDA alignment rule, checked the same way on every backend's entry
   std::string e = error_of([&] { ops::check_fp8_gemm(op(16, 40, DType::Float8E4M3), op(16, 40, DType::Float8E4M3),
                                                      Tensor(), out, false, true); });

@@ -16,7 +16,7 @@ Fp8LinearState::Fp8LinearState(const Fp8Config& config, Device device) : config_
 // x [rows, cols] quantised for a GEMM operand [rows, cols] (transposed: [cols, rows], the copy of
 // xᵀ); per-tensor recipes through the state's tensor `index`, blockwise per tile.
 Fp8Operand Fp8LinearState::quantize(Context& ctx, bool backward, int64_t index, const Tensor& x, bool transposed,
-                                    bool tile_2d) {
+                                    bool tile_2d, bool again) {
   const DType t = backward ? config_.backward_dtype() : config_.forward_dtype();
   const int64_t rows = x.size(0), cols = x.size(1);
   Fp8Operand o;
@@ -25,10 +25,10 @@ Fp8Operand Fp8LinearState::quantize(Context& ctx, bool backward, int64_t index, 
     Tensor none;
     if (transposed) {
       o.data = Tensor::empty({cols, rows}, t, ctx.device());
-      s.quantize(ctx, index, x, none, o.data);
+      s.quantize(ctx, index, x, none, o.data, again);
     } else {
       o.data = Tensor::empty({rows, cols}, t, ctx.device());
-      s.quantize(ctx, index, x, o.data, none);
+      s.quantize(ctx, index, x, o.data, none, again);
     }
     o.scale_inv = s.scale_inv(index);
     return o;
@@ -51,7 +51,7 @@ void Fp8LinearState::forward(Context& ctx, const Tensor& x, const Tensor& weight
   Tensor y2 = y.view({-1, weight.size(0)});
   const Fp8Operand qx = quantize(ctx, false, 0, x2, false, false);
   const Fp8Operand qw = quantize(ctx, false, 1, weight, false, true);
-  ops::fp8_gemm(ctx, qx, qw, bias, y2, false);
+  ops::fp8_gemm(ctx, qx, qw, bias, y2, false, /*fast_accumulation=*/true);  // Note [FP8 GEMM accumulation]
 }
 
 void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight,
@@ -69,14 +69,15 @@ void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor
   if (grad_in.defined()) {
     Tensor gi2 = grad_in.view({-1, in});
     if (!qg.data.defined()) qg = quantize(ctx, true, 0, g2, false, false);
-    const Fp8Operand qw_t = quantize(ctx, false, 1, weight, true, true);
-    ops::fp8_gemm(ctx, qg, qw_t, none, gi2, false);
+    const Fp8Operand qw_t = quantize(ctx, false, 1, weight, true, true, /*again=*/true);
+    ops::fp8_gemm(ctx, qg, qw_t, none, gi2, false, false);
   }
   if (weight_grad.defined()) {
     if (!qg_t.data.defined()) qg_t = quantize(ctx, true, 0, g2, true, false);
-    const Fp8Operand qx_t = quantize(ctx, false, 0, x2, true, false);
+    const Fp8Operand qx_t =
+        quantize(ctx, false, 0, x2, true, false, /*again=*/config_.recipe == Fp8Recipe::Delayed);
     Tensor wg = weight_grad;
-    ops::fp8_gemm(ctx, qg_t, qx_t, none, wg, true);
+    ops::fp8_gemm(ctx, qg_t, qx_t, none, wg, true, false);
   }
   if (bias_grad.defined()) ops::linear_backward(ctx, g2, x2, weight, none, none, bias_grad);
 }

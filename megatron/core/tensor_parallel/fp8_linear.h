@@ -3,18 +3,25 @@
 // tensors when FP8 is on for the layer; the tensor-parallel communication stays in Linear.
 //
 // Note [FP8 linear layer]: the three GEMMs of Note [FP8 GEMM layouts] with the recipe's operands:
-//   forward      x (e4m3, the input's scale), W (e4m3, the weight's scale), bias added in fp32;
+//   forward      x (e4m3, the input's scale), W (e4m3, the weight's scale), bias added in fp32,
+//                with fast accumulation under the per-tensor recipes (TE's fprop setting; Note
+//                [FP8 GEMM accumulation]);
 //   grad_in      dy (the backward dtype: e5m2 with hybrid) · the transposed weight copy W_t;
 //   weight_grad  dy_t · x_t, accumulated into the fp32 main_grad; the bias gradient is the column
 //                sum of dy in its own precision (not quantised), as TE's bgrad.
 // Per-tensor recipes quantise with Fp8TensorScaling (forward: tensors 0 = input, 1 = weight;
 // backward: 0 = output gradient); the transposed copies x_t and W_t are made in backward by
-// quantising the kept bf16 tensors again with the same state (delayed: the step's scale, so the
-// copies equal the forward's transposed; current scaling: the tensor's own scale again). Nothing
-// fp8 is kept between forward and backward. The blockwise recipe quantises x and dy per 1x128
+// quantising the kept bf16 tensors again with the same state, recording no amax (delayed: the
+// step's scale, so the copies equal the forward's transposed; current scaling: W_t with the scale
+// its forward set — the weight has not changed — and x_t from its own amax again, since another
+// microbatch's forward may have rescaled tensor 0 in between). Nothing fp8 is kept between forward
+// and backward. The blockwise recipe quantises x and dy per 1x128
 // tile, W per 128x128 tile; the weight gradient's operands are 1x128 tiles along the token
 // dimension of the transposed tensors (Note [FP8 block scaling]).
-// update() is the delayed recipe's step, once per training step after its last backward.
+// update() is the delayed recipe's step, once per training step after its last backward (the
+// model reduces the amax over its ranks first: Note [FP8 scaling under parallelism]). The weights
+// stay in their bf16 (or fp32) parameters and are quantised at each use — once in forward, once
+// transposed in backward — which costs a pass over them per microbatch and no memory between.
 #pragma once
 
 #include "megatron/core/fp8_utils.h"
@@ -40,7 +47,9 @@ class Fp8LinearState {
   Fp8TensorScaling& backward_scaling() { return bwd_; }
 
  private:
-  Fp8Operand quantize(Context& ctx, bool backward, int64_t index, const Tensor& x, bool transposed, bool tile_2d);
+  /// again: x was quantised with tensor `index`'s scale earlier in this step (Fp8TensorScaling::quantize).
+  Fp8Operand quantize(Context& ctx, bool backward, int64_t index, const Tensor& x, bool transposed, bool tile_2d,
+                      bool again = false);
 
   Fp8Config config_;
   Fp8TensorScaling fwd_, bwd_;

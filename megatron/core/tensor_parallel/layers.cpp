@@ -42,8 +42,16 @@ Linear::Linear(ParamAndGradBuffer& params, const std::string& prefix, int64_t in
 Linear::Linear(Parameter* shared_weight, ParallelMode mode, Communicator* tp_group, bool sequence_parallel)
     : weight_(shared_weight), mode_(mode), tp_(multi_rank(tp_group)), sequence_parallel_(tp_ && sequence_parallel) {}
 
-void Linear::enable_fp8(const Fp8Config& config) {
-  fp8_ = std::make_shared<Fp8LinearState>(config, weight_->data.device());
+std::string Linear::name() const {
+  const std::string& w = weight_->name;
+  const std::string suffix = ".weight";
+  return w.size() > suffix.size() && w.compare(w.size() - suffix.size(), suffix.size(), suffix) == 0
+             ? w.substr(0, w.size() - suffix.size())
+             : w;
+}
+
+void Linear::enable_fp8(const Fp8Config& config, Device device) {
+  fp8_ = std::make_shared<Fp8LinearState>(config, device);
 }
 
 void Linear::gemm_forward(Context& ctx, const Tensor& x, const Tensor& bias, Tensor& y) const {

@@ -61,11 +61,14 @@ class Linear {
   /// Runs this layer's GEMMs in FP8 with the recipe of `config` (Note [FP8 linear layer],
   /// fp8_linear.h): Megatron's choice for the linear layers of attention and MLP. The GeLU fusions
   /// then run as a GEMM and the elementwise op.
-  void enable_fp8(const Fp8Config& config);
+  /// `device`: where the layer's parameters live (they may not be allocated yet).
+  void enable_fp8(const Fp8Config& config, Device device);
   /// The layer's FP8 state (null when FP8 is off): its update() is the delayed recipe's step.
   Fp8LinearState* fp8() const { return fp8_.get(); }
 
   const Parameter* weight() const { return weight_; }
+  /// The layer's name: its weight's without ".weight" ("decoder.layers.0.self_attention.linear_qkv").
+  std::string name() const;
   /// Local output features (out/tp for a column-parallel layer).
   int64_t out_features() const { return weight_->data.size(0); }
 

@@ -38,6 +38,13 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
   if (multi_rank(pg.cp)) cp_.emplace(pg.cp, cp_comm_type_from_string(config.cp_comm_type), pg.hcp_a2a, pg.hcp_p2p);
 }
 
+void SelfAttention::enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears) {
+  for (Linear* l : {&linear_qkv_, &linear_proj_}) {
+    l->enable_fp8(config, device);
+    fp8_linears.push_back(l);
+  }
+}
+
 namespace {
 AttnMask mask_of(const AttentionInputs& in) { return in.packed ? in.packed->mask() : AttnMask::causal(); }
 }  // namespace

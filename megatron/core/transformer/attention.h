@@ -74,6 +74,9 @@ class SelfAttention {
   Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
                            const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
 
+  /// Runs linear_qkv and linear_proj in FP8 (Note [FP8 layers]); appends them to `fp8_linears`.
+  void enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears);
+
  private:
   void core_forward(Context& ctx, const AttentionInputs& in, Saved& saved) const;
   /// Note [Fused QKV attention]: whether the core attention reads the QKV projection directly.

@@ -26,6 +26,13 @@ MLP::MLP(const TransformerConfig& config, const MlpSpec& spec, ParamAndGradBuffe
                   config.add_bias_linear, ParamInit::ScaledNormal, ParallelMode::Row, pg.tp,
                   config.sequence_parallel) {}
 
+void MLP::enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears) {
+  for (Linear* l : {&linear_fc1_, &linear_fc2_}) {
+    l->enable_fp8(config, device);
+    fp8_linears.push_back(l);
+  }
+}
+
 Tensor MLP::activation(Context& ctx, const Tensor& fc1) const {
   Tensor act = Tensor::empty({fc1.size(0), ffn_}, fc1.dtype(), ctx.device());
   if (swiglu_) {

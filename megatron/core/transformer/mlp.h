@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "megatron/core/tensor_parallel/layers.h"
 #include "megatron/core/transformer/transformer_config.h"
@@ -25,6 +26,9 @@ class MLP {
   /// x [N, h] -> [N, h] (fc2 bias included).
   Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const Saved& saved) const;
+
+  /// Runs fc1 and fc2 in FP8 (Note [FP8 layers]); appends them to `fp8_linears`.
+  void enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears);
 
  private:
   Tensor activation(Context& ctx, const Tensor& fc1) const;

@@ -73,8 +73,13 @@ class ModelChunk {
   /// finalize_model_grads; collective over the chunk's tp × cp and data-parallel groups), and the
   /// routers' per-step state restarts (reset_model_temporary_tensors: the global aux loss's counts).
   virtual void finish_router_step(Context&) {}
-  /// State that is not a parameter but belongs in checkpoints (the routers' expert biases), by name.
-  virtual std::vector<std::pair<std::string, Tensor*>> buffers() { return {}; }
+  /// After a step's gradients are final: the FP8 scaling state's step — the delayed recipe's amax
+  /// histories reduced over the chunk's tensor × context and data-parallel groups, then rolled and
+  /// the scales updated, on the device (Note [FP8 scaling under parallelism] in gpt_model.cpp).
+  virtual void finish_fp8_step(Context&) {}
+  /// State that is not a parameter but belongs in checkpoints (the routers' expert biases, the FP8
+  /// scaling state), by name.
+  virtual std::vector<ModelBuffer> buffers() { return {}; }
 
  private:
   AuxLossTracker* aux_losses_ = nullptr;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "megatron/core/fp8_utils.h"
 #include "megatron/runtime/dtype.h"
 
 namespace megatron {
@@ -76,6 +77,9 @@ struct TransformerConfig {
   DType params_dtype = DType::Float32;  // bf16 with --bf16, fp16 with --fp16
   bool bf16 = false;
   bool fp16 = false;
+  /// FP8 GEMMs (--fp8-format, --fp8-recipe, ...; core/fp8_utils.h): the linear layers of attention and
+  /// the MLP, in the layers the block spec marks (Note [FP8 layers]).
+  Fp8Config fp8;
 
   // ---- activation recomputation
   std::string recompute_granularity;  // "" | full | selective

@@ -56,7 +56,13 @@ TransformerLayer::TransformerLayer(const TransformerConfig& config, const Transf
       input_layernorm_(config, spec.input_layernorm, params, prefix + ".input_layernorm", pg),
       mixer_(make_mixer(config, spec.mixer, params, prefix, pg)),
       pre_mlp_layernorm_(config, spec.pre_mlp_layernorm, params, prefix + ".pre_mlp_layernorm", pg),
-      mlp_(make_mlp(config, spec.mlp, params, prefix, pg, layer_number)) {}
+      mlp_(make_mlp(config, spec.mlp, params, prefix, pg, layer_number)) {
+  if (!spec.fp8) return;
+  // Note [FP8 layers]: the attention's and a dense MLP's linear layers. An MoE layer's GEMMs (the
+  // routed experts' grouped GEMMs and the shared experts) stay in bf16 for now.
+  std::visit([&](auto& m) { m.enable_fp8(config.fp8, params.device(), fp8_linears_); }, mixer_);
+  if (MLP* mlp = std::get_if<MLP>(&mlp_)) mlp->enable_fp8(config.fp8, params.device(), fp8_linears_);
+}
 
 Tensor TransformerLayer::mixer_forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t offset,
                                        bool keep_core, MixerSaved& saved) const {

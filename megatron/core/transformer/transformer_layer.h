@@ -15,6 +15,7 @@
 
 #include <string>
 #include <variant>
+#include <vector>
 
 #include "megatron/core/transformer/attention.h"
 #include "megatron/core/transformer/mlp.h"
@@ -73,8 +74,11 @@ class TransformerLayer {
   Mixer mixer_;
   Norm pre_mlp_layernorm_;
   Mlp mlp_;
+  std::vector<Linear*> fp8_linears_;
 
  public:
+  /// The linear layers that run in FP8 (Note [FP8 layers]; empty when the spec says bf16).
+  const std::vector<Linear*>& fp8_linears() const { return fp8_linears_; }
   /// The MoE layer of this layer's MLP (null for a dense MLP).
   const moe::MoELayer* moe() const { return std::get_if<moe::MoELayer>(&mlp_); }
   moe::MoELayer* moe() { return std::get_if<moe::MoELayer>(&mlp_); }

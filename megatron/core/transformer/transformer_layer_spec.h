@@ -28,11 +28,17 @@ struct MlpSpec {
   int ffn_hidden_size = 0;  // intermediate size of this layer's MLP (each expert's for MoE); 0: the config's
 };
 
+// Note [FP8 layers]: with --fp8-format a layer's linear layers of attention and MLP (the shared
+// experts' included) run their GEMMs in FP8 — Megatron's choice: not the embedding, the output
+// layer, the router, the routed experts' grouped GEMMs or the attention core. --first-last-layers-bf16
+// keeps the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers in bf16
+// (Megatron's is_first_last_bf16_layer). The spec carries the per-layer answer.
 struct TransformerLayerSpec {
   NormKind input_layernorm = NormKind::LayerNorm;
   MixerSpec mixer;
   NormKind pre_mlp_layernorm = NormKind::LayerNorm;
   MlpSpec mlp;
+  bool fp8 = false;  // Note [FP8 layers]
 };
 
 struct TransformerBlockSpec {

@@ -187,7 +187,7 @@ void fp8_block_quantize(Context& ctx, const Tensor& x, bool tile_2d, bool power_
 }
 
 void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
-              bool accumulate) {
+              bool accumulate, bool /*fast_accumulation: a GPU rounding mode*/) {
   ops::check_fp8_gemm(a, b, bias, out, accumulate, /*cuda=*/false);
   assert_host(bias, "bias");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&a.data, &a.scale_inv, &b.data, &b.scale_inv, &out}) assert_host(*t, "fp8_gemm's tensors");

@@ -38,16 +38,17 @@ __device__ __forceinline__ void atomic_max_nonneg(float* p, float v) {
   atomicMax(reinterpret_cast<int*>(p), __float_as_int(v));
 }
 
-// Block-wide fmaxf; every thread gets the result.
+// Block-wide fmaxf over 1-D or 2-D blocks (whole warps); every thread gets the result.
 __device__ float block_max(float v) {
   __shared__ float warp_max[32];
   for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int warps = (blockDim.x + 31) / 32;
+  const int tid = int(threadIdx.y * blockDim.x + threadIdx.x);
+  const int lane = tid % 32, warp = tid / 32;
+  const int warps = int(blockDim.x * blockDim.y + 31) / 32;
   __syncthreads();  // warp_max may still be read by a previous call
   if (lane == 0) warp_max[warp] = v;
   __syncthreads();
-  v = lane < warps ? warp_max[lane] : 0.0f;
+  v = lane < warps ? warp_max[lane] : 0.0f;  // every warp reduces the partial maxima
   for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
@@ -63,7 +64,13 @@ __device__ __forceinline__ float scale_from_amax(float amax, float fp8_max, bool
 
 // ---- per-tensor quantise -------------------------------------------------------------------------
 
-// Flat pass: q (optional) and the amax (optional).
+// Note [Quantisation kernels]: memory-bound passes, so (1) each thread moves 16 bytes of x at a
+// time where the tensor allows (alignment and a multiple of the vector), (2) the amax is reduced
+// within the block first and then one atomic max per block (a same-address atomic per warp
+// serialises: it made the transposed pass ~7x slower than the memory allows), and (3) the
+// transposed copy is written 4 bytes per thread (a warp writes 128 consecutive bytes of q_t).
+
+// Flat pass, scalar: q (optional) and the amax (optional); also the tail of the vector pass.
 template <typename T>
 __global__ void quantize_flat_kernel(const T* __restrict__ x, int64_t n, const float* __restrict__ scale,
                                      uint8_t* __restrict__ q, bool e4m3, float* __restrict__ amax) {
@@ -80,19 +87,54 @@ __global__ void quantize_flat_kernel(const T* __restrict__ x, int64_t n, const f
   }
 }
 
-constexpr int kTile = 32, kTileRows = 8;
+// Flat pass, vectorised: element vectors of 16 bytes (V = 16 / sizeof(T) elements), V codes stored at once.
+template <typename T>
+__global__ void quantize_flat_vec_kernel(const T* __restrict__ x, int64_t nvec, const float* __restrict__ scale,
+                                         uint8_t* __restrict__ q, bool e4m3, float* __restrict__ amax) {
+  constexpr int V = int(16 / sizeof(T));
+  static_assert(V == 4 || V == 8, "16-byte vectors of 2- or 4-byte elements");
+  using Codes = std::conditional_t<V == 8, uint2, uint32_t>;
+  const float s = scale != nullptr ? *scale : 1.0f;
+  float local = 0.0f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nvec; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 raw = reinterpret_cast<const uint4*>(x)[i];
+    const T* v = reinterpret_cast<const T*>(&raw);
+    union {
+      Codes packed;
+      uint8_t b[V];
+    } codes;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float f = load_float(v[e]);
+      local = fmaxf(local, fabsf(f));
+      codes.b[e] = encode_fp8(f * s, e4m3);
+    }
+    if (q != nullptr) reinterpret_cast<Codes*>(q)[i] = codes.packed;
+  }
+  if (amax != nullptr) {
+    local = block_max(local);
+    if (threadIdx.x == 0) atomic_max_nonneg(amax, local);
+  }
+}
 
-// Tiled pass with the transposed copy: block (bx, by) takes x[by·32 .. +32, bx·32 .. +32].
+// Tiled pass with the transposed copy: block (bx, by) takes x[by·128 .. +128, bx·32 .. +32]; threads
+// (32, 8). Loads and q stores walk the tile's rows (32 consecutive columns per warp); the codes go
+// through shared memory (rows of 33 bytes: conflict-free reads of 4 rows at a time) and each
+// thread writes 4 consecutive bytes of a q_t row.
+constexpr int kTileRowsQ = 128, kTileCols = 32, kThreadsY = 8;
 template <typename T>
 __global__ void quantize_transpose_kernel(const T* __restrict__ x, int64_t m, int64_t k,
                                           const float* __restrict__ scale, uint8_t* __restrict__ q,
-                                          uint8_t* __restrict__ q_t, bool e4m3, float* __restrict__ amax) {
-  __shared__ uint8_t tile[kTile][kTile + 4];
+                                          uint8_t* __restrict__ q_t, bool e4m3, float* __restrict__ amax,
+                                          bool vector_store) {
+  __shared__ uint8_t tile[kTileRowsQ][kTileCols + 1];
   const float s = *scale;
-  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  const int64_t r0 = int64_t(blockIdx.y) * kTileRowsQ, c0 = int64_t(blockIdx.x) * kTileCols;
   float local = 0.0f;
-  for (int i = threadIdx.y; i < kTile; i += kTileRows) {
-    const int64_t r = r0 + i, c = c0 + threadIdx.x;
+  const int64_t c = c0 + threadIdx.x;
+#pragma unroll 4
+  for (int i = threadIdx.y; i < kTileRowsQ; i += kThreadsY) {
+    const int64_t r = r0 + i;
     if (r < m && c < k) {
       const float v = load_float(x[r * k + c]);
       local = fmaxf(local, fabsf(v));
@@ -102,15 +144,24 @@ __global__ void quantize_transpose_kernel(const T* __restrict__ x, int64_t m, in
     }
   }
   __syncthreads();
-  for (int i = threadIdx.y; i < kTile; i += kTileRows) {
-    const int64_t c = c0 + i, r = r0 + threadIdx.x;  // q_t[c, r]
-    if (r < m && c < k) q_t[c * m + r] = tile[threadIdx.x][i];
+  // q_t[c, r0 + 4·tx .. +4] for the tile's columns c = c0 + ty + 8·j
+  const int64_t r = r0 + 4 * int64_t(threadIdx.x);
+  for (int j = threadIdx.y; j < kTileCols; j += kThreadsY) {
+    const int64_t cc = c0 + j;
+    if (cc >= k || r >= m) continue;
+    uint8_t* dst = q_t + cc * m + r;
+    if (vector_store && r + 4 <= m) {
+      const uint32_t packed = uint32_t(tile[4 * threadIdx.x][j]) | (uint32_t(tile[4 * threadIdx.x + 1][j]) << 8) |
+                              (uint32_t(tile[4 * threadIdx.x + 2][j]) << 16) |
+                              (uint32_t(tile[4 * threadIdx.x + 3][j]) << 24);
+      *reinterpret_cast<uint32_t*>(dst) = packed;
+    } else {
+      for (int e = 0; e < 4 && r + e < m; ++e) dst[e] = tile[4 * threadIdx.x + e][j];
+    }
   }
   if (amax != nullptr) {
-    // each warp (one threadIdx.y) reduces its lanes, then one atomic max per warp
-    float v = local;
-    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (threadIdx.x == 0) atomic_max_nonneg(amax, v);
+    local = block_max(local);
+    if (threadIdx.x == 0 && threadIdx.y == 0) atomic_max_nonneg(amax, local);
   }
 }
 
@@ -238,6 +289,31 @@ void check_on_gpu(std::initializer_list<const Tensor*> ts, const char* op) {  //
   }
 }
 
+// The flat pass: the vector kernel over the 16-byte-aligned whole vectors, the scalar one over the
+// rest (Note [Quantisation kernels]).
+template <typename T>
+void launch_quantize_flat(cudaStream_t st, const T* x, int64_t n, const float* scale, uint8_t* q, bool e4m3,
+                          float* amax) {
+  constexpr int64_t V = int64_t(16 / sizeof(T));
+  int64_t nvec = 0;
+  if constexpr (sizeof(T) == 2 || sizeof(T) == 4) {
+    const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                         (q == nullptr || reinterpret_cast<uintptr_t>(q) % size_t(V) == 0);
+    if (aligned) nvec = n / V;
+  }
+  if (nvec > 0) {
+    if constexpr (sizeof(T) == 2 || sizeof(T) == 4) {
+      quantize_flat_vec_kernel<T><<<grid_for(nvec, kBlockSize, 2048), kBlockSize, 0, st>>>(x, nvec, scale, q, e4m3,
+                                                                                         amax);
+    }
+  }
+  const int64_t done = nvec * V;
+  if (done < n) {
+    quantize_flat_kernel<T><<<grid_for(n - done, kBlockSize, 2048), kBlockSize, 0, st>>>(
+        x + done, n - done, scale, q != nullptr ? q + done : nullptr, e4m3, amax);
+  }
+}
+
 }  // namespace
 
 void fp8_quantize(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax,
@@ -251,13 +327,13 @@ void fp8_quantize(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& q,
   if (n > 0) {
     dispatch_float(x.dtype(), [&]<typename T>() {
       if (q_t.defined()) {
-        const dim3 grid(unsigned((k + kTile - 1) / kTile), unsigned((m + kTile - 1) / kTile));
+        const dim3 grid(unsigned((k + kTileCols - 1) / kTileCols), unsigned((m + kTileRowsQ - 1) / kTileRowsQ));
         MG_CHECK(grid.y <= 65535u, "fp8_quantize: {} rows are too many for one transposed pass", m);
-        quantize_transpose_kernel<T><<<grid, dim3(kTile, kTileRows), 0, st>>>(
-            dev_ptr<const T>(x), m, k, f32_ptr(scale), fp8_ptr(q), fp8_ptr(q_t), e4m3, f32_ptr(amax));
+        const bool vector_store = m % 4 == 0 && reinterpret_cast<uintptr_t>(q_t.raw_data()) % 4 == 0;
+        quantize_transpose_kernel<T><<<grid, dim3(kTileCols, kThreadsY), 0, st>>>(
+            dev_ptr<const T>(x), m, k, f32_ptr(scale), fp8_ptr(q), fp8_ptr(q_t), e4m3, f32_ptr(amax), vector_store);
       } else if (q.defined() || amax.defined()) {
-        quantize_flat_kernel<T><<<grid_for(n, kBlockSize, 4096), kBlockSize, 0, st>>>(
-            dev_ptr<const T>(x), n, f32_ptr(scale), fp8_ptr(q), e4m3, f32_ptr(amax));
+        launch_quantize_flat<T>(st, dev_ptr<const T>(x), n, f32_ptr(scale), fp8_ptr(q), e4m3, f32_ptr(amax));
       }
       CUDA_CHECK(cudaGetLastError());
     });
@@ -274,8 +350,7 @@ void fp8_amax(Context& ctx, const Tensor& x, Tensor& amax) {
   CUDA_CHECK(cudaMemsetAsync(amax.raw_data(), 0, sizeof(float), stream_of(ctx)));
   if (x.numel() == 0) return;
   dispatch_float(x.dtype(), [&]<typename T>() {
-    quantize_flat_kernel<T><<<grid_for(x.numel(), kBlockSize, 4096), kBlockSize, 0, stream_of(ctx)>>>(
-        dev_ptr<const T>(x), x.numel(), nullptr, nullptr, true, f32_ptr(amax));
+    launch_quantize_flat<T>(stream_of(ctx), dev_ptr<const T>(x), x.numel(), nullptr, nullptr, true, f32_ptr(amax));
     CUDA_CHECK(cudaGetLastError());
   });
 }
@@ -367,9 +442,13 @@ uint32_t alignment_of(const void* p) {
   return align;
 }
 
-// (device, handle, m, n, k, A type, B type, D type, A mode, B mode, accumulate, alignments of A, B, D)
-using Fp8GemmKey = std::tuple<int, void*, int64_t, int64_t, int64_t, int, int, int, int, int, bool, uint32_t, uint32_t,
-                              uint32_t>;
+// (device, handle, m, n, k, A type, B type, D type, A mode, B mode, accumulate, fast accumulation,
+//  bias type (-1: none),
+//  alignments of A, B, D, of the two scale_inv pointers and of the bias). The heuristic reads the
+//  pointers set in the descriptor (scales, bias) for their alignment, so a plan made for one
+//  alignment is refused ("not supported") at cublasLtMatmul for a less aligned pointer.
+using Fp8GemmKey = std::tuple<int, void*, int64_t, int64_t, int64_t, int, int, int, int, int, bool, bool, int,
+                              uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 struct Fp8GemmPlan {
   std::mutex mu;  // guards the scale-pointer attributes between set and enqueue
@@ -400,7 +479,8 @@ Fp8PlanCache& fp8_plan_cache() {
 // transposed: op(A) is N×K), its B our A [M, K] (K×M, ld K, not transposed), its D our out [M, N]
 // (N×M, ld N). So its A scale is our B's and its B scale our A's.
 std::shared_ptr<Fp8GemmPlan> make_fp8_plan(cublasLtHandle_t handle, const Fp8Operand& a, const Fp8Operand& b,
-                                           const Tensor& out, bool accumulate) {
+                                           const Tensor& bias, const Tensor& out, bool accumulate,
+                                           bool fast_accumulation) {
   const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
   auto plan = std::make_shared<Fp8GemmPlan>();
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -410,9 +490,10 @@ std::shared_ptr<Fp8GemmPlan> make_fp8_plan(cublasLtHandle_t handle, const Fp8Ope
   // Note [FP8 GEMM accumulation]: fast accumulation (FAST_ACCUM = 1) keeps the Hopper FP8 MMA's
   // reduced-precision accumulator across the whole K loop; off, cuBLASLt promotes partial sums to
   // full fp32 every few K steps (TE's use_split_accumulator, which its recipes use for the
-  // backward GEMMs and block scaling requires). Always off here: the GEMM stays within fp32
-  // accumulation tolerance of the CPU product.
-  const int8_t fast_accum = 0;
+  // backward GEMMs and block scaling requires). Off, the GEMM stays within fp32-accumulation
+  // tolerance of the CPU product; the linear layer's forward GEMM asks for it on with the
+  // per-tensor recipes, as TE's recipes do (fp8_gemm_fprop: use_split_accumulator=False).
+  const int8_t fast_accum = fast_accumulation && a.mode == Fp8ScaleMode::Tensor && b.mode == Fp8ScaleMode::Tensor ? 1 : 0;
   CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof(fast_accum)));
   const cublasLtMatmulMatrixScale_t mode_a = scale_mode(b.mode), mode_b = scale_mode(a.mode);
@@ -422,6 +503,16 @@ std::shared_ptr<Fp8GemmPlan> make_fp8_plan(cublasLtHandle_t handle, const Fp8Ope
   const void* sb = a.scale_inv.raw_data();
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  if (bias.defined()) {  // Note [FP8 GEMM bias]
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bias_type = CUDA_R_16BF;
+    const void* bp = bias.raw_data();
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                                sizeof(bias_type)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+  }
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->la, fp8_cuda_type(b.data.dtype()), uint64_t(k), uint64_t(n), k));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lb, fp8_cuda_type(a.data.dtype()), uint64_t(k), uint64_t(m), k));
   const cudaDataType_t dt = out.dtype() == DType::Float32 ? CUDA_R_32F : CUDA_R_16BF;
@@ -461,19 +552,22 @@ std::shared_ptr<Fp8GemmPlan> make_fp8_plan(cublasLtHandle_t handle, const Fp8Ope
 }  // namespace
 
 void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
-              bool accumulate) {
+              bool accumulate, bool fast_accumulation) {
   ops::check_fp8_gemm(a, b, bias, out, accumulate, /*cuda=*/true);
   check_on_gpu({&a.data, &a.scale_inv, &b.data, &b.scale_inv, &bias, &out}, "fp8_gemm");
   const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
   if (m == 0 || n == 0) return;
   MG_CHECK(k > 0, "fp8_gemm: K = 0");
-  if (bias.defined()) {
-    // Note [FP8 GEMM bias]: the product goes to fp32 (out itself when fp32), then one kernel adds
-    // the bias and rounds once, as the CPU does. (cuBLASLt's BIAS epilogue would save the pass for
-    // a bf16 out and bias; not used yet.)
+  // Note [FP8 GEMM bias]: a bf16 bias on a bf16 out is cuBLASLt's BIAS epilogue (added to the fp32
+  // accumulator, then one rounding — what the CPU does — with no extra pass); other combinations
+  // (an fp32 out or bias) take the product in fp32 (out itself when fp32), then one kernel adds the
+  // bias and rounds once.
+  const bool bias_epilogue = bias.defined() && bias.dtype() == DType::BFloat16 && out.dtype() == DType::BFloat16 &&
+                             !accumulate && alignment_of(bias.raw_data()) >= 16;
+  if (bias.defined() && !bias_epilogue) {
     Tensor acc = out.dtype() == DType::Float32 ? out : Tensor::empty(out.shape(), DType::Float32, out.device());
     Tensor none;
-    fp8_gemm(ctx, a, b, none, acc, false);
+    fp8_gemm(ctx, a, b, none, acc, false, fast_accumulation);
     dispatch_float(out.dtype(), [&]<typename T>() {
       dispatch_float(bias.dtype(), [&]<typename B>() {
         add_bias_kernel<T, B><<<grid_for(m * n), kBlockSize, 0, stream_of(ctx)>>>(f32_ptr(acc), dev_ptr<const B>(bias),
@@ -486,8 +580,11 @@ void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tens
   auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt_handle());
   MG_ASSERT(handle != nullptr, "fp8_gemm on CUDA needs a CUDA Context (no cuBLASLt handle)");
   const Fp8GemmKey key{ctx.device().index, ctx.cublaslt_handle(), m, n, k, int(a.data.dtype()), int(b.data.dtype()),
-                       int(out.dtype()), int(a.mode), int(b.mode), accumulate, alignment_of(a.data.raw_data()),
-                       alignment_of(b.data.raw_data()), alignment_of(out.raw_data())};
+                       int(out.dtype()), int(a.mode), int(b.mode), accumulate, fast_accumulation,
+                       bias_epilogue ? int(bias.dtype()) : -1, alignment_of(a.data.raw_data()),
+                       alignment_of(b.data.raw_data()), alignment_of(out.raw_data()),
+                       alignment_of(a.scale_inv.raw_data()), alignment_of(b.scale_inv.raw_data()),
+                       bias_epilogue ? alignment_of(bias.raw_data()) : 0u};
   std::shared_ptr<Fp8GemmPlan> plan;
   {
     Fp8PlanCache& cache = fp8_plan_cache();
@@ -495,7 +592,10 @@ void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tens
     auto it = cache.plans.find(key);
     if (it == cache.plans.end()) {
       if (cache.plans.size() >= 4096) cache.plans.clear();
-      it = cache.plans.emplace(key, make_fp8_plan(handle, a, b, out, accumulate)).first;
+      it = cache.plans
+               .emplace(key, make_fp8_plan(handle, a, b, bias_epilogue ? bias : Tensor(), out, accumulate,
+                                           fast_accumulation))
+               .first;
     }
     plan = it->second;
   }
@@ -506,6 +606,10 @@ void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tens
   const void* sb = a.scale_inv.raw_data();
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  if (bias_epilogue) {
+    const void* bp = bias.raw_data();
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+  }
   CUBLAS_CHECK(cublasLtMatmul(handle, plan->desc, &alpha, b.data.raw_data(), plan->la, a.data.raw_data(), plan->lb,
                               &beta, out.raw_data(), plan->ld, out.raw_data(), plan->ld, &plan->algo, ws.raw_data(),
                               plan->workspace, stream_of(ctx)));

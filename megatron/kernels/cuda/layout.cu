@@ -5,8 +5,9 @@
 // row size and every base pointer allow. No dtype conversion happens, so any dtype works.
 //   transpose_01   out row (j, i) <- x row (i, j); a row is prod(rest) elements
 //   qkv split      qkv row (t, g, slot) -> q/k/v head row; a row is one head of d elements
-// A transpose whose rows are single elements (a plain 2-D transpose of scalars) reads strided
-// and writes coalesced; the model transposes [s, b, h] activations, where rows are long.
+// A transpose whose rows are single elements of 1, 2, 4 or 8 bytes (a plain 2-D transpose, as the
+// FP8 block-scaled weight gradient needs) goes through 32x32 tiles in shared memory instead, so
+// that both its reads and its writes are coalesced.
 #include <algorithm>
 #include <utility>
 
@@ -104,6 +105,23 @@ void dispatch_unit(size_t unit, F&& f) {
   }
 }
 
+// out [b, a] = x [a, b]ᵀ of U elements: block (bx, by) takes the 32x32 tile x[by·32 .., bx·32 ..];
+// threads (32, 8).
+template <typename U>
+__global__ void transpose_tiled_kernel(const U* __restrict__ x, U* __restrict__ out, int64_t a, int64_t b) {
+  __shared__ U tile[32][33];
+  const int64_t i0 = int64_t(blockIdx.y) * 32, j0 = int64_t(blockIdx.x) * 32;
+  for (int r = threadIdx.y; r < 32; r += 8) {
+    const int64_t i = i0 + r, j = j0 + threadIdx.x;
+    if (i < a && j < b) tile[r][threadIdx.x] = x[i * b + j];
+  }
+  __syncthreads();
+  for (int r = threadIdx.y; r < 32; r += 8) {
+    const int64_t j = j0 + r, i = i0 + threadIdx.x;
+    if (i < a && j < b) out[j * a + i] = tile[threadIdx.x][r];
+  }
+}
+
 template <typename U, typename Map>
 void launch_copy_rows(Context& ctx, int64_t rows, int64_t units, const Map& map) {
   if (rows == 0 || units == 0) return;
@@ -166,6 +184,16 @@ void transpose_01(Context& ctx, const Tensor& x, Tensor& out) {
   const int64_t a = x.size(0), b = x.size(1);
   if (a * b == 0 || x.numel() == 0) return;
   const size_t row_bytes = x.nbytes() / size_t(a * b);
+  if (row_bytes <= 8 && (row_bytes & (row_bytes - 1)) == 0) {  // rows of one element: tiles
+    const dim3 grid(unsigned((b + 31) / 32), unsigned((a + 31) / 32));
+    MG_CHECK(grid.y <= 65535u, "transpose_01: {} rows are too many for one tiled pass", a);
+    dispatch_unit(row_bytes, [&]<typename U>() {
+      transpose_tiled_kernel<U><<<grid, dim3(32, 8), 0, stream_of(ctx)>>>(static_cast<const U*>(x.raw_data()),
+                                                                         static_cast<U*>(out.raw_data()), a, b);
+    });
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   const size_t unit = copy_unit(row_bytes, {x.raw_data(), out.raw_data()});
   dispatch_unit(unit, [&]<typename U>() {
     const int64_t units = int64_t(row_bytes / unit);

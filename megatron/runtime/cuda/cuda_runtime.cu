@@ -333,12 +333,24 @@ size_t graph_memory(Device device) {
 }
 }  // namespace
 
+// major * 10 + minor (90 for Hopper), 0 when the device cannot be queried.
+int compute_capability(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return major * 10 + minor;
+}
+
 void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
   alloc.allocate = cuda_allocate;
   alloc.stats = cuda_stats;
   alloc.reset_peak = cuda_reset_peak;
   alloc.copy = cuda_copy;
   alloc.device_count = device_count;
+  alloc.compute_capability = compute_capability;
   alloc.memset = cuda_memset;
   alloc.convert = cuda_convert;
   alloc.event_record = event_record;

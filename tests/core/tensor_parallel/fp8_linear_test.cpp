@@ -83,7 +83,7 @@ void check_layer(Fp8Recipe recipe, const std::string& format) {
   c.format = format;
   c.recipe = recipe;
   Layer L;
-  L.lin.enable_fp8(c);
+  L.lin.enable_fp8(c, Device::cpu());
   ASSERT_NE(L.lin.fp8(), nullptr);
   const Tensor x = random_tensor({kTokens, kIn}, 1, 1.0f), dy = random_tensor({kTokens, kOut}, 2, 1e-2f);
   if (recipe == Fp8Recipe::Delayed) {  // one step for a history: the first step's scales are 1
@@ -147,7 +147,7 @@ TEST(Fp8Linear, DelayedScalesFollowTheLastStepsAmax) {
   c.format = "hybrid";
   c.recipe = Fp8Recipe::Delayed;
   Layer L;
-  L.lin.enable_fp8(c);
+  L.lin.enable_fp8(c, Device::cpu());
   Fp8LinearState& s = *L.lin.fp8();
   float want_x = 1.0f, want_w = 1.0f, want_g = 1.0f;
   for (int step = 0; step < 3; ++step) {
@@ -180,7 +180,7 @@ TEST(Fp8Linear, GeluPathsAreTheGemmThenTheActivation) {
   c.format = "e4m3";
   c.recipe = Fp8Recipe::Tensorwise;
   Layer L;
-  L.lin.enable_fp8(c);
+  L.lin.enable_fp8(c, Device::cpu());
   const Tensor x = random_tensor({kTokens, kIn}, 5, 1.0f);
   Tensor pre;
   const Tensor out = L.lin.forward_gelu(ctx, x, pre);
@@ -196,7 +196,7 @@ TEST(Fp8Linear, GeluPathsAreTheGemmThenTheActivation) {
   p2.allocate();
   p2.init_weights(4, 0.05f, 2, false);
   p2.zero_grad();
-  fc2.enable_fp8(c);
+  fc2.enable_fp8(c, Device::cpu());
   const Tensor dy = random_tensor({kTokens, kIn}, 6, 1e-2f);
   const Tensor grad_pre = fc2.backward_through_gelu(ctx, dy, out, pre);
   const Tensor wg = p2.find("fc2.weight")->main_grad.clone();

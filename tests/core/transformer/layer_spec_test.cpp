@@ -8,6 +8,7 @@
 
 #include "megatron/core/models/gpt/gpt_layer_specs.h"
 #include "megatron/core/models/gpt/gpt_model.h"
+#include "megatron/core/tensor_parallel/fp8_linear.h"
 #include "megatron/kernels/ops.h"
 #include "megatron/runtime/philox.h"
 
@@ -168,6 +169,76 @@ TEST(LayerSpecs, AnMlpSizeThatDoesNotSplitOverTensorParallelRanksIsAClearError) 
               std::string::npos)
         << e.what();
   }
+}
+
+}  // namespace
+}  // namespace megatron
+
+namespace megatron {
+namespace {
+
+// Note [FP8 layers]: the spec marks the layers that run in FP8 (all but the first and last with
+// --first-last-layers-bf16), and an FP8 layer's attention and MLP linear layers get FP8 state.
+TEST(LayerSpecs, Fp8LayersFollowTheSpec) {
+  TransformerConfig c = tiny_config(true);
+  c.num_layers = 4;
+  c.fp8.format = "hybrid";
+  c.fp8.recipe = Fp8Recipe::Tensorwise;
+  c.fp8.first_last_layers_bf16 = true;
+  c.finalize();
+  const TransformerBlockSpec spec = get_gpt_decoder_block_spec(c);
+  ASSERT_EQ(spec.layers.size(), 4u);
+  EXPECT_FALSE(spec.layers[0].fp8);
+  EXPECT_TRUE(spec.layers[1].fp8);
+  EXPECT_TRUE(spec.layers[2].fp8);
+  EXPECT_FALSE(spec.layers[3].fp8);
+  GPTModel model(c, Device::cpu());
+  const std::vector<size_t> want = {0, 4, 4, 0};
+  std::vector<std::string> names;
+  for (size_t i = 0; i < 4; ++i) {
+    const auto& linears = model.decoder().layers()[i]->fp8_linears();
+    EXPECT_EQ(linears.size(), want[i]) << "layer " << i;
+    for (const Linear* l : linears) {
+      EXPECT_NE(l->fp8(), nullptr);
+      names.push_back(l->name());
+    }
+  }
+  EXPECT_EQ(names.front(), "decoder.layers.1.self_attention.linear_qkv");
+  EXPECT_EQ(names.back(), "decoder.layers.2.mlp.linear_fc2");
+}
+
+// The delayed recipe's step: after a forward and backward, finish_fp8_step rolls each FP8 layer's
+// amax history (this step's amax lands in its last row) and sets scale = fp8_max / amax; the
+// state is in the model's checkpoint buffers, optional.
+TEST(LayerSpecs, Fp8DelayedStateStepsAndIsCheckpointed) {
+  TransformerConfig c = tiny_config(false);
+  c.fp8.format = "hybrid";
+  c.fp8.recipe = Fp8Recipe::Delayed;
+  c.fp8.amax_history_len = 3;
+  c.finalize();
+  GPTModel model(c, Device::cpu());
+  model.init_weights(3);
+  loss(model, ids(2, 8, 40, 1), ids(2, 8, 40, 2), /*backward=*/true);
+  Context ctx;
+  model.finish_fp8_step(ctx);
+  const Linear* qkv = model.decoder().layers()[0]->fp8_linears()[0];
+  for (auto* s : {&qkv->fp8()->forward_scaling(), &qkv->fp8()->backward_scaling()}) {
+    const std::vector<float> h = s->amax_history().to_floats(), scale = s->scales().to_floats();
+    const int64_t n = s->size();
+    for (int64_t j = 0; j < n; ++j) {
+      EXPECT_EQ(h[size_t(j)], 0.0f) << "row 0 is cleared for the next step";
+      const float amax = h[size_t(2 * n + j)];
+      EXPECT_GT(amax, 0.0f);
+      EXPECT_EQ(scale[size_t(j)], fp8_max_of(s->dtype()) / amax);
+    }
+  }
+  int fp8_buffers = 0;
+  for (const ModelBuffer& b : model.buffers()) {
+    if (b.name.find(".fp8_") == std::string::npos) continue;
+    ++fp8_buffers;
+    EXPECT_TRUE(b.optional) << b.name;
+  }
+  EXPECT_EQ(fp8_buffers, 2 * 4 * 4);  // 2 layers x 4 linear layers x (scale, history) x (forward, backward)
 }
 
 }  // namespace

@@ -38,7 +38,11 @@ TransformerBlockSpec get_gpt_decoder_block_spec(const TransformerConfig& config)
   TransformerBlockSpec block;
   // --moe-layer-freq: the MoE layers of the pattern, dense ones elsewhere (Megatron's
   // get_gpt_decoder_block_spec with moe_layer_pattern).
-  for (int i = 0; i < config.num_layers; ++i) block.layers.push_back(get_gpt_layer_spec(config, config.is_moe_layer(i)));
+  for (int i = 0; i < config.num_layers; ++i) {
+    block.layers.push_back(get_gpt_layer_spec(config, config.is_moe_layer(i)));
+    // Note [FP8 layers]
+    block.layers.back().fp8 = config.fp8.enabled() && !is_first_last_bf16_layer(config.fp8, config.num_layers, i);
+  }
   block.final_layernorm = config.use_rmsnorm() ? NormKind::RMSNorm : NormKind::LayerNorm;
   return block;
 }

@@ -4,6 +4,7 @@
 
 #include "megatron/core/models/gpt/gpt_layer_specs.h"
 #include "megatron/core/parallel_state.h"
+#include "megatron/core/tensor_parallel/fp8_linear.h"
 #include "megatron/core/transformer/context_parallel.h"
 #include "megatron/kernels/ops.h"
 
@@ -86,13 +87,81 @@ void GPTModel::finish_router_step(Context& ctx) {
   }
 }
 
-std::vector<std::pair<std::string, Tensor*>> GPTModel::buffers() {
-  std::vector<std::pair<std::string, Tensor*>> out;
+// Note [FP8 scaling under parallelism]: the delayed recipe's amax of a tensor is its maximum over
+// the step's microbatches on this rank (row 0 of the history) and then, as Megatron's amax
+// reduction group does (tensor × context × data parallel), over the ranks that hold the same layer:
+// one all-reduce (max) of every FP8 layer's row 0 over tp × cp, then over dp, before the histories
+// roll. A tensor-parallel shard's amax so becomes its whole tensor's and every data-parallel replica
+// scales alike — a layout quantises as one process does. (Megatron/TE reduce after each forward
+// and backward pass; once per step after the last backward here, so the step's scales are those
+// of the previous steps, as TE's per-microbatch updates would also give with one microbatch.)
+// The current-scaling recipes (tensorwise, blockwise) keep no state across steps: each rank
+// scales its local tensors by their own amax, as TE does for tensor-parallel shards.
+void GPTModel::finish_fp8_step(Context& ctx) {
+  if (!config_.fp8.enabled() || config_.fp8.recipe != Fp8Recipe::Delayed) return;
+  std::vector<Fp8TensorScaling*> states;
+  for (const auto& layer : decoder_->layers()) {
+    for (Linear* l : layer->fp8_linears()) {
+      states.push_back(&l->fp8()->forward_scaling());
+      states.push_back(&l->fp8()->backward_scaling());
+    }
+  }
+  if (states.empty()) return;
+  Communicator* groups[] = {multi_rank(pg_.tp_cp), multi_rank(pg_.dp)};
+  if (groups[0] || groups[1]) {
+    int64_t total = 0;
+    for (const Fp8TensorScaling* s : states) total += s->size();
+    Tensor rows = Tensor::empty({total}, DType::Float32, ctx.device());
+    auto each_row0 = [&](auto&& copy) {
+      int64_t offset = 0;
+      for (Fp8TensorScaling* s : states) {
+        Tensor row0 = s->mutable_amax_history().flat_slice(0, s->size());
+        Tensor slot = rows.flat_slice(offset, s->size());
+        copy(row0, slot);
+        offset += s->size();
+      }
+    };
+    each_row0([&](Tensor& row0, Tensor& slot) {
+      copy_bytes(slot.raw_data(), ctx.device(), row0.raw_data(), ctx.device(), size_t(row0.nbytes()), ctx.stream());
+    });
+    for (Communicator* g : groups) {
+      if (g) g->all_reduce(ctx, rows, ReduceOp::Max)->wait();
+    }
+    each_row0([&](Tensor& row0, Tensor& slot) {
+      copy_bytes(row0.raw_data(), ctx.device(), slot.raw_data(), ctx.device(), size_t(row0.nbytes()), ctx.stream());
+    });
+  }
+  for (const auto& layer : decoder_->layers()) {
+    for (Linear* l : layer->fp8_linears()) l->fp8()->update(ctx);
+  }
+}
+
+// Note [FP8 state in checkpoints]: the delayed recipe's scales and amax histories of each FP8
+// linear layer ("<layer>.fp8_forward_scale" [2], "<layer>.fp8_forward_amax_history" [L, 2] — input,
+// weight — and "<layer>.fp8_backward_scale" [1], "<layer>.fp8_backward_amax_history" [L, 1] — the
+// output gradient; TE's fp8 meta in Megatron's _extra_state), the same on every rank of the layer
+// once reduced, so written once like the expert biases. They are optional: a bf16 checkpoint loads
+// into an FP8 run with fresh state (scales 1, empty histories, as a new TE module) and an FP8
+// checkpoint into a bf16 run ignores them. The scale inverses are not saved: each quantisation
+// writes them from the scale.
+std::vector<ModelBuffer> GPTModel::buffers() {
+  std::vector<ModelBuffer> out;
   for (size_t i = 0; i < decoder_->layers().size(); ++i) {
     moe::MoELayer* m = decoder_->layers()[i]->moe();
     if (m && m->router().expert_bias().defined()) {
-      out.emplace_back(fmt::format("decoder.layers.{}.mlp.router.expert_bias", decoder_->first_layer() + int(i)),
-                       &m->router().expert_bias());
+      out.push_back({fmt::format("decoder.layers.{}.mlp.router.expert_bias", decoder_->first_layer() + int(i)),
+                     &m->router().expert_bias()});
+    }
+  }
+  if (config_.fp8.enabled() && config_.fp8.recipe == Fp8Recipe::Delayed) {
+    for (const auto& layer : decoder_->layers()) {
+      for (Linear* l : layer->fp8_linears()) {
+        for (auto [pass, s] : {std::pair<const char*, Fp8TensorScaling*>{"forward", &l->fp8()->forward_scaling()},
+                               {"backward", &l->fp8()->backward_scaling()}}) {
+          out.push_back({fmt::format("{}.fp8_{}_scale", l->name(), pass), &s->mutable_scales(), true});
+          out.push_back({fmt::format("{}.fp8_{}_amax_history", l->name(), pass), &s->mutable_amax_history(), true});
+        }
+      }
     }
   }
   return out;

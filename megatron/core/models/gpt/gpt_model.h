@@ -111,9 +111,13 @@ class GPTModel : public ModelChunk {
   /// declares the same names, MoE layers or not: the tracker's reduction is collective).
   void set_aux_loss_tracker(AuxLossTracker* tracker) override;
   void finish_router_step(Context& ctx) override;
-  /// "decoder.layers.L.mlp.router.expert_bias" of each MoE layer with --moe-router-enable-expert-bias.
-  std::vector<std::pair<std::string, Tensor*>> buffers() override;
+  void finish_fp8_step(Context& ctx) override;
+  /// "decoder.layers.L.mlp.router.expert_bias" of each MoE layer with --moe-router-enable-expert-bias;
+  /// with the delayed FP8 recipe each FP8 linear layer's scaling state (optional: Note [FP8 state in
+  /// checkpoints]).
+  std::vector<ModelBuffer> buffers() override;
   const TransformerConfig& config() const { return config_; }
+  const TransformerBlock& decoder() const { return *decoder_; }
   ParamAndGradBuffer& params() override { return *params_; }
   const ParamAndGradBuffer& params() const override { return *params_; }
 

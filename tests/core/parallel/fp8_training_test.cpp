@@ -1,0 +1,185 @@
+// FP8 training through pretrain_gpt on CPU ranks (--fp8-cpu-reference: the FP8 ops' CPU reference,
+// which rounds and saturates exactly as the GPU kernels do):
+//   - the delayed recipe under tensor, sequence, pipeline and data parallelism agrees with one
+//     process to within FP8's own rounding (the amax reduction over tp × cp × dp gives every layout
+//     one process's scales: Note [FP8 scaling under parallelism]). Not bit for bit, as the bf16/fp32
+//     layouts are: a last-bit difference of fp32 sums (tensor-parallel partial sums) moves a value
+//     across an FP8 rounding boundary, and at the first step (scales of 1, as TE's) the gradients of
+//     a data-parallel rank, larger by the microbatch count it divides by, underflow e5m2 less; the
+//     quantisation steps then grow such differences over the iterations;
+//   - a run stopped and resumed from its checkpoint continues with exactly the uninterrupted run's
+//     losses and weights (the scales and amax histories travel in the checkpoint: Note [FP8 state
+//     in checkpoints]; fresh scales of 1 would quantise differently), also resumed under TP 2;
+//   - bf16 (here fp32) and FP8 runs load each other's checkpoints;
+//   - each recipe trains (falling loss), close to but not equal to the unquantised run;
+//   - FP8 on the CPU without the reference flag is refused with one line.
+#include <gtest/gtest.h>
+
+#include "tests/core/parallel/parallel_util.h"
+
+namespace megatron::testing {
+namespace {
+
+// The GPT of the layout tests with FP8 (hybrid: e4m3 forward, e5m2 gradients) and a history of 4.
+std::vector<std::string> fp8(const std::vector<std::string>& model, const std::string& recipe) {
+  return concat(model, {"--fp8-format", "hybrid", "--fp8-recipe", recipe, "--fp8-amax-history-len", "4",
+                        "--fp8-cpu-reference"});
+}
+
+// 128 wide (blockwise needs multiples of its 128 block), 4 layers.
+const std::vector<std::string> kWide = {
+    "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--vocab-size", "1000", "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--device", "cpu", "--split", "100,0,0",
+    "--adam-eps", "1e-4"};
+
+class Fp8Training : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new ScratchDir("fp8_training");
+    single_ = new TrainRun(train(dir_->path, "fp8_single", 1,
+                                 concat(fp8(kGpt, "delayed"),
+                                        {"--train-iters", "5", "--save", (dir_->path / "fp8_single").string()})));
+  }
+  static void TearDownTestSuite() {
+    delete single_;
+    delete dir_;
+  }
+  static ScratchDir* dir_;
+  static TrainRun* single_;
+};
+ScratchDir* Fp8Training::dir_ = nullptr;
+TrainRun* Fp8Training::single_ = nullptr;
+
+struct Layout {
+  std::string name;
+  int np;
+  std::vector<std::string> flags;
+};
+
+class Fp8Layouts : public Fp8Training, public ::testing::WithParamInterface<Layout> {};
+
+// Every iteration's loss within 2e-4 and gradient norm within 3e-2 of one process's (measured: TP 2
+// + SP 4e-6 / 2e-3 over 3 iterations, PP 2 exact for 2 iterations, TP 2 x DP 2 ~3e-4 / 1.4e-2).
+TEST_P(Fp8Layouts, DelayedScalingAgreesWithOneProcess) {
+  const Layout& l = GetParam();
+  ASSERT_EQ(single_->losses.size(), 5u) << single_->output;
+  TrainRun r = train(dir_->path, l.name, l.np, concat(concat(fp8(kGpt, "delayed"), l.flags), {"--train-iters", "5"}));
+  ASSERT_EQ(r.losses.size(), 5u) << r.output;
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_NEAR(r.losses[i], single_->losses[i], 2e-4 * single_->losses[i]) << l.name << " iteration " << i + 1;
+    EXPECT_NEAR(r.grad_norms[i], single_->grad_norms[i], 3e-2 * single_->grad_norms[i])
+        << l.name << " iteration " << i + 1;
+  }
+  EXPECT_NEAR(r.losses[0], single_->losses[0], 1e-6 * single_->losses[0]) << l.name << ": the first forward";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, Fp8Layouts,
+    ::testing::Values(Layout{"tp2_sp", 2, {"--tensor-model-parallel-size", "2", "--sequence-parallel"}},
+                      Layout{"pp2_vpp", 2,
+                             {"--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"}},
+                      Layout{"tp2_dp2_distopt", 4,
+                             {"--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                              "--overlap-grad-reduce", "--ddp-bucket-size", "20000"}}),
+    [](const ::testing::TestParamInfo<Layout>& i) { return i.param.name; });
+
+// Stopped at iteration 3 and resumed: iterations 4 and 5 are the uninterrupted run's, which needs
+// the scaling state (fresh scales of 1 would quantise differently).
+TEST_F(Fp8Training, ResumesWithItsScalingState) {
+  const fs::path ckpt = dir_->path / "resume";
+  train(dir_->path, "resume_save", 1,
+        concat(fp8(kGpt, "delayed"), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
+  TrainRun resumed = train(dir_->path, "resume_load", 1,
+                           concat(fp8(kGpt, "delayed"),
+                                  {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
+  ASSERT_EQ(resumed.losses.size(), 2u) << resumed.output;
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(resumed.losses[i], single_->losses[i + 3]) << "iteration " << i + 4;
+  expect_same_weights(ckpt, dir_->path / "fp8_single", "fp8 resumed");  // the FP8 scaling state included
+  // and under another layout: within FP8 rounding of the uninterrupted run
+  const fs::path ckpt2 = dir_->path / "resume_tp2";
+  train(dir_->path, "resume_save2", 1,
+        concat(fp8(kGpt, "delayed"), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt2.string()}));
+  TrainRun tp2 = train(dir_->path, "resume_load_tp2", 2,
+                       concat(fp8(kGpt, "delayed"), {"--train-iters", "5", "--tensor-model-parallel-size", "2",
+                                                     "--sequence-parallel", "--load", ckpt2.string()}));
+  ASSERT_EQ(tp2.losses.size(), 2u) << tp2.output;
+  for (size_t i = 0; i < 2; ++i) EXPECT_NEAR(tp2.losses[i], single_->losses[i + 3], 2e-4 * single_->losses[i + 3]);
+}
+
+// A checkpoint without FP8 state loads into an FP8 run (fresh scales), and an FP8 checkpoint into
+// a run without FP8 (its scaling state ignored).
+TEST_F(Fp8Training, PlainAndFp8RunsLoadEachOthersCheckpoints) {
+  const fs::path plain = dir_->path / "plain_ckpt";
+  const fs::path fp8_ckpt = dir_->path / "fp8_ckpt";
+  TrainRun p = train(dir_->path, "plain", 1,
+                     concat(kGpt, {"--train-iters", "3", "--save", plain.string()}));
+  ASSERT_EQ(p.losses.size(), 3u) << p.output;
+  TrainRun f = train(dir_->path, "plain_to_fp8", 1,
+                     concat(fp8(kGpt, "delayed"),
+                            {"--train-iters", "5", "--load", plain.string(), "--save", fp8_ckpt.string()}));
+  ASSERT_EQ(f.losses.size(), 2u) << f.output;
+  for (double l : f.losses) EXPECT_TRUE(std::isfinite(l)) << f.output;
+  TrainRun back = train(dir_->path, "fp8_to_plain", 1,
+                        concat(kGpt, {"--train-iters", "7", "--load", fp8_ckpt.string()}));
+  ASSERT_EQ(back.losses.size(), 2u) << back.output;
+  for (double l : back.losses) EXPECT_TRUE(std::isfinite(l)) << back.output;
+}
+
+// Every recipe trains: the loss falls over 8 iterations, and the run is FP8 (its losses differ from
+// the unquantised run's) yet close to it (within 2% at every iteration).
+TEST_F(Fp8Training, EveryRecipeTrainsCloseToTheUnquantisedRun) {
+  const std::vector<std::string> steps = {"--train-iters", "8", "--lr", "3e-3"};
+  TrainRun plain = train(dir_->path, "wide_plain", 1, concat(kWide, steps));
+  ASSERT_EQ(plain.losses.size(), 8u) << plain.output;
+  for (const char* recipe : {"delayed", "tensorwise", "blockwise"}) {
+    for (const char* format : {"e4m3", "hybrid"}) {
+      const std::string name = std::string("wide_") + recipe + "_" + format;
+      TrainRun r = train(dir_->path, name, 1,
+                         concat(concat(kWide, steps), {"--fp8-format", format, "--fp8-recipe", recipe,
+                                                       "--fp8-cpu-reference"}));
+      ASSERT_EQ(r.losses.size(), 8u) << r.output;
+      EXPECT_LT(r.losses.back(), r.losses.front() - 0.1) << name;
+      double max_rel = 0, max_abs = 0;
+      for (size_t i = 0; i < r.losses.size(); ++i) {
+        max_abs = std::max(max_abs, std::abs(r.losses[i] - plain.losses[i]));
+        max_rel = std::max(max_rel, std::abs(r.losses[i] - plain.losses[i]) / plain.losses[i]);
+      }
+      std::printf("%s: final loss %.6f (unquantised %.6f), largest difference %.3g (%.3g relative)\n", name.c_str(),
+                  r.losses.back(), plain.losses.back(), max_abs, max_rel);
+      EXPECT_GT(max_abs, 0.0) << name << ": no difference from the unquantised run — FP8 is not in use";
+      EXPECT_LT(max_rel, 0.02) << name;
+    }
+  }
+}
+
+TEST_F(Fp8Training, FirstAndLastLayersInBf16) {
+  // tensorwise (the delayed recipe refuses --first-last-layers-bf16, as Megatron): with every layer
+  // kept in bf16 the run is the unquantised one exactly.
+  TrainRun plain = train(dir_->path, "fl_plain", 1, concat(kWide, {"--train-iters", "3"}));
+  TrainRun all_bf16 = train(dir_->path, "fl_all", 1,
+                            concat(kWide, {"--train-iters", "3", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+                                           "--fp8-cpu-reference", "--first-last-layers-bf16",
+                                           "--num-layers-at-start-in-bf16", "2", "--num-layers-at-end-in-bf16", "2"}));
+  TrainRun mixed = train(dir_->path, "fl_mixed", 1,
+                         concat(kWide, {"--train-iters", "3", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+                                        "--fp8-cpu-reference", "--first-last-layers-bf16"}));
+  ASSERT_EQ(plain.losses.size(), 3u) << plain.output;
+  ASSERT_EQ(all_bf16.losses.size(), 3u) << all_bf16.output;
+  ASSERT_EQ(mixed.losses.size(), 3u) << mixed.output;
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(all_bf16.losses[i], plain.losses[i]) << "iteration " << i + 1;
+  EXPECT_NE(mixed.losses[2], plain.losses[2]);
+}
+
+TEST_F(Fp8Training, RefusedOnTheCpuWithoutTheReferenceFlag) {
+  RunResult r = run(concat({bin("pretrain_gpt")}, concat(kGpt, {"--train-iters", "1", "--fp8-format", "e4m3"})),
+                    dir_->path);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--fp8-format e4m3 needs a Hopper (sm_90) or newer GPU, and this run is on the CPU"),
+            std::string::npos)
+      << r.output;
+}
+
+}  // namespace
+}  // namespace megatron::testing
