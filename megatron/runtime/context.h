@@ -131,7 +131,9 @@ class HostCheckedIds {
 //      copies given no stream (Tensor::zero_, copy_from, to), go to the side stream (under capture:
 //      allocation and free nodes in the side branch). A block released there is reused by the pool
 //      only once the side stream has passed the free (stream-ordered free), whatever stream asks
-//      for it next; a host read inside run() waits for the side stream (and only it).
+//      for it next — the pool may make that stream wait for the side stream (its internal
+//      dependencies): correct, at worst less overlap. A host read inside run() waits for the side
+//      stream (which includes the main stream's work before the fork).
 //   2. A tensor the side stream touched and that is still referenced when run() returns (its
 //      inputs, outputs and saved activations) must stay referenced until join(): released later,
 //      its free is ordered on the legacy stream after the main stream, which waits for the side.

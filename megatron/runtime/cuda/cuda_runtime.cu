@@ -127,9 +127,9 @@ std::shared_ptr<Storage> cuda_allocate(size_t nbytes, Device device) {
   }
   CUDA_CHECK(cudaSetDevice(device.index));
   keep_pool_memory(device.index);
-  // Allocations are ordered on the legacy default stream (a side stream's on it: Note [Side
-  // stream]); kernels on Context streams are ordered against it by the pool's own cross-stream
-  // synchronisation at free time.
+  // Allocations are ordered on the legacy default stream — or on the side stream while its work is
+  // enqueued (Note [Side stream]); kernels on Context streams are ordered against it by the pool's
+  // own cross-stream synchronisation at free time.
   CUDA_CHECK(cudaMallocAsync(&p, n, t_route));
   record(device, (long long)n);
   return std::make_shared<Storage>(p, nbytes, device, [device, n](void* ptr, size_t) {

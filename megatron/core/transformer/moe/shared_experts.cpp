@@ -68,8 +68,9 @@ Tensor SharedExpertMLP::backward(Context& ctx, const Tensor& grad_out, Saved& sa
     const float sr = s[size_t(r)];
     dlogit[size_t(r)] = float(dot) * sr * (1.0f - sr);
   }
-  Tensor grad_x = mlp_.backward(ctx, scale_rows(ctx, grad_out, saved.score), saved.mlp);
+  // Copied to the device before the MLP's backward is enqueued: the copy waits for its stream.
   const Tensor grad_logits = Tensor::from_floats(dlogit, {n, 1}, grad_out.dtype()).to(ctx.device());
+  Tensor grad_x = mlp_.backward(ctx, scale_rows(ctx, grad_out, saved.score), saved.mlp);
   Tensor grad_x_gate = Tensor::empty(saved.x.shape(), saved.x.dtype(), ctx.device()), no_bias;
   ops::linear_backward(ctx, grad_logits, saved.x, gate_weight_->data, grad_x_gate, gate_weight_->main_grad, no_bias);
   notify_grad_accumulated(ctx, gate_weight_);
