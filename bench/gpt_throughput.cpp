@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
     std::string preset = "tiny", device = "auto", dtype = "bf16";
     int steps = 10, warmup = 3, vocab = 50257, mbs = 0, seq = 0, doc_mean = 0, layers = 0;
     std::string recompute, fp8_format, fp8_recipe = "delayed";
-    bool profile = false, cuda_graph = false, deterministic = false, grouped_gemm = false;
+    bool profile = false, cuda_graph = false, deterministic = false, grouped_gemm = false, shared_overlap = false;
+    int shared_ffn = 0;
     CLI::App app("GPT training-step throughput");
     app.add_option("--preset", preset, "Model shape")->capture_default_str();
     app.add_option("--steps", steps, "Timed steps")->capture_default_str();
@@ -94,6 +95,9 @@ int main(int argc, char** argv) {
     app.add_flag("--moe-grouped-gemm", grouped_gemm, "MoE presets: the experts' GEMMs grouped (--moe-grouped-gemm)");
     app.add_option("--fp8-format", fp8_format, "FP8 GEMMs: e4m3 or hybrid (default: off)");
     app.add_option("--fp8-recipe", fp8_recipe, "delayed, tensorwise or blockwise")->capture_default_str();
+    app.add_option("--moe-shared-expert-intermediate-size", shared_ffn, "MoE presets: shared experts of this size");
+    app.add_flag("--moe-shared-expert-overlap", shared_overlap,
+                 "MoE presets: the shared experts on the side stream (with the alltoall dispatcher)");
     CLI11_PARSE(app, argc, argv);
     MG_CHECK(!(cuda_graph && profile), "--profile times ops one by one: drop --cuda-graph");
     MG_CHECK(!cuda_graph || warmup >= 1, "--cuda-graph needs --warmup >= 1 (the eager steps build the plans)");
@@ -139,6 +143,9 @@ int main(int argc, char** argv) {
       a.moe_router_topk = p.topk;
       a.moe_ffn_hidden_size = p.moe_ffn;
       a.moe_grouped_gemm = grouped_gemm;
+      a.moe_shared_expert_intermediate_size = shared_ffn;
+      a.moe_shared_expert_overlap = shared_overlap;
+      if (shared_ffn > 0) a.moe_token_dispatcher_type = "alltoall";  // the overlap needs it: both runs use it
     }
     a.fp8_format = fp8_format;
     a.fp8_recipe = fp8_recipe;
@@ -301,13 +308,14 @@ int main(int argc, char** argv) {
                     "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
                     "\"cuda_graph\": {}, \"deterministic\": {}, \"graph_mem_gb\": {:.3f}, \"loss\": {:.6f}, "
                     "\"experts\": {}, \"topk\": {}, \"grouped_gemm\": {}, \"doc_mean\": {}, \"documents\": {}, "
+                    "\"shared_ffn\": {}, \"shared_overlap\": {}, "
                     "\"recompute\": \"{}\", \"fp8_format\": \"{}\", \"fp8_recipe\": \"{}\", "
                     "\"linear_flop_share\": {:.4f}, \"fp8_tflops\": {:.2f}}}",
                     preset, ctx.device().str(), dtype, p.layers, p.seq, p.mbs, config.padded_vocab_size, model.params().numel(),
                     tokens_per_step / median, flops / median / 1e12, flops / median / 989e12, median * 1e3,
                     double(m.peak_allocated) / 1e9, cuda_graph, deterministic, double(CudaGraph::memory_bytes(ctx.device())) / 1e9,
-                    loss, p.experts, p.topk, grouped_gemm, doc_mean, documents, recompute, fp8_format,
-                    fp8_format.empty() ? "" : fp8_recipe, linear_flops / flops,
+                    loss, p.experts, p.topk, grouped_gemm, doc_mean, documents, shared_ffn, shared_overlap, recompute,
+                    fp8_format, fp8_format.empty() ? "" : fp8_recipe, linear_flops / flops,
                     fp8_format.empty() ? 0.0 : linear_flops / median / 1e12)
             .c_str());
     return 0;

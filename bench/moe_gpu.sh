@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # MoE on the GPU machine, one call: our training step (bench/gpt_throughput's MoE presets) against
 # ../shared/bench/pytorch_moe_reference.py (eager and torch.compile) on mixtral-small and a
-# fine-grained shape (64 experts, top-6), then the MoE GPU tests. Runs from the repository root there,
+# fine-grained shape (64 experts, top-6), mixtral-small with a shared expert of 4096 without and with
+# --moe-shared-expert-overlap (alltoall dispatcher), then the MoE GPU tests. Runs from the repository root there,
 # with the package that `bench/moe_gpu.sh stage` made in .device/moecuda/ (binaries, libraries,
 # env.sh, the PyTorch reference). JSON lines to $OUT/moe_bench.jsonl; a summary table last.
 #   MOE_STAGE=/work/main/.device/moecuda bench/moe_gpu.sh stage   (here, from a CUDA build in build/)
@@ -38,6 +39,7 @@ echo "== ours"
 ours mixtral-small --moe-grouped-gemm --profile
 ours mixtral-small
 ours moe-fine-64x6 --moe-grouped-gemm --profile
+for o in "" --moe-shared-expert-overlap; do ours mixtral-small --moe-grouped-gemm --moe-shared-expert-intermediate-size 4096 $o; done
 echo "== pytorch ($(left) s left)"
 (PYTHONUNBUFFERED=1 timeout 200 python3 $P/pytorch_moe_reference.py --preset mixtral-small 2>&1 | tee -a $OUT/ref.txt |
   grep '^{' | sed 's/^{/{"preset": "mixtral-small", /' >> $J)
@@ -52,7 +54,8 @@ for p in ("mixtral-small", "moe-fine-64x6"):
         if r.get("bench") == "gpt_throughput" and r["preset"] == p:
             c = ref.get("pytorch-compile", {}).get("tokens_per_s")
             e = ref.get("pytorch-eager", {}).get("tokens_per_s")
-            print(f'{p:14} ours{" grouped" if r["grouped_gemm"] else " seq    "} {r["tokens_per_s"]:>9.0f} tok/s  mfu {r["mfu"]:.3f}  '
+            sh = f' shared {r["shared_ffn"]}{" overlap" if r["shared_overlap"] else ""}' if r.get("shared_ffn") else ''
+            print(f'{p:14} ours{" grouped" if r["grouped_gemm"] else " seq    "}{sh} {r["tokens_per_s"]:>9.0f} tok/s  mfu {r["mfu"]:.3f}  '
                   f'peak {r["peak_mem_gb"]:.1f} GB  vs compile {r["tokens_per_s"]/c if c else 0:.2f}  vs eager {r["tokens_per_s"]/e if e else 0:.2f}')
     for s, r in ref.items():
         print(f'{p:14} {s:15} {r["tokens_per_s"]:>9.0f} tok/s  mfu {r["mfu"]:.3f}  peak {r["peak_mem_GiB"]*1.073741824:.1f} GB')

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "megatron/runtime/context.h"
 #include "megatron/runtime/tensor.h"
 
 namespace megatron {
@@ -104,8 +105,18 @@ struct ModelBuffer {
   bool optional = false;
 };
 
+// Note [Gradient hooks on the side stream]: a gradient accumulated by work on a side context
+// (Note [Side stream], runtime/context.h) is reported at the SideStream's join, on the main
+// context. A hook launches its bucket's reduction ordered after the stream it is given; the bucket
+// may also hold gradients the main stream computes at the same time, and the side's gradient is
+// complete only once the side stream has run — after the join, the main stream has both.
 inline void notify_grad_accumulated(Context& ctx, Parameter* p) {
-  if (p && p->grad_hook) p->grad_hook->grad_accumulated(ctx, *p);
+  if (!p || !p->grad_hook) return;
+  if (ctx.is_side()) {
+    ctx.after_join([p](Context& main) { p->grad_hook->grad_accumulated(main, *p); });
+    return;
+  }
+  p->grad_hook->grad_accumulated(ctx, *p);
 }
 
 /// Megatron's default rule (_get_param_groups): no weight decay for biases and 1-D parameters

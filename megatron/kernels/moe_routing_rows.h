@@ -247,9 +247,17 @@ MG_HD inline double global_aux_loss_scale_of(const MoeRoutingParams& c, int64_t 
 }
 
 // Megatron's apply_input_jitter factor of stream element i (Note [Router input jitter],
-// core/transformer/moe/router.h): U(1 - eps, 1 + eps) from Philox's 24-bit uniform.
+// core/transformer/moe/router.h): U(1 - eps, 1 + eps) from Philox's 24-bit uniform, as
+// (1 - eps) + (2·eps)·u with every operation rounded on its own. nvcc contracts a multiply followed
+// by an add into one FMA (one rounding), which moved some factors by an ulp from the host's; on the
+// device the intrinsics below are never contracted, so both sides give the same bits.
 MG_HD inline float jitter_factor(float eps, uint64_t seed, uint64_t offset, uint64_t i) {
-  return 1.0f - eps + 2.0f * eps * philox_uniform(seed, offset, i);
+  const float u = philox_uniform(seed, offset, i);
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(1.0f - eps, __fmul_rn(2.0f * eps, u));
+#else
+  return (1.0f - eps) + (2.0f * eps) * u;
+#endif
 }
 
 }  // namespace megatron::moe_rows

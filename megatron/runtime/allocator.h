@@ -42,7 +42,10 @@ class Storage {
   Deleter deleter_;
 };
 
-/// Allocates `nbytes` on `device` (CPU: 64-byte aligned; CUDA: the stream-ordered pool).
+/// Allocates `nbytes` on `device` (CPU: 64-byte aligned; CUDA: the stream-ordered pool, ordered on
+/// the legacy default stream — or on a side stream while work is enqueued there, and then a tensor
+/// the side stream used follows Note [Side stream] in context.h, which stands in for PyTorch's
+/// record_stream).
 std::shared_ptr<Storage> allocate(size_t nbytes, Device device);
 /// Zero-filled host memory. Large blocks come straight from the kernel's zero pages (mmap), so
 /// they cost nothing until first written — a model's gradient buffer and Adam moments do not pay

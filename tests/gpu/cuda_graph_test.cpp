@@ -2,7 +2,8 @@
 // capture]) and the full-iteration training graph (core/full_cuda_graph.h) against the eager step:
 // the same kernels on the same values, so the same bits — every iteration's loss and gradient norm
 // must be equal, in fp32, bf16, fp16 with the dynamic loss scaler, with dropout, for a Llama-style
-// model, and when the number of microbatches changes under batch-size ramp-up (a second capture).
+// model, for MoE with the shared experts on the side stream, and when the number of microbatches
+// changes under batch-size ramp-up (a second capture).
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -176,6 +177,28 @@ TEST(FullCudaGraph, Bf16DropoutStepsEqualTheEagerSteps) {
 TEST(FullCudaGraph, BatchSizeRampUpCapturesAgain) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   expect_graph_is_eager("graph_rampup", {"--train-samples", "128", "--rampup-batch-size", "8", "8", "64"}, 12);
+}
+
+// MoE with the shared experts on the side stream (--moe-shared-expert-overlap; Note [Side stream]):
+// the fork and join inside the captured step, and the eager overlapped step against the plain one,
+// all to the last bit. Drop-and-pad keeps the rows per expert fixed (the dropless layer reads its
+// counts back to the host, which no capture allows).
+TEST(FullCudaGraph, MoeSharedExpertOverlapStepsEqualTheEagerSteps) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  ScratchDir dir("graph_moe_shared_overlap");
+  const auto plain = with(with({bin("pretrain_gpt")}, kModel),
+                          {"--train-iters", "6", "--bf16", "--swiglu", "--disable-bias-linear", "--num-experts", "4",
+                           "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256", "--moe-router-load-balancing-type",
+                           "none", "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity",
+                           "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size", "512"});
+  const auto overlapped = with(plain, {"--moe-shared-expert-overlap"});
+  const LoggedRun eager = run_logged(dir.path, "plain", plain);
+  const LoggedRun side = run_logged(dir.path, "overlap", overlapped);
+  const LoggedRun graph = run_logged(dir.path, "overlap_graph", with(overlapped, kGraph));
+  ASSERT_EQ(eager.lines.size(), 6u) << eager.output;
+  EXPECT_EQ(side.lines, eager.lines) << side.output;
+  EXPECT_NE(graph.output.find("CUDA graph: the forward and backward passes"), std::string::npos) << graph.output;
+  EXPECT_EQ(graph.lines, eager.lines) << graph.output;
 }
 
 // --deterministic-mode at a shape where cuDNN's default attention backward varies in its last bits

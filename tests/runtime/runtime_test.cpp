@@ -1,7 +1,10 @@
-// Runtime: dtypes and their conversions, tensors (views, slices, copies), the Philox generator.
+// Runtime: dtypes and their conversions, tensors (views, slices, copies), the Philox generator,
+// the context's side stream on the CPU (Note [Side stream]).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
 #include "megatron/runtime/allocator.h"
 #include "megatron/runtime/context.h"
@@ -125,6 +128,47 @@ TEST(Context, CpuContextHasWorkspaceAndRng) {
   EXPECT_FALSE(ctx.is_cuda());
   EXPECT_EQ(ctx.rng().seed, 99u);
   EXPECT_GE(ctx.workspace(100).nbytes(), 100u);
+}
+
+// The runtime's side stream on the CPU: run() is inline, join() runs the after-join work on the
+// main context once, a second open SideStream is refused, and work dropped by an exception is not
+// run.
+TEST(SideStream, RunsInlineOnTheCpuAndDefersHostWorkToTheJoin) {
+  Context ctx;
+  EXPECT_FALSE(ctx.is_side());
+  EXPECT_TRUE(ctx.side().is_side());
+  EXPECT_EQ(&ctx.side().main(), &ctx);
+  EXPECT_EQ(&ctx.side().rng(), &ctx.rng());
+  int ran = 0;
+  Context* seen = nullptr;
+  {
+    SideStream side(ctx);
+    const int v = side.run([&](Context& s) {
+      EXPECT_EQ(&s, &ctx.side());
+      s.after_join([&](Context& main) { ++ran, seen = &main; });
+      return 7;
+    });
+    EXPECT_EQ(v, 7);
+    EXPECT_EQ(ran, 0);
+    try {
+      SideStream again(ctx);
+      ADD_FAILURE() << "a second open SideStream was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("while one is open"), std::string::npos) << e.what();
+    }
+    side.join();
+    EXPECT_EQ(ran, 1);
+    EXPECT_EQ(seen, &ctx);
+  }
+  try {
+    SideStream side(ctx);
+    side.run([&](Context& s) { s.after_join([&](Context&) { ++ran; }); });
+    throw std::runtime_error("unwound");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_EQ(ran, 1);
+  SideStream reopened(ctx);  // the unwound one joined
+  reopened.join();
 }
 
 }  // namespace

@@ -73,12 +73,25 @@ void keep_pool_memory(int device) {
 //   - memsets and device-to-device copies on the legacy stream (Tensor::zero_, copy_from) go to
 //     the capturing stream instead; a copy to or from the host cannot be captured (it waits for
 //     the device) and is an error.
+//   - while a side stream's work is enqueued (Note [Side stream], context.h) its allocations and
+//     frees are nodes on the side stream, which forked from the capturing stream and joins it
+//     before the capture ends.
 struct CaptureState {
   cudaStream_t stream = nullptr;  // null: not capturing
+  uint64_t id = 0;                // which capture (a block's free belongs to the capture that made it)
   long long live = 0;             // graph allocations not yet released
   std::vector<std::pair<void*, size_t>> kept;
 };
 thread_local CaptureState t_capture;
+thread_local uint64_t t_captures = 0;
+
+// Note [Side stream] (context.h), rule 1: while this thread enqueues work on a side stream, its
+// allocations and frees, and the memsets and copies given no stream, are ordered on that stream
+// instead of the legacy default stream (or, under capture, the capturing stream).
+thread_local cudaStream_t t_route = nullptr;
+
+// The stream this thread's stream-less work goes to now.
+cudaStream_t current_stream() { return t_route != nullptr ? t_route : t_capture.stream; }
 
 // What a graph holds: the executable graph and the pre-capture blocks it may read.
 struct GraphHandle {
@@ -100,13 +113,13 @@ std::shared_ptr<Storage> cuda_allocate(size_t nbytes, Device device) {
       record(device, -(long long)n);
     });
   }
-  if (cudaStream_t capture = t_capture.stream) {
-    CUDA_CHECK(cudaMallocAsync(&p, n, capture));
+  if (t_capture.stream != nullptr) {
+    CUDA_CHECK(cudaMallocAsync(&p, n, current_stream()));
     record(device, (long long)n);
     t_capture.live += 1;
-    return std::make_shared<Storage>(p, nbytes, device, [device, n, capture](void* ptr, size_t) {
-      if (t_capture.stream == capture) {
-        cudaFreeAsync(ptr, capture);
+    return std::make_shared<Storage>(p, nbytes, device, [device, n, id = t_capture.id](void* ptr, size_t) {
+      if (t_capture.stream != nullptr && t_capture.id == id) {
+        cudaFreeAsync(ptr, current_stream());
         t_capture.live -= 1;
       }  // else: it outlived the capture, which failed because of it; the graph owns the memory
       record(device, -(long long)n);
@@ -114,15 +127,16 @@ std::shared_ptr<Storage> cuda_allocate(size_t nbytes, Device device) {
   }
   CUDA_CHECK(cudaSetDevice(device.index));
   keep_pool_memory(device.index);
-  // Allocations are ordered on the legacy default stream; kernels on Context streams are ordered
-  // against it by the pool's own cross-stream synchronisation at free time.
-  CUDA_CHECK(cudaMallocAsync(&p, n, nullptr));
+  // Allocations are ordered on the legacy default stream — or on the side stream while its work is
+  // enqueued (Note [Side stream]); kernels on Context streams are ordered against it by the pool's
+  // own cross-stream synchronisation at free time.
+  CUDA_CHECK(cudaMallocAsync(&p, n, t_route));
   record(device, (long long)n);
   return std::make_shared<Storage>(p, nbytes, device, [device, n](void* ptr, size_t) {
     if (t_capture.stream != nullptr) {
       t_capture.kept.emplace_back(ptr, n);  // the graph may read it: freed with the graph
     } else {
-      cudaFreeAsync(ptr, nullptr);
+      cudaFreeAsync(ptr, t_route);
     }
     record(device, -(long long)n);
   });
@@ -146,10 +160,11 @@ void cuda_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_
     MG_CHECK(dst_dev.type == DeviceType::CUDA && src_dev.type == DeviceType::CUDA,
              "a copy from {} to {} cannot be captured in a CUDA graph (it waits for the device): run it before "
              "the captured step", src_dev.str(), dst_dev.str());
-    CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, t_capture.stream));
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice,
+                               stream != nullptr ? static_cast<cudaStream_t>(stream) : current_stream()));
     return;
   }
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = stream != nullptr ? static_cast<cudaStream_t>(stream) : t_route;
   CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
   CUDA_CHECK(cudaStreamSynchronize(s));
 }
@@ -171,10 +186,11 @@ __global__ void convert_kernel(const S* src, D* dst, size_t n) {
 
 template <typename S>
 bool convert_from(const S* src, void* dst, DType dst_type, size_t n, unsigned grid) {
+  cudaStream_t s = t_route;
   switch (dst_type) {
-    case DType::Float32: convert_kernel<<<grid, 256>>>(src, static_cast<float*>(dst), n); return true;
-    case DType::BFloat16: convert_kernel<<<grid, 256>>>(src, static_cast<__nv_bfloat16*>(dst), n); return true;
-    case DType::Float16: convert_kernel<<<grid, 256>>>(src, static_cast<__half*>(dst), n); return true;
+    case DType::Float32: convert_kernel<<<grid, 256, 0, s>>>(src, static_cast<float*>(dst), n); return true;
+    case DType::BFloat16: convert_kernel<<<grid, 256, 0, s>>>(src, static_cast<__nv_bfloat16*>(dst), n); return true;
+    case DType::Float16: convert_kernel<<<grid, 256, 0, s>>>(src, static_cast<__half*>(dst), n); return true;
     default: return false;
   }
 }
@@ -193,18 +209,19 @@ bool cuda_convert(const void* src, DType src_type, void* dst, DType dst_type, si
   }
   if (!ok) return false;
   CUDA_CHECK(cudaGetLastError());
-  CUDA_CHECK(cudaStreamSynchronize(nullptr));  // as copy_bytes: done when it returns
+  CUDA_CHECK(cudaStreamSynchronize(t_route));  // as copy_bytes: done when it returns
   return true;
 }
 
 void cuda_memset(void* dst, int value, size_t n, void* stream) {
-  if (stream == nullptr && t_capture.stream != nullptr) stream = t_capture.stream;
+  if (stream == nullptr) stream = current_stream();
   CUDA_CHECK(cudaMemsetAsync(dst, value, n, static_cast<cudaStream_t>(stream)));
 }
 
 // Note [Streams and the memory pool]: a Context's stream is a blocking stream, so it is ordered
 // with the legacy default stream on which the pool allocates and frees: a block freed after a
-// kernel that used it is reused only once that kernel finished.
+// kernel that used it is reused only once that kernel finished. A side stream is not (it must not
+// stop at every allocation of the main thread): Note [Side stream] in context.h is its rule.
 void context_create(Device device, void** stream, void** cublaslt, void** cudnn) {
   CUDA_CHECK(cudaSetDevice(device.index));
   cudaStream_t s;
@@ -246,6 +263,49 @@ float event_elapsed_ms(void* start, void* end) {
 
 void event_destroy(void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }
 
+// Note [Side stream] (context.h): the side stream is non-blocking — the legacy stream's allocations
+// and frees, which the main thread keeps making, do not stop it — and shares the main context's
+// cuBLASLt handle; its cuDNN handle is its own (a cuDNN handle is bound to one stream).
+void side_create(Device device, void** stream, void** cudnn, void** fork_event, void** join_event) {
+  CUDA_CHECK(cudaSetDevice(device.index));
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  *stream = s;
+  cudnnHandle_t dnn = nullptr;
+  cudnnStatus_t ds = cudnnCreate(&dnn);
+  if (ds != CUDNN_STATUS_SUCCESS) {
+    mg_library_failure("cuDNN", "cudnnCreate", __FILE__, __LINE__, cudnnGetErrorString(ds), device.index);
+  }
+  cudnnSetStream(dnn, s);
+  *cudnn = dnn;
+  for (void** e : {fork_event, join_event}) {
+    cudaEvent_t ev;
+    CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    *e = ev;
+  }
+}
+
+void side_destroy(void* stream, void* cudnn, void* fork_event, void* join_event) {
+  if (cudnn) cudnnDestroy(static_cast<cudnnHandle_t>(cudnn));
+  for (void* e : {fork_event, join_event})
+    if (e) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  if (stream) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+// `waiter` waits for what `signaller` was given so far; under capture this is how a forked stream
+// enters the capture and how it joins back.
+void stream_wait(void* waiter, void* signaller, void* event) {
+  auto e = static_cast<cudaEvent_t>(event);
+  CUDA_CHECK(cudaEventRecord(e, static_cast<cudaStream_t>(signaller)));
+  CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), e, 0));
+}
+
+void* route(void* stream) {
+  void* previous = t_route;
+  t_route = static_cast<cudaStream_t>(stream);
+  return previous;
+}
+
 int device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -273,6 +333,7 @@ void capture_begin(Device device, void* stream) {
   CUDA_CHECK(cudaStreamBeginCapture(static_cast<cudaStream_t>(stream), cudaStreamCaptureModeThreadLocal));
   t_capture = CaptureState{};
   t_capture.stream = static_cast<cudaStream_t>(stream);
+  t_capture.id = ++t_captures;
 }
 
 void free_kept(std::vector<std::pair<void*, size_t>>& kept) {
@@ -365,6 +426,10 @@ void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
   ctx.graph_launch = graph_launch;
   ctx.graph_destroy = graph_destroy;
   ctx.graph_memory = graph_memory;
+  ctx.side_create = side_create;
+  ctx.side_destroy = side_destroy;
+  ctx.wait = stream_wait;
+  ctx.route = route;
 }
 
 }  // namespace megatron::detail

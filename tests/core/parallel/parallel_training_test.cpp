@@ -295,6 +295,29 @@ TEST_F(ParallelTraining, MoeExpertBiasSeqAuxTP2EP2) {
   EXPECT_TRUE(index.contains("decoder.layers.1.mlp.router.expert_bias"));
 }
 
+// Gated shared experts with --moe-shared-expert-overlap (Note [Shared experts on a side stream]):
+// on the CPU the side context runs inline, so one process with the overlap has the plain run's
+// losses and grad norms to the bit; TP 2 × SP × EP 2 × DP 2 with the overlap, the distributed
+// optimizer and overlapped gradient reduction (the side's gradient hooks reported at the join,
+// Note [Gradient hooks on the side stream]) equals the plain single process.
+TEST_F(ParallelTraining, MoeSharedExpertOverlap) {
+  const std::vector<std::string> model =
+      concat(kMoe, {"--moe-shared-expert-intermediate-size", "48", "--moe-shared-expert-gate",
+                    "--moe-token-dispatcher-type", "alltoall"});
+  TrainRun one = train(dir_->path, "moe_shared_single", 1,
+                       concat(model, {"--train-iters", "5", "--save", (dir_->path / "moe_shared_single").string()}));
+  ASSERT_EQ(one.losses.size(), 5u) << one.output;
+  TrainRun overlapped = train(dir_->path, "moe_shared_overlap_single", 1,
+                              concat(model, {"--moe-shared-expert-overlap", "--train-iters", "5"}));
+  EXPECT_EQ(overlapped.losses, one.losses) << overlapped.output;
+  EXPECT_EQ(overlapped.grad_norms, one.grad_norms);
+  check(model, one, "moe_shared_single",
+        Layout{"moe_shared_overlap_tp2sp_ep2_dp2", 4,
+               {"--moe-shared-expert-overlap", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                "--ddp-bucket-size", "20000"}});
+}
+
 // Sinkhorn routing (Note [Sinkhorn routing]: each rank balances its own microbatch's tokens, as
 // one process balances each microbatch) over EP 2 × DP 4.
 TEST_F(ParallelTraining, MoeSinkhornEP2) {

@@ -2,10 +2,16 @@
 // intermediate size, scaled by sigmoid(x·gᵀ) with the gate; the gradients of the input, the MLP's
 // weights and the gate weight against central finite differences; and under tensor + sequence
 // parallelism (two thread ranks) the same outputs and gradients as the single-rank module; in
-// MoELayer, output and gradients are the routed experts' plus the shared experts'.
+// MoELayer, output and gradients are the routed experts' plus the shared experts'; with
+// --moe-shared-expert-overlap (the side context, inline on the CPU) the layer's output, input
+// gradient and every weight gradient are bit-identical to the plain layer's, alone and under
+// tensor + sequence parallelism, and the side stream's gradient hooks reach the main context at
+// the join.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <thread>
 
 #include "megatron/core/distributed/param_and_grad_buffer.h"
@@ -206,7 +212,7 @@ TEST(SharedExperts, MoELayerAddsThemToTheRoutedExperts) {
   tc.moe_ffn_hidden_size = 6;
   tc.moe_shared_expert_intermediate_size = 10;
   tc.moe_shared_expert_gate = true;
-  tc.moe_shared_expert_overlap = true;  // accepted: no overlap on the CPU, same values
+  tc.moe_shared_expert_overlap = true;  // the side context runs inline on the CPU: same values
   tc.finalize();
   EXPECT_NE(testing::error_of([&] { moe::moe_config(tc); }).find("alltoall or flex"), std::string::npos);
   tc.moe_token_dispatcher_type = "alltoall";
@@ -214,6 +220,7 @@ TEST(SharedExperts, MoELayerAddsThemToTheRoutedExperts) {
   EXPECT_EQ(with.shared_expert_intermediate_size, 10);
   EXPECT_TRUE(with.shared_expert_gate);
   moe::MoEConfig without = with;
+  without.shared_expert_overlap = false;
   without.shared_expert_intermediate_size = 0;
   without.shared_expert_gate = false;
 
@@ -243,6 +250,132 @@ TEST(SharedExperts, MoELayerAddsThemToTheRoutedExperts) {
   for (size_t i = 0; i < ga.size(); ++i) EXPECT_NEAR(ga[i], gb[i] + gc[i], 1e-6) << i;
   for (Parameter* q : pc.parameters())
     EXPECT_EQ(pa.find(q->name)->main_grad.to_floats(), q->main_grad.to_floats()) << q->name;
+}
+
+
+// ---- --moe-shared-expert-overlap (Note [Shared experts on a side stream]) ----------------------
+
+// Records which parameters reported their gradients, and on which context.
+struct RecordingHook : GradHook {
+  std::vector<std::string> names;
+  int from_side = 0;
+  void grad_accumulated(Context& ctx, Parameter& p) override {
+    names.push_back(p.name);
+    from_side += ctx.is_side();
+  }
+};
+
+struct LayerRun {
+  std::vector<float> y, grad_x;
+  std::map<std::string, std::vector<float>> grads;
+  std::vector<std::string> hooks;
+  int hooks_from_side = 0;
+};
+
+// One forward and backward of an MoE layer (alltoall dispatcher, shared experts of 10, gated or
+// not, overlapped or not) on `tokens` rows of x/w starting at `first`, the parameters initialised
+// from one seed; pg: the tensor-parallel group (sequence parallelism on) or none.
+LayerRun run_layer(bool gate, bool overlap, const ProcessGroupCollection& pg = {}, int64_t first = 0,
+                   int64_t tokens = 8) {
+  const bool tp = pg.tp != nullptr;
+  TransformerConfig tc = small_config(/*sequence_parallel=*/tp);
+  tc.num_moe_experts = 4;
+  tc.moe_router_topk = 2;
+  tc.moe_ffn_hidden_size = 6;
+  tc.moe_shared_expert_intermediate_size = 10;
+  tc.moe_shared_expert_gate = gate;
+  tc.moe_shared_expert_overlap = overlap;
+  tc.moe_token_dispatcher_type = "alltoall";
+  tc.moe_router_load_balancing_type = {"aux_loss"};
+  tc.moe_aux_loss_coeff = {1e-2f};
+  tc.finalize();
+  ParamAndGradBuffer params(DType::Float32, Device::cpu());
+  moe::MoELayer layer(tc, moe::moe_config(tc), params, "decoder.layers.0.mlp", 0, pg);
+  params.allocate();
+  params.init_weights(17, 0.5f, 2, false);
+  params.zero_grad();
+  RecordingHook hook;
+  for (Parameter* p : params.parameters()) p->grad_hook = &hook;
+  const int64_t mb = 2;
+  const Tensor x = testing::random_tensor({8, 8}, 51), w = testing::random_tensor({8, 8}, 52);
+  Context ctx;
+  moe::MoELayer::Saved saved;
+  LayerRun r;
+  const Tensor xs = x.slice(first, first + tokens).clone(), ws = w.slice(first, first + tokens).clone();
+  r.y = layer.forward(ctx, xs, tokens / mb, mb, nullptr, saved).to_floats();
+  r.grad_x = layer.backward(ctx, ws, saved).to_floats();
+  for (Parameter* p : params.parameters()) r.grads[p->name] = p->main_grad.to_floats();
+  r.hooks = hook.names;
+  r.hooks_from_side = hook.from_side;
+  return r;
+}
+
+void expect_same_bits(const LayerRun& a, const LayerRun& b, const std::string& what) {
+  ASSERT_FALSE(b.y.empty()) << what;
+  ASSERT_FALSE(b.hooks.empty()) << what;
+  EXPECT_EQ(a.y, b.y) << what << ": output";
+  EXPECT_EQ(a.grad_x, b.grad_x) << what << ": input gradient";
+  ASSERT_EQ(a.grads.size(), b.grads.size()) << what;
+  for (const auto& [name, g] : b.grads) EXPECT_EQ(a.grads.at(name), g) << what << ": " << name;
+  // Every parameter reports its gradient once, on the main context (the side's at the join).
+  std::vector<std::string> ha = a.hooks, hb = b.hooks;
+  std::sort(ha.begin(), ha.end());
+  std::sort(hb.begin(), hb.end());
+  EXPECT_EQ(ha, hb) << what << ": gradient hooks";
+  EXPECT_EQ(a.hooks_from_side, 0) << what;
+}
+
+TEST(SharedExperts, OverlapIsBitIdenticalGated) {
+  const LayerRun plain = run_layer(true, false), overlap = run_layer(true, true);
+  expect_same_bits(overlap, plain, "gated");
+  EXPECT_EQ(plain.grads.count("decoder.layers.0.mlp.shared_experts.gate_weight"), 1u);
+}
+
+TEST(SharedExperts, OverlapIsBitIdenticalUngated) {
+  expect_same_bits(run_layer(false, true), run_layer(false, false), "ungated");
+}
+
+// The side stream's gradient hooks run at the join: in backward, the shared experts' parameters
+// report after the routed path's (the router's weight is the last one the main stream reports).
+TEST(SharedExperts, OverlapReportsTheSideStreamsGradientsAtTheJoin) {
+  const LayerRun r = run_layer(true, true);
+  const auto pos = [&](const std::string& name) {
+    return std::find(r.hooks.begin(), r.hooks.end(), "decoder.layers.0.mlp." + name) - r.hooks.begin();
+  };
+  const auto router = pos("router.weight"), fc1 = pos("shared_experts.linear_fc1.weight"),
+             gate = pos("shared_experts.gate_weight");
+  ASSERT_LT(size_t(router), r.hooks.size());
+  ASSERT_LT(size_t(fc1), r.hooks.size());
+  ASSERT_LT(size_t(gate), r.hooks.size());
+  EXPECT_LT(router, fc1);
+  EXPECT_LT(router, gate);
+}
+
+// Two tensor-parallel ranks with sequence parallelism (the shared experts' all-gather and
+// reduce-scatter given to the side context): the overlapped layer gives each rank the plain
+// layer's bits.
+TEST(SharedExperts, OverlapIsBitIdenticalUnderTensorAndSequenceParallel) {
+  for (const bool gate : {true, false}) {
+    const int tp = 2;
+    std::vector<LayerRun> plain(tp), overlap(tp);
+    for (const bool o : {false, true}) {
+      auto comms = make_local_group(tp, "tensor-parallel");
+      std::vector<std::thread> threads;
+      for (int r = 0; r < tp; ++r) {
+        threads.emplace_back([&, r] {
+          ProcessGroupCollection pg;
+          pg.tp = comms[size_t(r)].get();
+          (o ? overlap : plain)[size_t(r)] = run_layer(gate, o, pg, r * 4, 4);
+        });
+      }
+      for (auto& t : threads) t.join();
+    }
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_EQ(plain[size_t(r)].y.size(), 4u * 8u);
+      expect_same_bits(overlap[size_t(r)], plain[size_t(r)], std::string(gate ? "gated" : "ungated") + " tp rank " +
+                                                                 std::to_string(r));
+    }
+  }
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <optional>
+
 #include "megatron/kernels/ops.h"
 
 namespace megatron::moe {
@@ -81,20 +83,42 @@ MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamA
   }
 }
 
+// Note [Shared experts on a side stream] (shared_experts.h): with --moe-shared-expert-overlap the
+// shared experts' work is enqueued first, on the side stream, and the routed path's on the main
+// stream; the join comes right before their sum. Each stream runs the ops the plain path runs, in
+// the same order, on the same inputs, so the sum has the same bits. x, the shared output and the
+// saved activations stay referenced across the join (Note [Side stream], rule 2).
 Tensor MoELayer::forward(Context& ctx, const Tensor& x, int64_t seq_length, int64_t micro_batch,
                          AuxLossTracker* tracker, Saved& saved, bool training, uint64_t rng_base) const {
   TopKRouter::Output routed =
       router_->forward(ctx, x, seq_length, micro_batch, tracker, saved.router, training, rng_base);
+  Tensor shared;  // declared before the side stream: released after its join, even on unwinding
+  std::optional<SideStream> side;
+  if (overlap_shared()) {
+    side.emplace(ctx);
+    shared = side->run([&](Context& s) { return shared_experts_->forward(s, x, saved.shared); });
+  }
   std::unique_ptr<MoETokenDispatcher::Saved> dispatch_saved;
   MoETokenDispatcher::Dispatched d = dispatcher_->dispatch(ctx, x, routed.probs, routed.routing_map, dispatch_saved);
   saved.dispatch = std::move(dispatch_saved);
   Tensor expert_out = experts_->forward(ctx, d.tokens, d.probs, d.tokens_per_expert, saved.experts);
   Tensor y = dispatcher_->combine(ctx, expert_out, *saved.dispatch);
-  if (shared_experts_) ops::add(ctx, y, shared_experts_->forward(ctx, x, saved.shared), y);
+  if (side) {
+    side->join();
+  } else if (shared_experts_) {
+    shared = shared_experts_->forward(ctx, x, saved.shared);
+  }
+  if (shared_experts_) ops::add(ctx, y, shared, y);
   return y;
 }
 
 Tensor MoELayer::backward(Context& ctx, const Tensor& grad_out, Saved& saved, float aux_loss_scale) const {
+  Tensor grad_x_shared;
+  std::optional<SideStream> side;
+  if (overlap_shared()) {
+    side.emplace(ctx);
+    grad_x_shared = side->run([&](Context& s) { return shared_experts_->backward(s, grad_out, saved.shared); });
+  }
   const Tensor grad_expert_out = dispatcher_->combine_backward(ctx, grad_out, *saved.dispatch);
   Tensor grad_row_probs;
   const Tensor grad_rows = experts_->backward(ctx, grad_expert_out, saved.experts, grad_row_probs);
@@ -102,7 +126,12 @@ Tensor MoELayer::backward(Context& ctx, const Tensor& grad_out, Saved& saved, fl
   dispatcher_->dispatch_backward(ctx, grad_rows, grad_row_probs, *saved.dispatch, grad_x, grad_probs);
   const Tensor grad_x_router = router_->backward(ctx, grad_probs, saved.router, aux_loss_scale).to(grad_x.dtype());
   ops::add(ctx, grad_x, grad_x_router, grad_x);
-  if (shared_experts_) ops::add(ctx, grad_x, shared_experts_->backward(ctx, grad_out, saved.shared), grad_x);
+  if (side) {
+    side->join();  // also reports the shared experts' gradients (Note [Gradient hooks on the side stream])
+  } else if (shared_experts_) {
+    grad_x_shared = shared_experts_->backward(ctx, grad_out, saved.shared);
+  }
+  if (shared_experts_) ops::add(ctx, grad_x, grad_x_shared, grad_x);
   saved = Saved{};
   return grad_x;
 }

@@ -12,8 +12,9 @@
 // a partial sum over the tensor-parallel ranks (Parameter::tp_partial_grad).
 //
 // With --moe-shared-expert-intermediate-size the shared experts (shared_experts.h) see every token
-// and their output is added: y = combine(...) + shared(x); their gradient joins grad_x.
-// --moe-shared-expert-overlap runs them one after the other here (no overlap yet).
+// and their output is added: y = combine(...) + shared(x); their gradient joins grad_x. With
+// --moe-shared-expert-overlap they run on the context's side stream beside dispatch -> experts ->
+// combine, in forward and in backward (Note [Shared experts on a side stream], shared_experts.h).
 //
 // One code path on the CPU and on CUDA: every step is an op of the op library on the context's
 // device (routing, permutation, row scaling, the experts' GEMMs — grouped with --moe-grouped-gemm);
@@ -44,7 +45,7 @@ struct MoEConfig {
   bool grouped_gemm = false;
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0: none)
   bool shared_expert_gate = false;              // --moe-shared-expert-gate
-  bool shared_expert_overlap = false;           // --moe-shared-expert-overlap (no overlap on the CPU)
+  bool shared_expert_overlap = false;           // --moe-shared-expert-overlap (inline on the CPU)
 };
 
 /// The MoE settings of a finalized TransformerConfig (its moe_* fields), with one clear line for
@@ -79,6 +80,8 @@ class MoELayer {
   void declare_losses(AuxLossTracker& tracker) const { router_->declare_losses(tracker); }
 
  private:
+  bool overlap_shared() const { return shared_experts_ && moe_.shared_expert_overlap; }
+
   MoEConfig moe_;
   std::unique_ptr<TopKRouter> router_;
   std::unique_ptr<MoETokenDispatcher> dispatcher_;

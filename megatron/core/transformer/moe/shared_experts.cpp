@@ -18,13 +18,11 @@ MlpSpec shared_spec(const TransformerConfig& config, int64_t intermediate_size) 
   return spec;
 }
 
-// out[n, :] = s[n] · x[n, :] in fp32, rounded to x's dtype, on x's device.
-Tensor scale_rows(const Tensor& x, const std::vector<float>& s) {
-  const int64_t n = x.size(0), f = x.size(1);
-  std::vector<float> v = x.to_floats();
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t c = 0; c < f; ++c) v[size_t(r * f + c)] *= s[size_t(r)];
-  return Tensor::from_floats(v, {n, f}, x.dtype()).to(x.device());
+// out[n, :] = s[n] · x[n, :] in fp32, rounded to x's dtype (s: fp32 [N] on x's device).
+Tensor scale_rows(Context& ctx, const Tensor& x, const Tensor& s) {
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), ctx.device());
+  ops::moe_scale_rows_forward(ctx, x, s, out);
+  return out;
 }
 }  // namespace
 
@@ -41,16 +39,18 @@ SharedExpertMLP::SharedExpertMLP(const TransformerConfig& config, int64_t interm
 }
 
 Tensor SharedExpertMLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
-  Tensor out = mlp_.forward(ctx, x, saved.mlp);
-  if (!gate_weight_) return out;
+  if (!gate_weight_) return mlp_.forward(ctx, x, saved.mlp);
+  // The gate's sigmoid is host code: its logits are read back before the MLP is enqueued, so the
+  // host waits for one [N, h] x [h, 1] GEMM, not for the MLP (Note [Shared experts on a side stream]).
   Tensor logits = Tensor::empty({x.size(0), 1}, x.dtype(), ctx.device());
   ops::linear_forward(ctx, x, gate_weight_->data, Tensor(), logits);
   std::vector<float> s = logits.to_floats();
   for (float& v : s) v = 1.0f / (1.0f + std::exp(-v));
+  saved.score = Tensor::from_floats(s, {x.size(0)}).to(ctx.device());
+  Tensor out = mlp_.forward(ctx, x, saved.mlp);
   saved.x = x;
   saved.mlp_out = out;
-  saved.score = Tensor::from_floats(s, {x.size(0)});
-  return scale_rows(out, s);
+  return scale_rows(ctx, out, saved.score);
 }
 
 Tensor SharedExpertMLP::backward(Context& ctx, const Tensor& grad_out, Saved& saved) const {
@@ -68,8 +68,9 @@ Tensor SharedExpertMLP::backward(Context& ctx, const Tensor& grad_out, Saved& sa
     const float sr = s[size_t(r)];
     dlogit[size_t(r)] = float(dot) * sr * (1.0f - sr);
   }
-  Tensor grad_x = mlp_.backward(ctx, scale_rows(grad_out, s), saved.mlp);
+  // Copied to the device before the MLP's backward is enqueued: the copy waits for its stream.
   const Tensor grad_logits = Tensor::from_floats(dlogit, {n, 1}, grad_out.dtype()).to(ctx.device());
+  Tensor grad_x = mlp_.backward(ctx, scale_rows(ctx, grad_out, saved.score), saved.mlp);
   Tensor grad_x_gate = Tensor::empty(saved.x.shape(), saved.x.dtype(), ctx.device()), no_bias;
   ops::linear_backward(ctx, grad_logits, saved.x, gate_weight_->data, grad_x_gate, gate_weight_->main_grad, no_bias);
   notify_grad_accumulated(ctx, gate_weight_);

@@ -13,9 +13,30 @@
 // tensor-parallel rank (tp_duplicate); under sequence parallelism each rank gates its own sequence
 // shard, so its gradient is a partial sum all-reduced like the norm weights' (sequence_parallel).
 //
-// --moe-shared-expert-overlap (Megatron runs the shared experts on a side CUDA stream, overlapped
-// with the token dispatch) is accepted; the MoE layer runs on the CPU, where it computes the same
-// values without the overlap.
+// Note [Shared experts on a side stream] (--moe-shared-expert-overlap; alltoall or flex dispatcher,
+// as Megatron). Megatron runs the shared experts on a side CUDA stream so that their GEMMs fill the
+// GPU while the dispatcher's all-to-alls move tokens. MoELayer does the same, in forward and in
+// backward, through the context's side stream (Note [Side stream], runtime/context.h):
+//   forward:  router (main) -> fork -> shared forward (side) | dispatch -> experts -> combine (main)
+//             -> join -> y = combine + shared
+//   backward: fork -> shared backward (side) | combine^T -> experts^T -> dispatch^T -> router^T (main)
+//             -> join -> grad_x = routed + router + shared
+// The shared experts' work is enqueued first, so the host is free to enqueue the routed path while
+// the side stream computes; their tensor-parallel collectives (sequence-parallel all-gather and
+// reduce-scatter) are ordered after the side stream, as every collective is after the stream of
+// the context it is given. Differences from Megatron: its overlap interleaves fc1, activation and
+// fc2 between the dispatcher's steps (pre_forward_comm, linear_fc1_forward_and_act, ...); ours hands
+// the whole MLP to the side stream at once and lets the GPU interleave — the same overlap without
+// the dispatcher knowing about the shared experts. Its gradients are reported to the data-parallel
+// hooks at the join (Note [Gradient hooks on the side stream], core/parameter.h).
+// Values: each stream runs exactly the ops of the plain path, in the same order, so the outputs
+// and every gradient are bit-identical to it (tests: SharedExperts.Overlap* on the CPU, where the
+// side context runs inline; MoeSharedOverlapGpu.* on a GPU).
+// The gate's sigmoid and its gradient's row dot products are host code: the forward reads the gate
+// logits back before it enqueues the MLP (the host waits for the side stream: that one small GEMM
+// after the main stream's work before the fork), the backward reads the score, grad_out and the
+// MLP's output at its start; the row scalings and everything after are device ops, so the routed
+// path is enqueued while the side stream computes the MLP, in both directions.
 #pragma once
 
 #include <string>
@@ -34,7 +55,7 @@ class SharedExpertMLP {
     MLP::Saved mlp;
     Tensor x;         // [N, h] (gated only)
     Tensor mlp_out;   // [N, h] (gated only): the gate's gradient needs it
-    Tensor score;     // [N] fp32 sigmoid(x · gᵀ) (gated only)
+    Tensor score;     // [N] fp32 sigmoid(x · gᵀ) on the device (gated only)
   };
   /// x [N, h] (this rank's sequence shard under sequence parallelism) -> [N, h].
   Tensor forward(Context& ctx, const Tensor& x, Saved& saved) const;
