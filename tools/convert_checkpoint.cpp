@@ -142,11 +142,13 @@ std::string hf_dtype_name(DType dtype) {
 // round (a stored w of 1e-3 becomes 1.0), so those stay fp32 in the file and load exactly in fp32.
 TensorMap in_export_dtype(const TensorMap& hf, const TransformerConfig& config) {
   TensorMap out;
+  Progress progress(fmt::format("converting HF tensors to {}", hf_dtype_name(config.params_dtype)), hf.size());
   for (const auto& [name, t] : hf) {
     const bool norm = name.ends_with("norm.weight") || name.ends_with("ln_1.weight") ||
                       name.ends_with("ln_2.weight") || name.ends_with("ln_f.weight");
     const bool keep_fp32 = config.layernorm_zero_centered_gamma && norm;
     out[name] = keep_fp32 || config.params_dtype == DType::Float32 ? t : t.to(config.params_dtype);
+    progress.tick(out[name].nbytes());
   }
   return out;
 }

@@ -2,9 +2,9 @@
 // changes how the export is written (Note [Which HF model a checkpoint exports as] in
 // hf_mapping.cpp): each export (a) converts back (--from hf) to a checkpoint whose logits equal the
 // original's within 1e-5, and (b) loaded by transformers' AutoModelForCausalLM gives megatron.cpp's
-// log-probabilities within 1e-5 (tests/tools/hf_export_check.py; skipped, saying so, where torch or
-// transformers cannot be imported: $MEGATRON_HF_PYTHON, else python3). Flags HF cannot express are
-// refused in one line, before anything is written.
+// log-probabilities within 1e-5 (tests/tools/hf_export_check.py; a test of its own, skipped with the
+// reason where torch or transformers cannot be imported: $MEGATRON_HF_PYTHON, else python3). Flags HF
+// cannot express are refused in one line, before anything is written.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -96,60 +96,86 @@ std::string hf_python(std::string& why) {
 
 class HFExport : public ::testing::TestWithParam<Case> {};
 
-TEST_P(HFExport, ExportIsExactInMegatronAndTransformers) {
-  const Case& c = GetParam();
-  ScratchDir dir("hf_export_" + c.name);
+// Trains the case's checkpoint in dir/ckpt and exports it to dir/hf; returns the HF config after
+// checking what every export of the case must hold (type, dtype, tying, progress lines).
+nlohmann::json train_and_export(const Case& c, const fs::path& dir) {
   RunResult train = run(concat(concat({bin("pretrain_gpt")}, model_flags(c.llama)), concat(tokenizer_flags(c.tokenizer), c.flags)),
-                        dir.path);
-  ASSERT_EQ(train.exit_code, 0) << train.output;
+                        dir);
+  EXPECT_EQ(train.exit_code, 0) << train.output;
   RunResult out = run(concat({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf"},
                              c.export_flags),
-                      dir.path);
-  ASSERT_EQ(out.exit_code, 0) << out.output;
+                      dir);
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  if (out.exit_code != 0) return {};
   EXPECT_NE(out.output.find("[convert] writing HF tensors:"), std::string::npos) << out.output;
-
-  const nlohmann::json config = nlohmann::json::parse(read_file(dir.path / "hf/config.json"));
+  const nlohmann::json config = nlohmann::json::parse(read_file(dir / "hf/config.json"));
   EXPECT_EQ(config.at("model_type"), c.model_type);
   EXPECT_EQ(config.at("torch_dtype"), c.dtype);
   const bool untied = std::find(c.flags.begin(), c.flags.end(), "--untie-embeddings-and-output-weights") != c.flags.end();
   EXPECT_EQ(config.at("tie_word_embeddings"), !untied);
-  HFFolder hf((dir.path / "hf").string());
+  HFFolder hf((dir / "hf").string());
   const std::vector<std::string> names = hf.tensor_names();
   EXPECT_EQ(std::find(names.begin(), names.end(), "lm_head.weight") != names.end(), untied);
+  return config;
+}
 
-  // (a) Back through megatron.cpp: the re-imported checkpoint computes what the original does.
+// Two sequences of 16 token ids below `vocab`, [2, 16].
+std::vector<int64_t> sample_ids(int64_t vocab) {
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < 2 * 16; ++i) ids.push_back((i * 7919 + 13) % vocab);
+  return ids;
+}
+
+// (a) Back through megatron.cpp (--from hf): the re-imported checkpoint computes what the original does.
+TEST_P(HFExport, ReimportedExportComputesTheSame) {
+  const Case& c = GetParam();
+  ScratchDir dir("hf_export_" + c.name);
+  const nlohmann::json config = train_and_export(c, dir.path);
+  ASSERT_FALSE(config.empty());
   RunResult in = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt2"}, dir.path);
   ASSERT_EQ(in.exit_code, 0) << in.output;
-  std::vector<int64_t> ids;
   const int64_t vocab = config.at("vocab_size").get<int64_t>();
-  for (int64_t i = 0; i < 2 * 16; ++i) ids.push_back((i * 7919 + 13) % vocab);
-  const Tensor tokens = Tensor::from_ints(ids, {2, 16});
+  const Tensor tokens = Tensor::from_ints(sample_ids(vocab), {2, 16});
   const Tensor ours = checkpoint_logits(dir.path / "ckpt", tokens, int(vocab));
   const Tensor back = checkpoint_logits(dir.path / "ckpt2", tokens, int(vocab));
-  const double cpp_error = max_abs_error(back.to_floats(), ours.to_floats());
-  EXPECT_LE(cpp_error, 1e-5) << c.name;
+  const double error = max_abs_error(back.to_floats(), ours.to_floats());
+  EXPECT_LE(error, 1e-5) << c.name;
+  std::printf("hf_export %s: %s, %s weights; re-imported max |d logit| %.2e\n", c.name.c_str(), c.model_type.c_str(),
+              c.dtype.c_str(), error);
+}
 
-  // (b) transformers on the exported folder.
+// (b) transformers' AutoModelForCausalLM on the exported folder gives our log-probabilities, and its
+// AutoTokenizer (the copied files) our ids.
+TEST_P(HFExport, TransformersGivesOurLogProbabilities) {
+  const Case& c = GetParam();
   std::string why;
   const std::string python = hf_python(why);
-  std::printf("hf_export %s: %s, %s weights, %zu tensors; megatron.cpp re-import max |d logit| %.2e\n", c.name.c_str(),
-              c.model_type.c_str(), c.dtype.c_str(), names.size(), cpp_error);
   if (python.empty()) GTEST_SKIP() << why;
+  ScratchDir dir("hf_export_py_" + c.name);
+  const nlohmann::json config = train_and_export(c, dir.path);
+  ASSERT_FALSE(config.empty());
+  const int64_t vocab = config.at("vocab_size").get<int64_t>();
+  const std::vector<int64_t> ids = sample_ids(vocab);
+  const Tensor ours = checkpoint_logits(dir.path / "ckpt", Tensor::from_ints(ids, {2, 16}), int(vocab));
   std::vector<float> token_values(ids.begin(), ids.end());
   safetensors::write((dir.path / "ours.safetensors").string(),
                      {{"tokens", Tensor::from_floats(token_values, {2, 16})}, {"logits", ours}});
   RunResult check = run({python, fs::absolute(fs::path(MEGATRON_SOURCE_DIR) / "tests/tools/hf_export_check.py").string(),
                          "hf", "ours.safetensors", "--tol", "1e-5", "--dtype", c.dtype},
                         dir.path);
-  std::printf("%s", check.output.c_str());
+  std::printf("hf_export %s:\n%s", c.name.c_str(), check.output.c_str());
   EXPECT_EQ(check.exit_code, 0) << check.output;
   if (c.tokenizer == "none") return;
-  // The copied tokenizer is the run's: HF's ids for the sample equal ours, its eos is generation_config's.
+  // The copied tokenizer is the run's: HF's ids for the sample equal ours (its eos equals
+  // generation_config.json's: hf_export_check.py checks that).
   TokenizerArgs t;
   const std::vector<std::string> tf = tokenizer_flags(c.tokenizer);
   t.tokenizer_type = tf[1];
-  if (c.tokenizer == "gpt2") t.vocab_file = tf[3], t.merge_file = tf[5];
-  else t.tokenizer_model = tf[3];
+  if (c.tokenizer == "gpt2") {
+    t.vocab_file = tf[3], t.merge_file = tf[5];
+  } else {
+    t.tokenizer_model = tf[3];
+  }
   const std::vector<int64_t> sample = build_tokenizer(t)->tokenize("To be, or not to be");
   std::string list = "[";
   for (size_t i = 0; i < sample.size(); ++i) list += (i ? ", " : "") + std::to_string(sample[i]);
