@@ -413,7 +413,7 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
     // its learned positions; a model trained with --disable-bias-linear (or without positions,
     // --position-embedding-type none) exports them as zeros, which computes the same.
     auto bias = [&](const std::string& name, int64_t n) {
-      return m.count(name) ? get(name) : Tensor::zeros({n}, DType::Float32);
+      return c.add_bias_linear ? get(name) : Tensor::zeros({n}, DType::Float32);
     };
     out["transformer.wte.weight"] = resize_rows(get("embedding.word_embeddings.weight"), v);
     out["transformer.wpe.weight"] = c.use_learned_positions()
@@ -426,7 +426,7 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
       Tensor q, k, vv;
       qkv(i, "self_attention.linear_qkv.weight", q, k, vv);
       out[p("attn.c_attn.weight")] = transpose2d(concat_rows({q, k, vv}));
-      if (m.count(layer(i, "self_attention.linear_qkv.bias"))) {
+      if (c.add_bias_linear || c.add_qkv_bias) {  // Megatron: the linear biases include the QKV one
         qkv(i, "self_attention.linear_qkv.bias", q, k, vv);
         out[p("attn.c_attn.bias")] = concat_rows({q, k, vv});
       } else {
