@@ -144,8 +144,8 @@ TensorMap in_export_dtype(const TensorMap& hf, const TransformerConfig& config) 
   TensorMap out;
   Progress progress(fmt::format("converting HF tensors to {}", hf_dtype_name(config.params_dtype)), hf.size());
   for (const auto& [name, t] : hf) {
-    const bool norm = name.ends_with("norm.weight") || name.ends_with("ln_1.weight") ||
-                      name.ends_with("ln_2.weight") || name.ends_with("ln_f.weight");
+    const bool norm = name.ends_with("norm.weight") || name.ends_with("ln_1.weight") || name.ends_with("ln_2.weight") ||
+                      name.ends_with("ln_f.weight");
     const bool keep_fp32 = config.layernorm_zero_centered_gamma && norm;
     out[name] = keep_fp32 || config.params_dtype == DType::Float32 ? t : t.to(config.params_dtype);
     progress.tick(out[name].nbytes());
@@ -313,8 +313,8 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
   if (tokenizer) {
     export_tokenizer_files(tokenizer_args, save, args.seq_length);
     const std::optional<int64_t> eos = tokenizer->eos() ? tokenizer->eos() : tokenizer->eod();
-    for (const auto& [key, id] : {std::pair{"bos_token_id", tokenizer->bos()}, {"eos_token_id", eos},
-                                  {"pad_token_id", tokenizer->pad()}}) {
+    for (const auto& [key, id] :
+         {std::pair{"bos_token_id", tokenizer->bos()}, {"eos_token_id", eos}, {"pad_token_id", tokenizer->pad()}}) {
       if (!id) continue;
       hf_config[key] = *id;
       generation[key] = *id;

@@ -23,21 +23,48 @@ const int kVocab = 100;  // the runs without a tokenizer (--vocab-size; padded t
 std::vector<std::string> tokenizer_flags(const std::string& kind) {
   const std::string d = fs::absolute(data_fixtures_dir()).string();
   if (kind == "gpt2") {
-    return {"--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", d + "/tok-gpt2/vocab.json", "--merge-file",
-            d + "/tok-gpt2/merges.txt"};
+    return {"--tokenizer-type",         "GPT2BPETokenizer", "--vocab-file",
+            d + "/tok-gpt2/vocab.json", "--merge-file",     d + "/tok-gpt2/merges.txt"};
   }
-  if (kind == "llama3bpe") return {"--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", d + "/tok-llama3bpe"};
+  if (kind == "llama3bpe")
+    return {"--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", d + "/tok-llama3bpe"};
   return {"--vocab-size", std::to_string(kVocab)};
 }
 
 // A GeLU model (exports as GPT-2) or a SwiGLU one (Llama family), trained 2 steps on mock data with
 // a large step so that every weight, norm weights included, moves away from its initial value.
 std::vector<std::string> model_flags(bool llama) {
-  std::vector<std::string> f = {"--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                                "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
-                                "--train-iters", "2", "--lr", "2e-2", "--init-method-std", "0.1",
-                                "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data",
-                                "--eval-iters", "0", "--device", "cpu", "--save", "ckpt", "--save-interval", "2"};
+  std::vector<std::string> f = {"--num-layers",
+                                "2",
+                                "--hidden-size",
+                                "64",
+                                "--num-attention-heads",
+                                "4",
+                                "--seq-length",
+                                "16",
+                                "--max-position-embeddings",
+                                "16",
+                                "--micro-batch-size",
+                                "2",
+                                "--train-iters",
+                                "2",
+                                "--lr",
+                                "2e-2",
+                                "--init-method-std",
+                                "0.1",
+                                "--hidden-dropout",
+                                "0",
+                                "--attention-dropout",
+                                "0",
+                                "--mock-data",
+                                "--eval-iters",
+                                "0",
+                                "--device",
+                                "cpu",
+                                "--save",
+                                "ckpt",
+                                "--save-interval",
+                                "2"};
   if (llama) {
     f = concat(f, {"--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type",
                    "rope", "--group-query-attention", "--num-query-groups", "2"});
@@ -50,7 +77,7 @@ struct Case {
   bool llama;
   std::string tokenizer;  // gpt2 | llama3bpe | none
   std::vector<std::string> flags;
-  std::string model_type;       // what the export must be
+  std::string model_type;  // what the export must be
   std::string dtype = "float32";
   std::vector<std::string> export_flags = {};
 };
@@ -88,9 +115,10 @@ std::string hf_python(std::string& why) {
   const std::string python = env && *env ? env : "python3";
   RunResult r = run({python, "-c", "import torch, transformers, safetensors"}, fs::current_path());
   if (r.exit_code == 0) return python;
-  why = fmt::format("{} cannot import torch/transformers/safetensors (set MEGATRON_HF_PYTHON to an interpreter "
-                    "that can): the comparison with transformers did not run",
-                    python);
+  why = fmt::format(
+      "{} cannot import torch/transformers/safetensors (set MEGATRON_HF_PYTHON to an interpreter "
+      "that can): the comparison with transformers did not run",
+      python);
   return "";
 }
 
@@ -99,19 +127,19 @@ class HFExport : public ::testing::TestWithParam<Case> {};
 // Trains the case's checkpoint in dir/ckpt and exports it to dir/hf; returns the HF config after
 // checking what every export of the case must hold (type, dtype, tying, progress lines).
 nlohmann::json train_and_export(const Case& c, const fs::path& dir) {
-  RunResult train = run(concat(concat({bin("pretrain_gpt")}, model_flags(c.llama)), concat(tokenizer_flags(c.tokenizer), c.flags)),
-                        dir);
+  RunResult train = run(
+      concat(concat({bin("pretrain_gpt")}, model_flags(c.llama)), concat(tokenizer_flags(c.tokenizer), c.flags)), dir);
   EXPECT_EQ(train.exit_code, 0) << train.output;
-  RunResult out = run(concat({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf"},
-                             c.export_flags),
-                      dir);
+  RunResult out = run(
+      concat({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf"}, c.export_flags), dir);
   EXPECT_EQ(out.exit_code, 0) << out.output;
   if (out.exit_code != 0) return {};
   EXPECT_NE(out.output.find("[convert] writing HF tensors:"), std::string::npos) << out.output;
   const nlohmann::json config = nlohmann::json::parse(read_file(dir / "hf/config.json"));
   EXPECT_EQ(config.at("model_type"), c.model_type);
   EXPECT_EQ(config.at("torch_dtype"), c.dtype);
-  const bool untied = std::find(c.flags.begin(), c.flags.end(), "--untie-embeddings-and-output-weights") != c.flags.end();
+  const bool untied =
+      std::find(c.flags.begin(), c.flags.end(), "--untie-embeddings-and-output-weights") != c.flags.end();
   EXPECT_EQ(config.at("tie_word_embeddings"), !untied);
   HFFolder hf((dir / "hf").string());
   const std::vector<std::string> names = hf.tensor_names();
@@ -160,9 +188,10 @@ TEST_P(HFExport, TransformersGivesOurLogProbabilities) {
   std::vector<float> token_values(ids.begin(), ids.end());
   safetensors::write((dir.path / "ours.safetensors").string(),
                      {{"tokens", Tensor::from_floats(token_values, {2, 16})}, {"logits", ours}});
-  RunResult check = run({python, fs::absolute(fs::path(MEGATRON_SOURCE_DIR) / "tests/tools/hf_export_check.py").string(),
-                         "hf", "ours.safetensors", "--tol", "1e-5", "--dtype", c.dtype},
-                        dir.path);
+  RunResult check =
+      run({python, fs::absolute(fs::path(MEGATRON_SOURCE_DIR) / "tests/tools/hf_export_check.py").string(), "hf",
+           "ours.safetensors", "--tol", "1e-5", "--dtype", c.dtype},
+          dir.path);
   std::printf("hf_export %s:\n%s", c.name.c_str(), check.output.c_str());
   EXPECT_EQ(check.exit_code, 0) << check.output;
   if (c.tokenizer == "none") return;
@@ -186,36 +215,49 @@ TEST_P(HFExport, TransformersGivesOurLogProbabilities) {
 const Case kCases[] = {
     {"gpt2_untied", false, "gpt2", {"--untie-embeddings-and-output-weights"}, "gpt2"},
     {"gpt2_layernorm_1p", false, "none", {"--apply-layernorm-1p"}, "gpt2"},
-    {"gpt2_no_bias_no_positions", false, "none",
-     {"--disable-bias-linear", "--add-qkv-bias", "--position-embedding-type", "none"}, "gpt2"},
+    {"gpt2_no_bias_no_positions",
+     false,
+     "none",
+     {"--disable-bias-linear", "--add-qkv-bias", "--position-embedding-type", "none"},
+     "gpt2"},
     {"llama_layernorm_1p_bf16", true, "llama3bpe", {"--apply-layernorm-1p", "--bf16"}, "llama", "bfloat16"},
-    {"llama_rotary_interleaved", true, "none", {"--rotary-interleaved", "--untie-embeddings-and-output-weights"},
+    {"llama_rotary_interleaved",
+     true,
+     "none",
+     {"--rotary-interleaved", "--untie-embeddings-and-output-weights"},
      "llama"},
     {"qwen2_qkv_bias", true, "llama3bpe", {"--add-qkv-bias", "--rotary-base", "1000000"}, "qwen2"},
     {"qwen3_qk_layernorm", true, "none", {"--qk-layernorm", "--untie-embeddings-and-output-weights"}, "qwen3"},
-    {"qwen3_interleaved_1p_bf16_sharded", true, "none",
-     {"--qk-layernorm", "--rotary-interleaved", "--apply-layernorm-1p", "--bf16"}, "qwen3", "bfloat16",
+    {"qwen3_interleaved_1p_bf16_sharded",
+     true,
+     "none",
+     {"--qk-layernorm", "--rotary-interleaved", "--apply-layernorm-1p", "--bf16"},
+     "qwen3",
+     "bfloat16",
      {"--max-shard-size", "40KB"}},
-    {"mixtral_interleaved_1p", true, "none",
+    {"mixtral_interleaved_1p",
+     true,
+     "none",
      {"--rotary-interleaved", "--apply-layernorm-1p", "--num-experts", "4", "--moe-router-topk", "2",
       "--untie-embeddings-and-output-weights"},
      "mixtral"},
 };
 
-INSTANTIATE_TEST_SUITE_P(Flags, HFExport, ::testing::ValuesIn(kCases), [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Flags, HFExport, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return info.param.name; });
 
 // A sharded export (above --max-shard-size) lists every tensor in model.safetensors.index.json, and
 // a bf16 run's weights are bf16 in the files (the --apply-layernorm-1p norms excepted: fp32, Note
 // [Exporting zero-centered norms]).
 TEST(HFExport, ShardedBf16ExportKeepsTheRunsDtype) {
   ScratchDir dir("hf_export_sharded");
-  RunResult train =
-      run(concat(concat({bin("pretrain_gpt")}, model_flags(true)), {"--vocab-size", "100", "--bf16", "--apply-layernorm-1p"}),
-          dir.path);
+  RunResult train = run(concat(concat({bin("pretrain_gpt")}, model_flags(true)),
+                               {"--vocab-size", "100", "--bf16", "--apply-layernorm-1p"}),
+                        dir.path);
   ASSERT_EQ(train.exit_code, 0) << train.output;
-  RunResult out = run({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf",
-                       "--max-shard-size", "40KB"},
-                      dir.path);
+  RunResult out = run(
+      {bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf", "--max-shard-size", "40KB"},
+      dir.path);
   ASSERT_EQ(out.exit_code, 0) << out.output;
   ASSERT_TRUE(fs::exists(dir.path / "hf/model.safetensors.index.json")) << out.output;
   EXPECT_FALSE(fs::exists(dir.path / "hf/model.safetensors"));
@@ -250,8 +292,9 @@ TEST(HFExport, InexpressibleFlagsAreRefusedInOneLine) {
   };
   for (const Refusal& r : refusals) {
     ScratchDir dir("hf_export_refused");
-    RunResult train = run(concat(concat({bin("pretrain_gpt")}, model_flags(r.llama)), concat({"--vocab-size", "100"}, r.flags)),
-                          dir.path);
+    RunResult train =
+        run(concat(concat({bin("pretrain_gpt")}, model_flags(r.llama)), concat({"--vocab-size", "100"}, r.flags)),
+            dir.path);
     ASSERT_EQ(train.exit_code, 0) << train.output;
     RunResult out = run({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf"}, dir.path);
     EXPECT_NE(out.exit_code, 0) << out.output;

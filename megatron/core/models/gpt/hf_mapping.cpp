@@ -527,7 +527,8 @@ nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
              "--position-embedding-type rope with a GeLU MLP has no HuggingFace export: GPT-2 has learned positions "
              "(Llama-type exports need --swiglu and RMSNorm)");
     MG_CHECK(!c.qk_layernorm, "--qk-layernorm has no HuggingFace export with a GeLU MLP: GPT-2 has no q/k norms");
-    MG_CHECK(!c.is_moe(), "--num-experts with a GeLU MLP has no HuggingFace export: HF MoE models are Llama-type "
+    MG_CHECK(!c.is_moe(),
+             "--num-experts with a GeLU MLP has no HuggingFace export: HF MoE models are Llama-type "
              "(--swiglu, RMSNorm, RoPE)");
     MG_CHECK(c.num_query_groups == c.num_attention_heads,
              "--group-query-attention has no HuggingFace export with a GeLU MLP: GPT-2 has one key/value head per "
