@@ -8,8 +8,12 @@
 //     build/bin/convert_checkpoint --from megatron --load ckpt --save /path/to/hf_out
 //
 // An HF folder holds config.json and model.safetensors, or shards listed in
-// model.safetensors.index.json (read either way; written as shards of at most --max-shard-size). The round trip is exact (fp32); the HF config travels inside the
-// checkpoint's metadata so it comes back unchanged.
+// model.safetensors.index.json (read either way; written as shards of at most --max-shard-size).
+// The round trip is exact (fp32); the HF config travels inside the checkpoint's metadata so it comes
+// back unchanged. A model trained here exports as the HF type that computes what it computes, or is
+// refused in one line naming the flag HF cannot express (Note [Which HF model a checkpoint exports
+// as] in hf_mapping.cpp); its weights keep the run's dtype (bf16 stays bf16), and the tokenizer
+// files the run used are copied in HF's layout, with generation_config.json giving its bos/eos ids.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -21,6 +25,7 @@
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
+#include "megatron/core/tokenizers/tokenizer.h"
 #include "megatron/training/checkpointing.h"
 
 using namespace megatron;
@@ -32,8 +37,8 @@ namespace {
 class Progress {
  public:
   Progress(std::string what, size_t total) : what_(std::move(what)), total_(total) {}
-  void tick(size_t bytes) {
-    ++done_;
+  void tick(size_t bytes, size_t count = 1) {
+    done_ += count;
     bytes_ += bytes;
     auto now = std::chrono::steady_clock::now();
     if (done_ == total_ || now - last_ > std::chrono::seconds(1)) {
@@ -77,6 +82,7 @@ int64_t parse_size(const std::string& text) {
 
 // model.safetensors when everything fits in one shard of max_shard_bytes, else
 // model-0000k-of-0000n.safetensors with model.safetensors.index.json (HF's save_pretrained layout).
+// Progress is reported as each file is written.
 void write_hf_weights(const fs::path& save, const TensorMap& hf, int64_t max_shard_bytes) {
   std::vector<std::vector<std::pair<std::string, Tensor>>> shards(1);
   int64_t bytes = 0, total = 0;
@@ -87,20 +93,128 @@ void write_hf_weights(const fs::path& save, const TensorMap& hf, int64_t max_sha
     bytes += n, total += n;
   }
   Progress progress("writing HF tensors", hf.size());
+  auto write_shard = [&](const std::string& file, const std::vector<std::pair<std::string, Tensor>>& tensors) {
+    safetensors::write((save / file).string(), tensors, {{"format", "pt"}});
+    size_t shard_bytes = 0;
+    for (const auto& [name, t] : tensors) shard_bytes += t.nbytes();
+    progress.tick(shard_bytes, tensors.size());
+  };
   if (shards.size() == 1) {
-    for (const auto& [name, t] : shards[0]) progress.tick(t.nbytes());
-    safetensors::write((save / "model.safetensors").string(), shards[0], {{"format", "pt"}});
+    write_shard("model.safetensors", shards[0]);
     return;
   }
   nlohmann::json weight_map = nlohmann::json::object();
   for (size_t k = 0; k < shards.size(); ++k) {
     const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
-    for (const auto& [name, t] : shards[k]) weight_map[name] = file, progress.tick(t.nbytes());
-    safetensors::write((save / file).string(), shards[k], {{"format", "pt"}});
+    for (const auto& [name, t] : shards[k]) weight_map[name] = file;
+    write_shard(file, shards[k]);
   }
   std::ofstream out(save / "model.safetensors.index.json");
   out << nlohmann::json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) << "\n";
   MG_CHECK(out.good(), "cannot write {}", (save / "model.safetensors.index.json").string());
+}
+
+void write_json(const fs::path& path, const nlohmann::json& j) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << j.dump(2) << "\n";
+    MG_CHECK(out.good(), "cannot write {}", tmp.string());
+  }
+  fs::rename(tmp, path);
+}
+
+// HF's name of a dtype (config.json's torch_dtype).
+std::string hf_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::BFloat16:
+      return "bfloat16";
+    case DType::Float16:
+      return "float16";
+    default:
+      return "float32";
+  }
+}
+
+// The HF tensors in the run's dtype (config.params_dtype: bf16 with --bf16, fp16 with --fp16, else
+// fp32), converted from the fp32 copies exactly: they hold values of that dtype. Note [Exporting
+// zero-centered norms]: with --apply-layernorm-1p the norm weights are 1 + w, which bf16/fp16 would
+// round (a stored w of 1e-3 becomes 1.0), so those stay fp32 in the file and load exactly in fp32.
+TensorMap in_export_dtype(const TensorMap& hf, const TransformerConfig& config) {
+  TensorMap out;
+  Progress progress(fmt::format("converting HF tensors to {}", hf_dtype_name(config.params_dtype)), hf.size());
+  for (const auto& [name, t] : hf) {
+    const bool norm = name.ends_with("norm.weight") || name.ends_with("ln_1.weight") || name.ends_with("ln_2.weight") ||
+                      name.ends_with("ln_f.weight");
+    const bool keep_fp32 = config.layernorm_zero_centered_gamma && norm;
+    out[name] = keep_fp32 || config.params_dtype == DType::Float32 ? t : t.to(config.params_dtype);
+    progress.tick(out[name].nbytes());
+  }
+  return out;
+}
+
+// The tokenizer the run trained with: its type and files as the checkpoint recorded them, or null
+// (with the reason in `why`) for a checkpoint without one (converted from HF) or whose files are gone.
+std::unique_ptr<Tokenizer> open_run_tokenizer(const nlohmann::json& args, TokenizerArgs& t, std::string& why) {
+  t.tokenizer_type = args.value("tokenizer_type", std::string());
+  t.vocab_file = args.value("vocab_file", std::string());
+  t.merge_file = args.value("merge_file", std::string());
+  t.tokenizer_model = args.value("tokenizer_model", std::string());
+  if (args.value("vocab_size", 0) > 0) t.vocab_size = args["vocab_size"].get<int64_t>();
+  if (t.tokenizer_type.empty()) {
+    why = "the checkpoint records no tokenizer";
+    return nullptr;
+  }
+  try {
+    return build_tokenizer(t);
+  } catch (const std::exception& e) {
+    why = fmt::format("the run's tokenizer ({}) cannot be opened: {}", t.tokenizer_type, e.what());
+    return nullptr;
+  }
+}
+
+// Copies the run's tokenizer files into the HF folder in HF's layout where there is a clear one.
+void export_tokenizer_files(const TokenizerArgs& t, const fs::path& save, int64_t model_max_length) {
+  std::vector<std::string> copied;
+  auto copy = [&](const fs::path& from, const std::string& to) {
+    fs::copy_file(from, save / to, fs::copy_options::overwrite_existing);
+    copied.push_back(to);
+  };
+  if (t.tokenizer_type == "GPT2BPETokenizer") {
+    // Megatron's GPT2BPETokenizer is HF's GPT2Tokenizer over the same vocab.json and merges.txt,
+    // <|endoftext|> being bos, eos and unk, no special tokens added.
+    copy(t.vocab_file, "vocab.json");
+    copy(t.merge_file, "merges.txt");
+    write_json(save / "tokenizer_config.json", {{"tokenizer_class", "GPT2Tokenizer"},
+                                                {"bos_token", "<|endoftext|>"},
+                                                {"eos_token", "<|endoftext|>"},
+                                                {"unk_token", "<|endoftext|>"},
+                                                {"add_prefix_space", false},
+                                                {"model_max_length", model_max_length}});
+    copied.push_back("tokenizer_config.json");
+  } else if (t.tokenizer_type == "HuggingFaceTokenizer") {
+    // The folder's tokenizer files as they are (AutoTokenizer reads them back); a tokenizer.json
+    // given alone brings its folder's tokenizer_config.json and special_tokens_map.json.
+    const fs::path model(t.tokenizer_model);
+    const bool folder = fs::is_directory(model);
+    const fs::path dir = folder ? model : model.parent_path();
+    if (!folder) copy(model, "tokenizer.json");
+    for (const std::string name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja"}) {
+      if ((folder || name != "tokenizer.json") && fs::exists(dir / name)) copy(dir / name, name);
+    }
+    if (!t.vocab_file.empty()) copy(t.vocab_file, "vocab.json");
+    if (!t.merge_file.empty()) copy(t.merge_file, "merges.txt");
+  } else {
+    std::fprintf(stderr,
+                 "[convert] --tokenizer-type %s has no HuggingFace tokenizer layout this converter writes: only its "
+                 "bos/eos ids are exported (config.json, generation_config.json)\n",
+                 t.tokenizer_type.c_str());
+    return;
+  }
+  std::string list;
+  for (const std::string& f : copied) list += (list.empty() ? "" : ", ") + f;
+  std::fprintf(stderr, "[convert] tokenizer (%s): wrote %s\n", t.tokenizer_type.c_str(), list.c_str());
 }
 
 int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divisible_by) {
@@ -148,14 +262,23 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
   Arguments args;
   apply_checkpoint_args(args, load.string(), /*with_recorded=*/true);
   args.no_load_rng = args.no_load_optim = true;
-  MG_CHECK(args.vocab_size > 0, "checkpoint {} does not record its vocabulary size", dir);
+  const nlohmann::json saved_args = meta.value("args", nlohmann::json::object());
+  TokenizerArgs tokenizer_args;
+  std::string no_tokenizer;
+  const std::unique_ptr<Tokenizer> tokenizer = open_run_tokenizer(saved_args, tokenizer_args, no_tokenizer);
+  // A run with a tokenizer records no --vocab-size: the tokenizer's is the model's.
+  if (args.vocab_size == 0 && tokenizer) args.vocab_size = int(tokenizer->vocab_size());
+  MG_CHECK(args.vocab_size > 0,
+           "checkpoint {} records neither its vocabulary size nor a tokenizer that can be opened: export a checkpoint "
+           "of a run whose --tokenizer-model / --vocab-file still exist",
+           dir);
   if (args.max_position_embeddings == 0) args.max_position_embeddings = args.seq_length;
+  // The run's precision: the parameters are read (and exported) in the dtype they were trained in.
+  args.bf16 = saved_args.value("bf16", false);
+  args.fp16 = saved_args.value("fp16", false);
   TransformerConfig config = transformer_config_from_args(args, args.vocab_size);
-  GPTModel model(config);
-  Checkpointer checkpointer(args);
-  Context ctx;
-  checkpointer.load(ctx, load.string(), model, nullptr, nullptr);
 
+  // The HF config first: a model HF cannot express is refused before anything is read or written.
   HFModelInfo info;
   nlohmann::json hf_config;
   if (meta.contains("hf_config")) {
@@ -166,17 +289,43 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
     info = config_from_hf(hf_config, config.make_vocab_size_divisible_by);
     info.config = config;
   }
-  TensorMap hf = megatron_to_hf(info, model_state_dict(model));
+
+  GPTModel model(config);
+  Checkpointer checkpointer(args);
+  Context ctx;
+  checkpointer.load(ctx, load.string(), model, nullptr, nullptr);
+  std::fprintf(stderr, "[convert] read %s (%lld parameters, %s)\n", dir.c_str(), (long long)model.params().numel(),
+               std::string(to_string(config.params_dtype)).c_str());
+  TensorMap hf = in_export_dtype(megatron_to_hf(info, model_state_dict(model)), config);
   fs::create_directories(save);
   write_hf_weights(save, hf, max_shard_bytes);
-  const fs::path config_path = save / "config.json", tmp = save / "config.json.tmp";
-  {
-    std::ofstream out(tmp);
-    out << hf_config.dump(2) << "\n";
-    MG_CHECK(out.good(), "cannot write {}", tmp.string());
+
+  // config.json says the dtype of the weights written (an HF config that had no dtype and gets fp32
+  // weights is left as it was, so an HF -> megatron.cpp -> HF round trip gives its config back).
+  const std::string dtype = hf_dtype_name(config.params_dtype);
+  if (hf_config.contains("dtype")) hf_config["dtype"] = dtype;
+  if (hf_config.contains("torch_dtype") || !meta.contains("hf_config") || dtype != "float32") {
+    hf_config["torch_dtype"] = dtype;
   }
-  fs::rename(tmp, config_path);
-  std::fprintf(stderr, "[convert] wrote %s (config.json and the weights)\n", save.c_str());
+  // The tokenizer's ids (eos: Megatron's eod where the tokenizer names no eos) in config.json and
+  // generation_config.json, which HF's generate() reads.
+  nlohmann::json generation = nlohmann::json::object();
+  if (tokenizer) {
+    export_tokenizer_files(tokenizer_args, save, args.seq_length);
+    const std::optional<int64_t> eos = tokenizer->eos() ? tokenizer->eos() : tokenizer->eod();
+    for (const auto& [key, id] :
+         {std::pair{"bos_token_id", tokenizer->bos()}, {"eos_token_id", eos}, {"pad_token_id", tokenizer->pad()}}) {
+      if (!id) continue;
+      hf_config[key] = *id;
+      generation[key] = *id;
+    }
+    write_json(save / "generation_config.json", generation);
+  } else {
+    std::fprintf(stderr, "[convert] %s: no tokenizer files or bos/eos ids written\n", no_tokenizer.c_str());
+  }
+  write_json(save / "config.json", hf_config);
+  std::fprintf(stderr, "[convert] wrote %s (%s, config.json%s, %s weights)\n", save.c_str(),
+               hf_config.value("model_type", "").c_str(), tokenizer ? ", generation_config.json" : "", dtype.c_str());
   return 0;
 }
 

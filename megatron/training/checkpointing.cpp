@@ -344,7 +344,8 @@ std::string checkpoint_dir_name(int64_t iteration, bool release) {
 }
 
 // The model arguments a checkpoint carries: model_arguments.inc's saved and identity rows, then
-// vocab_size, tokenizer_type, bf16 and fp16 (not model flags, written by hand). The keys are the
+// vocab_size, tokenizer_type, bf16 and fp16 (not model flags, written by hand), and the tokenizer's
+// vocab_file, merge_file and tokenizer_model where the run gave them. The keys are the
 // field names; nlohmann::json orders them, so metadata.json does not depend on the table's order.
 namespace {
 
@@ -391,6 +392,13 @@ nlohmann::json model_args_to_json(const Arguments& a) {
   j["tokenizer_type"] = a.tokenizer_type;
   j["bf16"] = a.bf16;
   j["fp16"] = a.fp16;
+  // The tokenizer's files, absolute, where the run gave them: the HF export copies them
+  // (tools/convert_checkpoint). Not taken with --use-checkpoint-args: the run's tokenizer flags win.
+  for (const auto& [key, path] : {std::pair<const char*, const std::string*>{"vocab_file", &a.vocab_file},
+                                  {"merge_file", &a.merge_file},
+                                  {"tokenizer_model", &a.tokenizer_model}}) {
+    if (!path->empty()) j[key] = fs::absolute(*path).lexically_normal().string();
+  }
   return j;
 }
 

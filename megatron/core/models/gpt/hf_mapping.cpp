@@ -200,8 +200,7 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
     c.add_bias_linear = true;
     c.add_qkv_bias = true;
     c.position_embedding_type = "learned_absolute";
-    c.share_embeddings_and_output_weights = num("tie_word_embeddings", true);
-    MG_CHECK(c.share_embeddings_and_output_weights, "untied GPT-2 models are not supported");
+    c.share_embeddings_and_output_weights = num("tie_word_embeddings", true);  // false: its own lm_head
     c.hidden_dropout = num("resid_pdrop", 0.1f);
     c.attention_dropout = num("attn_pdrop", 0.1f);
     c.init_method_std = num("initializer_range", 0.02f);
@@ -296,6 +295,9 @@ TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(con
     }
     out["decoder.final_layernorm.weight"] = hf("transformer.ln_f.weight", {h});
     out["decoder.final_layernorm.bias"] = hf("transformer.ln_f.bias", {h});
+    if (!c.share_embeddings_and_output_weights) {
+      out["output_layer.weight"] = resize_rows(hf("lm_head.weight", {v, h}), vp);
+    }
     return out;
   }
   out["embedding.word_embeddings.weight"] = resize_rows(hf("model.embed_tokens.weight", {v, h}), vp);
@@ -345,65 +347,129 @@ TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(con
 }
 
 // ---- Megatron-Core -> HF -------------------------------------------------------------------------
+namespace {
+
+// Note [Exporting zero-centered norms]
+// --apply-layernorm-1p (Megatron's layernorm_zero_centered_gamma) stores gamma - 1 and the norm
+// kernels multiply by (1 + w); HF multiplies by its weight, so the export adds the 1 back (norm
+// weights only, never biases; the q/k norms of --qk-layernorm too). Importing an HF model needs no
+// change: its weights are gamma and the imported checkpoint is not zero-centered.
+Tensor norm_weight(const TransformerConfig& c, Tensor w) {
+  if (!c.layernorm_zero_centered_gamma) return w;
+  Tensor out = as_fp32(w).clone();
+  float* d = out.data<float>();
+  for (int64_t i = 0; i < out.numel(); ++i) d[i] += 1.0f;
+  return out;
+}
+
+// Note [Exporting interleaved RoPE]
+// --rotary-interleaved rotates channel pairs (2j, 2j+1) of the first r = kv_channels · rotary_percent
+// channels of each head by angle θ_j; HF rotates (j, j + r/2) ("rotate_half") by the same θ_j. With
+// the permutation P that sends our channel 2j to j and 2j+1 to j + r/2 (the rest stay),
+// rotate_half(P x) = P interleaved(x), and q·k is unchanged when q and k are both permuted. So the
+// export permutes the rows of each q and k head (weights and biases) and the per-head q/k norm
+// weights (applied before RoPE, elementwise, so they move with their channels); values are untouched.
+// The result is exact, and it imports back as a model without --rotary-interleaved that computes the same.
+Tensor half_split_rows(const Tensor& t, int64_t heads, int64_t d, int64_t r) {
+  Tensor src = as_fp32(t);
+  Tensor out = src.clone();
+  const int64_t row = src.numel() / src.size(0);  // elements per row
+  const float* s = src.data<float>();
+  float* o = out.data<float>();
+  for (int64_t hd = 0; hd < heads; ++hd)
+    for (int64_t j = 0; j < r / 2; ++j)
+      for (int64_t part = 0; part < 2; ++part) {
+        const int64_t from = hd * d + 2 * j + part, to = hd * d + j + part * (r / 2);
+        std::memcpy(o + to * row, s + from * row, size_t(row) * sizeof(float));
+      }
+  return out;
+}
+
+}  // namespace
+
 TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
   const TransformerConfig& c = info.config;
-  const int64_t h = c.hidden_size, v = c.vocab_size;
+  const int64_t h = c.hidden_size, v = c.vocab_size, f = c.ffn_hidden_size;
   const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels;
+  const int64_t rotary = c.use_rope() ? int64_t(float(d) * c.rotary_percent) : 0;
   auto get = [&](const std::string& name) -> Tensor {
     auto it = m.find(name);
     MG_CHECK(it != m.end(), "tensor '{}' is missing from the Megatron state", name);
     return as_fp32(it->second);
   };
+  auto norm = [&](const std::string& name) { return norm_weight(c, get(name)); };
+  // Note [Exporting interleaved RoPE]: q and k heads in HF's half-split channel order.
+  auto rope_order = [&](Tensor t, int64_t heads) {
+    return c.use_rope() && c.rotary_interleaved ? half_split_rows(t, heads, d, rotary) : t;
+  };
+  // The q, k, v of layer i's fused QKV (weight or bias), in HF's channel order.
+  auto qkv = [&](int i, const char* what, Tensor& q, Tensor& k, Tensor& vv) {
+    split_qkv(get(layer(i, what)), nq, ng, d, q, k, vv);
+    q = rope_order(q, nq), k = rope_order(k, ng);
+  };
   TensorMap out;
   if (info.family == HFFamily::GPT2) {
+    // Note [GPT-2 export of biasless and position-free models]: HF GPT-2 always adds its biases and
+    // its learned positions; a model trained with --disable-bias-linear (or without positions,
+    // --position-embedding-type none) exports them as zeros, which computes the same.
+    auto bias = [&](const std::string& name, int64_t n) {
+      return c.add_bias_linear ? get(name) : Tensor::zeros({n}, DType::Float32);
+    };
     out["transformer.wte.weight"] = resize_rows(get("embedding.word_embeddings.weight"), v);
-    out["transformer.wpe.weight"] = get("embedding.position_embeddings.weight");
+    out["transformer.wpe.weight"] = c.use_learned_positions()
+                                        ? get("embedding.position_embeddings.weight")
+                                        : Tensor::zeros({c.max_position_embeddings, h}, DType::Float32);
     for (int i = 0; i < c.num_layers; ++i) {
       auto p = [&](const char* rest) { return fmt::format("transformer.h.{}.{}", i, rest); };
-      out[p("ln_1.weight")] = get(layer(i, "input_layernorm.weight"));
+      out[p("ln_1.weight")] = norm(layer(i, "input_layernorm.weight"));
       out[p("ln_1.bias")] = get(layer(i, "input_layernorm.bias"));
       Tensor q, k, vv;
-      split_qkv(get(layer(i, "self_attention.linear_qkv.weight")), nq, ng, d, q, k, vv);
+      qkv(i, "self_attention.linear_qkv.weight", q, k, vv);
       out[p("attn.c_attn.weight")] = transpose2d(concat_rows({q, k, vv}));
-      split_qkv(get(layer(i, "self_attention.linear_qkv.bias")), nq, ng, d, q, k, vv);
-      out[p("attn.c_attn.bias")] = concat_rows({q, k, vv});
+      if (c.add_bias_linear || c.add_qkv_bias) {  // Megatron: the linear biases include the QKV one
+        qkv(i, "self_attention.linear_qkv.bias", q, k, vv);
+        out[p("attn.c_attn.bias")] = concat_rows({q, k, vv});
+      } else {
+        out[p("attn.c_attn.bias")] = Tensor::zeros({3 * h}, DType::Float32);
+      }
       out[p("attn.c_proj.weight")] = transpose2d(get(layer(i, "self_attention.linear_proj.weight")));
-      out[p("attn.c_proj.bias")] = get(layer(i, "self_attention.linear_proj.bias"));
-      out[p("ln_2.weight")] = get(layer(i, "pre_mlp_layernorm.weight"));
+      out[p("attn.c_proj.bias")] = bias(layer(i, "self_attention.linear_proj.bias"), h);
+      out[p("ln_2.weight")] = norm(layer(i, "pre_mlp_layernorm.weight"));
       out[p("ln_2.bias")] = get(layer(i, "pre_mlp_layernorm.bias"));
       out[p("mlp.c_fc.weight")] = transpose2d(get(layer(i, "mlp.linear_fc1.weight")));
-      out[p("mlp.c_fc.bias")] = get(layer(i, "mlp.linear_fc1.bias"));
+      out[p("mlp.c_fc.bias")] = bias(layer(i, "mlp.linear_fc1.bias"), f);
       out[p("mlp.c_proj.weight")] = transpose2d(get(layer(i, "mlp.linear_fc2.weight")));
-      out[p("mlp.c_proj.bias")] = get(layer(i, "mlp.linear_fc2.bias"));
+      out[p("mlp.c_proj.bias")] = bias(layer(i, "mlp.linear_fc2.bias"), h);
     }
-    out["transformer.ln_f.weight"] = get("decoder.final_layernorm.weight");
+    out["transformer.ln_f.weight"] = norm("decoder.final_layernorm.weight");
     out["transformer.ln_f.bias"] = get("decoder.final_layernorm.bias");
+    if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), v);
     return out;
   }
   out["model.embed_tokens.weight"] = resize_rows(get("embedding.word_embeddings.weight"), v);
   for (int i = 0; i < c.num_layers; ++i) {
     auto p = [&](const char* rest) { return fmt::format("model.layers.{}.{}", i, rest); };
-    out[p("input_layernorm.weight")] = get(layer(i, "input_layernorm.weight"));
+    out[p("input_layernorm.weight")] = norm(layer(i, "input_layernorm.weight"));
     Tensor q, k, vv;
-    split_qkv(get(layer(i, "self_attention.linear_qkv.weight")), nq, ng, d, q, k, vv);
+    qkv(i, "self_attention.linear_qkv.weight", q, k, vv);
     out[p("self_attn.q_proj.weight")] = q, out[p("self_attn.k_proj.weight")] = k;
     out[p("self_attn.v_proj.weight")] = vv;
     if (c.add_qkv_bias) {
-      split_qkv(get(layer(i, "self_attention.linear_qkv.bias")), nq, ng, d, q, k, vv);
+      qkv(i, "self_attention.linear_qkv.bias", q, k, vv);
       out[p("self_attn.q_proj.bias")] = q, out[p("self_attn.k_proj.bias")] = k, out[p("self_attn.v_proj.bias")] = vv;
     }
     if (c.qk_layernorm) {
-      out[p("self_attn.q_norm.weight")] = get(layer(i, "self_attention.q_layernorm.weight"));
-      out[p("self_attn.k_norm.weight")] = get(layer(i, "self_attention.k_layernorm.weight"));
+      out[p("self_attn.q_norm.weight")] = rope_order(norm(layer(i, "self_attention.q_layernorm.weight")), 1);
+      out[p("self_attn.k_norm.weight")] = rope_order(norm(layer(i, "self_attention.k_layernorm.weight")), 1);
     }
     out[p("self_attn.o_proj.weight")] = get(layer(i, "self_attention.linear_proj.weight"));
-    out[p("post_attention_layernorm.weight")] = get(layer(i, "pre_mlp_layernorm.weight"));
+    out[p("post_attention_layernorm.weight")] = norm(layer(i, "pre_mlp_layernorm.weight"));
     // [gate; up] -> gate, up
     auto split_fc1 = [&](const std::string& fc1_name, const std::string& gate, const std::string& up) {
       Tensor fc1 = get(fc1_name);
-      const int64_t f = fc1.size(0) / 2;
-      out[gate] = fc1.slice(0, f).clone();
-      out[up] = fc1.slice(f, 2 * f).clone();
+      const int64_t half = fc1.size(0) / 2;
+      out[gate] = fc1.slice(0, half).clone();
+      out[up] = fc1.slice(half, 2 * half).clone();
     };
     if (!c.is_moe_layer(i)) {
       split_fc1(layer(i, "mlp.linear_fc1.weight"), p("mlp.gate_proj.weight"), p("mlp.up_proj.weight"));
@@ -423,22 +489,54 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
       if (c.moe_shared_expert_gate) out[names.shared_gate] = get(layer(i, "mlp.shared_experts.gate_weight"));
     }
   }
-  out["model.norm.weight"] = get("decoder.final_layernorm.weight");
+  out["model.norm.weight"] = norm("decoder.final_layernorm.weight");
   if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), v);
-  (void)h;
   return out;
 }
 
 // ---- Megatron-Core config -> HF config -------------------------------------------------------------
+// Note [Which HF model a checkpoint exports as]
+// A GeLU MLP is GPT-2 (LayerNorm, learned positions or none, full multi-head attention); --swiglu is
+// the Llama family (RMSNorm, RoPE over every channel, no linear biases): qwen2 with --add-qkv-bias
+// (HF Qwen2 biases q/k/v and not o_proj, as --disable-bias-linear --add-qkv-bias does), qwen3 with
+// --qk-layernorm, else llama; MoE layers pick mixtral, qwen2_moe or qwen3_moe. What the model
+// computes and HF cannot is refused in one line naming the flag; what HF expresses another way is
+// converted exactly: --apply-layernorm-1p (Note [Exporting zero-centered norms]),
+// --rotary-interleaved (Note [Exporting interleaved RoPE]), --untie-embeddings-and-output-weights
+// (lm_head, tie_word_embeddings false: HF GPT-2 ties only when told to), and for GPT-2
+// --disable-bias-linear / --position-embedding-type none (zero biases, zero positions). The
+// remaining TransformerConfig fields do not change what a trained model computes (dropout,
+// initialisation, parallel layout, recomputation, MoE dispatch) or are written as they are (sizes,
+// heads, query groups, kv channels, epsilon, rotary base, vocabulary: the padding is stripped).
+namespace {
+// A float as the shortest decimal that reads back as it (1e-05, not 9.999999747378752e-06).
+double shortest(float x) { return std::stod(fmt::format("{}", x)); }
+}  // namespace
+
 nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
+  MG_CHECK(!c.apply_residual_connection_post_layernorm,
+           "--apply-residual-connection-post-layernorm has no HuggingFace export: GPT-2 and Llama-type models add the "
+           "residual before the norm");
   const bool llama = c.gated_linear_unit;
-  MG_CHECK(c.normalization == (llama ? "RMSNorm" : "LayerNorm") &&
-               c.position_embedding_type == (llama ? "rope" : "learned_absolute") && !(c.qk_layernorm && !llama) &&
-               !(c.is_moe() && !llama),
-           "this checkpoint's architecture has no HuggingFace equivalent (GPT-2: LayerNorm, GeLU, learned "
-           "positions; Llama: RMSNorm, SwiGLU, RoPE; Qwen3: Llama with --qk-layernorm; Mixtral, Qwen2-MoE, Qwen3-MoE: "
-           "Llama with MoE layers)");
   if (!llama) {
+    MG_CHECK(c.normalization == "LayerNorm",
+             "--normalization {} with a GeLU MLP has no HuggingFace export: GPT-2 uses LayerNorm (Llama-type exports "
+             "need --swiglu)",
+             c.normalization);
+    MG_CHECK(!c.use_rope(),
+             "--position-embedding-type rope with a GeLU MLP has no HuggingFace export: GPT-2 has learned positions "
+             "(Llama-type exports need --swiglu and RMSNorm)");
+    MG_CHECK(!c.qk_layernorm, "--qk-layernorm has no HuggingFace export with a GeLU MLP: GPT-2 has no q/k norms");
+    MG_CHECK(!c.is_moe(),
+             "--num-experts with a GeLU MLP has no HuggingFace export: HF MoE models are Llama-type "
+             "(--swiglu, RMSNorm, RoPE)");
+    MG_CHECK(c.num_query_groups == c.num_attention_heads,
+             "--group-query-attention has no HuggingFace export with a GeLU MLP: GPT-2 has one key/value head per "
+             "query head");
+    MG_CHECK(c.kv_channels * c.num_attention_heads == c.hidden_size,
+             "--kv-channels {} has no HuggingFace export with a GeLU MLP: GPT-2's heads are --hidden-size / "
+             "--num-attention-heads = {} wide",
+             c.kv_channels, c.hidden_size / c.num_attention_heads);
     return {{"model_type", "gpt2"},
             {"architectures", {"GPT2LMHeadModel"}},
             {"n_embd", c.hidden_size},
@@ -447,11 +545,29 @@ nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
             {"n_inner", c.ffn_hidden_size},
             {"n_positions", c.max_position_embeddings},
             {"vocab_size", c.vocab_size},
-            {"layer_norm_epsilon", c.layernorm_epsilon},
+            {"layer_norm_epsilon", shortest(c.layernorm_epsilon)},
             {"activation_function", "gelu_new"},
-            {"tie_word_embeddings", true}};
+            {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
   }
-  std::string model_type = c.qk_layernorm ? "qwen3" : "llama";
+  MG_CHECK(c.normalization == "RMSNorm",
+           "--normalization {} with --swiglu has no HuggingFace export: Llama-type models use RMSNorm (GPT-2 exports "
+           "need a GeLU MLP)",
+           c.normalization);
+  MG_CHECK(c.use_rope(),
+           "--position-embedding-type {} with --swiglu has no HuggingFace export: Llama-type models use RoPE",
+           c.position_embedding_type);
+  MG_CHECK(!c.add_bias_linear,
+           "linear biases (Megatron's default; no --disable-bias-linear) with --swiglu have no HuggingFace export: "
+           "Llama-type models have no MLP or output-projection biases (train with --disable-bias-linear, and "
+           "--add-qkv-bias for Qwen2's q/k/v biases)");
+  MG_CHECK(c.rotary_percent == 1.0f,
+           "--rotary-percent {} has no HuggingFace export for a Llama-type model: HF Llama, Qwen2, Qwen3 and their MoE "
+           "relatives rotate every channel of a head",
+           c.rotary_percent);
+  MG_CHECK(!(c.add_qkv_bias && c.qk_layernorm),
+           "--add-qkv-bias with --qk-layernorm has no HuggingFace export: Qwen3 and Qwen3-MoE (q/k norms) have q/k/v "
+           "biases only with an o_proj bias too, and Qwen2 (q/k/v biases) has no q/k norms");
+  std::string model_type = c.qk_layernorm ? "qwen3" : c.add_qkv_bias ? "qwen2" : "llama";
   if (c.is_moe()) {
     MG_CHECK(c.moe_router_score_function == "softmax" && c.moe_router_num_groups == 0 &&
                  c.moe_router_topk_scaling_factor == 0.0f && !c.moe_router_enable_expert_bias &&
@@ -474,6 +590,7 @@ nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
     }
   }
   static const std::map<std::string, std::string> architectures = {{"llama", "LlamaForCausalLM"},
+                                                                    {"qwen2", "Qwen2ForCausalLM"},
                                                                     {"qwen3", "Qwen3ForCausalLM"},
                                                                     {"mixtral", "MixtralForCausalLM"},
                                                                     {"qwen2_moe", "Qwen2MoeForCausalLM"},
@@ -486,13 +603,17 @@ nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
                       {"num_attention_heads", c.num_attention_heads},
                       {"num_key_value_heads", c.num_query_groups},
                       {"head_dim", c.kv_channels},
-                      {"rms_norm_eps", c.layernorm_epsilon},
-                      {"rope_theta", c.rotary_base},
+                      {"rms_norm_eps", shortest(c.layernorm_epsilon)},
+                      {"rope_theta", shortest(c.rotary_base)},
                       {"max_position_embeddings", c.max_position_embeddings},
                       {"vocab_size", c.vocab_size},
                       {"hidden_act", "silu"},
                       {"attention_bias", c.add_qkv_bias},
                       {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
+  if (model_type == "qwen2") {
+    j.erase("attention_bias");  // HF Qwen2 always biases q, k and v
+    j["use_sliding_window"] = false;
+  }
   if (!c.is_moe()) return j;
   const float aux = c.moe_aux_loss_coeff.empty() ? 0.0f : c.moe_aux_loss_coeff[0];
   MG_CHECK(aux == 0.0f || (c.moe_router_load_balancing_type.size() == 1 &&

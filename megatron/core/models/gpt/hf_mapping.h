@@ -53,10 +53,12 @@ struct HFModelInfo {
 /// of the vocabulary.
 HFModelInfo config_from_hf(const nlohmann::json& hf_config, int make_vocab_size_divisible_by = 128);
 
-/// The HF config.json of a model trained here (a checkpoint without an HF config): gpt2, llama,
-/// qwen3 (--qk-layernorm), mixtral (every layer MoE, no shared experts), qwen2_moe (a gated shared
-/// expert) or qwen3_moe (MoE with --qk-layernorm). One clear line when the architecture has no HF
-/// equivalent. config_from_hf of the result gives the same model.
+/// The HF config.json of a model trained here (a checkpoint without an HF config): gpt2 (GeLU MLP;
+/// untied with --untie-embeddings-and-output-weights), llama, qwen2 (--add-qkv-bias), qwen3
+/// (--qk-layernorm), mixtral (every layer MoE, no shared experts), qwen2_moe (a gated shared expert)
+/// or qwen3_moe (MoE with --qk-layernorm). One line naming the flag when the model computes something
+/// HF cannot (Note [Which HF model a checkpoint exports as] in the .cpp). config_from_hf of the
+/// result, with megatron_to_hf's tensors, gives a model that computes the same.
 nlohmann::json hf_config_from_megatron(const TransformerConfig& config);
 
 /// A HuggingFace model folder as users download it: config.json and model.safetensors, or the
@@ -80,7 +82,10 @@ class HFFolder {
 /// HF tensors -> Megatron-Core tensors (fp32 host). get_hf(name) returns the HF tensor or throws.
 /// Shapes are checked against the config; a mismatch names the tensor and both shapes.
 TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf);
-/// Megatron-Core tensors -> HF tensors (fp32 host), the exact inverse of hf_to_megatron.
+/// Megatron-Core tensors -> HF tensors (fp32 host), the exact inverse of hf_to_megatron. For a model
+/// trained here (info.config its own config) it also folds what HF expresses otherwise into the
+/// weights: zero-centered norms (--apply-layernorm-1p) get their 1 back, interleaved RoPE's q/k rows
+/// go to HF's half-split order, GPT-2's missing biases and positions are zeros.
 TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& megatron);
 
 /// The model's parameters (or their fp32 gradients) by Megatron-Core name, as host fp32 copies.
