@@ -153,6 +153,14 @@ TEST(HFRopeScaling, YarnOfQwen) {
     EXPECT_FLOAT_EQ(rotary_attention_scale(c), float(0.1 * std::log(4.0) + 1));  // HF's default attention factor
     expect_round_trip(c);
   }
+  // rope_scaling beside transformers 5's rope_parameters: the scaling from the first, theta from the second.
+  nlohmann::json both = llama("qwen3");
+  both.erase("rope_theta");
+  both["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1000000.0}};
+  both["rope_scaling"] = scaling;
+  const TransformerConfig from_both = config_from_hf(both).config;
+  EXPECT_EQ(from_both.rotary_base, 1e6f);
+  EXPECT_TRUE(from_both.use_yarn());
   // Without original_max_position_embeddings: max_position_embeddings (transformers 5's default).
   nlohmann::json bare = v4;
   bare["rope_scaling"].erase("original_max_position_embeddings");

@@ -86,9 +86,13 @@ void yarn_from_hf(const nlohmann::json& j, const nlohmann::json& rope, Transform
 void rope_config_from_hf(const nlohmann::json& j, TransformerConfig& c) {
   c.position_embedding_type = "rope";
   const nlohmann::json rope = rope_dict(j);
-  c.rotary_base = float(number(rope, "rope_theta").value_or(number(j, "rope_theta").value_or(10000.0)));
-  c.rotary_percent =
-      float(number(rope, "partial_rotary_factor").value_or(number(j, "partial_rotary_factor").value_or(1.0)));
+  // The RoPE dict's value, else rope_parameters' (when rope_scaling is the dict), else the top level's.
+  const nlohmann::json parameters = j.value("rope_parameters", nlohmann::json());
+  auto value = [&](const char* key, double fallback) {
+    return number(rope, key).value_or(number(parameters, key).value_or(number(j, key).value_or(fallback)));
+  };
+  c.rotary_base = float(value("rope_theta", 10000.0));
+  c.rotary_percent = float(value("partial_rotary_factor", 1.0));
   if (rope.is_null()) return;
   std::string type = "default";
   for (const char* key : {"rope_type", "type"}) {
