@@ -40,9 +40,9 @@ TEST_P(GoldenModel, LogitsLossAndGradients) {
   testing::Golden& g = *d.golden;
   const testing::Golden::GradientReport r = g.check_logits_loss_gradients();
   const TransformerConfig& c = g.info.config;
-  const std::string rope = c.use_yarn()       ? fmt::format(", yarn x{}", c.yarn_rotary_scaling_factor)
-                           : c.rope_scaling   ? fmt::format(", llama3 rope scaling x{}", c.rope_scaling_factor)
-                                              : std::string();
+  const std::string rope = c.use_yarn()     ? fmt::format(", yarn x{}", c.yarn_rotary_scaling_factor)
+                           : c.rope_scaling ? fmt::format(", llama3 rope scaling x{}", c.rope_scaling_factor)
+                                            : std::string();
   std::printf("golden %s (%s, %s%s): logits %.2e, loss %.2e, %d gradients (worst %.2e) against %s\n",
               GetParam().c_str(), g.info.model_type.c_str(), c.qk_layernorm ? "qk-layernorm" : "no qk-layernorm",
               rope.c_str(), r.logits_error, r.loss_error, r.checked, r.worst_grad, g.io_file->path().c_str());

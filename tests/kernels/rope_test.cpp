@@ -74,12 +74,13 @@ TEST_P(Rope, GradCheck) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, Rope,
-                         ::testing::Values(RopeCase{kD, false, 1.0f}, RopeCase{kD, true, 1.0f}, RopeCase{4, false, 1.0f},
-                                           RopeCase{4, true, 1.0f}, RopeCase{kD, false, 1.25f},
-                                           RopeCase{4, true, 0.75f}),
+                         ::testing::Values(RopeCase{kD, false, 1.0f}, RopeCase{kD, true, 1.0f},
+                                           RopeCase{4, false, 1.0f}, RopeCase{4, true, 1.0f},
+                                           RopeCase{kD, false, 1.25f}, RopeCase{4, true, 0.75f}),
                          [](const auto& info) {
                            return std::string(info.param.interleaved ? "Interleaved" : "RotateHalf") +
-                                  (info.param.r == kD ? "Full" : "Partial") + (info.param.scale != 1.0f ? "Scaled" : "");
+                                  (info.param.r == kD ? "Full" : "Partial") +
+                                  (info.param.scale != 1.0f ? "Scaled" : "");
                          });
 
 TEST(RopeLayouts, RotateHalfAndInterleavedDiffer) {

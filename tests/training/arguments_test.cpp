@@ -230,9 +230,10 @@ TEST(Arguments, RopeScalingFlags) {
   EXPECT_FALSE(c.use_yarn());
   EXPECT_EQ(with({"--use-rotary-position-embeddings", "--use-rope-scaling"}).rope_scaling_factor, 8.0f);
 
-  a = with({"--position-embedding-type", "yarn", "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings",
-            "64", "--yarn-beta-fast", "16", "--yarn-beta-slow", "2", "--mscale", "0.707", "--mscale-all-dim", "1",
-            "--no-yarn-correction-range-round-to-int", "--rope-type", "rope"});
+  a = with({"--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+            "--yarn-original-max-position-embeddings", "64", "--yarn-beta-fast", "16", "--yarn-beta-slow", "2",
+            "--mscale", "0.707", "--mscale-all-dim", "1", "--no-yarn-correction-range-round-to-int", "--rope-type",
+            "rope"});
   c = transformer_config_from_args(a, 100);
   EXPECT_TRUE(c.use_rope() && c.use_yarn());
   EXPECT_EQ(c.yarn_rotary_scaling_factor, 4.0f);
@@ -242,7 +243,8 @@ TEST(Arguments, RopeScalingFlags) {
   EXPECT_EQ(c.yarn_mscale, 0.707f);
   EXPECT_EQ(c.yarn_mscale_all_dim, 1.0f);
   EXPECT_FALSE(c.yarn_correction_range_round_to_int);
-  c = transformer_config_from_args(with({"--position-embedding-type", "yarn", "--yarn-correction-range-round-to-int"}), 100);
+  c = transformer_config_from_args(with({"--position-embedding-type", "yarn", "--yarn-correction-range-round-to-int"}),
+                                   100);
   EXPECT_TRUE(c.yarn_correction_range_round_to_int);
   EXPECT_EQ(c.yarn_original_max_position_embeddings, 4096);  // Megatron's YarnRotaryEmbedding defaults
   EXPECT_EQ(c.yarn_rotary_scaling_factor, 1.0f);
@@ -260,8 +262,9 @@ TEST(Arguments, RopeScalingFlags) {
           "YaRN give --position-embedding-type yarn");
   refused({"--rope-type", "ntk"}, "--rope-type: ntk not in {rope,yarn}");
   refused({"--position-embedding-type", "alibi"}, "--position-embedding-type: alibi not in");
-  refused({"--use-rope-scaling"}, "--use-rope-scaling (Llama 3's RoPE scaling) needs --position-embedding-type rope "
-                                  "(got learned_absolute)");
+  refused({"--use-rope-scaling"},
+          "--use-rope-scaling (Llama 3's RoPE scaling) needs --position-embedding-type rope "
+          "(got learned_absolute)");
   refused({"--position-embedding-type", "yarn", "--rotary-percent", "0.5"}, "drop --rotary-percent 0.5");
 }
 

@@ -204,7 +204,8 @@ TEST(CheckpointArgs, RopeAndYarnAreOneRotaryEmbedding) {
   Arguments none = rope;
   none.position_embedding_type = "none";
   GPTModel none_model(transformer_config_from_args(none, none.vocab_size));
-  const std::string e = error_of([&] { Checkpointer(none).load(ctx, dir.path.string(), none_model, nullptr, nullptr); });
+  const std::string e =
+      error_of([&] { Checkpointer(none).load(ctx, dir.path.string(), none_model, nullptr, nullptr); });
   EXPECT_NE(e.find("--position-embedding-type is \"rope\" there and \"none\" in this run"), std::string::npos) << e;
 
   TempDir yarn_dir("yarn_args");

@@ -52,7 +52,8 @@ void TransformerConfig::finalize() {
            "a gated linear unit is only supported with swiglu (use --swiglu)");
   MG_CHECK(position_embedding_type == "learned_absolute" || position_embedding_type == "rope" ||
                position_embedding_type == "yarn" || position_embedding_type == "none",
-           "--position-embedding-type must be learned_absolute, rope, yarn or none (got '{}')", position_embedding_type);
+           "--position-embedding-type must be learned_absolute, rope, yarn or none (got '{}')",
+           position_embedding_type);
   if (use_learned_positions()) {
     MG_CHECK(max_position_embeddings > 0, "--max-position-embeddings must be positive with learned positions");
   }

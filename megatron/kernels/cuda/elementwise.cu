@@ -220,8 +220,8 @@ int64_t swiglu_rows(const Tensor& x, const Tensor& half, int64_t& f) {
 // are scaled as in the CPU reference); threadIdx.x walks a head row's items (half pairs, then
 // d - 2·half pass-through channels), threadIdx.y picks the row.
 template <typename T>
-__global__ void rope_kernel(const T* x, const float* __restrict__ freqs, int64_t rows, int64_t heads_per_pos,
-                            int64_t d, int64_t half, bool interleaved, float sign, float scale, T* out) {
+__global__ void rope_kernel(const T* x, const float* __restrict__ freqs, int64_t rows, int64_t heads_per_pos, int64_t d,
+                            int64_t half, bool interleaved, float sign, float scale, T* out) {
   const int64_t items = d - half;  // half pairs + (d - 2·half) pass-through channels
   for (int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
        row += int64_t(gridDim.x) * blockDim.y) {
@@ -265,8 +265,8 @@ void rope_rotate(const Context& ctx, const Tensor& x, const Tensor& freqs, bool 
   const unsigned grid = unsigned(std::min<int64_t>((rows + block.y - 1) / block.y, 65535LL * 16));
   cudaStream_t stream = stream_of(ctx);
   dispatch_float(x.dtype(), [&]<typename T>() {
-    rope_kernel<T><<<grid, block, 0, stream>>>(dev_ptr<T>(x), dev_ptr<float>(freqs), rows, heads, d, half,
-                                                interleaved, sign, scale, dev_ptr<T>(out));
+    rope_kernel<T><<<grid, block, 0, stream>>>(dev_ptr<T>(x), dev_ptr<float>(freqs), rows, heads, d, half, interleaved,
+                                               sign, scale, dev_ptr<T>(out));
   });
   CUDA_CHECK_LAUNCH();
 }

@@ -18,18 +18,12 @@ namespace {
 using testing::error_of;
 
 nlohmann::json llama(const std::string& model_type = "llama") {
-  return {{"model_type", model_type},
-          {"num_hidden_layers", 4},
-          {"hidden_size", 64},
-          {"num_attention_heads", 4},
-          {"num_key_value_heads", 2},
-          {"head_dim", 16},
-          {"intermediate_size", 128},
-          {"max_position_embeddings", 131072},
-          {"vocab_size", 100},
-          {"rms_norm_eps", 1e-5},
-          {"rope_theta", 500000.0},
-          {"tie_word_embeddings", false}};
+  return {{"model_type", model_type}, {"num_hidden_layers", 4},
+          {"hidden_size", 64},        {"num_attention_heads", 4},
+          {"num_key_value_heads", 2}, {"head_dim", 16},
+          {"intermediate_size", 128}, {"max_position_embeddings", 131072},
+          {"vocab_size", 100},        {"rms_norm_eps", 1e-5},
+          {"rope_theta", 500000.0},   {"tie_word_embeddings", false}};
 }
 
 const nlohmann::json kLlama31Scaling = {{"rope_type", "llama3"},
@@ -95,16 +89,17 @@ TEST(HFRopeScaling, Llama3BandsOtherThanMegatronsAreRefused) {
   nlohmann::json j = llama();
   j["rope_scaling"] = kLlama31Scaling;
   j["rope_scaling"]["low_freq_factor"] = 2.0;
-  expect_refused(j, "rope_scaling llama3 with low_freq_factor 2, high_freq_factor 4, original_max_position_embeddings "
-                    "8192: only Megatron's 1, 4 and 8192");
+  expect_refused(j,
+                 "rope_scaling llama3 with low_freq_factor 2, high_freq_factor 4, original_max_position_embeddings "
+                 "8192: only Megatron's 1, 4 and 8192");
   j["rope_scaling"] = kLlama31Scaling;
   j["rope_scaling"]["original_max_position_embeddings"] = 4096;
   expect_refused(j, "original_max_position_embeddings 4096");
 }
 
 TEST(HFRopeScaling, NoScalingAsBefore) {
-  for (const nlohmann::json& rope :
-       {nlohmann::json(nullptr), nlohmann::json::object(), nlohmann::json{{"rope_type", "default"}, {"rope_theta", 1e6}}}) {
+  for (const nlohmann::json& rope : {nlohmann::json(nullptr), nlohmann::json::object(),
+                                     nlohmann::json{{"rope_type", "default"}, {"rope_theta", 1e6}}}) {
     nlohmann::json j = llama("qwen3");
     j["rope_parameters"] = rope;
     j["rope_scaling"] = nullptr;
@@ -170,8 +165,8 @@ TEST(HFRopeScaling, YarnOfQwen) {
 TEST(HFRopeScaling, YarnOptions) {
   // gpt-oss's: truncate false, betas given.
   nlohmann::json j = llama("qwen2");
-  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 32.0},       {"original_max_position_embeddings", 4096},
-                       {"beta_fast", 16.0},   {"beta_slow", 2.0},     {"truncate", false}};
+  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 32.0},   {"original_max_position_embeddings", 4096},
+                       {"beta_fast", 16.0},   {"beta_slow", 2.0}, {"truncate", false}};
   TransformerConfig c = config_from_hf(j).config;
   EXPECT_FALSE(c.yarn_correction_range_round_to_int);
   EXPECT_EQ(c.yarn_beta_fast, 16.0f);
@@ -180,8 +175,11 @@ TEST(HFRopeScaling, YarnOptions) {
   EXPECT_EQ(hf_config_from_megatron(c).at("rope_scaling").at("truncate"), false);
 
   // DeepSeek's mscale and mscale_all_dim (both non-zero): HF's ratio is Megatron's.
-  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 40.0}, {"original_max_position_embeddings", 4096},
-                       {"mscale", 0.707},     {"mscale_all_dim", 1.0}};
+  j["rope_scaling"] = {{"rope_type", "yarn"},
+                       {"factor", 40.0},
+                       {"original_max_position_embeddings", 4096},
+                       {"mscale", 0.707},
+                       {"mscale_all_dim", 1.0}};
   c = config_from_hf(j).config;
   EXPECT_EQ(c.yarn_mscale, 0.707f);
   EXPECT_EQ(c.yarn_mscale_all_dim, 1.0f);
@@ -189,14 +187,16 @@ TEST(HFRopeScaling, YarnOptions) {
   expect_round_trip(c);
 
   // mscale alone: HF ignores it (attention factor mscale(factor) = 0.1 ln f + 1), so does the import.
-  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 40.0}, {"original_max_position_embeddings", 4096},
-                       {"mscale", 0.707}};
+  j["rope_scaling"] = {
+      {"rope_type", "yarn"}, {"factor", 40.0}, {"original_max_position_embeddings", 4096}, {"mscale", 0.707}};
   c = config_from_hf(j).config;
   EXPECT_EQ(c.yarn_mscale, 1.0f);
   EXPECT_EQ(c.yarn_mscale_all_dim, 0.0f);
 
   // An explicit attention_factor: accepted when it is Megatron's ratio, refused otherwise.
-  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 4096},
+  j["rope_scaling"] = {{"rope_type", "yarn"},
+                       {"factor", 4.0},
+                       {"original_max_position_embeddings", 4096},
                        {"attention_factor", 0.1 * std::log(4.0) + 1}};
   EXPECT_FLOAT_EQ(rotary_attention_scale(config_from_hf(j).config), float(0.1 * std::log(4.0) + 1));
   j["rope_scaling"]["attention_factor"] = 1.0;
@@ -253,8 +253,9 @@ TEST(HFSlidingWindow, ActiveWindowsAreRefusedOthersAccepted) {
   qwen["use_sliding_window"] = false;  // Qwen2.5's files
   EXPECT_NO_THROW(config_from_hf(qwen));
   qwen["use_sliding_window"] = true;
-  expect_refused(qwen, "qwen2 config.json has sliding_window 4096 with use_sliding_window true (below "
-                       "max_position_embeddings 32768) on 2 of its 4 layers");
+  expect_refused(qwen,
+                 "qwen2 config.json has sliding_window 4096 with use_sliding_window true (below "
+                 "max_position_embeddings 32768) on 2 of its 4 layers");
   qwen["max_window_layers"] = 4;  // no layer slides
   EXPECT_NO_THROW(config_from_hf(qwen));
   qwen["layer_types"] = {"full_attention", "sliding_attention", "full_attention", "full_attention"};

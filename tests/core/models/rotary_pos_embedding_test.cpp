@@ -156,9 +156,9 @@ TEST(YarnRotaryEmbedding, RampMaskAndInverseFrequencies) {
   expect_rel_near(yarn_linear_ramp_mask(low, high, 8), {0, 1.0 / 3, 2.0 / 3, 1, 1, 1, 1, 1}, 1e-6, "ramp");
   RotaryEmbedding rope(c);
   expect_rel_near(rope.inv_freq(), e.inv, 2e-6, "yarn inv_freq");
-  EXPECT_NEAR(rope.inv_freq()[0], 1.0, 1e-7);                                            // extrapolated
-  EXPECT_NEAR(rope.inv_freq()[5], std::pow(10000.0, -10.0 / 16) / 4, 1e-6 * 1e-3);        // interpolated
-  const double inv1 = std::pow(10000.0, -2.0 / 16);                                      // a third interpolated
+  EXPECT_NEAR(rope.inv_freq()[0], 1.0, 1e-7);                                       // extrapolated
+  EXPECT_NEAR(rope.inv_freq()[5], std::pow(10000.0, -10.0 / 16) / 4, 1e-6 * 1e-3);  // interpolated
+  const double inv1 = std::pow(10000.0, -2.0 / 16);                                 // a third interpolated
   EXPECT_NEAR(rope.inv_freq()[1], inv1 / 4 / 3 + inv1 * 2 / 3, 1e-6 * inv1);
 
   // HF's truncate false: the exact dims, low = max(-0.99, 0) = 0, high = 2.02.
@@ -233,8 +233,9 @@ TEST(RopeScaling, ConfigRulesAreOneLineEach) {
               c.yarn_rotary_scaling_factor = 0.0f;
             }).find("--rotary-scaling-factor must be a positive number"),
             std::string::npos);
-  EXPECT_NE(error([](TransformerConfig& c) { c.position_embedding_type = "alibi"; })
-                .find("--position-embedding-type must be learned_absolute, rope, yarn or none (got 'alibi')"),
+  EXPECT_NE(error([](TransformerConfig& c) {
+              c.position_embedding_type = "alibi";
+            }).find("--position-embedding-type must be learned_absolute, rope, yarn or none (got 'alibi')"),
             std::string::npos);
 }
 

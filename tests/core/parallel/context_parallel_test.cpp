@@ -31,8 +31,8 @@ const std::vector<std::string> kCpMoe =
                     "1e-2", "--moe-z-loss-coeff", "1e-3"});
 
 // YaRN x4 over an original context of 8 positions (the ramp covers pairs 0..2 of 8).
-const std::vector<std::string> kYarn = concat(kLlama, {"--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
-                                                       "--yarn-original-max-position-embeddings", "8"});
+const std::vector<std::string> kYarn = concat(kLlama, {"--position-embedding-type", "yarn", "--rotary-scaling-factor",
+                                                       "4", "--yarn-original-max-position-embeddings", "8"});
 
 const std::vector<std::string>& model_flags(const std::string& m) {
   if (m == "gpt") return kGpt;

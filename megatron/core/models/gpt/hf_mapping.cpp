@@ -415,9 +415,8 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
 // ---- Megatron-Core config -> HF config -------------------------------------------------------------
 nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
   const bool llama = c.gated_linear_unit;
-  MG_CHECK(c.normalization == (llama ? "RMSNorm" : "LayerNorm") &&
-               (llama ? c.use_rope() : c.use_learned_positions()) && !(c.qk_layernorm && !llama) &&
-               !(c.is_moe() && !llama),
+  MG_CHECK(c.normalization == (llama ? "RMSNorm" : "LayerNorm") && (llama ? c.use_rope() : c.use_learned_positions()) &&
+               !(c.qk_layernorm && !llama) && !(c.is_moe() && !llama),
            "this checkpoint's architecture has no HuggingFace equivalent (GPT-2: LayerNorm, GeLU, learned "
            "positions; Llama: RMSNorm, SwiGLU, RoPE; Qwen3: Llama with --qk-layernorm; Mixtral, Qwen2-MoE, Qwen3-MoE: "
            "Llama with MoE layers)");

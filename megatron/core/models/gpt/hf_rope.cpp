@@ -42,9 +42,9 @@ void yarn_from_hf(const nlohmann::json& j, const nlohmann::json& rope, Transform
            "Megatron's YarnRotaryEmbedding)",
            c.rotary_percent);
   const std::optional<double> top_original = number(j, "original_max_position_embeddings");
-  const double original = top_original ? *top_original
-                                       : number(rope, "original_max_position_embeddings").value_or(
-                                             double(c.max_position_embeddings));
+  const double original =
+      top_original ? *top_original
+                   : number(rope, "original_max_position_embeddings").value_or(double(c.max_position_embeddings));
   MG_CHECK(original > 0, "rope_scaling yarn needs original_max_position_embeddings (or max_position_embeddings)");
   MG_CHECK(rope.contains("factor"), "rope_scaling yarn has no factor");  // null: the ratio below, as HF
   const double factor = number(rope, "factor").value_or(double(c.max_position_embeddings) / original);
@@ -61,7 +61,8 @@ void yarn_from_hf(const nlohmann::json& j, const nlohmann::json& rope, Transform
              rope["truncate"].dump());
     c.yarn_correction_range_round_to_int = rope["truncate"].get<bool>();
   }
-  const double mscale = number(rope, "mscale").value_or(0.0), mscale_all_dim = number(rope, "mscale_all_dim").value_or(0.0);
+  const double mscale = number(rope, "mscale").value_or(0.0),
+               mscale_all_dim = number(rope, "mscale_all_dim").value_or(0.0);
   const std::optional<double> attention_factor = number(rope, "attention_factor");
   if (attention_factor || (mscale != 0.0 && mscale_all_dim != 0.0)) {
     // Megatron's ratio with the file's values (absent: Megatron's defaults 1 and 0).
@@ -106,9 +107,10 @@ void rope_config_from_hf(const nlohmann::json& j, TransformerConfig& c) {
     const std::optional<double> factor = number(rope, "factor");
     MG_CHECK(factor.has_value(), "rope_scaling llama3 has no factor");
     const std::optional<double> top_original = number(j, "original_max_position_embeddings");
-    const double low = number(rope, "low_freq_factor").value_or(-1), high = number(rope, "high_freq_factor").value_or(-1),
-                 original = top_original ? *top_original
-                                         : number(rope, "original_max_position_embeddings").value_or(-1);
+    const double low = number(rope, "low_freq_factor").value_or(-1),
+                 high = number(rope, "high_freq_factor").value_or(-1),
+                 original =
+                     top_original ? *top_original : number(rope, "original_max_position_embeddings").value_or(-1);
     const Llama3RopeScaling megatron;  // Megatron's fixed band parameters
     MG_CHECK(low == megatron.low_freq_factor && high == megatron.high_freq_factor &&
                  original == megatron.original_max_position_embeddings,
@@ -135,7 +137,8 @@ void check_hf_attention_window(const nlohmann::json& j, const std::string& model
   std::vector<bool> sliding(size_t(layers), false);
   if (j.contains("layer_types") && j["layer_types"].is_array()) {
     const auto& types = j["layer_types"];
-    MG_CHECK(int(types.size()) == layers, "config.json: layer_types has {} entries for {} layers", types.size(), layers);
+    MG_CHECK(int(types.size()) == layers, "config.json: layer_types has {} entries for {} layers", types.size(),
+             layers);
     for (int i = 0; i < layers; ++i) {
       MG_CHECK(types[size_t(i)] == "full_attention" || types[size_t(i)] == "sliding_attention",
                "layer_types '{}' is not supported: only full_attention (and sliding_attention whose window never "
@@ -149,9 +152,9 @@ void check_hf_attention_window(const nlohmann::json& j, const std::string& model
   const bool qwen = model_type.rfind("qwen", 0) == 0;
   if (qwen && !(j.contains("use_sliding_window") && j["use_sliding_window"] == true)) return;
   // An absent key is the config class's default: 4096 for Mistral and Qwen, none for Mixtral.
-  const std::optional<double> window =
-      j.contains("sliding_window") ? number(j, "sliding_window")
-                                   : (model_type == "mixtral" ? std::nullopt : std::optional<double>(4096));
+  const std::optional<double> window = j.contains("sliding_window")
+                                           ? number(j, "sliding_window")
+                                           : (model_type == "mixtral" ? std::nullopt : std::optional<double>(4096));
   if (!window || *window <= 0 || *window >= c.max_position_embeddings) return;  // no window, or one never reached
   if (!(j.contains("layer_types") && j["layer_types"].is_array())) {
     // transformers 5's layer_types when the file has none.

@@ -79,9 +79,13 @@ double yarn_concentration_factor(double scaling_factor, double mscale, double ms
 }
 
 YarnParams yarn_params(const TransformerConfig& c) {
-  return YarnParams{c.yarn_rotary_scaling_factor, c.yarn_original_max_position_embeddings, c.yarn_beta_fast,
-                    c.yarn_beta_slow,             c.yarn_mscale,
-                    c.yarn_mscale_all_dim,        c.yarn_correction_range_round_to_int};
+  return YarnParams{c.yarn_rotary_scaling_factor,
+                    c.yarn_original_max_position_embeddings,
+                    c.yarn_beta_fast,
+                    c.yarn_beta_slow,
+                    c.yarn_mscale,
+                    c.yarn_mscale_all_dim,
+                    c.yarn_correction_range_round_to_int};
 }
 
 float rotary_attention_scale(const TransformerConfig& c) {
