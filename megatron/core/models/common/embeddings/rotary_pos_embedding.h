@@ -6,6 +6,7 @@
 // the angle table and its factor, so training, context parallelism and the KV-cache path share it.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "megatron/core/transformer/transformer_config.h"
