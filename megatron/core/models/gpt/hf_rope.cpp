@@ -174,8 +174,6 @@ void check_hf_attention_window(const nlohmann::json& j, const std::string& model
 }
 
 void rope_config_to_hf(const TransformerConfig& c, nlohmann::json& j) {
-  MG_CHECK(!c.rotary_interleaved,
-           "--rotary-interleaved has no HuggingFace Llama equivalent (HF rotates the two halves of a head)");
   if (c.rotary_percent != 1.0f) j["partial_rotary_factor"] = c.rotary_percent;
   if (c.rope_scaling) {
     const Llama3RopeScaling s{c.rope_scaling_factor};
