@@ -88,9 +88,10 @@ struct Parser {
     app.get_formatter()->column_width(44);
   }
 
-  // `name` may hold aliases ("--a,--b"), as CLI11 takes them; each is a known flag.
+  // `name` may hold aliases ("--a,--b") and negations ("--a,!--no-a": --no-a sets false), as CLI11
+  // takes them; each is a known flag.
   void add_names(const std::string& name) {
-    for (std::string& n : split(name, ',')) flags.push_back(std::move(n));
+    for (std::string& n : split(name, ',')) flags.push_back(n.starts_with('!') ? n.substr(1) : std::move(n));
   }
 
   template <typename T>
@@ -648,6 +649,9 @@ void validate_args(Arguments& a) {
   MG_CHECK(!a.overlap_param_gather || a.use_distributed_optimizer,
            "--overlap-param-gather needs --use-distributed-optimizer");
   if (a.use_rotary_position_embeddings) a.position_embedding_type = "rope";
+  MG_CHECK(a.rope_type != "yarn",
+           "--rope-type yarn is Megatron's choice for multi-latent attention; standard attention takes only rope: for "
+           "YaRN give --position-embedding-type yarn");
   if (a.ffn_hidden_size == 0) {
     a.ffn_hidden_size = a.swiglu ? int((4.0 * a.hidden_size * 2.0 / 3.0) / 64.0) * 64 : 4 * a.hidden_size;
   }

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <string_view>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/dist_checkpointing/sharded.h"
@@ -357,13 +358,24 @@ std::string first_name(const char* flag) {
   return f.substr(0, f.find(','));
 }
 
+// What an identity row compares. Note [Rotary checkpoints]: --position-embedding-type rope and yarn
+// are one rotary embedding with two scalings, and the scalings are saved, not identity (as
+// --rotary-base): a rope checkpoint may continue as yarn (context extension) and back.
+template <typename T>
+T identity_value(const char*, const T& value) {
+  return value;
+}
+std::string identity_value(const char* key, const std::string& value) {
+  return std::string_view(key) == "position_embedding_type" && value == "yarn" ? "rope" : value;
+}
+
 // A model_arguments.inc identity row: the checkpoint's value (its default when an older checkpoint
 // lacks the key) must be this run's.
 template <typename T>
 void check_identity(const nlohmann::json& saved, const char* key, const char* flag, const T& fallback, const T& ours,
                     const fs::path& dir) {
   const T theirs = saved.contains(key) ? saved.at(key).get<T>() : fallback;
-  MG_CHECK(theirs == ours,
+  MG_CHECK(identity_value(key, theirs) == identity_value(key, ours),
            "checkpoint {} was saved from another model: {} is {} there and {} in this run (give the checkpoint's "
            "model flags, or --use-checkpoint-args)",
            dir.string(), first_name(flag), nlohmann::json(theirs).dump(), nlohmann::json(ours).dump());

@@ -5,6 +5,7 @@
 // and a 3-step AdamW trajectory. Every shape and hyperparameter comes from the files, so any
 // fixture made the same way must pass; each prints one line with what it checked. Tolerances are
 // those stated in the fixture README (fp32 on CPU).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -38,9 +39,13 @@ TEST_P(GoldenModel, LogitsLossAndGradients) {
   DenseGolden d(GetParam());
   testing::Golden& g = *d.golden;
   const testing::Golden::GradientReport r = g.check_logits_loss_gradients();
-  std::printf("golden %s (%s, %s): logits %.2e, loss %.2e, %d gradients (worst %.2e) against %s\n", GetParam().c_str(),
-              g.info.model_type.c_str(), g.info.config.qk_layernorm ? "qk-layernorm" : "no qk-layernorm",
-              r.logits_error, r.loss_error, r.checked, r.worst_grad, g.io_file->path().c_str());
+  const TransformerConfig& c = g.info.config;
+  const std::string rope = c.use_yarn()     ? fmt::format(", yarn x{}", c.yarn_rotary_scaling_factor)
+                           : c.rope_scaling ? fmt::format(", llama3 rope scaling x{}", c.rope_scaling_factor)
+                                            : std::string();
+  std::printf("golden %s (%s, %s%s): logits %.2e, loss %.2e, %d gradients (worst %.2e) against %s\n",
+              GetParam().c_str(), g.info.model_type.c_str(), c.qk_layernorm ? "qk-layernorm" : "no qk-layernorm",
+              rope.c_str(), r.logits_error, r.loss_error, r.checked, r.worst_grad, g.io_file->path().c_str());
 }
 
 TEST_P(GoldenModel, AdamWTrajectory) {

@@ -203,6 +203,7 @@ struct RopeCase {
   int64_t s, b, heads, d, rotary;
   bool interleaved;
   DType dtype;
+  float scale = 1.0f;  // YaRN's attention factor on cos and sin
 };
 
 class CudaRope : public ::testing::TestWithParam<RopeCase> {};
@@ -223,15 +224,15 @@ TEST_P(CudaRope, ForwardBackwardAndInPlaceMatchCpu) {
   const Tensor freqs = Tensor::from_floats(angles, {c.s, c.rotary / 2});
   const Tensor d_freqs = dev(freqs), d_x = dev(x), d_dy = dev(dy);
   Tensor out = Tensor::empty(shape, c.dtype), grad_in = Tensor::empty(shape, c.dtype);
-  cpu::rope_forward(cpu, x, freqs, c.interleaved, out);
-  cpu::rope_backward(cpu, dy, freqs, c.interleaved, grad_in);
+  cpu::rope_forward(cpu, x, freqs, c.interleaved, c.scale, out);
+  cpu::rope_backward(cpu, dy, freqs, c.interleaved, c.scale, grad_in);
   Tensor d_out = poisoned(shape, c.dtype), d_grad_in = poisoned(shape, c.dtype);
-  cuda::rope_forward(gpu, d_x, d_freqs, c.interleaved, d_out);
-  cuda::rope_backward(gpu, d_dy, d_freqs, c.interleaved, d_grad_in);
+  cuda::rope_forward(gpu, d_x, d_freqs, c.interleaved, c.scale, d_out);
+  cuda::rope_backward(gpu, d_dy, d_freqs, c.interleaved, c.scale, d_grad_in);
   expect_close(d_out, out, tolerance(c.dtype), "rope");
   expect_close(d_grad_in, grad_in, tolerance(c.dtype), "rope grad");
   Tensor d_inplace = dev(x);
-  cuda::rope_forward(gpu, d_inplace, d_freqs, c.interleaved, d_inplace);
+  cuda::rope_forward(gpu, d_inplace, d_freqs, c.interleaved, c.scale, d_inplace);
   expect_close(d_inplace, out, tolerance(c.dtype), "rope in place");
 }
 
@@ -247,6 +248,8 @@ std::vector<RopeCase> rope_cases() {
     }
   }
   cases.push_back({9, 2, 3, 64, 64, false, DType::Float16});
+  cases.push_back({33, 2, 4, 64, 64, false, DType::Float32, 1.1386f});  // YaRN factor 4's attention factor
+  cases.push_back({7, 1, 2, 10, 6, true, DType::BFloat16, 0.8f});       // scaled pairs, unscaled pass-through
   return cases;
 }
 
@@ -256,7 +259,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaRope, ::testing::ValuesIn(rope_cases()),
                            return "s" + std::to_string(c.s) + "_b" + std::to_string(c.b) + "_n" +
                                   std::to_string(c.heads) + "_d" + std::to_string(c.d) + "_r" +
                                   std::to_string(c.rotary) + (c.interleaved ? "_inter_" : "_half_") +
-                                  std::string(to_string(c.dtype));
+                                  std::string(to_string(c.dtype)) + (c.scale != 1.0f ? "_scaled" : "");
                          });
 
 }  // namespace

@@ -212,6 +212,62 @@ TEST(Arguments, InvalidCombinationsSayWhichRuleFailed) {
   check({"--rampup-batch-size", "2", "2", "100"}, "sample-based training");
 }
 
+// RoPE scaling: Llama 3's (--use-rope-scaling) and YaRN's (--position-embedding-type yarn with
+// Megatron's yarn flags) reach TransformerConfig; --rope-type is Megatron's multi-latent attention
+// choice, so yarn there is refused with the flag to use instead.
+TEST(Arguments, RopeScalingFlags) {
+  auto with = [](std::vector<std::string> extra) {
+    auto f = base();
+    f.insert(f.end(), extra.begin(), extra.end());
+    Arguments a = parse(f);
+    validate_args(a);
+    return a;
+  };
+  Arguments a = with({"--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "32"});
+  TransformerConfig c = transformer_config_from_args(a, 100);
+  EXPECT_TRUE(c.rope_scaling);
+  EXPECT_EQ(c.rope_scaling_factor, 32.0f);
+  EXPECT_FALSE(c.use_yarn());
+  EXPECT_EQ(with({"--use-rotary-position-embeddings", "--use-rope-scaling"}).rope_scaling_factor, 8.0f);
+
+  a = with({"--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+            "--yarn-original-max-position-embeddings", "64", "--yarn-beta-fast", "16", "--yarn-beta-slow", "2",
+            "--mscale", "0.707", "--mscale-all-dim", "1", "--no-yarn-correction-range-round-to-int", "--rope-type",
+            "rope"});
+  c = transformer_config_from_args(a, 100);
+  EXPECT_TRUE(c.use_rope() && c.use_yarn());
+  EXPECT_EQ(c.yarn_rotary_scaling_factor, 4.0f);
+  EXPECT_EQ(c.yarn_original_max_position_embeddings, 64);
+  EXPECT_EQ(c.yarn_beta_fast, 16.0f);
+  EXPECT_EQ(c.yarn_beta_slow, 2.0f);
+  EXPECT_EQ(c.yarn_mscale, 0.707f);
+  EXPECT_EQ(c.yarn_mscale_all_dim, 1.0f);
+  EXPECT_FALSE(c.yarn_correction_range_round_to_int);
+  c = transformer_config_from_args(with({"--position-embedding-type", "yarn", "--yarn-correction-range-round-to-int"}),
+                                   100);
+  EXPECT_TRUE(c.yarn_correction_range_round_to_int);
+  EXPECT_EQ(c.yarn_original_max_position_embeddings, 4096);  // Megatron's YarnRotaryEmbedding defaults
+  EXPECT_EQ(c.yarn_rotary_scaling_factor, 1.0f);
+
+  auto refused = [&](std::vector<std::string> extra, const std::string& needle) {
+    const std::string e = error_of([&] {
+      Arguments r = with(extra);
+      transformer_config_from_args(r, 100);
+    });
+    EXPECT_NE(e.find(needle), std::string::npos) << "got: " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << "one line: " << e;
+  };
+  refused({"--position-embedding-type", "rope", "--rope-type", "yarn"},
+          "--rope-type yarn is Megatron's choice for multi-latent attention; standard attention takes only rope: for "
+          "YaRN give --position-embedding-type yarn");
+  refused({"--rope-type", "ntk"}, "--rope-type: ntk not in {rope,yarn}");
+  refused({"--position-embedding-type", "alibi"}, "--position-embedding-type: alibi not in");
+  refused({"--use-rope-scaling"},
+          "--use-rope-scaling (Llama 3's RoPE scaling) needs --position-embedding-type rope "
+          "(got learned_absolute)");
+  refused({"--position-embedding-type", "yarn", "--rotary-percent", "0.5"}, "drop --rotary-percent 0.5");
+}
+
 // Megatron's CUDA-graph flags: the full-iteration graph and what it refuses, each with its rule.
 TEST(Arguments, CudaGraphFlags) {
   auto f = base();

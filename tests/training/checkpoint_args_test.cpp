@@ -106,6 +106,20 @@ TEST(CheckpointArgs, KeysAndValuesOfTheEarlierFormatAreUnchanged) {
   for (auto it = now.begin(); it != now.end();) {
     it = it.key() == "num_experts" || it.key().rfind("moe_", 0) == 0 ? now.erase(it) : std::next(it);
   }
+  // And the RoPE-scaling rows: a run without scaling writes Megatron's defaults.
+  const nlohmann::json rope_defaults = {{"use_rope_scaling", false},
+                                        {"rope_scaling_factor", 8.0f},
+                                        {"rotary_scaling_factor", 1.0f},
+                                        {"yarn_original_max_position_embeddings", 4096},
+                                        {"yarn_beta_fast", 32.0f},
+                                        {"yarn_beta_slow", 1.0f},
+                                        {"mscale", 1.0f},
+                                        {"mscale_all_dim", 0.0f},
+                                        {"yarn_correction_range_round_to_int", true}};
+  for (const auto& [key, value] : rope_defaults.items()) {
+    EXPECT_EQ(now.at(key), value) << key;
+    now.erase(key);
+  }
   EXPECT_EQ(now.dump(2), before.dump(2));
   EXPECT_EQ(now.at("norm_epsilon").dump(), nlohmann::json(1e-6f).dump());
 }
@@ -166,6 +180,41 @@ TEST(CheckpointArgs, QkLayernormIsPartOfTheModelIdentity) {
   const Parameter* w = model.params().find("decoder.layers.1.self_attention.k_layernorm.weight");
   ASSERT_NE(w, nullptr);
   EXPECT_EQ(w->data.to_floats(), saved_model.params().find(w->name)->data.to_floats());
+}
+
+// Note [Rotary checkpoints]: a rope checkpoint continues as yarn (context extension) and the YaRN
+// flags travel with --use-checkpoint-args; rope against none is still another model.
+TEST(CheckpointArgs, RopeAndYarnAreOneRotaryEmbedding) {
+  TempDir dir("rope_yarn");
+  Arguments rope = parse(llama_flags());
+  validate_args(rope);
+  rope.bf16 = false;
+  GPTModel model(transformer_config_from_args(rope, rope.vocab_size));
+  model.init_weights(1);
+  save_model_checkpoint(dir.path.string(), model, rope, /*release=*/true);
+
+  Context ctx;
+  Arguments yarn = parse(concat_flags(llama_flags(), {"--position-embedding-type", "yarn", "--rotary-scaling-factor",
+                                                      "4", "--yarn-original-max-position-embeddings", "8"}));
+  validate_args(yarn);
+  yarn.bf16 = false;
+  GPTModel yarn_model(transformer_config_from_args(yarn, yarn.vocab_size));
+  EXPECT_TRUE(Checkpointer(yarn).load(ctx, dir.path.string(), yarn_model, nullptr, nullptr).has_value());
+
+  Arguments none = rope;
+  none.position_embedding_type = "none";
+  GPTModel none_model(transformer_config_from_args(none, none.vocab_size));
+  const std::string e =
+      error_of([&] { Checkpointer(none).load(ctx, dir.path.string(), none_model, nullptr, nullptr); });
+  EXPECT_NE(e.find("--position-embedding-type is \"rope\" there and \"none\" in this run"), std::string::npos) << e;
+
+  TempDir yarn_dir("yarn_args");
+  save_model_checkpoint(yarn_dir.path.string(), yarn_model, yarn, /*release=*/true);
+  Arguments restored = parse(llama_flags());
+  apply_checkpoint_args(restored, yarn_dir.path.string());
+  EXPECT_EQ(restored.position_embedding_type, "yarn");
+  EXPECT_EQ(restored.rotary_scaling_factor, 4.0f);
+  EXPECT_EQ(restored.yarn_original_max_position_embeddings, 8);
 }
 
 // A checkpoint written before --qk-layernorm existed has no such key: it counts as off.

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "megatron/core/models/common/embeddings/rotary_pos_embedding.h"
 #include "megatron/core/tensor_parallel/random.h"
 #include "megatron/kernels/ops.h"
 
@@ -24,6 +25,7 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
       softmax_scale_(1.0f / std::sqrt(float(config.kv_channels))),
       dropout_p_(config.attention_dropout),
       rope_interleaved_(config.rotary_interleaved),
+      rope_scale_(rotary_attention_scale(config)),
       tp_(multi_rank(pg.tp)),
       linear_qkv_(params, prefix + ".linear_qkv", config.hidden_size,
                   config.query_projection_size() + 2 * config.kv_projection_size(),
@@ -81,8 +83,8 @@ void SelfAttention::core_forward(Context& ctx, const AttentionInputs& in, Saved&
     k = head_norm_forward(ctx, *k_layernorm_, k, saved.k_norm);
   }
   if (freqs.defined()) {
-    ops::rope_forward(ctx, q, freqs, rope_interleaved_, q);
-    ops::rope_forward(ctx, k, freqs, rope_interleaved_, k);
+    ops::rope_forward(ctx, q, freqs, rope_interleaved_, rope_scale_, q);
+    ops::rope_forward(ctx, k, freqs, rope_interleaved_, rope_scale_, k);
   }
   if (cp_) {
     cp_->forward(ctx, q, k, v, in.packed.get(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.context,
@@ -143,8 +145,8 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Atten
                               gv);
     }
     if (freqs.defined()) {
-      ops::rope_backward(ctx, gq, freqs, rope_interleaved_, gq);
-      ops::rope_backward(ctx, gk, freqs, rope_interleaved_, gk);
+      ops::rope_backward(ctx, gq, freqs, rope_interleaved_, rope_scale_, gq);
+      ops::rope_backward(ctx, gk, freqs, rope_interleaved_, rope_scale_, gk);
     }
     if (q_layernorm_) {  // this rank's partial sums over its heads (Note [QK layernorm])
       gq = head_norm_backward(ctx, *q_layernorm_, gq, saved.q_norm);
@@ -174,8 +176,8 @@ Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Ten
   }
   if (freqs.defined()) {  // one angle row per (position, sequence): the sequences sit at different positions
     Tensor q_rows = q.view({s * b, 1, nq_, d_}), k_rows = k.view({s * b, 1, ng_, d_});
-    ops::rope_forward(ctx, q_rows, freqs, rope_interleaved_, q_rows);
-    ops::rope_forward(ctx, k_rows, freqs, rope_interleaved_, k_rows);
+    ops::rope_forward(ctx, q_rows, freqs, rope_interleaved_, rope_scale_, q_rows);
+    ops::rope_forward(ctx, k_rows, freqs, rope_interleaved_, rope_scale_, k_rows);
   }
   Tensor context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
   ops::attention_kv_cache_forward(ctx, q, k, v, slots, starts, softmax_scale_, k_cache, v_cache, context);

@@ -91,6 +91,7 @@ class SelfAttention {
   float softmax_scale_;
   float dropout_p_;
   bool rope_interleaved_;
+  float rope_scale_;  // YaRN's attention factor on cos and sin (1 without YaRN)
   Communicator* tp_;  // null: one rank
   Linear linear_qkv_;
   Linear linear_proj_;

@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <stdexcept>
 
 #include "megatron/runtime/check.h"
@@ -49,8 +51,9 @@ void TransformerConfig::finalize() {
   MG_CHECK(!gated_linear_unit || activation == "swiglu",
            "a gated linear unit is only supported with swiglu (use --swiglu)");
   MG_CHECK(position_embedding_type == "learned_absolute" || position_embedding_type == "rope" ||
-               position_embedding_type == "none",
-           "--position-embedding-type must be learned_absolute, rope or none (got '{}')", position_embedding_type);
+               position_embedding_type == "yarn" || position_embedding_type == "none",
+           "--position-embedding-type must be learned_absolute, rope, yarn or none (got '{}')",
+           position_embedding_type);
   if (use_learned_positions()) {
     MG_CHECK(max_position_embeddings > 0, "--max-position-embeddings must be positive with learned positions");
   }
@@ -60,6 +63,7 @@ void TransformerConfig::finalize() {
              "--rotary-percent ({}) must give an even, positive number of rotary channels of the {} per head",
              rotary_percent, kv_channels);
   }
+  finalize_rope_scaling();
   MG_CHECK(!(bf16 && fp16), "--bf16 and --fp16 cannot both be given");
   if (bf16) params_dtype = DType::BFloat16;
   if (fp16) params_dtype = DType::Float16;
@@ -99,6 +103,35 @@ void TransformerConfig::finalize() {
   }
   padded_vocab_size = megatron::padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size);
   finalize_moe();
+}
+
+// The RoPE scaling rules (rotary_pos_embedding.h), one line each.
+void TransformerConfig::finalize_rope_scaling() {
+  if (rope_scaling) {
+    MG_CHECK(position_embedding_type == "rope",
+             "--use-rope-scaling (Llama 3's RoPE scaling) needs --position-embedding-type rope (got {})",
+             position_embedding_type);
+    MG_CHECK(std::isfinite(rope_scaling_factor) && rope_scaling_factor > 0.0f,
+             "--rope-scaling-factor must be a positive number (got {})", rope_scaling_factor);
+  }
+  if (!use_yarn()) return;
+  MG_CHECK(rotary_percent == 1.0f,
+           "--position-embedding-type yarn rotates every channel of a head, as Megatron's YarnRotaryEmbedding: drop "
+           "--rotary-percent {}",
+           rotary_percent);
+  MG_CHECK(!rotary_interleaved, "--position-embedding-type yarn does not support --rotary-interleaved (as Megatron)");
+  MG_CHECK(std::isfinite(yarn_rotary_scaling_factor) && yarn_rotary_scaling_factor > 0.0f,
+           "--rotary-scaling-factor must be a positive number (got {})", yarn_rotary_scaling_factor);
+  MG_CHECK(yarn_original_max_position_embeddings > 0,
+           "--yarn-original-max-position-embeddings must be a positive integer (got {})",
+           yarn_original_max_position_embeddings);
+  MG_CHECK(yarn_beta_fast > 0.0f && yarn_beta_slow > 0.0f,
+           "--yarn-beta-fast ({}) and --yarn-beta-slow ({}) must be positive numbers of rotations", yarn_beta_fast,
+           yarn_beta_slow);
+  const double log_factor = std::log(std::max(1.0f, yarn_rotary_scaling_factor));  // mscale(f, a) = 0.1·a·ln f + 1
+  MG_CHECK(0.1 * yarn_mscale * log_factor + 1.0 > 0.0 && 0.1 * yarn_mscale_all_dim * log_factor + 1.0 > 0.0,
+           "--mscale ({}) and --mscale-all-dim ({}) must give YaRN a positive attention factor", yarn_mscale,
+           yarn_mscale_all_dim);
 }
 
 // The MoE rules of Megatron's TransformerConfig.__post_init__ and validate_args, one line each.

@@ -33,10 +33,22 @@ struct TransformerConfig {
   bool add_qkv_bias = false;  // Megatron: add_bias_linear also adds the qkv bias
   bool gated_linear_unit = false;
   std::string activation = "gelu";                           // gelu | swiglu (swiglu implies gated_linear_unit)
-  std::string position_embedding_type = "learned_absolute";  // learned_absolute | rope | none
+  std::string position_embedding_type = "learned_absolute";  // learned_absolute | rope | yarn | none
   float rotary_base = 10000.0f;
   float rotary_percent = 1.0f;
   bool rotary_interleaved = false;
+  // RoPE scaling (core/models/common/embeddings/rotary_pos_embedding.h): Llama 3's (Note [Llama 3
+  // RoPE scaling]; Megatron's GPTModel rope_scaling / rope_scaling_factor) with rope, YaRN's (Note
+  // [YaRN]; Megatron's config.yarn_*) with position_embedding_type yarn.
+  bool rope_scaling = false;  // --use-rope-scaling
+  float rope_scaling_factor = 8.0f;
+  float yarn_rotary_scaling_factor = 1.0f;  // --rotary-scaling-factor
+  int yarn_original_max_position_embeddings = 4096;
+  float yarn_beta_fast = 32.0f;
+  float yarn_beta_slow = 1.0f;
+  float yarn_mscale = 1.0f;          // --mscale
+  float yarn_mscale_all_dim = 0.0f;  // --mscale-all-dim
+  bool yarn_correction_range_round_to_int = true;
   bool share_embeddings_and_output_weights = true;  // false with --untie-embeddings-and-output-weights
   bool qk_layernorm = false;  // per-head norm of queries and keys (`normalization`, over kv_channels)
   bool apply_residual_connection_post_layernorm = false;
@@ -101,10 +113,13 @@ struct TransformerConfig {
   /// Fills derived values and validates; throws megatron::Error naming the flag at fault.
   void finalize();
   void finalize_moe();  // finalize()'s MoE part
+  void finalize_rope_scaling();  // finalize()'s RoPE-scaling part
   int head_dim() const { return kv_channels; }
   int query_projection_size() const { return kv_channels * num_attention_heads; }
   int kv_projection_size() const { return kv_channels * num_query_groups; }
-  bool use_rope() const { return position_embedding_type == "rope"; }
+  /// Rotary positions: plain (possibly with Llama 3 scaling) or YaRN.
+  bool use_rope() const { return position_embedding_type == "rope" || position_embedding_type == "yarn"; }
+  bool use_yarn() const { return position_embedding_type == "yarn"; }
   bool use_learned_positions() const { return position_embedding_type == "learned_absolute"; }
   bool use_rmsnorm() const { return normalization == "RMSNorm"; }
   bool is_moe() const { return num_moe_experts > 0; }

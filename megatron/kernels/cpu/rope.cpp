@@ -4,8 +4,9 @@
 // channels from r on pass through. Pair k (k < r/2) is rotated by θ[pos, k]:
 //   rotate-half (interleaved = false, Megatron's default): channels (k, k + r/2)
 //   interleaved                                           : channels (2k, 2k + 1)
-//   (a, b) -> (a·cos θ - b·sin θ, b·cos θ + a·sin θ)
-// A rotation is orthogonal, so the backward is the rotation by -θ: one kernel serves both.
+//   (a, b) -> (a·c - b·s, b·c + a·s),  c = scale·cos θ, s = scale·sin θ
+// (scale: YaRN's attention factor, 1 for plain RoPE). A scaled rotation's transpose is the scaled
+// rotation by -θ, so the backward is that: one kernel serves both.
 // out may alias x (each pair is read before it is written).
 #include <cmath>
 
@@ -16,8 +17,8 @@ namespace megatron::cpu {
 
 namespace {
 
-// out = rotate(x, sign·θ).
-void rope_rotate(const Tensor& x, const Tensor& freqs, bool interleaved, float sign, Tensor& out) {
+// out = scale · rotate(x, sign·θ).
+void rope_rotate(const Tensor& x, const Tensor& freqs, bool interleaved, float sign, float scale, Tensor& out) {
   assert_float(x, "x");
   MG_ASSERT(x.dim() == 4, "rope input must be [s, b, n, d], got {}", x.str());
   assert_numel(out, x.numel(), "out");
@@ -35,8 +36,8 @@ void rope_rotate(const Tensor& x, const Tensor& freqs, bool interleaved, float s
   std::vector<float> cos_t(static_cast<size_t>(half)), sin_t(static_cast<size_t>(half));
   for (int64_t pos = 0; pos < s; ++pos) {
     for (int64_t k = 0; k < half; ++k) {
-      cos_t[k] = std::cos(theta[pos * half + k]);
-      sin_t[k] = sign * std::sin(theta[pos * half + k]);
+      cos_t[k] = std::cos(theta[pos * half + k]) * scale;
+      sin_t[k] = sign * (std::sin(theta[pos * half + k]) * scale);
     }
     for (int64_t hd = 0; hd < heads; ++hd) {
       const float* xr = in.data() + (pos * heads + hd) * d;
@@ -54,12 +55,13 @@ void rope_rotate(const Tensor& x, const Tensor& freqs, bool interleaved, float s
 
 }  // namespace
 
-void rope_forward(Context& ctx, const Tensor& x, const Tensor& freqs, bool interleaved, Tensor& out) {
-  rope_rotate(x, freqs, interleaved, 1.0f, out);
+void rope_forward(Context& ctx, const Tensor& x, const Tensor& freqs, bool interleaved, float scale, Tensor& out) {
+  rope_rotate(x, freqs, interleaved, 1.0f, scale, out);
 }
 
-void rope_backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, bool interleaved, Tensor& grad_in) {
-  rope_rotate(grad_out, freqs, interleaved, -1.0f, grad_in);
+void rope_backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, bool interleaved, float scale,
+                   Tensor& grad_in) {
+  rope_rotate(grad_out, freqs, interleaved, -1.0f, scale, grad_in);
 }
 
 }  // namespace megatron::cpu

@@ -216,11 +216,12 @@ int64_t swiglu_rows(const Tensor& x, const Tensor& half, int64_t& f) {
 }
 
 // ---- RoPE: x [s, b, n, d], freqs [s, half] ------------------------------------------------------------
-// out = rotate(x, sign·θ); threadIdx.x walks a head row's items (half pairs, then d - 2·half
-// pass-through channels), threadIdx.y picks the row.
+// out = scale · rotate(x, sign·θ) (scale: YaRN's attention factor, 1 for plain RoPE; cos and sin
+// are scaled as in the CPU reference); threadIdx.x walks a head row's items (half pairs, then
+// d - 2·half pass-through channels), threadIdx.y picks the row.
 template <typename T>
-__global__ void rope_kernel(const T* x, const float* __restrict__ freqs, int64_t rows, int64_t heads_per_pos,
-                            int64_t d, int64_t half, bool interleaved, float sign, T* out) {
+__global__ void rope_kernel(const T* x, const float* __restrict__ freqs, int64_t rows, int64_t heads_per_pos, int64_t d,
+                            int64_t half, bool interleaved, float sign, float scale, T* out) {
   const int64_t items = d - half;  // half pairs + (d - 2·half) pass-through channels
   for (int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
        row += int64_t(gridDim.x) * blockDim.y) {
@@ -232,7 +233,8 @@ __global__ void rope_kernel(const T* x, const float* __restrict__ freqs, int64_t
         const int64_t lo = interleaved ? 2 * j : j, hi = interleaved ? lo + 1 : lo + half;
         float sn, cs;
         sincosf(theta[j], &sn, &cs);
-        sn *= sign;
+        cs *= scale;
+        sn = sign * (sn * scale);
         const float a = load_float(xr[lo]), b = load_float(xr[hi]);
         yr[lo] = store_float<T>(a * cs - b * sn);
         yr[hi] = store_float<T>(b * cs + a * sn);
@@ -244,7 +246,8 @@ __global__ void rope_kernel(const T* x, const float* __restrict__ freqs, int64_t
   }
 }
 
-void rope_rotate(const Context& ctx, const Tensor& x, const Tensor& freqs, bool interleaved, float sign, Tensor& out) {
+void rope_rotate(const Context& ctx, const Tensor& x, const Tensor& freqs, bool interleaved, float sign, float scale,
+                 Tensor& out) {
   check_float_cuda(x, "x");
   MG_ASSERT(x.dim() == 4, "rope input must be [s, b, n, d], got {}", x.str());
   check_like(out, x, "out");
@@ -262,8 +265,8 @@ void rope_rotate(const Context& ctx, const Tensor& x, const Tensor& freqs, bool 
   const unsigned grid = unsigned(std::min<int64_t>((rows + block.y - 1) / block.y, 65535LL * 16));
   cudaStream_t stream = stream_of(ctx);
   dispatch_float(x.dtype(), [&]<typename T>() {
-    rope_kernel<T><<<grid, block, 0, stream>>>(dev_ptr<T>(x), dev_ptr<float>(freqs), rows, heads, d, half,
-                                                interleaved, sign, dev_ptr<T>(out));
+    rope_kernel<T><<<grid, block, 0, stream>>>(dev_ptr<T>(x), dev_ptr<float>(freqs), rows, heads, d, half, interleaved,
+                                               sign, scale, dev_ptr<T>(out));
   });
   CUDA_CHECK_LAUNCH();
 }
@@ -319,12 +322,13 @@ void swiglu_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tens
   CUDA_CHECK_LAUNCH();
 }
 
-void rope_forward(Context& ctx, const Tensor& x, const Tensor& freqs, bool interleaved, Tensor& out) {
-  rope_rotate(ctx, x, freqs, interleaved, 1.0f, out);
+void rope_forward(Context& ctx, const Tensor& x, const Tensor& freqs, bool interleaved, float scale, Tensor& out) {
+  rope_rotate(ctx, x, freqs, interleaved, 1.0f, scale, out);
 }
 
-void rope_backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, bool interleaved, Tensor& grad_in) {
-  rope_rotate(ctx, grad_out, freqs, interleaved, -1.0f, grad_in);
+void rope_backward(Context& ctx, const Tensor& grad_out, const Tensor& freqs, bool interleaved, float scale,
+                   Tensor& grad_in) {
+  rope_rotate(ctx, grad_out, freqs, interleaved, -1.0f, scale, grad_in);
 }
 
 void dropout_forward(Context& ctx, const Tensor& x, float p, uint64_t seed, uint64_t offset, Tensor& out) {

@@ -72,10 +72,11 @@ TEST(HFMoEConfig, UnsupportedOptionsAreOneLine) {
   mixtral["router_jitter_noise"] = 0.1;
   expect_one_line_error(mixtral, "router_jitter_noise");
   mixtral["router_jitter_noise"] = 0.0;
-  mixtral["sliding_window"] = 4096;
+  mixtral["sliding_window"] = 16;  // below max_position_embeddings 32 (a window of 32 or more never applies)
   expect_one_line_error(mixtral, "sliding_window");
   nlohmann::json qwen = small_qwen_moe("qwen2_moe");
   qwen["use_sliding_window"] = true;
+  qwen["sliding_window"] = 16;
   expect_one_line_error(qwen, "use_sliding_window");
   qwen = small_qwen_moe("qwen3_moe");
   qwen["num_local_experts"] = 8;

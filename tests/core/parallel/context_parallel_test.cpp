@@ -2,7 +2,8 @@
 // iteration's loss and grad norm within 1e-6 relative over 5 iterations, and the final weights —
 // CP 2 and 4 with each --cp-comm-type (p2p, all_gather, a2a, a2a+p2p), CP × TP × SP, CP × PP
 // (interleaved), CP × DP with the distributed optimizer and overlapped reduction, full
-// recomputation, learned positions (GPT) and RoPE with GQA (Llama), an MoE model with EP, and
+// recomputation, learned positions (GPT) and RoPE with GQA (Llama; and with YaRN's scaling, whose
+// angle rows each rank takes for its chunks and whose factor scales cos/sin), an MoE model with EP, and
 // packed documents (--reset-attention-mask --reset-position-ids --eod-mask-loss) with each comm
 // type; a CP checkpoint resumes without CP (and the reverse) with the single run's losses.
 // Sequences of 32 positions: CP 2 cuts them into 4 chunks of 8, CP 4 into 8 chunks of 4.
@@ -14,7 +15,7 @@ namespace megatron::testing {
 namespace {
 
 struct CpLayout {
-  std::string model;  // llama | gpt | packed | moe
+  std::string model;  // llama | gpt | packed | moe | yarn
   std::string name;
   int np;
   std::vector<std::string> flags;
@@ -29,8 +30,13 @@ const std::vector<std::string> kCpMoe =
     concat(kLlama, {"--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff",
                     "1e-2", "--moe-z-loss-coeff", "1e-3"});
 
+// YaRN x4 over an original context of 8 positions (the ramp covers pairs 0..2 of 8).
+const std::vector<std::string> kYarn = concat(kLlama, {"--position-embedding-type", "yarn", "--rotary-scaling-factor",
+                                                       "4", "--yarn-original-max-position-embeddings", "8"});
+
 const std::vector<std::string>& model_flags(const std::string& m) {
   if (m == "gpt") return kGpt;
+  if (m == "yarn") return kYarn;
   if (m == "packed") return kPacked;
   if (m == "moe") return kCpMoe;
   return kLlama;
@@ -46,7 +52,7 @@ class ContextParallel : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new ScratchDir("context_parallel");
-    for (const char* m : {"llama", "gpt", "packed", "moe"}) {
+    for (const char* m : {"llama", "gpt", "packed", "moe", "yarn"}) {
       singles_[m] = train(dir_->path, std::string(m) + "_single", 1,
                           concat(model_flags(m), {"--train-iters", "5", "--save", (dir_->path / (std::string(m) + "_single")).string()}));
     }
@@ -76,6 +82,9 @@ std::vector<CpLayout> layouts() {
                                               "--recompute-num-layers", "1"})});
   out.push_back({"llama", "cp2_a2a_recompute_selective", 2,
                  concat(cp(2, "a2a"), {"--recompute-granularity", "selective"})});
+  out.push_back({"yarn", "cp2_p2p", 2, cp(2, "p2p")});
+  out.push_back({"yarn", "cp2_a2a", 2, cp(2, "a2a")});
+  out.push_back({"yarn", "cp4_all_gather", 4, cp(4, "all_gather")});
   out.push_back({"gpt", "cp2_p2p", 2, cp(2, "p2p")});
   out.push_back({"gpt", "cp4_a2a", 4, cp(4, "a2a")});
   for (const char* t : {"p2p", "all_gather", "a2a"}) out.push_back({"packed", std::string("cp2_") + t, 2, cp(2, t)});

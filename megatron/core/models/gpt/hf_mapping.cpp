@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/models/gpt/hf_rope.h"
 
 namespace megatron {
 
@@ -229,27 +230,9 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
                                                       : num("attention_bias", false);
     // q_norm / k_norm: RMSNorm over each head
     c.qk_layernorm = info.model_type == "qwen3" || info.model_type == "qwen3_moe";
-    MG_CHECK(!num("use_sliding_window", false), "use_sliding_window=true is not supported: only full attention");
-    if (j.contains("layer_types") && j["layer_types"].is_array()) {
-      for (const auto& t : j["layer_types"])
-        MG_CHECK(t == "full_attention", "layer_types '{}' is not supported: only full_attention", t.dump());
-    }
-    if (info.model_type == "mixtral") {
-      MG_CHECK(!j.contains("sliding_window") || j["sliding_window"].is_null(),
-               "Mixtral sliding_window={} is not supported: only full attention (sliding_window null)",
-               j.value("sliding_window", nlohmann::json()).dump());
-    }
+    check_hf_attention_window(j, info.model_type, c);  // hf_rope.h
     if (is_hf_moe(info.model_type)) moe_config_from_hf(j, info.model_type, c);
-    c.position_embedding_type = "rope";
-    float theta = num("rope_theta", 10000.0f);
-    if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
-      const auto& rp = j["rope_parameters"];
-      theta = rp.value("rope_theta", theta);
-      std::string type = rp.value("rope_type", std::string("default"));
-      MG_CHECK(type == "default", "rope_type '{}' is not supported: only the default RoPE", type);
-    }
-    MG_CHECK(!j.contains("rope_scaling") || j["rope_scaling"].is_null(), "rope_scaling is not supported");
-    c.rotary_base = theta;
+    rope_config_from_hf(j, c);  // Note [HF RoPE scaling]
     c.share_embeddings_and_output_weights = num("tie_word_embeddings", false);
     c.hidden_dropout = 0.0f;
     c.attention_dropout = num("attention_dropout", 0.0f);
@@ -614,6 +597,7 @@ nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
     j.erase("attention_bias");  // HF Qwen2 always biases q, k and v
     j["use_sliding_window"] = false;
   }
+  rope_config_to_hf(c, j);  // partial_rotary_factor, rope_scaling (Note [HF RoPE scaling])
   if (!c.is_moe()) return j;
   const float aux = c.moe_aux_loss_coeff.empty() ? 0.0f : c.moe_aux_loss_coeff[0];
   MG_CHECK(aux == 0.0f || (c.moe_router_load_balancing_type.size() == 1 &&

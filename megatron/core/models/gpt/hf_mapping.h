@@ -48,8 +48,9 @@ struct HFModelInfo {
 };
 
 /// Reads a HuggingFace config.json (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
-/// Qwen3-MoE). Unknown model types and unsupported options (e.g. rope scaling, sliding windows,
-/// router jitter) are refused with a clear message. make_vocab_size_divisible_by sets the padding
+/// Qwen3-MoE), with llama3 and yarn RoPE scaling (Note [HF RoPE scaling] in hf_rope.h). Unknown
+/// model types and unsupported options (e.g. other rope scalings, active sliding windows, router
+/// jitter) are refused with a clear message. make_vocab_size_divisible_by sets the padding
 /// of the vocabulary.
 HFModelInfo config_from_hf(const nlohmann::json& hf_config, int make_vocab_size_divisible_by = 128);
 
