@@ -85,6 +85,20 @@ INSTANTIATE_TEST_SUITE_P(
                               "--overlap-grad-reduce", "--ddp-bucket-size", "20000"}}),
     [](const ::testing::TestParamInfo<Layout>& i) { return i.param.name; });
 
+// The amax reduction over the tensor-parallel ranks (Note [FP8 scaling under parallelism]): after
+// one step, the scales and histories TP 2 + SP saved (from its rank 0, whose weight shards and
+// sequence shards alone would give other amaxes) are one process's, as are the weights.
+TEST_F(Fp8Training, TensorParallelRanksScaleAsOneProcess) {
+  const fs::path one = dir_->path / "step1_single", tp2 = dir_->path / "step1_tp2";
+  // two iterations in the schedule (one warmup iteration), the checkpoint written after the first
+  const std::vector<std::string> first = {"--train-iters", "2", "--exit-interval", "1"};
+  train(dir_->path, "step1_single", 1, concat(concat(fp8(kGpt, "delayed"), first), {"--save", one.string()}));
+  train(dir_->path, "step1_tp2", 2,
+        concat(concat(fp8(kGpt, "delayed"), first),
+               {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--save", tp2.string()}));
+  expect_same_weights(tp2, one, "tp2 after one step");
+}
+
 // Stopped at iteration 3 and resumed: iterations 4 and 5 are the uninterrupted run's, which needs
 // the scaling state (fresh scales of 1 would quantise differently).
 TEST_F(Fp8Training, ResumesWithItsScalingState) {
