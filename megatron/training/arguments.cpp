@@ -734,6 +734,7 @@ void validate_args(Arguments& a) {
   if (a.split.empty()) a.split = a.mock_data ? "1,1,1" : "969, 30, 1";
   MG_CHECK(a.eval_interval > 0, "--eval-interval must be positive");
   MG_CHECK(a.log_interval > 0, "--log-interval must be positive");
+  MG_CHECK(a.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive");
   MG_CHECK(a.device == "auto" || a.device == "cpu" || a.device == "cuda", "--device must be auto, cpu or cuda");
 
   // ---- checkpoints: an unwritable --save fails now, not at the first save

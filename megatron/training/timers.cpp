@@ -39,6 +39,15 @@ double Timers::elapsed_ms(const std::string& name, bool reset) {
   return ms;
 }
 
+std::vector<std::pair<std::string, double>> Timers::values(double normalizer) {
+  std::vector<std::pair<std::string, double>> out;
+  for (const std::string& name : order_) {
+    if (timers_[name].level > log_level_) continue;
+    out.emplace_back(name, elapsed_ms(name, false) / 1000.0 / normalizer);
+  }
+  return out;
+}
+
 std::string Timers::log(double normalizer) {
   std::string out;
   for (const std::string& name : order_) {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace megatron {
@@ -22,6 +23,9 @@ class Timers {
   double elapsed_ms(const std::string& name, bool reset = true);
   /// The block printed under the iteration line; resets the printed timers.
   std::string log(double normalizer = 1.0);
+  /// The timers log() would print, in seconds divided by `normalizer`, without resetting them
+  /// (Megatron's Timers.write for --log-timers-to-tensorboard: "<name>-time" scalars).
+  std::vector<std::pair<std::string, double>> values(double normalizer = 1.0);
   int log_level() const { return log_level_; }
 
  private:

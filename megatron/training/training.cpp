@@ -299,38 +299,55 @@ struct Trainer {
     }
     const std::string t = timers.log(double(std::max<int64_t>(iterations, 1)));
     if (!t.empty()) std::fputs(t.c_str(), stdout);
-    if (tb) {
-      const int64_t it = progress.iteration, samples = progress.consumed_train_samples;
-      tb->add_scalar("learning-rate", f.learning_rate, it);
-      tb->add_scalar("learning-rate vs samples", f.learning_rate, samples);
-      tb->add_scalar("batch-size", double(gbs), it);
-      tb->add_scalar("batch-size vs samples", double(gbs), samples);
-      for (const auto& [name, value] : f.losses) {
-        tb->add_scalar(name, value, it);
-        tb->add_scalar(name + " vs samples", value, samples);
-      }
-      tb->add_scalar("loss-scale", f.loss_scale, it);
-      tb->add_scalar("loss-scale vs samples", f.loss_scale, samples);
-      if (f.grad_norm) {
-        tb->add_scalar("grad-norm", *f.grad_norm, it);
-        tb->add_scalar("grad-norm vs samples", *f.grad_norm, samples);
-      }
-      if (f.num_zeros_in_grad) tb->add_scalar("num-zeros", double(*f.num_zeros_in_grad), it);
-      if (f.params_norm) tb->add_scalar("params-norm", *f.params_norm, it);
+    if (tb) {  // the interval's timing, at the log interval as Megatron (the rest: write_tensorboard)
+      const int64_t it = progress.iteration;
       tb->add_scalar("iteration-time", elapsed_ms / 1000.0, it);
       if (f.tflops_per_gpu) tb->add_scalar("throughput", *f.tflops_per_gpu, it);
       if (f.tokens_per_sec_per_gpu) tb->add_scalar("tokens-per-second-per-gpu", *f.tokens_per_sec_per_gpu, it);
-      if (args.log_memory_to_tensorboard) {
-        MemoryStats m = memory_stats(ctx.device());
-        tb->add_scalar("mem-allocated-bytes", double(m.allocated), it);
-        tb->add_scalar("mem-max-allocated-bytes", double(m.peak_allocated), it);
-      }
+      if (f.params_norm) tb->add_scalar("params-norm", *f.params_norm, it);  // collective: computed by log()
       tb->flush();
     }
     interval_loss = 0;
     interval_aux.clear();
     interval_advanced = interval_skipped = interval_nan = 0;
     interval_start = Clock::now();
+  }
+
+  // Note [TensorBoard values]: as Megatron's training_log, every --tensorboard-log-interval
+  // iterations the values of that iteration (not the --log-interval averages the printed line
+  // shows): learning rate, batch size, lm loss, loss scale, gradient norm (and zeros, memory with
+  // their flags), each also against consumed samples; with --log-timers-to-tensorboard the printed
+  // timers as "<name>-time" (seconds per iteration of the log interval so far, not reset).
+  // Iteration time, throughput and the parameter norm (a collective the printing rank alone
+  // cannot run) stay at the log interval.
+  void write_tensorboard(const OptimizerStepResult& r, double lm_loss) {
+    const int64_t it = progress.iteration, samples = progress.consumed_train_samples;
+    const double lr = static_cast<float>(optimizer.lr()), gbs = double(microbatches.current_global_batch_size());
+    tb->add_scalar("learning-rate", lr, it);
+    tb->add_scalar("learning-rate vs samples", lr, samples);
+    tb->add_scalar("batch-size", gbs, it);
+    tb->add_scalar("batch-size vs samples", gbs, samples);
+    if (r.update_successful) {
+      tb->add_scalar("lm loss", lm_loss, it);
+      tb->add_scalar("lm loss vs samples", lm_loss, samples);
+    }
+    tb->add_scalar("loss-scale", loss_scale(), it);
+    tb->add_scalar("loss-scale vs samples", loss_scale(), samples);
+    if (r.grad_norm) {
+      tb->add_scalar("grad-norm", *r.grad_norm, it);
+      tb->add_scalar("grad-norm vs samples", *r.grad_norm, samples);
+    }
+    if (r.num_zeros_in_grad) tb->add_scalar("num-zeros", double(*r.num_zeros_in_grad), it);
+    if (args.log_memory_to_tensorboard) {
+      MemoryStats m = memory_stats(ctx.device());
+      tb->add_scalar("mem-allocated-bytes", double(m.allocated), it);
+      tb->add_scalar("mem-max-allocated-bytes", double(m.peak_allocated), it);
+      tb->add_scalar("mem-allocated-count", double(m.num_allocs), it);
+    }
+    if (args.log_timers_to_tensorboard) {
+      const double n = double(std::max<int64_t>(interval_advanced + interval_skipped, 1));
+      for (const auto& [name, seconds] : timers.values(n)) tb->add_scalar(name + "-time", seconds, it);
+    }
   }
 
   // Megatron's evaluate_and_print_results.
@@ -440,6 +457,7 @@ struct Trainer {
         total_skipped += 1;
       }
       if (!std::isfinite(lm_loss)) interval_nan += 1;
+      if (tb && progress.iteration % args.tensorboard_log_interval == 0) write_tensorboard(r, lm_loss);
       if (progress.iteration % args.log_interval == 0) log(r, train_iters);
       if (args.eval_interval > 0 && progress.iteration % args.eval_interval == 0) {
         evaluate(fmt::format("iteration {}", progress.iteration), data.valid, false);

@@ -1,5 +1,7 @@
 // End-to-end runs of build/bin/pretrain_gpt on the CPU: the loss falls on real text, every exit
 // condition, TensorBoard files that TensorBoard reads, and bad input.
+#include <nlohmann/json.hpp>
+
 #include "tests/functional/run_util.h"
 
 namespace megatron::testing {
@@ -136,6 +138,46 @@ TEST(Train, TensorBoardEventsAreReadByTensorBoard) {
     std::string v;
     in >> v;
     EXPECT_NEAR(std::stod(v), std::stod(p), 1e-5 * std::stod(p));
+  }
+}
+
+// Note [TensorBoard values]: with --tensorboard-log-interval 2 and --log-interval 3, TensorBoard
+// gets each even iteration's own loss (the per-iteration values MEGATRON_LOSS_LOG records), not the
+// printed 3-iteration averages; --log-timers-to-tensorboard adds the printed timers as "<name>-time".
+TEST(Train, TensorBoardTakesEachIntervalsOwnIterationValues) {
+  ScratchDir dir("tensorboard_interval");
+  const fs::path log = dir.path / "losses.jsonl";
+  RunResult r = run(concat({bin("pretrain_gpt")},
+                           concat(tiny_gpt_flags(6), {"--tensorboard-dir", "tb", "--tensorboard-log-interval", "2",
+                                                      "--log-interval", "3", "--log-timers-to-tensorboard",
+                                                      "--timing-log-level", "2", "--log-memory-to-tensorboard"})),
+                    dir.path, "MEGATRON_LOSS_LOG=" + shell_quote(log.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<double> per_iteration;
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    per_iteration.push_back(nlohmann::json::parse(line).at("lm_loss").get<double>());
+  }
+  ASSERT_EQ(per_iteration.size(), 6u);
+  const std::string script =
+      "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n"
+      "ea = EventAccumulator('tb'); ea.Reload()\n"
+      "tags = ea.Tags()['scalars']\n"
+      "for t in ['forward-backward-time', 'optimizer-time', 'mem-allocated-count', 'iteration-time']:\n"
+      "    assert t in tags, (t, tags)\n"
+      "print('STEPS', ' '.join(str(e.step) for e in ea.Scalars('lm loss')))\n"
+      "print('TIMESTEPS', ' '.join(str(e.step) for e in ea.Scalars('iteration-time')))\n"
+      "print('LOSSES', ' '.join('%.9E' % e.value for e in ea.Scalars('lm loss')))\n";
+  std::ofstream(dir.path / "read_tb.py") << script;
+  RunResult py = run({"python3", "read_tb.py"}, dir.path);
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  EXPECT_NE(py.output.find("STEPS 2 4 6"), std::string::npos) << py.output;
+  EXPECT_NE(py.output.find("TIMESTEPS 3 6"), std::string::npos) << py.output;
+  std::istringstream values(py.output.substr(py.output.find("LOSSES") + 7));
+  for (size_t i : {1u, 3u, 5u}) {  // iterations 2, 4, 6: their own losses, stored as float32
+    std::string v;
+    values >> v;
+    EXPECT_NEAR(std::stod(v), per_iteration[i], 1e-6 * per_iteration[i]) << "iteration " << i + 1;
   }
 }
 
