@@ -147,6 +147,15 @@ inline int row_threads(int64_t packs, int max_threads) {
 inline constexpr int kBlockSize = 256;
 
 /// Blocks of `block` threads covering n elements, capped for grid-stride loops.
+/// The largest power of two (up to 256) dividing a pointer's address: cuBLASLt's heuristics and plans
+/// depend on the alignments of every pointer they are given (data, scales, bias).
+inline uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && (a % align) != 0) align /= 2;
+  return align;
+}
+
 inline unsigned grid_for(int64_t n, int block = kBlockSize, int64_t max_blocks = 65535LL * 16) {
   int64_t b = (n + block - 1) / block;
   if (b < 1) b = 1;

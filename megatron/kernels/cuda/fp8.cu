@@ -435,13 +435,6 @@ cublasLtMatmulMatrixScale_t scale_mode(Fp8ScaleMode m) {
   return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
 }
 
-uint32_t alignment_of(const void* p) {
-  const auto a = reinterpret_cast<uintptr_t>(p);
-  uint32_t align = 256;
-  while (align > 1 && (a % align) != 0) align /= 2;
-  return align;
-}
-
 // (device, handle, m, n, k, A type, B type, D type, A mode, B mode, accumulate, fast accumulation,
 //  bias type (-1: none),
 //  alignments of A, B, D, of the two scale_inv pointers and of the bias). The heuristic reads the

@@ -52,13 +52,6 @@ cudaDataType_t cuda_type(DType t) {
   return CUDA_R_32F;
 }
 
-uint32_t alignment_of(const void* p) {
-  const auto a = reinterpret_cast<uintptr_t>(p);
-  uint32_t align = 256;
-  while (align > 1 && (a % align) != 0) align /= 2;
-  return align;
-}
-
 // One GEMM D = alpha·op(A)·op(B) + beta·D in column-major terms (C aliases D).
 struct Gemm {
   cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
