@@ -61,6 +61,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <filesystem>
 #include <future>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -96,6 +97,9 @@ nlohmann::json model_args_to_json(const Arguments& args);
 /// with_recorded: also the "recorded" rows (the run's training settings, e.g. the aux-loss
 /// coefficients), for tools that describe the checkpoint rather than continue its training.
 void apply_checkpoint_args(Arguments& args, const std::string& load_dir, bool with_recorded = false);
+/// Refuses, in one line naming the flag, a checkpoint (its metadata.json in `meta`, read from `dir`)
+/// whose identity rows of model_arguments.inc differ from this run's (checkpoint_args.cpp).
+void check_model_identity(const nlohmann::json& meta, const Arguments& args, const std::filesystem::path& dir);
 
 class Checkpointer {
  public:
