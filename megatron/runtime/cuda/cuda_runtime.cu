@@ -185,8 +185,7 @@ __global__ void convert_kernel(const S* src, D* dst, size_t n) {
 }
 
 template <typename S>
-bool convert_from(const S* src, void* dst, DType dst_type, size_t n, unsigned grid) {
-  cudaStream_t s = t_route;
+bool convert_from(const S* src, void* dst, DType dst_type, size_t n, unsigned grid, cudaStream_t s) {
   switch (dst_type) {
     case DType::Float32: convert_kernel<<<grid, 256, 0, s>>>(src, static_cast<float*>(dst), n); return true;
     case DType::BFloat16: convert_kernel<<<grid, 256, 0, s>>>(src, static_cast<__nv_bfloat16*>(dst), n); return true;
@@ -197,19 +196,21 @@ bool convert_from(const S* src, void* dst, DType dst_type, size_t n, unsigned gr
 
 bool cuda_convert(const void* src, DType src_type, void* dst, DType dst_type, size_t n) {
   if (n == 0) return true;
-  MG_CHECK(t_capture.stream == nullptr, "a {} -> {} conversion cannot be captured in a CUDA graph: run it before "
-           "the captured step", to_string(src_type), to_string(dst_type));
+  // Under a capture the conversion joins the captured stream as a device-to-device copy does
+  // (cuda_copy): recorded, not waited for. Otherwise it is done when it returns, as copy_bytes.
+  const bool captured = t_capture.stream != nullptr;
+  const cudaStream_t s = captured ? current_stream() : t_route;
   const unsigned grid = unsigned(std::min<size_t>((n + 255) / 256, 65535));
   bool ok = false;
   switch (src_type) {
-    case DType::Float32: ok = convert_from(static_cast<const float*>(src), dst, dst_type, n, grid); break;
-    case DType::BFloat16: ok = convert_from(static_cast<const __nv_bfloat16*>(src), dst, dst_type, n, grid); break;
-    case DType::Float16: ok = convert_from(static_cast<const __half*>(src), dst, dst_type, n, grid); break;
+    case DType::Float32: ok = convert_from(static_cast<const float*>(src), dst, dst_type, n, grid, s); break;
+    case DType::BFloat16: ok = convert_from(static_cast<const __nv_bfloat16*>(src), dst, dst_type, n, grid, s); break;
+    case DType::Float16: ok = convert_from(static_cast<const __half*>(src), dst, dst_type, n, grid, s); break;
     default: return false;
   }
   if (!ok) return false;
   CUDA_CHECK(cudaGetLastError());
-  CUDA_CHECK(cudaStreamSynchronize(t_route));  // as copy_bytes: done when it returns
+  if (!captured) CUDA_CHECK(cudaStreamSynchronize(s));
   return true;
 }
 

@@ -71,6 +71,10 @@ MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamA
   d.type = moe.dispatcher;
   d.num_experts = moe_.router.num_experts;
   d.permute_fusion = moe.permute_fusion;  // Note [--moe-permute-fusion] in token_dispatcher.h
+  if (moe_.router.pad_to_capacity) {  // drop-and-pad: fixed rows per expert (Note [Dispatch layout])
+    d.pad_capacity_factor = moe_.router.capacity_factor;
+    d.topk = moe_.router.topk;
+  }
   dispatcher_ = make_token_dispatcher(d, pg);
   experts_ = std::make_unique<SequentialMLP>(config, dispatcher_->num_local_experts(),
                                              dispatcher_->first_local_expert(), moe.ffn_hidden_size, params,

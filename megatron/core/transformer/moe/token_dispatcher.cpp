@@ -15,6 +15,7 @@ MoETokenDispatcher::MoETokenDispatcher(const DispatcherConfig& config, const Pro
   MG_CHECK(config.num_experts > 0 && config.num_experts % ep == 0,
            "--num-experts ({}) must be divisible by --expert-model-parallel-size ({})", config.num_experts, ep);
   MG_CHECK(config.capacity >= 0, "expert capacity {} must be >= 0 (0: no padding)", config.capacity);
+  MG_CHECK(!config.pad_capacity_factor || config.topk > 0, "a padded dispatch needs the router's top-k");
   num_local_experts_ = config.num_experts / ep;
   first_local_expert_ = group_rank(ep_) * num_local_experts_;
   // With one of EP and expert-TP a single rank, tp_ep is the other group.
@@ -27,6 +28,14 @@ MoETokenDispatcher::MoETokenDispatcher(const DispatcherConfig& config, const Pro
            "the expert tensor-and-model group (rank {} of {}) is not expert-TP x EP (rank {} of {} x rank {} of {}) "
            "with the expert-TP rank fastest",
            group_rank(tp_ep_), group_size(tp_ep_), group_rank(etp_), etp, group_rank(ep_), ep);
+}
+
+// The router padded every expert to exactly this capacity (moe_utils' routing, when it fits the
+// tokens; otherwise it routed dropless and so does the dispatch).
+int64_t MoETokenDispatcher::capacity(int64_t tokens) const {
+  if (!config_.pad_capacity_factor) return config_.capacity;
+  const int64_t c = expert_capacity(tokens * config_.topk, config_.num_experts, *config_.pad_capacity_factor);
+  return c <= tokens ? c : 0;
 }
 
 namespace {
@@ -310,16 +319,16 @@ class PermutedDispatcher final : public MoETokenDispatcher {
     MG_CHECK(routing_map.dim() == 2 && routing_map.size(1) == config_.num_experts, "routing map {} for {} experts",
              shape_str(routing_map.shape()), config_.num_experts);
     auto state = std::make_unique<State>();
-    ops::moe_permutation(ctx, routing_map, config_.capacity, state->perm);  // one device->host copy of the counts
+    const int64_t cap = capacity(routing_map.size(0));
+    ops::moe_permutation(ctx, routing_map, cap, state->perm);  // dropless: one device->host copy of the counts
     state->num_experts = routing_map.size(1);
     const int local = num_local_experts_;
     if (!ep_ && !etp_) {
       state->exchange = std::make_unique<NoExchange>(state->perm);
     } else if (config_.type == "flex") {
-      state->exchange =
-          std::make_unique<FlexExchange>(ctx, tp_ep_, group_size(ep_), state->perm, local, config_.capacity);
+      state->exchange = std::make_unique<FlexExchange>(ctx, tp_ep_, group_size(ep_), state->perm, local, cap);
     } else {
-      state->exchange = std::make_unique<AllToAllExchange>(ctx, ep_, etp_, state->perm, local, config_.capacity);
+      state->exchange = std::make_unique<AllToAllExchange>(ctx, ep_, etp_, state->perm, local, cap);
     }
     const Exchange& ex = *state->exchange;
     Dispatched d;
@@ -412,7 +421,7 @@ class AllGatherDispatcher final : public MoETokenDispatcher {
     std::vector<MoePermutation> blocks(static_cast<size_t>(sources));
     std::vector<std::vector<int64_t>> sorted(static_cast<size_t>(sources));
     for (int s = 0; s < sources; ++s) {
-      ops::moe_permutation(host, map.slice(s * tokens, (s + 1) * tokens), config_.capacity, blocks[size_t(s)]);
+      ops::moe_permutation(host, map.slice(s * tokens, (s + 1) * tokens), capacity(tokens), blocks[size_t(s)]);
       sorted[size_t(s)] = blocks[size_t(s)].sorted_indices.to_ints();
     }
     std::vector<int64_t> index, expert, token_rows(size_t(tokens * sources * e), -1), rows(size_t(e), 0);

@@ -39,8 +39,10 @@
 // Token dropping: the router has already dropped what exceeds the capacity. Drop-and-pad
 // (DispatcherConfig::capacity > 0, --moe-pad-expert-input-to-capacity): every expert receives
 // exactly `capacity` rows from each source rank (its routed tokens, then unrouted ones with
-// probability 0 as padding), so the splits are fixed and no counts are exchanged. The caller sets
-// the capacity; MoELayer does not pass one yet (it dispatches dropless, or what the router kept).
+// probability 0 as padding), so the splits are fixed and no counts are exchanged: no counts come
+// back to the host either, which lets a CUDA graph capture the layer. MoELayer sets the padded
+// capacity from the router's flags (DispatcherConfig::pad_capacity_factor); without them it
+// dispatches dropless, or what the router kept.
 //
 // Every row movement is an ops::moe_permute_* gather on the context's device (CPU or CUDA); the
 // communication is the Communicator's. The host holds only the counts: the rows per expert of the
@@ -53,6 +55,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,6 +69,10 @@ struct DispatcherConfig {
   std::string type = "allgather";  // allgather | alltoall | flex
   int num_experts = 0;
   int64_t capacity = 0;         // > 0: drop-and-pad, every expert gets exactly this many rows per source rank
+  // --moe-pad-expert-input-to-capacity: the capacity of each dispatch from its token count, as the
+  // router's (Megatron's get_capacity(tokens · topk, experts, factor)); unset: `capacity` as given.
+  std::optional<float> pad_capacity_factor;
+  int topk = 0;
   bool permute_fusion = false;  // --moe-permute-fusion: accepted, the same kernels (Note [--moe-permute-fusion])
 };
 
@@ -102,6 +109,8 @@ class MoETokenDispatcher {
  protected:
   MoETokenDispatcher(const DispatcherConfig& config, const ProcessGroupCollection& pg);
   DispatcherConfig config_;
+  /// The rows per expert and source of a dispatch of `tokens` tokens: 0 is dropless.
+  int64_t capacity(int64_t tokens) const;
   Communicator* ep_;     // null: one rank
   Communicator* etp_;    // expert tensor parallel; null: one rank
   Communicator* tp_ep_;  // expert-TP × EP, expert-TP rank fastest (pg.tp_ep); null: one rank
