@@ -106,7 +106,9 @@ MemoryStats memory_stats(Device device) {
   if (device.type == DeviceType::CPU) {
     auto& s = cpu_stats();
     std::lock_guard<std::mutex> lock(s.mu);
-    return s.stats;
+    MemoryStats m = s.stats;
+    m.reserved = m.allocated;  // malloc'd blocks go back at once: nothing is cached
+    return m;
   }
   auto& hooks = detail::cuda_hooks();
   return hooks.stats ? hooks.stats(device) : MemoryStats{};

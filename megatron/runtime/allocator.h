@@ -17,6 +17,7 @@ struct MemoryStats {
   size_t allocated = 0;       // bytes in use now
   size_t peak_allocated = 0;  // high-water mark since the last reset
   size_t num_allocs = 0;
+  size_t reserved = 0;        // bytes the device's pool holds (in use or cached; the CPU: = allocated)
 };
 
 /// A block of memory. Freed through its allocator when the last Tensor referencing it goes away.

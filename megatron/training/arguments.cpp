@@ -46,22 +46,28 @@ const char* const kNoEffectFlags[] = {
     "--apply-query-key-layer-scaling",
     "--no-persist-layer-norm",
     "--manual-gc",
-    "--use-torch-fsdp2",
     "--tp-comm-overlap",
     "--no-check-for-nan-in-loss-and-grad",
     "--check-for-nan-in-loss-and-grad",
     "--log-progress",
-    "--log-world-size-to-tensorboard",
-    "--log-loss-scale-to-tensorboard",
-    "--no-log-loss-scale-to-tensorboard",
     "--log-batch-size-to-tensorboard",
     "--log-learning-rate-to-tensorboard",
     "--no-mmap-bin-files",
     "--dist-ckpt-strictness",
 };
 const char* const kNoEffectOptions[] = {
-    "--transformer-impl", "--attention-backend", "--data-impl",  "--ckpt-fully-parallel-save",
-    "--wandb-exp-name",   "--wandb-save-dir",    "--eval-split", "--num-dataset-builder-threads",
+    "--transformer-impl", "--attention-backend", "--data-impl", "--ckpt-fully-parallel-save",
+    "--eval-split",       "--num-dataset-builder-threads",
+};
+
+// Megatron flags we refuse with a reason beyond "not supported": what to use instead.
+const std::pair<const char*, const char*> kRefusedWithReason[] = {
+    {"--use-torch-fsdp2", "not supported: shard the optimizer state with --use-distributed-optimizer"},
+    {"--use-megatron-fsdp", "not supported: shard the optimizer state with --use-distributed-optimizer"},
+    {"--wandb-project", "not supported: Weights & Biases has no maintained C++ client; use --tensorboard-dir"},
+    {"--wandb-exp-name", "not supported: Weights & Biases has no maintained C++ client; use --tensorboard-dir"},
+    {"--wandb-save-dir", "not supported: Weights & Biases has no maintained C++ client; use --tensorboard-dir"},
+    {"--wandb-entity", "not supported: Weights & Biases has no maintained C++ client; use --tensorboard-dir"},
 };
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -253,10 +259,12 @@ struct Parser {
     flag(g, "--log-memory-to-tensorboard", a.log_memory_to_tensorboard, "Memory to TensorBoard");
     flag(g, "--log-validation-ppl-to-tensorboard", a.log_validation_ppl_to_tensorboard,
          "Validation PPL to TensorBoard");
+    flag(g, "--log-loss-scale-to-tensorboard,!--no-log-loss-scale-to-tensorboard", a.log_loss_scale_to_tensorboard,
+         "Loss scale to TensorBoard (default on)");
+    flag(g, "--log-world-size-to-tensorboard", a.log_world_size_to_tensorboard, "World size to TensorBoard");
     flag(g, "--log-params-norm", a.log_params_norm, "Print the parameter norm");
     flag(g, "--log-num-zeros-in-grad", a.log_num_zeros_in_grad, "Print the number of zero gradients");
     opt(g, "--timing-log-level", a.timing_log_level, "0, 1 or 2")->check(CLI::Range(0, 2));
-    opt(g, "--wandb-project", a.wandb_project, "Weights & Biases project (not supported: warned and ignored)");
 
     g = "Precision";
     flag(g, "--bf16", a.bf16, "bf16 parameters and activations, fp32 master weights and grads");
@@ -371,12 +379,37 @@ const char* const kMegatronFlags[] = {
 #include "megatron/training/megatron_flags.inc"
 };
 
+// The end of --help: every Megatron flag that is not ours, refused at start when given.
+std::string unsupported_flags_footer(const std::vector<std::string>& known) {
+  const std::set<std::string> ours(known.begin(), known.end());
+  std::vector<std::string> refused;
+  for (const char* m : kMegatronFlags) {
+    if (!ours.count(m) && std::string_view(m) != "--help") refused.push_back(m);
+  }
+  std::string out = fmt::format(
+      "\nMegatron-LM flags megatron.cpp does not implement ({} of Megatron's {}; each is refused at start with one "
+      "line):\n",
+      refused.size(), std::size(kMegatronFlags));
+  std::string line = " ";
+  for (const std::string& f : refused) {
+    if (line.size() + f.size() + 1 > 110) {
+      out += line + "\n";
+      line = " ";
+    }
+    line += " " + f;
+  }
+  return out + line + "\n";
+}
+
 // The hint for an unknown flag (Note [Unknown flags]).
 std::string unknown_flag_hint(const std::string& name, const std::vector<std::string>& known) {
   std::string dashed = name;
   std::replace(dashed.begin(), dashed.end(), '_', '-');
   if (dashed != name && std::find(known.begin(), known.end(), dashed) != known.end())
     return fmt::format("did you mean {}?", dashed);
+  for (const auto& [flag, reason] : kRefusedWithReason) {
+    if (name == flag || dashed == flag) return reason;
+  }
   for (const char* m : kMegatronFlags) {
     if (name == m || dashed == m) return "a Megatron flag that megatron.cpp does not support";
   }
@@ -468,6 +501,7 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
   Arguments a;
   Parser p(a, description);
   p.define();
+  p.app.footer(unsupported_flags_footer(p.flags));
   report_unknown_flags(std::vector<std::string>(argv + 1, argv + argc), p.flags);
   std::vector<std::string> args = last_occurrences_of_lists(p.app, std::vector<std::string>(argv + 1, argv + argc));
   // CLI11 takes "--flag=value" and "--flag value"; Megatron's argparse takes both too.
@@ -497,7 +531,6 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
   for (const auto& [name, value] : p.no_effect_options) {
     if (!value->empty()) std::fprintf(stderr, "warning: %s has no effect in megatron.cpp\n", name.c_str());
   }
-  if (!a.wandb_project.empty()) std::fprintf(stderr, "warning: --wandb-project is not supported; nothing is sent\n");
   return a;
 }
 

@@ -124,10 +124,11 @@ struct Arguments {
   bool log_timers_to_tensorboard = false;
   bool log_memory_to_tensorboard = false;
   bool log_validation_ppl_to_tensorboard = false;
+  bool log_loss_scale_to_tensorboard = true;   // --no-log-loss-scale-to-tensorboard
+  bool log_world_size_to_tensorboard = false;
   bool log_params_norm = false;
   bool log_num_zeros_in_grad = false;
   int timing_log_level = 0;
-  std::string wandb_project;
 
   // ---- precision
   bool bf16 = false;

@@ -331,8 +331,14 @@ struct Trainer {
       tb->add_scalar("lm loss", lm_loss, it);
       tb->add_scalar("lm loss vs samples", lm_loss, samples);
     }
-    tb->add_scalar("loss-scale", loss_scale(), it);
-    tb->add_scalar("loss-scale vs samples", loss_scale(), samples);
+    if (args.log_loss_scale_to_tensorboard) {
+      tb->add_scalar("loss-scale", loss_scale(), it);
+      tb->add_scalar("loss-scale vs samples", loss_scale(), samples);
+    }
+    if (args.log_world_size_to_tensorboard) {
+      tb->add_scalar("world-size", double(args.world_size), it);
+      tb->add_scalar("world-size vs samples", double(args.world_size), samples);
+    }
     if (r.grad_norm) {
       tb->add_scalar("grad-norm", *r.grad_norm, it);
       tb->add_scalar("grad-norm vs samples", *r.grad_norm, samples);
@@ -340,6 +346,7 @@ struct Trainer {
     if (r.num_zeros_in_grad) tb->add_scalar("num-zeros", double(*r.num_zeros_in_grad), it);
     if (args.log_memory_to_tensorboard) {
       MemoryStats m = memory_stats(ctx.device());
+      tb->add_scalar("mem-reserved-bytes", double(m.reserved), it);
       tb->add_scalar("mem-allocated-bytes", double(m.allocated), it);
       tb->add_scalar("mem-max-allocated-bytes", double(m.peak_allocated), it);
       tb->add_scalar("mem-allocated-count", double(m.num_allocs), it);

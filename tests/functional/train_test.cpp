@@ -143,14 +143,17 @@ TEST(Train, TensorBoardEventsAreReadByTensorBoard) {
 
 // Note [TensorBoard values]: with --tensorboard-log-interval 2 and --log-interval 3, TensorBoard
 // gets each even iteration's own loss (the per-iteration values MEGATRON_LOSS_LOG records), not the
-// printed 3-iteration averages; --log-timers-to-tensorboard adds the printed timers as "<name>-time".
+// printed 3-iteration averages; --log-timers-to-tensorboard adds the printed timers as "<name>-time";
+// --log-world-size-to-tensorboard adds world-size, --no-log-loss-scale-to-tensorboard drops loss-scale.
 TEST(Train, TensorBoardTakesEachIntervalsOwnIterationValues) {
   ScratchDir dir("tensorboard_interval");
   const fs::path log = dir.path / "losses.jsonl";
   RunResult r = run(concat({bin("pretrain_gpt")},
                            concat(tiny_gpt_flags(6), {"--tensorboard-dir", "tb", "--tensorboard-log-interval", "2",
                                                       "--log-interval", "3", "--log-timers-to-tensorboard",
-                                                      "--timing-log-level", "2", "--log-memory-to-tensorboard"})),
+                                                      "--timing-log-level", "2", "--log-memory-to-tensorboard",
+                                                      "--log-world-size-to-tensorboard",
+                                                      "--no-log-loss-scale-to-tensorboard"})),
                     dir.path, "MEGATRON_LOSS_LOG=" + shell_quote(log.string()));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::vector<double> per_iteration;
@@ -163,8 +166,13 @@ TEST(Train, TensorBoardTakesEachIntervalsOwnIterationValues) {
       "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n"
       "ea = EventAccumulator('tb'); ea.Reload()\n"
       "tags = ea.Tags()['scalars']\n"
-      "for t in ['forward-backward-time', 'optimizer-time', 'mem-allocated-count', 'iteration-time']:\n"
+      "for t in ['forward-backward-time', 'optimizer-time', 'mem-allocated-count', 'mem-reserved-bytes', "
+      "'iteration-time', 'world-size']:\n"
       "    assert t in tags, (t, tags)\n"
+      "assert 'loss-scale' not in tags, tags\n"
+      "assert [e.value for e in ea.Scalars('world-size')] == [1.0, 1.0, 1.0]\n"
+      "r, a = ea.Scalars('mem-reserved-bytes'), ea.Scalars('mem-allocated-bytes')\n"
+      "assert all(x.value >= y.value > 0 for x, y in zip(r, a)), (r, a)\n"
       "print('STEPS', ' '.join(str(e.step) for e in ea.Scalars('lm loss')))\n"
       "print('TIMESTEPS', ' '.join(str(e.step) for e in ea.Scalars('iteration-time')))\n"
       "print('LOSSES', ' '.join('%.9E' % e.value for e in ea.Scalars('lm loss')))\n";

@@ -390,6 +390,50 @@ TEST(Arguments, HelpListsGroups) {
   }
 }
 
+// Every flag of Megatron's parser at the reference commit (megatron_flags.inc) is ours or refused:
+// --help ends with the refused ones, each given one is one line, and the flags that would change
+// what a user gets (FSDP sharding, W&B logging) say what to use instead.
+TEST(Arguments, MegatronFlagsAreOursOrRefused) {
+  const char* argv[] = {"pretrain_gpt", "--help"};
+  ::testing::internal::CaptureStdout();
+  EXPECT_FALSE(parse_args(2, argv, "test").has_value());
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  const size_t footer = out.find("Megatron-LM flags megatron.cpp does not implement (");
+  ASSERT_NE(footer, std::string::npos) << out;
+  const std::string refused = out.substr(footer);
+  for (const char* f : {"--use-torch-fsdp2", "--wandb-project", "--cache-mla-latents", "--decoupled-lr"})
+    EXPECT_NE(refused.find(std::string(" ") + f), std::string::npos) << f;
+  for (const char* f : {" --num-layers ", " --moe-router-topk ", " --log-world-size-to-tensorboard "})
+    EXPECT_EQ(refused.find(f), std::string::npos) << f << " is ours";
+  auto refusal = [](const std::vector<std::string>& extra) {
+    auto f = base();
+    f.insert(f.end(), extra.begin(), extra.end());
+    return error_of([&] { parse(f); });
+  };
+  std::string e = refusal({"--use-torch-fsdp2"});
+  EXPECT_NE(e.find("--use-torch-fsdp2 (not supported: shard the optimizer state with --use-distributed-optimizer)"),
+            std::string::npos)
+      << e;
+  e = refusal({"--wandb-project", "p", "--wandb-exp-name", "x"});
+  EXPECT_NE(e.find("--wandb-project (not supported: Weights & Biases"), std::string::npos) << e;
+  EXPECT_NE(e.find("--wandb-exp-name (not supported: Weights & Biases"), std::string::npos) << e;
+  e = refusal({"--cache-mla-latents"});
+  EXPECT_NE(e.find("--cache-mla-latents (a Megatron flag that megatron.cpp does not support)"), std::string::npos) << e;
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
+
+TEST(Arguments, TensorBoardScalarFlags) {
+  Arguments a = parse(base());
+  EXPECT_TRUE(a.log_loss_scale_to_tensorboard);
+  EXPECT_FALSE(a.log_world_size_to_tensorboard);
+  auto f = base();
+  f.push_back("--no-log-loss-scale-to-tensorboard");
+  f.push_back("--log-world-size-to-tensorboard");
+  a = parse(f);
+  EXPECT_FALSE(a.log_loss_scale_to_tensorboard);
+  EXPECT_TRUE(a.log_world_size_to_tensorboard);
+}
+
 TEST(TrainingLog, IterationLineHasMegatronsFormat) {
   IterationLogFields f;
   f.iteration = 10;

@@ -144,8 +144,23 @@ std::shared_ptr<Storage> cuda_allocate(size_t nbytes, Device device) {
 
 MemoryStats cuda_stats(Device d) {
   auto& s = device_stats();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.by_device[d.type == DeviceType::CUDAHost ? -1 : d.index];
+  MemoryStats m;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    m = s.by_device[d.type == DeviceType::CUDAHost ? -1 : d.index];
+  }
+  m.reserved = m.allocated;  // pinned host memory is not pooled
+  if (d.type == DeviceType::CUDA) {  // the stream-ordered pool's reservation (Megatron's reserved_bytes)
+    cudaMemPool_t pool;
+    uint64_t reserved = 0;
+    if (cudaDeviceGetDefaultMemPool(&pool, d.index) == cudaSuccess &&
+        cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved) == cudaSuccess) {
+      m.reserved = size_t(reserved);
+    } else {
+      cudaGetLastError();
+    }
+  }
+  return m;
 }
 
 void cuda_reset_peak(Device d) {
