@@ -355,7 +355,9 @@ int main(int argc, char** argv) {
     app.add_option("--tokenizer-model", args.tokenizer_model, "Tokenizer model");
     app.add_option("--vocab-size", args.vocab_size, "NullTokenizer vocabulary size");
     app.add_option("--host", host, "Address to listen on")->capture_default_str();
-    app.add_option("--port", port, "Port to listen on")->capture_default_str()->check(CLI::Range(1, 65535));
+    app.add_option("--port", port, "Port to listen on (0: any free port, printed in the serving line)")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 65535));
     app.add_option("--max-batch-size", options.max_batch_size, "Sequences decoded together (KV-cache slots)")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
@@ -390,7 +392,7 @@ int main(int argc, char** argv) {
     http_options.request_timeout_s = http_options.write_timeout_s = http_timeout;
     // Bind first: a port in use is one line at once, not after loading the model.
     HttpServer http(http_options);
-    http.bind(host, port);
+    port = http.bind(host, port);
 
     const Arguments flags = args;
     apply_checkpoint_args(args, args.load);

@@ -18,19 +18,6 @@
 
 namespace megatron::testing {
 
-/// A loopback port nobody listens on (bound, read back, released).
-inline int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 inline std::string ids_text(const std::vector<int64_t>& ids) {
   std::string s;
   for (size_t i = 0; i < ids.size(); ++i) s += (i ? " " : "") + std::to_string(ids[i]);
@@ -56,7 +43,9 @@ struct ServerProcess {
   int port = 0;
   fs::path log;
 
-  /// Starts the server on `port` with the fixture flags plus `extra`; does not wait for it.
+  /// Starts the server on `port` with the fixture flags plus `extra`; does not wait for it. Port 0:
+  /// the server binds a free port itself (no window between choosing a port and binding it, in
+  /// which a parallel test could take it); wait_healthy reads it from the serving line.
   void start(const std::string& ckpt, int port_, const fs::path& log_, const std::vector<std::string>& extra = {}) {
     port = port_;
     log = log_;
@@ -77,13 +66,24 @@ struct ServerProcess {
   }
 
   /// Waits (at most `seconds`) for /health to answer 200.
-  bool wait_healthy(double seconds = 30) const {
-    httplib::Client cli("127.0.0.1", port);
-    cli.set_connection_timeout(1, 0);
-    cli.set_read_timeout(1, 0);
+  bool wait_healthy(double seconds = 30) {
     for (auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
          std::chrono::steady_clock::now() < end;) {
-      if (auto r = cli.Get("/health"); r && r->status == 200) return true;
+      if (port == 0) {  // "serving <ckpt> on http://<host>:<port> (...)"
+        const std::string out = output();
+        const size_t at = out.find("serving ");
+        const size_t colon = at == std::string::npos ? at : out.find(" on http://", at);
+        if (colon != std::string::npos) {
+          const size_t p = out.find(':', colon + 11);
+          if (p != std::string::npos) port = std::atoi(out.c_str() + p + 1);
+        }
+      }
+      if (port > 0) {
+        httplib::Client cli("127.0.0.1", port);
+        cli.set_connection_timeout(1, 0);
+        cli.set_read_timeout(1, 0);
+        if (auto r = cli.Get("/health"); r && r->status == 200) return true;
+      }
       if (!alive()) return false;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }

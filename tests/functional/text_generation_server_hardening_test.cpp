@@ -37,10 +37,10 @@ class ServerHardening : public ::testing::Test {
     dir = std::make_unique<ScratchDir>("text_generation_server_hardening");
     cases = json::parse(read_file(fs::absolute(fixtures_dir()) / "generation.json")).at("models").at("gpt2");
     ckpt = gpt2_checkpoint(dir->path);
-    port = free_port();
-    server.start(ckpt, port, dir->path / "server.log",
+    server.start(ckpt, 0, dir->path / "server.log",
                  {"--max-batch-size", "3", "--http-threads", std::to_string(kHttpThreads)});
     ASSERT_TRUE(server.wait_healthy()) << "the server did not come up:\n" << server.output();
+    port = server.port;
   }
 
   static void TearDownTestSuite() {

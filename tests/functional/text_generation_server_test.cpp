@@ -23,9 +23,9 @@ class TextGenerationServer : public ::testing::Test {
     ::signal(SIGPIPE, SIG_IGN);
     dir = std::make_unique<ScratchDir>("text_generation_server");
     cases = json::parse(read_file(fs::absolute(fixtures_dir()) / "generation.json")).at("models").at("gpt2");
-    port = free_port();
-    server.start(gpt2_checkpoint(dir->path), port, dir->path / "server.log", {"--max-batch-size", "3"});
+    server.start(gpt2_checkpoint(dir->path), 0, dir->path / "server.log", {"--max-batch-size", "3"});
     ASSERT_TRUE(server.wait_healthy()) << "the server did not come up:\n" << server.output();
+    port = server.port;
   }
 
   static void TearDownTestSuite() {
