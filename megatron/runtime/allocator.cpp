@@ -125,6 +125,12 @@ void reset_peak_memory_stats(Device device) {
   if (hooks.reset_peak) hooks.reset_peak(device);
 }
 
+void empty_cache(Device device) {
+  if (device.type != DeviceType::CUDA) return;
+  auto& hooks = detail::cuda_hooks();
+  if (hooks.empty_cache) hooks.empty_cache(device);
+}
+
 void fill_bytes(void* dst, Device dev, int value, size_t n, void* stream) {
   if (n == 0) return;
   if (dev.is_host()) {

@@ -56,6 +56,9 @@ std::shared_ptr<Storage> allocate_zeroed_host(size_t nbytes);
 /// Statistics for a device's allocator. CPU statistics count every Tensor allocation on the host.
 MemoryStats memory_stats(Device device);
 void reset_peak_memory_stats(Device device);
+/// Gives the device pool's cached, unused memory back to the driver after the device finished its
+/// work (torch.cuda.empty_cache; Megatron's --empty-unused-memory-level). The CPU caches nothing.
+void empty_cache(Device device);
 
 namespace detail {
 // The CUDA half of the allocator lives in runtime/cuda (compiled only with CUDA); these hooks are
@@ -64,6 +67,7 @@ struct CudaAllocatorHooks {
   std::shared_ptr<Storage> (*allocate)(size_t, Device) = nullptr;
   MemoryStats (*stats)(Device) = nullptr;
   void (*reset_peak)(Device) = nullptr;
+  void (*empty_cache)(Device) = nullptr;
   void (*copy)(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) = nullptr;
   int (*device_count)() = nullptr;
   int (*compute_capability)(int device) = nullptr;

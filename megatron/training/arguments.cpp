@@ -54,10 +54,11 @@ const char* const kNoEffectFlags[] = {
     "--log-learning-rate-to-tensorboard",
     "--no-mmap-bin-files",
     "--dist-ckpt-strictness",
+    "--cross-entropy-loss-fusion",  // the cross entropy is one fused pass over the logits already
 };
 const char* const kNoEffectOptions[] = {
     "--transformer-impl", "--attention-backend", "--data-impl", "--ckpt-fully-parallel-save",
-    "--eval-split",       "--num-dataset-builder-threads",
+    "--eval-split",       "--num-dataset-builder-threads", "--cross-entropy-fusion-impl",
 };
 
 // Megatron flags we refuse with a reason beyond "not supported": what to use instead.
@@ -203,6 +204,9 @@ struct Parser {
     opt(g, "--adam-beta2", a.adam_beta2, "Adam beta2");
     opt(g, "--adam-eps", a.adam_eps, "Adam epsilon");
     opt(g, "--optimizer", a.optimizer, "adam")->check(CLI::IsMember({"adam"}));
+    opt(g, "--empty-unused-memory-level", a.empty_unused_memory_level,
+        "Give cached device memory back: 1 after forward-backward and evaluation steps, 2 also after the optimizer")
+        ->check(CLI::Range(0, 2));
     flag(g, "--override-opt-param-scheduler", a.override_opt_param_scheduler, "Take scheduler values from the flags");
     flag(g, "--use-checkpoint-opt-param-scheduler", a.use_checkpoint_opt_param_scheduler,
          "Take them from the checkpoint");

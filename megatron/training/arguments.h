@@ -160,6 +160,7 @@ struct Arguments {
 
   // ---- exit
   int64_t exit_interval = 0;
+  int empty_unused_memory_level = 0;  // 0, 1 or 2 (Megatron's torch.cuda.empty_cache points)
   double exit_duration_in_mins = 0.0;
   bool exit_signal_handler = false;
 

@@ -171,6 +171,9 @@ void validate_args(Arguments& a) {
   MG_CHECK(!a.overlap_param_gather || a.use_distributed_optimizer,
            "--overlap-param-gather needs --use-distributed-optimizer");
   if (a.use_rotary_position_embeddings) a.position_embedding_type = "rope";
+  // Megatron's rule: only RoPE goes without a learned position embedding under this old flag.
+  MG_CHECK(!a.no_position_embedding || a.position_embedding_type == "rope",
+           "--no-position-embedding is deprecated, use --position-embedding-type (it is accepted with rope only)");
   MG_CHECK(a.rope_type != "yarn",
            "--rope-type yarn is Megatron's choice for multi-latent attention; standard attention takes only rope: for "
            "YaRN give --position-embedding-type yarn");

@@ -223,6 +223,7 @@ struct Trainer {
     for (auto& c : chunks) c->finish_router_step(ctx);
     for (auto& c : chunks) c->finish_fp8_step(ctx);
     timers.stop("forward-backward");
+    if (args.empty_unused_memory_level >= 1) empty_cache(ctx.device());
     if (aux_losses && !aux_losses->empty()) {  // Megatron's track_moe_metrics
       for (const auto& [name, value] : aux_losses->report(ctx, &ps.pipeline(), &ps.data(),
                                                           int(microbatches.num_microbatches()))) {
@@ -232,6 +233,7 @@ struct Trainer {
     timers.start("optimizer", 1);
     OptimizerStepResult r = optimizer.step(ctx);
     timers.stop("optimizer");
+    if (args.empty_unused_memory_level >= 2) empty_cache(ctx.device());
     if (r.update_successful) {
       scheduler.step(microbatches.current_global_batch_size());
       apply_schedule();
@@ -365,6 +367,7 @@ struct Trainer {
     if (aux_losses) aux_losses->set_evaluating(true);  // evaluation reports the lm loss only
     for (int64_t k = 0; k < args.eval_iters; ++k) {
       LossSums s = forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step, iterator, fb_args(1.0f, true));
+      if (args.empty_unused_memory_level >= 1) empty_cache(ctx.device());
       total.loss_sum += s.loss_sum;
       total.num_tokens += s.num_tokens;
       if (!is_test) progress.consumed_valid_samples += microbatches.current_global_batch_size();

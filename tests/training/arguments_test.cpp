@@ -422,6 +422,29 @@ TEST(Arguments, MegatronFlagsAreOursOrRefused) {
   EXPECT_EQ(e.find('\n'), std::string::npos) << e;
 }
 
+// Megatron's --empty-unused-memory-level (0..2), --no-position-embedding (rope only, as Megatron),
+// --cross-entropy-loss-fusion (ours is fused: accepted).
+TEST(Arguments, MemoryLevelPositionEmbeddingAndFusionFlags) {
+  auto f = base();
+  for (const char* x : {"--empty-unused-memory-level", "2", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl",
+                        "native", "--position-embedding-type", "rope", "--no-position-embedding"})
+    f.push_back(x);
+  Arguments a = parse(f);
+  validate_args(a);
+  EXPECT_EQ(a.empty_unused_memory_level, 2);
+  f = base();
+  f.push_back("--empty-unused-memory-level");
+  f.push_back("3");
+  EXPECT_NE(error_of([&] { parse(f); }).find("--empty-unused-memory-level"), std::string::npos);
+  f = base();
+  f.push_back("--no-position-embedding");
+  const std::string e = error_of([&] {
+    Arguments b = parse(f);
+    validate_args(b);
+  });
+  EXPECT_NE(e.find("--no-position-embedding is deprecated, use --position-embedding-type"), std::string::npos) << e;
+}
+
 TEST(Arguments, TensorBoardScalarFlags) {
   Arguments a = parse(base());
   EXPECT_TRUE(a.log_loss_scale_to_tensorboard);

@@ -170,6 +170,15 @@ void cuda_reset_peak(Device d) {
   m.peak_allocated = m.allocated;
 }
 
+void cuda_empty_cache(Device d) {
+  MG_CHECK(t_capture.stream == nullptr, "the memory pool cannot be trimmed while a CUDA graph is captured");
+  CUDA_CHECK(cudaSetDevice(d.index));
+  CUDA_CHECK(cudaDeviceSynchronize());  // blocks freed by pending work are unused only once it ran
+  cudaMemPool_t pool;
+  CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, d.index));
+  CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+}
+
 void cuda_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, void* stream) {
   if (t_capture.stream != nullptr) {
     MG_CHECK(dst_dev.type == DeviceType::CUDA && src_dev.type == DeviceType::CUDA,
@@ -425,6 +434,7 @@ void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
   alloc.allocate = cuda_allocate;
   alloc.stats = cuda_stats;
   alloc.reset_peak = cuda_reset_peak;
+  alloc.empty_cache = cuda_empty_cache;
   alloc.copy = cuda_copy;
   alloc.device_count = device_count;
   alloc.compute_capability = compute_capability;
