@@ -3,7 +3,8 @@
 // written here from the definition (the shifted tokens' embeddings, [enorm(e); hnorm(h)], eh_proj,
 // the layer, the final norm, the shared output head, the shifted labels and loss mask); the main
 // loss unchanged by MTP; finite-difference gradients of the whole training objective (main loss
-// plus the scaled MTP losses) for tied and untied embeddings; and the refused combinations.
+// plus the scaled MTP losses) for tied and untied embeddings; and the refused combinations (also
+// the HuggingFace export, whose model types have no MTP modules).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -12,6 +13,7 @@
 #include <map>
 
 #include "megatron/core/models/gpt/gpt_model.h"
+#include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/core/transformer/aux_loss_tracker.h"
 #include "megatron/kernels/ops.h"
 #include "megatron/runtime/philox.h"
@@ -390,6 +392,10 @@ TEST(MultiTokenPrediction, UnsupportedCombinationsAreRefused) {
   c = tiny_config(true, 1);
   c.mtp_loss_scaling_factor = -1.0f;
   expect_error([&] { c.finalize(); }, "--mtp-loss-scaling-factor");
+  // The HF types the converter writes have no MTP modules: refused, not dropped.
+  c = tiny_config(true, 1);
+  c.finalize();
+  expect_error([&] { hf_config_from_megatron(c); }, "--mtp-num-layers 1 has no HuggingFace export");
 }
 
 }  // namespace
