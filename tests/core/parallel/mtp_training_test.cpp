@@ -3,8 +3,9 @@
 // its copy of the embeddings), tensor (with and without sequence parallelism), data parallelism
 // with the distributed optimizer and overlapped reduction (the embeddings and output head
 // accumulate once per MTP depth more) — against one process: every iteration's lm loss, grad norm
-// and "mtp_k loss" within 1e-6 relative, and the final weights; a checkpoint with MTP saved at
-// iteration 3 resumes (in the same or another layout) with the single run's losses.
+// and "mtp_k loss" within 1e-6 relative, and the final weights — also with an MoE MTP layer under
+// expert parallelism and with the decoder recomputed; a checkpoint with MTP saved at iteration 3
+// resumes (in the same or another layout) with the single run's losses.
 #include <gtest/gtest.h>
 
 #include "tests/core/parallel/parallel_util.h"
@@ -14,6 +15,12 @@ namespace {
 
 // The Llama-style model (4 layers, RoPE, untied) with two MTP depths, and a tied one with one depth.
 const std::vector<std::string> kMtpUntied = concat(kLlama, {"--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"});
+// The MoE model of parallel_training_test.cpp (layers 1-3 MoE, so the MTP layer is one too) with the
+// DeepSeek-style expert bias and sigmoid scores, and one MTP depth.
+const std::vector<std::string> kMtpMoe = concat(
+    kLlama, {"--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq",
+             "([0]+[1]*3)", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+             "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid", "--mtp-num-layers", "1"});
 std::vector<std::string> tied_model() {
   std::vector<std::string> a;
   for (const std::string& f : kLlama)
@@ -35,10 +42,13 @@ class MtpTraining : public ::testing::Test {
                                  concat(kMtpUntied, {"--train-iters", "5", "--save", (dir_->path / "untied_single").string()})));
     tied_ = new TrainRun(train(dir_->path, "tied_single", 1,
                                concat(tied_model(), {"--train-iters", "5", "--save", (dir_->path / "tied_single").string()})));
+    moe_ = new TrainRun(train(dir_->path, "moe_single", 1,
+                              concat(kMtpMoe, {"--train-iters", "5", "--save", (dir_->path / "moe_single").string()})));
   }
   static void TearDownTestSuite() {
     delete untied_;
     delete tied_;
+    delete moe_;
     delete dir_;
   }
 
@@ -59,10 +69,12 @@ class MtpTraining : public ::testing::Test {
   static ScratchDir* dir_;
   static TrainRun* untied_;
   static TrainRun* tied_;
+  static TrainRun* moe_;
 };
 ScratchDir* MtpTraining::dir_ = nullptr;
 TrainRun* MtpTraining::untied_ = nullptr;
 TrainRun* MtpTraining::tied_ = nullptr;
+TrainRun* MtpTraining::moe_ = nullptr;
 
 TEST_F(MtpTraining, SingleRunLogsEveryDepth) {
   ASSERT_EQ(untied_->aux.size(), 2u) << untied_->output;
@@ -85,6 +97,8 @@ TEST_F(MtpTraining, UntiedLayoutsEqualSingleProcess) {
       {"untied_tp2_sp", 2, kTp2Sp},
       {"untied_dp2_distopt_overlap", 2, kDistOpt},
       {"untied_tp2pp2_sp", 4, concat(kTp2Sp, kPp2)},
+      // Note [MTP layer recomputation]: the decoder recomputed, the MTP layers kept: the same numbers.
+      {"untied_recompute_full", 1, {"--recompute-granularity", "full", "--recompute-method", "uniform"}},
   };
   for (const Layout& l : layouts) check(kMtpUntied, *untied_, "untied_single", l);
 }
@@ -96,6 +110,19 @@ TEST_F(MtpTraining, TiedLayoutsEqualSingleProcess) {
       {"tied_dp2_distopt_overlap", 2, kDistOpt},
   };
   for (const Layout& l : layouts) check(tied_model(), *tied_, "tied_single", l);
+}
+
+// An MoE MTP layer: its router's losses join the decoder's (load_balancing_loss averages over the
+// four MoE layers), its expert bias moves with theirs, under expert, pipeline and tensor parallelism.
+TEST_F(MtpTraining, MoeLayoutsEqualSingleProcess) {
+  ASSERT_EQ(moe_->aux.count("mtp_1 loss") + moe_->aux.count("load_balancing_loss"), 2u) << moe_->output;
+  const std::vector<std::string> ep2 = {"--expert-model-parallel-size", "2"};
+  const std::vector<Layout> layouts = {
+      {"moe_ep2", 2, ep2},
+      {"moe_pp2_vpp", 2, concat(kPp2, {"--num-layers-per-virtual-pipeline-stage", "1"})},
+      {"moe_tp2sp_ep2", 4, concat(kTp2Sp, ep2)},
+  };
+  for (const Layout& l : layouts) check(kMtpMoe, *moe_, "moe_single", l);
 }
 
 // Saved at iteration 3 (--exit-interval), resumed: iterations 4 and 5 and the final weights are the
