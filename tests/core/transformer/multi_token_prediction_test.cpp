@@ -368,6 +368,35 @@ TEST(MultiTokenPrediction, EvaluationReportsNothingAndTheScaleFollowsTheTracker)
   EXPECT_GT(norm, 0.0);
 }
 
+// Every parameter accumulates its gradient as many times per microbatch as
+// repeated_accumulations() says (the data-parallel wrapper launches a bucket's reduction after the
+// last one): the embeddings and output head once more per MTP depth.
+TEST(MultiTokenPrediction, RepeatedAccumulationsAreCounted) {
+  struct Counter : GradHook {
+    std::map<std::string, int> n;
+    void grad_accumulated(Context&, Parameter& p) override { ++n[p.name]; }
+  };
+  for (bool llama : {false, true}) {
+    TransformerConfig c = tiny_config(llama, 2);
+    c.share_embeddings_and_output_weights = !llama;
+    GPTModel model(c);
+    init(model);
+    Counter counter;
+    for (Parameter* p : model.params().parameters()) p->grad_hook = &counter;
+    Context ctx;
+    GPTModel::Stash stash;
+    Tensor losses = model.forward(ctx, random_ids(2, 8, 30, 1), Tensor(), random_ids(2, 8, 30, 2), stash);
+    model.backward(ctx, Tensor::zeros(losses.shape(), DType::Float32), stash);
+    std::map<std::string, int> expected;
+    for (Parameter* p : model.params().parameters()) expected[p->name] = 1;
+    for (const auto& [p, times] : model.repeated_accumulations()) expected[p->name] = times;
+    EXPECT_EQ(counter.n, expected);
+    EXPECT_EQ(expected.at("embedding.word_embeddings.weight"), llama ? 3 : 6);  // embedding 1 + 2 (+ head 1 + 2)
+    if (llama) EXPECT_EQ(expected.at("output_layer.weight"), 3);
+    if (!llama) EXPECT_EQ(expected.at("embedding.position_embeddings.weight"), 3);
+  }
+}
+
 template <typename Fn>
 void expect_error(Fn&& fn, const std::string& needle) {
   try {
