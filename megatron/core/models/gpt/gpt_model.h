@@ -114,7 +114,8 @@ class GPTModel : public ModelChunk {
   Tensor backward_step(Context& ctx, const Tensor& output_grad, ModelStash& stash) const override {
     return backward_step(ctx, output_grad, stash_cast<Stash>(stash));
   }
-  /// The word embeddings when the output layer shares them on this chunk (twice per microbatch).
+  /// The word embeddings when the output layer shares them on this chunk (twice per microbatch), and
+  /// with MTP the embeddings and output head once more per depth.
   std::vector<std::pair<const Parameter*, int>> repeated_accumulations() const override;
   /// Token ids below the padded vocabulary; position ids below --max-position-embeddings (learned positions).
   InputRanges input_ranges() const override;
