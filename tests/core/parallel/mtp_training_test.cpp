@@ -126,19 +126,24 @@ TEST_F(MtpTraining, MoeLayoutsEqualSingleProcess) {
 }
 
 // Saved at iteration 3 (--exit-interval), resumed: iterations 4 and 5 and the final weights are the
-// single run's — in one process, and from a pipeline layout into one process.
+// single run's — in one process, from a pipeline layout into one process, and from one process
+// into TP 2 × PP 2 (the last stage's embedding copy loads from the first stage's tensor).
 TEST_F(MtpTraining, CheckpointsResumeExactly) {
   struct Case {
     std::string name;
     int np_save;
     std::vector<std::string> save_flags;
+    int np_load;
+    std::vector<std::string> load_flags;
   };
-  for (const Case& c : {Case{"resume_single", 1, {}}, Case{"resume_pp2_to_single", 2, kPp2}}) {
+  for (const Case& c : {Case{"resume_single", 1, {}, 1, {}}, Case{"resume_pp2_to_single", 2, kPp2, 1, {}},
+                        Case{"resume_single_to_tp2pp2_sp", 1, {}, 4, concat(kTp2Sp, kPp2)}}) {
     const fs::path ckpt = dir_->path / c.name;
     train(dir_->path, c.name + "_save", c.np_save,
           concat(concat(kMtpUntied, c.save_flags), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
-    TrainRun resumed = train(dir_->path, c.name + "_load", 1,
-                             concat(kMtpUntied, {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
+    TrainRun resumed = train(dir_->path, c.name + "_load", c.np_load,
+                             concat(concat(kMtpUntied, c.load_flags),
+                                    {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
     expect_close(resumed.losses, untied_->losses, c.name, 3);
     for (const auto& [name, values] : untied_->aux) expect_close(resumed.aux[name], values, c.name + " " + name, 3);
     expect_same_weights(ckpt, dir_->path / "untied_single", c.name);
