@@ -111,9 +111,12 @@ ForwardOutput forward_step(Context& ctx, const MicroBatch& b, const GPTModel& mo
   const Device d = ctx.device();
   auto on_device = [&](const Tensor& t) { return t.device() == d ? t : t.to(d); };
   const bool first = model.pre_process(), last = model.post_process();
-  Tensor output = model.forward_step(ctx, first ? on_device(b.tokens) : Tensor(),
-                                     first ? on_device(b.position_ids) : Tensor(), last ? on_device(b.labels) : Tensor(),
-                                     input, stash, b.cu_seqlens);
+  // The MTP block on the last stage embeds the shifted tokens and weighs its losses by the loss mask
+  // (Megatron's get_batch with mtp_on_this_rank).
+  const bool inputs = first || model.has_mtp();
+  Tensor output = model.forward_step(ctx, inputs ? on_device(b.tokens) : Tensor(),
+                                     inputs ? on_device(b.position_ids) : Tensor(), last ? on_device(b.labels) : Tensor(),
+                                     input, stash, b.cu_seqlens, model.has_mtp() ? on_device(b.loss_mask) : Tensor());
   if (!last) return ForwardOutput{output, Tensor(), {}};
   return ForwardOutput{output, Tensor(), masked_token_loss(on_device(b.loss_mask), model.cp_group())};
 }

@@ -42,11 +42,10 @@ inline std::string moe_fixtures_dir() {
   return std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures/moe";
 }
 
-/// Every MoE model fixture: each <name>/ folder with a config.json that has a <name>_io.safetensors
-/// beside it in moe_fixtures_dir(), sorted.
-inline std::vector<std::string> moe_model_fixtures() {
+/// Every HF model fixture of `dir`: each <name>/ folder with a config.json that has a
+/// <name>_io.safetensors beside it, sorted.
+inline std::vector<std::string> model_fixtures_in(const std::string& dir) {
   std::vector<std::string> out;
-  const std::string dir = moe_fixtures_dir();
   if (!std::filesystem::is_directory(dir)) return out;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
@@ -56,6 +55,19 @@ inline std::vector<std::string> moe_model_fixtures() {
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+/// Every MoE model fixture (model_fixtures_in(moe_fixtures_dir())).
+inline std::vector<std::string> moe_model_fixtures() { return model_fixtures_in(moe_fixtures_dir()); }
+
+/// The architecture fixtures (HF DeepSeek-V3 and GPT-OSS folders with their io files):
+/// $MEGATRON_ARCH_FIXTURES, else <fixtures_dir()>/arch when it holds them, else the copy in
+/// tests/fixtures/arch.
+inline std::string arch_fixtures_dir() {
+  if (const char* e = std::getenv("MEGATRON_ARCH_FIXTURES"); e && *e) return e;
+  const std::string shared = fixtures_dir() + "/arch";
+  if (!model_fixtures_in(shared).empty()) return shared;
+  return std::string(MEGATRON_SOURCE_DIR) + "/tests/fixtures/arch";
 }
 
 /// The folders HuggingFace golden fixtures are read from, in order of preference: fixtures_dir(),

@@ -293,6 +293,15 @@ void validate_args(Arguments& a) {
   } else {
     MG_CHECK(a.cuda_graph_scope.empty(), "--cuda-graph-scope needs --cuda-graph-impl local");
   }
+
+  // ---- multi-token prediction (the model's own rules: TransformerConfig::finalize_mtp)
+  if (a.mtp_num_layers > 0) {
+    MG_CHECK(!a.reset_attention_mask,
+             "--mtp-num-layers with --reset-attention-mask is not supported: the MTP block would shift tokens across "
+             "the packed documents' boundaries; drop one of them");
+    MG_CHECK(a.cuda_graph_impl != "local",
+             "--mtp-num-layers with --cuda-graph-impl local is not supported: drop --cuda-graph-impl");
+  }
 }
 
 void check_deterministic_nccl(const Arguments& a, bool uses_nccl) {

@@ -263,8 +263,12 @@ struct Trainer {
     f.learning_rate = static_cast<float>(optimizer.lr());
     f.global_batch_size = gbs;
     if (interval_advanced > 0) f.losses.emplace_back("lm loss", interval_loss / double(interval_advanced));
-    for (const auto& [name, sum] : interval_aux) {
-      if (interval_advanced > 0) f.losses.emplace_back(name, sum / double(interval_advanced));
+    // Megatron's order: the MoE losses (track_moe_metrics), then the MTP losses (track_mtp_metrics).
+    for (bool mtp : {false, true}) {
+      for (const auto& [name, sum] : interval_aux) {
+        if (interval_advanced > 0 && (name.rfind("mtp_", 0) == 0) == mtp)
+          f.losses.emplace_back(name, sum / double(interval_advanced));
+      }
     }
     f.loss_scale = loss_scale();
     f.grad_norm = r.grad_norm;
@@ -551,7 +555,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   MG_CHECK(callbacks.model_provider, "pretrain needs a model provider");
   std::vector<std::unique_ptr<ModelChunk>> chunks;
   AuxLossTracker aux_losses;
-  if (args.moe_per_layer_logging && args.num_experts > 0) aux_losses.declare_tokens_per_expert(args.num_layers, args.num_experts);
+  if (args.moe_per_layer_logging && args.num_experts > 0) aux_losses.declare_tokens_per_expert(args.num_layers + args.mtp_num_layers, args.num_experts);
   int64_t num_params = 0;
   for (int v = 0; v < ps.vpp_size(); ++v) {
     chunks.push_back(callbacks.model_provider(config, device, ps, v));

@@ -83,13 +83,19 @@ double num_floating_point_operations(const Arguments& a, int64_t padded_vocab_si
   const double attn = fb * fma * (h * (q + k + v) + q * s / 2 * 2 + q * h);
   // MoE: the active experts' FLOPs (top-k routed experts and the shared ones per MoE layer), as
   // Megatron counts them (the router's GEMM is not counted).
-  const MoeLayerCounts n = moe_layer_counts(a);
+  MoeLayerCounts n = moe_layer_counts(a);
+  // Multi-token prediction: each depth is one more layer of the decoder's last kind, its norms and
+  // eh_proj, and one more pass of the output layer (Megatron's count).
+  const double mtp = a.mtp_num_layers;
+  const bool last_is_moe = a.num_experts > 0 && moe_layer_pattern(a.moe_layer_freq, a.num_layers).back() != 0;
+  (last_is_moe ? n.moe : n.dense) += a.mtp_num_layers;
   const double mlp = fb * fma * h *
                      (double(a.ffn_hidden_size) * ffn_expansion * n.dense +
                       double(n.moe_ffn) * a.moe_router_topk * ffn_expansion * n.moe +
                       double(a.moe_shared_expert_intermediate_size) * ffn_expansion * n.moe);
-  const double logit = fb * fma * h * double(padded_vocab_size);
-  return double(batch_size) * s * (mlp + attn * L + logit);
+  const double mtp_proj = fb * fma * mtp * (3 * h + 2 * h * h);
+  const double logit = fb * fma * h * double(padded_vocab_size) * (1 + mtp);
+  return double(batch_size) * s * (mlp + attn * (L + mtp) + mtp_proj + logit);
 }
 
 TheoreticalMemory theoretical_memory(const Arguments& a, int64_t padded_vocab_size, int num_microbatches) {

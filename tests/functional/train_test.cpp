@@ -56,6 +56,39 @@ TEST(Train, MixtralStyleMoELossFallsWithBalancedExperts) {
               lb.front().c_str(), lb.back().c_str());
 }
 
+// Multi-token prediction on real text (--mtp-num-layers 1): Megatron's "mtp_1 loss" in every
+// iteration line after the lm loss, falling with it; TensorBoard gets it under that name each
+// iteration; evaluation reports the lm loss only.
+TEST(Train, MultiTokenPredictionLossIsLoggedAndFalls) {
+  ScratchDir dir("mtp_loss_falls");
+  RunResult r = run(concat({bin("pretrain_gpt")}, concat(tiny_gpt_flags(40), {"--mtp-num-layers", "1", "--log-interval",
+                                                                              "5", "--tensorboard-dir", "tb",
+                                                                              "--eval-interval", "20"})),
+                    dir.path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<std::string> lm = field_values(r.output, "lm loss"), mtp = field_values(r.output, "mtp_1 loss");
+  ASSERT_EQ(lm.size(), 8u) << r.output;
+  ASSERT_EQ(mtp.size(), 8u) << r.output;
+  EXPECT_NE(r.output.find("| lm loss: "), std::string::npos);
+  EXPECT_LT(r.output.find("| lm loss: "), r.output.find("| mtp_1 loss: "));
+  EXPECT_LT(std::stod(mtp.back()), std::stod(mtp.front()) - 0.5) << mtp.front() << " -> " << mtp.back();
+  EXPECT_NE(mtp.back(), lm.back()) << "the MTP loss scores another target than the lm loss";
+  const size_t validation = r.output.find("validation loss at iteration 20");
+  ASSERT_NE(validation, std::string::npos) << r.output;
+  const std::string block = r.output.substr(validation, r.output.find('\n', validation) - validation);
+  EXPECT_EQ(block.find("mtp"), std::string::npos) << block;
+  const std::string script =
+      "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n"
+      "ea = EventAccumulator('tb'); ea.Reload()\n"
+      "print('STEPS', len(ea.Scalars('mtp_1 loss')))\n";
+  std::ofstream(dir.path / "read_tb.py") << script;
+  RunResult py = run({"python3", "read_tb.py"}, dir.path);
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  EXPECT_NE(py.output.find("STEPS 40"), std::string::npos) << py.output;
+  std::printf("mtp: lm loss %s -> %s, mtp_1 loss %s -> %s\n", lm.front().c_str(), lm.back().c_str(),
+              mtp.front().c_str(), mtp.back().c_str());
+}
+
 TEST(Train, ExitInterval) {
   ScratchDir dir("exit_interval");
   RunResult r =
@@ -260,6 +293,10 @@ TEST(Cli, BadInputGivesOneClearLine) {
   for (auto& f : flags)
     if (f.find("tok-spm.model") != std::string::npos) f = "/nonexistent/tok.model";
   expect_error(flags, "/nonexistent/tok.model");
+  // What the MTP block does not support is refused at start, naming the flag.
+  expect_error(concat(tiny_gpt_flags(2), {"--mtp-num-layers", "-1"}), "--mtp-num-layers must be a positive number");
+  expect_error(concat(tiny_gpt_flags(2), {"--mtp-num-layers", "1", "--reset-attention-mask", "--micro-batch-size", "1"}),
+               "--mtp-num-layers with --reset-attention-mask is not supported");
   RunResult help = run({bin("pretrain_gpt"), "--help"}, dir.path);
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_NE(help.output.find("Parallelism"), std::string::npos);

@@ -1,5 +1,5 @@
-// What the golden tests share (golden_test.cpp: the dense fixtures; moe_golden_test.cpp: the
-// mixture-of-experts HF folders): a GPTModel built from HF weights through the converter's
+// What the golden tests share (golden_test.cpp: the dense fixtures; moe_golden_test.cpp and
+// arch_golden_test.cpp: HF model folders): a GPTModel built from HF weights through the converter's
 // mapping, one forward/backward of the mean loss, and the checks against an <model>_io.safetensors
 // (logits, loss, every gradient, the 3-step AdamW trajectory). Tolerances are those the fixture
 // READMEs state (fp32 on CPU).
@@ -173,6 +173,27 @@ struct Golden {
     EXPECT_LE(report.undetermined, report.total / 200)
         << "more undetermined elements than a fixture of this size should have";
     return report;
+  }
+};
+
+/// An HF folder `<dir>/<name>/` with `<dir>/<name>_io.safetensors` beside it, read through the
+/// converter's path (HFFolder, config_from_hf, hf_to_megatron) into a Golden. The io files' loss is
+/// the mean cross entropy alone and the reference ran in eval mode: dropout, the aux losses and the
+/// z-loss are off.
+struct FolderGolden {
+  std::unique_ptr<HFFolder> folder;
+  std::unique_ptr<Golden> golden;
+  std::string io_name;
+  FolderGolden(const std::string& dir, const std::string& name) {
+    folder = std::make_unique<HFFolder>(dir + "/" + name);
+    HFModelInfo info = config_from_hf(folder->config(), /*make_vocab_size_divisible_by=*/1);  // logits as HF's
+    TransformerConfig c = info.config;
+    c.hidden_dropout = c.attention_dropout = 0.0f;
+    c.moe_aux_loss_coeff.assign(c.moe_router_load_balancing_type.size(), 0.0f);
+    c.moe_z_loss_coeff = 0.0f;
+    io_name = name + "_io.safetensors";
+    golden = std::make_unique<Golden>(
+        info, c, [&](const std::string& n) { return folder->get(n); }, dir + "/" + io_name, folder->dir());
   }
 };
 

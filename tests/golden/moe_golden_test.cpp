@@ -23,45 +23,28 @@ namespace fs = std::filesystem;
 using testing::moe_fixtures_dir;
 using testing::moe_model_fixtures;
 
-struct MoEGolden {
-  std::unique_ptr<HFFolder> folder;
-  std::unique_ptr<testing::Golden> golden;
-  std::string io_name;
-  explicit MoEGolden(const std::string& name) {
-    const std::string dir = moe_fixtures_dir();
-    folder = std::make_unique<HFFolder>(dir + "/" + name);
-    HFModelInfo info = config_from_hf(folder->config(), /*make_vocab_size_divisible_by=*/1);  // logits as HF's
-    TransformerConfig c = info.config;
-    c.hidden_dropout = c.attention_dropout = 0.0f;  // HF reference ran in eval mode
-    c.moe_aux_loss_coeff.assign(c.moe_router_load_balancing_type.size(), 0.0f);  // the mean CE only
-    c.moe_z_loss_coeff = 0.0f;
-    io_name = name + "_io.safetensors";
-    golden = std::make_unique<testing::Golden>(
-        info, c, [&](const std::string& n) { return folder->get(n); }, dir + "/" + io_name, folder->dir());
-  }
-  std::string describe() const {
-    const TransformerConfig& c = golden->info.config;
-    int moe_layers = 0;
-    for (int i = 0; i < c.num_layers; ++i) moe_layers += c.is_moe_layer(i);
-    return fmt::format("{}: {} MoE layers of {}, top-{} of {}{}{}{}", golden->info.model_type, moe_layers,
-                       c.num_layers, c.moe_router_topk, c.num_moe_experts,
-                       c.moe_router_pre_softmax ? ", pre-softmax" : "",
-                       c.moe_shared_expert_intermediate_size > 0 ? ", gated shared expert" : "",
-                       c.qk_layernorm ? ", qk-layernorm" : "");
-  }
-};
+// The layers, experts and routing options of a fixture, for its line.
+std::string describe(const testing::Golden& g) {
+  const TransformerConfig& c = g.info.config;
+  int moe_layers = 0;
+  for (int i = 0; i < c.num_layers; ++i) moe_layers += c.is_moe_layer(i);
+  return fmt::format("{}: {} MoE layers of {}, top-{} of {}{}{}{}", g.info.model_type, moe_layers, c.num_layers,
+                     c.moe_router_topk, c.num_moe_experts, c.moe_router_pre_softmax ? ", pre-softmax" : "",
+                     c.moe_shared_expert_intermediate_size > 0 ? ", gated shared expert" : "",
+                     c.qk_layernorm ? ", qk-layernorm" : "");
+}
 
 class moe_golden : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(moe_golden, LogitsLossAndGradients) {
-  MoEGolden g(GetParam());
+  testing::FolderGolden g(moe_fixtures_dir(), GetParam());
   const testing::Golden::GradientReport r = g.golden->check_logits_loss_gradients();
   std::printf("moe_golden %s (%s): logits %.2e, loss %.2e, %d gradients (worst %.2e)\n", g.io_name.c_str(),
-              g.describe().c_str(), r.logits_error, r.loss_error, r.checked, r.worst_grad);
+              describe(*g.golden).c_str(), r.logits_error, r.loss_error, r.checked, r.worst_grad);
 }
 
 TEST_P(moe_golden, AdamWTrajectory) {
-  MoEGolden g(GetParam());
+  testing::FolderGolden g(moe_fixtures_dir(), GetParam());
   const testing::Golden::AdamReport r = g.golden->check_adamw_trajectory();
   std::printf("moe_golden %s AdamW: losses %.2e, weights %.2e (worst tensor, of 1e-5); %zu of %zu elements undetermined\n",
               g.io_name.c_str(), r.worst_loss, r.worst_weight, r.undetermined, r.total);

@@ -489,6 +489,13 @@ TEST(TrainingLog, FlopsFollowMegatronsFormula) {
   const double B = 2, s = 32, h = 64, L = 2, V = 128, f = 256;
   const double expected = B * s * (3 * 2 * h * f * 2 * L + L * 3 * 2 * (h * 3 * h + h * s + h * h) + 3 * 2 * h * V);
   EXPECT_DOUBLE_EQ(num_floating_point_operations(a, 128, 2), expected);
+  // Megatron's MTP terms: one more layer per depth, its norms and eh_proj, one more logit pass.
+  a.mtp_num_layers = 2;
+  const double D = 2;
+  const double with_mtp = B * s *
+                          (3 * 2 * h * f * 2 * (L + D) + (L + D) * 3 * 2 * (h * 3 * h + h * s + h * h) +
+                           3 * 2 * D * (3 * h + 2 * h * h) + 3 * 2 * h * V * (1 + D));
+  EXPECT_DOUBLE_EQ(num_floating_point_operations(a, 128, 2), with_mtp);
 }
 
 TEST(NumMicroBatches, RampupFollowsMegatron) {

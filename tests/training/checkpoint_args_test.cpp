@@ -120,6 +120,11 @@ TEST(CheckpointArgs, KeysAndValuesOfTheEarlierFormatAreUnchanged) {
     EXPECT_EQ(now.at(key), value) << key;
     now.erase(key);
   }
+  // And the multi-token-prediction rows: a run without MTP writes Megatron's defaults (None as 0).
+  EXPECT_EQ(now.at("mtp_num_layers"), 0);
+  EXPECT_EQ(now.at("mtp_loss_scaling_factor"), 0.1f);
+  now.erase("mtp_num_layers");
+  now.erase("mtp_loss_scaling_factor");
   EXPECT_EQ(now.dump(2), before.dump(2));
   EXPECT_EQ(now.at("norm_epsilon").dump(), nlohmann::json(1e-6f).dump());
 }

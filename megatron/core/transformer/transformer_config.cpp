@@ -103,6 +103,27 @@ void TransformerConfig::finalize() {
   }
   padded_vocab_size = megatron::padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size);
   finalize_moe();
+  finalize_mtp();
+}
+
+// The multi-token-prediction rules (multi_token_prediction.h): what the MTP block does not support
+// is refused here, one line naming the flag.
+void TransformerConfig::finalize_mtp() {
+  MG_CHECK(mtp_num_layers >= 0, "--mtp-num-layers must be a positive number of MTP depths, or 0 for none (got {})",
+           mtp_num_layers);
+  if (mtp_num_layers == 0) return;
+  MG_CHECK(std::isfinite(mtp_loss_scaling_factor) && mtp_loss_scaling_factor >= 0.0f,
+           "--mtp-loss-scaling-factor must be a finite number >= 0 (got {})", mtp_loss_scaling_factor);
+  MG_CHECK(context_parallel_size == 1,
+           "--mtp-num-layers with --context-parallel-size {} is not supported: the MTP block shifts tokens across "
+           "the context-parallel chunks; train MTP without context parallelism",
+           context_parallel_size);
+  MG_CHECK(!fp8.enabled(), "--mtp-num-layers with --fp8-format is not supported: train MTP in bf16");
+  MG_CHECK(!(use_learned_positions() && pipeline_model_parallel_size > 1),
+           "--mtp-num-layers with learned absolute position embeddings and --pipeline-model-parallel-size {} is not "
+           "supported (the last stage would hold an unsynchronised copy of the position table): use "
+           "--position-embedding-type rope or none, or one pipeline stage",
+           pipeline_model_parallel_size);
 }
 
 // The RoPE scaling rules (rotary_pos_embedding.h), one line each.

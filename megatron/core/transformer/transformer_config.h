@@ -53,6 +53,10 @@ struct TransformerConfig {
   bool qk_layernorm = false;  // per-head norm of queries and keys (`normalization`, over kv_channels)
   bool apply_residual_connection_post_layernorm = false;
 
+  // ---- multi-token prediction (core/transformer/multi_token_prediction.h; Megatron's mtp_* fields)
+  int mtp_num_layers = 0;                // --mtp-num-layers: MTP depths (0: none, Megatron's None)
+  float mtp_loss_scaling_factor = 0.1f;  // --mtp-loss-scaling-factor
+
   // ---- mixture of experts (Megatron's moe_* fields; num_moe_experts 0 is a dense model)
   int num_moe_experts = 0;                 // --num-experts
   std::string moe_layer_freq = "1";        // an int N (every N-th layer from layer 0) or a pattern "([0]+[1]*23)"
@@ -114,6 +118,7 @@ struct TransformerConfig {
   void finalize();
   void finalize_moe();  // finalize()'s MoE part
   void finalize_rope_scaling();  // finalize()'s RoPE-scaling part
+  void finalize_mtp();  // finalize()'s multi-token-prediction part
   int head_dim() const { return kv_channels; }
   int query_projection_size() const { return kv_channels * num_attention_heads; }
   int kv_projection_size() const { return kv_channels * num_query_groups; }

@@ -16,7 +16,7 @@ namespace megatron::testing {
 struct TrainRun {
   std::vector<double> losses;
   std::vector<double> grad_norms;
-  std::map<std::string, std::vector<double>> aux;  // per iteration: load_balancing_loss, ...
+  std::map<std::string, std::vector<double>> aux;  // per iteration: load_balancing_loss, mtp_1 loss, ...
   std::string output;
 };
 
@@ -59,7 +59,9 @@ inline TrainRun train(const fs::path& dir, const std::string& name, int np, cons
     out.losses.push_back(j.at("lm_loss").get<double>());
     out.grad_norms.push_back(j.at("grad_norm").get<double>());
     for (const auto& [key, value] : j.items()) {
-      if (key.find("load_balancing_loss") != std::string::npos) out.aux[key].push_back(value.get<double>());
+      if (key.find("load_balancing_loss") != std::string::npos || key.rfind("mtp_", 0) == 0) {
+        out.aux[key].push_back(value.get<double>());
+      }
     }
   }
   return out;

@@ -43,16 +43,34 @@ GPTModel::GPTModel(TransformerConfig config, Device device, const ParallelState*
   }
   const LayerRange layers =
       ps_ ? pipeline_layer_range(config_, ps_->pp_rank(), vp_stage) : LayerRange{0, config_.num_layers};
-  if (pre_process_) embedding_ = std::make_unique<LanguageModelEmbedding>(config_, *params_, "embedding", pg_);
+  // Megatron's mtp_process: the MTP block goes with the last stage (mtp_on_this_rank).
+  const bool mtp = post_process_ && config_.mtp_num_layers > 0;
+  if (pre_process_ || mtp) embedding_ = std::make_unique<LanguageModelEmbedding>(config_, *params_, "embedding", pg_);
+  if (mtp && !pre_process_) {
+    // The MTP stage's copy of the word embeddings, tied or not (Megatron's setup_embeddings_and_output_layer):
+    // kept equal to the first stage's like the tied output layer's copy.
+    embedding_->word_embeddings()->shared_embedding_copy = true;
+  }
   if (config_.use_rope()) rotary_.emplace(config_);
-  decoder_ = std::make_unique<TransformerBlock>(config_, spec ? *spec : get_gpt_decoder_block_spec(config_), *params_,
-                                                "decoder", pg_, layers, post_process_);
+  const TransformerBlockSpec block_spec = spec ? *spec : get_gpt_decoder_block_spec(config_);
+  decoder_ = std::make_unique<TransformerBlock>(config_, block_spec, *params_, "decoder", pg_, layers, post_process_);
+  if (mtp) {
+    // Megatron's get_gpt_mtp_block_spec: every depth's layer is the decoder's last layer spec.
+    MG_ASSERT(!block_spec.layers.empty(), "an empty decoder block spec");
+    TransformerLayerSpec layer_spec = block_spec.layers.back();
+    layer_spec.fp8 = false;  // refused with MTP (TransformerConfig::finalize_mtp)
+    for (int k = 0; k < config_.mtp_num_layers; ++k) {
+      mtp_layers_.push_back(std::make_unique<MultiTokenPredictionLayer>(
+          config_, layer_spec, *params_, fmt::format("mtp.layers.{}", k), pg_, config_.num_layers + k));
+    }
+    one_ = Tensor::from_floats({1.0f}, {1}, DType::Float32, device);
+  }
   if (post_process_) {
     if (!config_.share_embeddings_and_output_weights) {
       output_layer_ = std::make_unique<Linear>(*params_, "output_layer", config_.hidden_size,
                                                config_.padded_vocab_size, /*bias=*/false, ParamInit::Normal,
                                                ParallelMode::Column, pg_.tp, config_.sequence_parallel);
-    } else if (pre_process_) {
+    } else if (embedding_) {  // the first stage's embeddings, or the MTP stage's copy
       output_layer_ = std::make_unique<Linear>(embedding_->word_embeddings(), ParallelMode::Column, pg_.tp,
                                                config_.sequence_parallel);
     } else {
@@ -63,7 +81,7 @@ GPTModel::GPTModel(TransformerConfig config, Device device, const ParallelState*
       output_layer_ = std::make_unique<Linear>(copy, ParallelMode::Column, pg_.tp, config_.sequence_parallel);
     }
   }
-  if (pre_process_ && !post_process_ && config_.share_embeddings_and_output_weights) {
+  if (pre_process_ && !post_process_ && (config_.share_embeddings_and_output_weights || config_.mtp_num_layers > 0)) {
     embedding_->word_embeddings()->in_embedding_group = true;
   }
   params_->allocate();
@@ -73,13 +91,23 @@ void GPTModel::set_aux_loss_tracker(AuxLossTracker* tracker) {
   ModelChunk::set_aux_loss_tracker(tracker);
   decoder_->set_aux_loss_tracker(tracker);
   if (tracker && config_.is_moe()) {
-    moe::TopKRouter::declare_router_losses(*tracker, moe::moe_config(config_).router, config_.num_layers, pg_.tp_cp);
+    // The MTP layers' routers report after the decoder's (Megatron's num_layers + mtp_num_layers).
+    moe::TopKRouter::declare_router_losses(*tracker, moe::moe_config(config_).router,
+                                           config_.num_layers + config_.mtp_num_layers, pg_.tp_cp);
+  }
+  // Megatron's MTPLossLoggingHelper: "mtp_k loss" per depth, declared on every rank (the
+  // reduction is collective), reported by the last stage, averaged over the data-parallel ranks.
+  if (tracker) {
+    for (int k = 1; k <= config_.mtp_num_layers; ++k) tracker->declare(fmt::format("mtp_{} loss", k), 1);
   }
 }
 
 void GPTModel::finish_router_step(Context& ctx) {
   if (!config_.is_moe()) return;
-  for (const auto& layer : decoder_->layers()) {
+  std::vector<TransformerLayer*> layers;
+  for (const auto& layer : decoder_->layers()) layers.push_back(layer.get());
+  for (const auto& m : mtp_layers_) layers.push_back(&m->transformer_layer());
+  for (TransformerLayer* layer : layers) {
     if (moe::MoELayer* m = layer->moe()) {
       m->router().update_expert_bias(ctx, config_.moe_router_bias_update_rate, {pg_.tp_cp, pg_.dp});
       m->router().reset_global_aux_loss_tracker(ctx);
@@ -153,6 +181,13 @@ std::vector<ModelBuffer> GPTModel::buffers() {
                      &m->router().expert_bias()});
     }
   }
+  for (size_t k = 0; k < mtp_layers_.size(); ++k) {
+    moe::MoELayer* m = mtp_layers_[k]->transformer_layer().moe();
+    if (m && m->router().expert_bias().defined()) {
+      out.push_back({fmt::format("mtp.layers.{}.transformer_layer.mlp.router.expert_bias", k),
+                     &m->router().expert_bias()});
+    }
+  }
   if (config_.fp8.enabled() && config_.fp8.recipe == Fp8Recipe::Delayed) {
     for (const auto& layer : decoder_->layers()) {
       for (Linear* l : layer->fp8_linears()) {
@@ -172,11 +207,20 @@ void GPTModel::init_weights(uint64_t seed) {
 }
 
 std::vector<std::pair<const Parameter*, int>> GPTModel::repeated_accumulations() const {
-  // Tied word embeddings on one stage accumulate twice per microbatch (output layer, embedding).
-  if (pre_process_ && post_process_ && config_.share_embeddings_and_output_weights) {
-    return {{embedding_->word_embeddings(), 2}};
+  // Tied word embeddings on one stage accumulate twice per microbatch (output layer, embedding);
+  // with MTP the embedding and the output layer also run once per depth.
+  const int depths = int(mtp_layers_.size());
+  const bool tied = config_.share_embeddings_and_output_weights;
+  std::vector<std::pair<const Parameter*, int>> out;
+  auto add = [&](const Parameter* p, int times) {
+    if (p && times > 1) out.emplace_back(p, times);
+  };
+  if (embedding_) {
+    add(embedding_->word_embeddings(), (pre_process_ ? 1 : 0) + depths + (post_process_ && tied ? 1 + depths : 0));
+    if (pre_process_ && config_.use_learned_positions()) add(params_->find("embedding.position_embeddings.weight"), 1 + depths);
   }
-  return {};
+  if (post_process_ && !tied) add(output_layer_->weight(), 1 + depths);
+  return out;
 }
 
 ModelChunk::InputRanges GPTModel::input_ranges() const {
@@ -184,7 +228,8 @@ ModelChunk::InputRanges GPTModel::input_ranges() const {
 }
 
 uint64_t GPTModel::random_streams_per_microbatch() const {
-  return 1 + uint64_t(config_.num_layers) * TransformerLayer::kRandomStreams;
+  return 1 + uint64_t(config_.num_layers) * TransformerLayer::kRandomStreams +
+         uint64_t(config_.mtp_num_layers) * MultiTokenPredictionLayer::kRandomStreams;
 }
 
 Shape GPTModel::stage_activation_shape(int64_t micro_batch, int64_t seq_length) const {
@@ -246,13 +291,126 @@ Tensor GPTModel::forward_logits(Context& ctx, const Tensor& tokens, const Tensor
 }
 
 Tensor GPTModel::forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
-                         Stash& stash, const Tensor& cu_seqlens) const {
+                         Stash& stash, const Tensor& cu_seqlens, const Tensor& loss_mask) const {
   MG_ASSERT(pre_process_ && post_process_, "forward() runs a whole model; a pipeline stage uses forward_step()");
-  return forward_step(ctx, tokens, position_ids, labels, Tensor(), stash, cu_seqlens);
+  return forward_step(ctx, tokens, position_ids, labels, Tensor(), stash, cu_seqlens, loss_mask);
+}
+
+void GPTModel::cross_entropy(Context& ctx, const Tensor& logits, const Tensor& labels, Tensor& losses,
+                             Tensor& lse) const {
+  const int64_t n = logits.size(0);
+  if (Communicator* tp = tp_group()) {
+    // Megatron's _VocabParallelCrossEntropy: the row max, then Σexp and the target logit, each
+    // reduced over the vocabulary shards.
+    Tensor max = Tensor::empty({n}, DType::Float32, ctx.device());
+    ops::cross_entropy_local_max(ctx, logits, max);
+    tp->all_reduce(ctx, max, ReduceOp::Max)->wait();
+    Tensor sums = Tensor::empty({2, n}, DType::Float32, ctx.device());
+    ops::cross_entropy_local_sums(ctx, logits, labels, logits.size(1) * tp->rank(), max, sums);
+    tp->all_reduce(ctx, sums, ReduceOp::Sum)->wait();
+    ops::cross_entropy_from_sums(ctx, max, sums, losses, lse);
+  } else {
+    ops::cross_entropy_forward(ctx, logits, labels, losses, lse);
+  }
+}
+
+void GPTModel::cross_entropy_backward(Context& ctx, const Tensor& grad_losses, Tensor& logits, const Tensor& labels,
+                                      const Tensor& lse) const {
+  // The fused cross-entropy backward turns the logits into their own gradient in place.
+  if (Communicator* tp = tp_group()) {
+    ops::vocab_parallel_cross_entropy_backward(ctx, grad_losses, logits, labels, logits.size(1) * tp->rank(), lse,
+                                               logits);
+  } else {
+    ops::cross_entropy_backward(ctx, grad_losses, logits, labels, lse, logits);
+  }
+}
+
+// Note [MTP loss]: Megatron's process_mtp_loss with calculate_per_token_loss off. Depth k's loss is
+// its mean over the tokens its shifted loss mask keeps, L_k = Σ mask_k·ce_k / max(Σ mask_k, 1), and
+// the training objective adds (mtp_loss_scaling_factor / D)·Σ_k L_k to the main loss. Megatron's
+// MTPLossAutoScaler gives that term the gradient scale of the main loss — the loss scale over the
+// number of microbatches, without the main loss's context-parallel factor (refused with MTP) — so
+// ce_k's gradient is mask_k · scale · factor / (D · Σ mask_k), known at forward time (the MoE aux
+// losses do the same) and kept in the stash for backward. The scale is the aux-loss tracker's
+// backward scale (1 without a tracker: the gradient of the plain objective). The tracker gets L_k
+// under "mtp_k loss" in training steps (not in evaluation, as Megatron logs it only in training):
+// summed over the step's microbatches, divided by their number and averaged over the data-parallel
+// ranks by AuxLossTracker::report (Megatron's track_mtp_metrics). The main loss is unchanged.
+void GPTModel::mtp_forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& loss_mask,
+                           Stash& stash) const {
+  const int64_t s = stash.labels.size(0), b = stash.labels.size(1), h = config_.hidden_size;
+  const int64_t vl = output_layer_->out_features();
+  auto on_device = [&](const Tensor& t) { return t.device() == ctx.device() ? t : t.to(ctx.device()); };
+  MG_CHECK(tokens.defined() && tokens.dim() == 2 && tokens.size(0) == b && tokens.size(1) == s,
+           "the MTP block on the last stage needs the microbatch's tokens [{}, {}] (got {})", b, s,
+           tokens.defined() ? tokens.str() : "none");
+  Tensor ids = on_device(tokens);
+  Tensor positions = on_device(position_ids.defined() ? position_ids : default_position_ids(b, s));
+  Tensor mask = Tensor::empty({s, b}, DType::Float32, ctx.device());
+  if (loss_mask.defined()) {
+    ops::transpose_01(ctx, on_device(loss_mask.to(DType::Float32)), mask);
+  } else {
+    mask = Tensor::from_floats(std::vector<float>(size_t(s * b), 1.0f), {s, b}, DType::Float32, ctx.device());
+  }
+  Tensor labels = stash.labels;
+  Tensor hidden = stash.hidden;
+  AuxLossTracker* tracker = aux_loss_tracker();
+  const bool training = !(tracker && tracker->evaluating());
+  const int depths = int(mtp_layers_.size());
+  const float scale = (tracker ? tracker->backward_scale() : 1.0f) * config_.mtp_loss_scaling_factor / float(depths);
+  stash.mtp.assign(size_t(depths), Stash::MtpDepth{});
+  for (int k = 0; k < depths; ++k) {
+    Stash::MtpDepth& d = stash.mtp[size_t(k)];
+    const uint64_t rng = stash.rng_base + 1 + uint64_t(config_.num_layers) * TransformerLayer::kRandomStreams +
+                         uint64_t(k) * MultiTokenPredictionLayer::kRandomStreams;
+    // Megatron's _get_embeddings: the input ids and position ids shifted once more per depth.
+    ids = roll_tokens_left(ctx, ids);
+    positions = roll_tokens_left(ctx, positions);
+    Tensor emb = embedding_->forward(ctx, ids, positions, rng, d.embedding);
+    hidden = mtp_layers_[size_t(k)]->forward(ctx, emb, hidden, stash.attn, rng + 1, d.layer, tracker);
+    d.hidden = hidden;
+    d.logits = output_layer_->forward(ctx, hidden.view({-1, h})).view({s * b, vl});
+    labels = roll_sequence_left(ctx, labels);
+    mask = roll_sequence_left(ctx, mask);
+    d.labels = labels;
+    Tensor losses = Tensor::empty({s * b}, DType::Float32, ctx.device());
+    d.lse = Tensor::empty({s * b}, DType::Float32, ctx.device());
+    cross_entropy(ctx, d.logits, labels.view({s * b}), losses, d.lse);
+    Tensor sums = Tensor::empty({2}, DType::Float32, ctx.device());
+    ops::masked_loss_sums(ctx, losses, mask.view({s * b}), sums);
+    d.grad_losses = Tensor::empty({s * b}, DType::Float32, ctx.device());
+    ops::masked_loss_backward_normalized(ctx, mask.view({s * b}), sums, one_, d.grad_losses);
+    ops::scale_(ctx, d.grad_losses, scale);
+    if (tracker && training) {
+      Tensor mean = Tensor::empty({1}, DType::Float32, ctx.device());  // sums[0] / sums[1] (0 without tokens)
+      ops::masked_loss_backward_normalized(ctx, Tensor(), sums, sums.flat_slice(0, 1), mean);
+      tracker->add(ctx, fmt::format("mtp_{} loss", k + 1), 0, mean);
+    }
+  }
+}
+
+Tensor GPTModel::mtp_backward(Context& ctx, Stash& stash) const {
+  const int64_t h = config_.hidden_size;
+  Tensor grad_next;  // the gradient of depth k's output from depth k + 1's hnorm
+  for (int k = int(mtp_layers_.size()) - 1; k >= 0; --k) {
+    Stash::MtpDepth& d = stash.mtp[size_t(k)];
+    const int64_t n = d.logits.size(0);
+    cross_entropy_backward(ctx, d.grad_losses, d.logits, d.labels.view({n}), d.lse);
+    Tensor grad = output_layer_->backward(ctx, d.logits, d.hidden.view({-1, h})).view(d.hidden.shape());
+    if (grad_next.defined()) ops::add(ctx, grad, grad_next, grad);
+    d.logits = d.hidden = d.lse = Tensor();
+    auto [grad_embedding, grad_hidden] = mtp_layers_[size_t(k)]->backward(ctx, grad, stash.attn, d.layer);
+    embedding_->backward(ctx, grad_embedding, d.embedding);
+    grad_next = grad_hidden;
+  }
+  return grad_next;
 }
 
 Tensor GPTModel::forward_step(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
-                              const Tensor& input, Stash& stash, const Tensor& cu_seqlens) const {
+                              const Tensor& input, Stash& stash, const Tensor& cu_seqlens,
+                              const Tensor& loss_mask) const {
+  MG_CHECK(!has_mtp() || !cu_seqlens.defined(),
+           "--mtp-num-layers with packed documents (--reset-attention-mask) is not supported");
   stash.rng_base = ctx.rng().offset;
   ctx.rng().offset += random_streams_per_microbatch();
   forward_to_logits(ctx, tokens, position_ids, input, cu_seqlens, stash);
@@ -267,20 +425,8 @@ Tensor GPTModel::forward_step(Context& ctx, const Tensor& tokens, const Tensor& 
   ops::transpose_01(ctx, labels.device() == ctx.device() ? labels : labels.to(ctx.device()), stash.labels);
   Tensor losses_sb = Tensor::empty({s * b}, DType::Float32, ctx.device());
   stash.lse = Tensor::empty({s * b}, DType::Float32, ctx.device());
-  Tensor logits = stash.logits.view({s * b, vl});
-  if (Communicator* tp = tp_group()) {
-    // Megatron's _VocabParallelCrossEntropy: the row max, then Σexp and the target logit, each
-    // reduced over the vocabulary shards.
-    Tensor max = Tensor::empty({s * b}, DType::Float32, ctx.device());
-    ops::cross_entropy_local_max(ctx, logits, max);
-    tp->all_reduce(ctx, max, ReduceOp::Max)->wait();
-    Tensor sums = Tensor::empty({2, s * b}, DType::Float32, ctx.device());
-    ops::cross_entropy_local_sums(ctx, logits, stash.labels.view({s * b}), vl * tp->rank(), max, sums);
-    tp->all_reduce(ctx, sums, ReduceOp::Sum)->wait();
-    ops::cross_entropy_from_sums(ctx, max, sums, losses_sb, stash.lse);
-  } else {
-    ops::cross_entropy_forward(ctx, logits, stash.labels.view({s * b}), losses_sb, stash.lse);
-  }
+  cross_entropy(ctx, stash.logits.view({s * b, vl}), stash.labels.view({s * b}), losses_sb, stash.lse);
+  if (has_mtp()) mtp_forward(ctx, tokens, position_ids, loss_mask, stash);
   Tensor losses = Tensor::empty({b, s}, DType::Float32, ctx.device());
   ops::transpose_01(ctx, losses_sb.view({s, b}), losses);
   return losses;
@@ -297,18 +443,13 @@ Tensor GPTModel::backward_step(Context& ctx, const Tensor& output_grad, Stash& s
     const int64_t b = output_grad.size(0), s = output_grad.size(1), vl = output_layer_->out_features();
     Tensor grad_losses_sb = Tensor::empty({s, b}, DType::Float32, ctx.device());
     ops::transpose_01(ctx, output_grad, grad_losses_sb);
-    // The fused cross-entropy backward turns the logits into their own gradient in place.
     Tensor grad_logits = stash.logits.view({s * b, vl});
-    if (Communicator* tp = tp_group()) {
-      ops::vocab_parallel_cross_entropy_backward(ctx, grad_losses_sb.view({s * b}), grad_logits,
-                                                 stash.labels.view({s * b}), vl * tp->rank(), stash.lse, grad_logits);
-    } else {
-      ops::cross_entropy_backward(ctx, grad_losses_sb.view({s * b}), grad_logits, stash.labels.view({s * b}),
-                                  stash.lse, grad_logits);
-    }
+    cross_entropy_backward(ctx, grad_losses_sb.view({s * b}), grad_logits, stash.labels.view({s * b}), stash.lse);
     grad_hidden = output_layer_->backward(ctx, grad_logits, stash.hidden.view({-1, h}))
                       .view({-1, b, h});
     stash.logits = stash.hidden = stash.lse = Tensor();
+    // The decoder's output also feeds the first MTP depth's hnorm.
+    if (has_mtp()) ops::add(ctx, grad_hidden, mtp_backward(ctx, stash), grad_hidden);
   } else {
     grad_hidden = output_grad;
   }

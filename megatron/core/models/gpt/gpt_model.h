@@ -22,9 +22,17 @@
 // embeddings under the same name (shared_embedding_copy): same initial values, gradients
 // all-reduced with the first stage's (the embedding group), saved once.
 //
-// Random streams: one microbatch draws 1 + 3·num_layers consecutive offsets from ctx.rng().offset
-// (the embedding dropout, then three per layer by global layer index) and advances the offset by
-// that much, on every stage, so each stage's masks are the single-process run's.
+// Random streams: one microbatch draws 1 + 3·num_layers (+ 4·mtp_num_layers) consecutive offsets
+// from ctx.rng().offset (the embedding dropout, then three per layer by global layer index, then
+// per MTP depth its embedding dropout and its layer's three) and advances the offset by that much,
+// on every stage, so each stage's masks are the single-process run's.
+//
+// Multi-token prediction (--mtp-num-layers D, core/transformer/multi_token_prediction.h): the MTP
+// block sits on the last stage (Megatron's default placement) after the decoder; it needs the
+// tokens, position ids and loss mask there, and the embedding: with more than one stage the last
+// one holds its own copy of the word embeddings (tied or not; Megatron's mtp_process embedding),
+// synchronised as the tied copy is. Note [MTP loss] in gpt_model.cpp says how its loss enters the
+// gradient and the tracker.
 #pragma once
 
 #include <memory>
@@ -35,6 +43,7 @@
 #include "megatron/core/tensor_parallel/layers.h"
 #include "megatron/core/transformer/kv_cache.h"
 #include "megatron/core/transformer/module.h"
+#include "megatron/core/transformer/multi_token_prediction.h"
 #include "megatron/core/transformer/transformer_block.h"
 
 namespace megatron {
@@ -56,6 +65,13 @@ class GPTModel : public ModelChunk {
     Tensor logits;  // [s, b, padded_vocab]; becomes its own gradient in backward
     Tensor labels;  // [s, b]
     Tensor lse;     // [s·b] fp32
+    struct MtpDepth {  // one MTP depth's activations (the last stage)
+      LanguageModelEmbedding::Saved embedding;
+      MultiTokenPredictionLayer::Saved layer;
+      Tensor hidden, logits, labels, lse;  // as the main head's, for this depth's shifted labels
+      Tensor grad_losses;                  // [s·b] fp32: the gradient of its per-token losses (Note [MTP loss])
+    };
+    std::vector<MtpDepth> mtp;
   };
 
   /// tokens, position_ids, labels: [b, s] int. Returns the per-token losses [b, s] fp32
@@ -64,18 +80,24 @@ class GPTModel : public ModelChunk {
   /// sequences]; Megatron's packed_seq_params), undefined: causal over each row.
   /// Under context parallelism tokens/position_ids/labels are this rank's rows (Note
   /// [Load-balanced chunks]) and cu_seqlens the whole sequence's.
+  /// loss_mask [b, s] fp32 (undefined: every token) weighs the MTP losses (Note [MTP loss]); the
+  /// returned main losses are unmasked, as without MTP.
   Tensor forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels, Stash& stash,
-                 const Tensor& cu_seqlens = Tensor()) const;
+                 const Tensor& cu_seqlens = Tensor(), const Tensor& loss_mask = Tensor()) const;
   /// Inference: logits [s, b, padded_vocab] (model dtype) for tokens [b, s]; no loss, nothing kept.
   Tensor forward_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids) const;
   /// grad_losses [b, s] fp32 (d loss / d per-token loss). Accumulates into the parameters' main_grad.
   void backward(Context& ctx, const Tensor& grad_losses, Stash& stash) const;
 
   /// One pipeline stage: the first stage reads tokens/position_ids, the others `input` (the previous
-  /// stage's output). Returns the per-token losses [b, s] on the last stage (labels needed there),
-  /// else the activations to send on.
+  /// stage's output). Returns the per-token losses [b, s] on the last stage (labels needed there,
+  /// and with MTP also tokens, position_ids and loss_mask: has_mtp()), else the activations to send on.
   Tensor forward_step(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& labels,
-                      const Tensor& input, Stash& stash, const Tensor& cu_seqlens = Tensor()) const;
+                      const Tensor& input, Stash& stash, const Tensor& cu_seqlens = Tensor(),
+                      const Tensor& loss_mask = Tensor()) const;
+  /// This chunk holds the MTP block (the last stage of a model with --mtp-num-layers).
+  bool has_mtp() const { return !mtp_layers_.empty(); }
+  const std::vector<std::unique_ptr<MultiTokenPredictionLayer>>& mtp_layers() const { return mtp_layers_; }
   /// output_grad: grad_losses [b, s] on the last stage, else the gradient of this stage's output.
   /// Returns the gradient of `input` (undefined on the first stage).
   Tensor backward_step(Context& ctx, const Tensor& output_grad, Stash& stash) const;
@@ -92,7 +114,8 @@ class GPTModel : public ModelChunk {
   Tensor backward_step(Context& ctx, const Tensor& output_grad, ModelStash& stash) const override {
     return backward_step(ctx, output_grad, stash_cast<Stash>(stash));
   }
-  /// The word embeddings when the output layer shares them on this chunk (twice per microbatch).
+  /// The word embeddings when the output layer shares them on this chunk (twice per microbatch), and
+  /// with MTP the embeddings and output head once more per depth.
   std::vector<std::pair<const Parameter*, int>> repeated_accumulations() const override;
   /// Token ids below the padded vocabulary; position ids below --max-position-embeddings (learned positions).
   InputRanges input_ranges() const override;
@@ -131,11 +154,23 @@ class GPTModel : public ModelChunk {
   std::optional<RotaryEmbedding> rotary_;
   std::unique_ptr<TransformerBlock> decoder_;
   std::unique_ptr<Linear> output_layer_;
+  std::vector<std::unique_ptr<MultiTokenPredictionLayer>> mtp_layers_;  // "mtp.layers.k" (the last stage)
+  Tensor one_;  // [1] fp32 1 on the model's device (the MTP gradient's normalisation)
 
   // Embedding (or input) -> decoder -> output layer; fills the stash's activations and logits.
   void forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& input,
                          const Tensor& cu_seqlens, Stash& stash) const;
   Communicator* tp_group() const { return pg_.tp; }
+  // The per-token cross entropy of logits [N, vl] (vocab-parallel under TP) against labels [N]:
+  // losses and lse [N] fp32; its backward turns the logits into their own gradient.
+  void cross_entropy(Context& ctx, const Tensor& logits, const Tensor& labels, Tensor& losses, Tensor& lse) const;
+  void cross_entropy_backward(Context& ctx, const Tensor& grad_losses, Tensor& logits, const Tensor& labels,
+                              const Tensor& lse) const;
+  // The MTP block's forward and backward (Note [MTP loss]); mtp_backward returns the gradient of
+  // the decoder's final-normed output.
+  void mtp_forward(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& loss_mask,
+                   Stash& stash) const;
+  Tensor mtp_backward(Context& ctx, Stash& stash) const;
 
  public:
   /// The context-parallel group (null: one rank): the loss's token count sums over it.

@@ -500,6 +500,12 @@ nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
   MG_CHECK(!c.apply_residual_connection_post_layernorm,
            "--apply-residual-connection-post-layernorm has no HuggingFace export: GPT-2 and Llama-type models add the "
            "residual before the norm");
+  // DeepSeek-V3 is the HF type that stores MTP weights (model.layers.{num_hidden_layers + k}.*);
+  // the types exported here have none, and dropping the block would lose trained weights.
+  MG_CHECK(c.mtp_num_layers == 0,
+           "--mtp-num-layers {} has no HuggingFace export to GPT-2 or Llama-type models (they have no MTP "
+           "modules): export a checkpoint trained without MTP",
+           c.mtp_num_layers);
   const bool llama = c.gated_linear_unit;
   if (!llama) {
     MG_CHECK(c.normalization == "LayerNorm",
