@@ -22,6 +22,7 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
     : nq_(config.num_attention_heads / group_size(pg.tp)),
       ng_(config.num_query_groups / group_size(pg.tp)),
       d_(config.kv_channels),
+      window_left_(spec.window_left),
       softmax_scale_(1.0f / std::sqrt(float(config.kv_channels))),
       dropout_p_(config.attention_dropout),
       rope_interleaved_(config.rotary_interleaved),
@@ -38,6 +39,27 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
       k_layernorm_(qk_layernorm(config, params, prefix + ".k_layernorm", pg)) {
   MG_ASSERT(spec.kind == MixerKind::SelfAttention, "SelfAttention built from a {} spec", mixer_kind_name(spec.kind));
   if (multi_rank(pg.cp)) cp_.emplace(pg.cp, cp_comm_type_from_string(config.cp_comm_type), pg.hcp_a2a, pg.hcp_p2p);
+  MG_CHECK(!cp_ || (!config.has_attention_sinks() && window_left_ < 0),
+           "--softmax-type {} and --window-size are not supported with context parallelism: use "
+           "--context-parallel-size 1",
+           config.softmax_type);
+  if (config.softmax_type == "learnable") {  // Note [Attention sinks]
+    softmax_offset_ = params.add(prefix + ".core_attention.softmax_offset",
+                                 tp_shard({config.num_attention_heads}, 0, pg.tp), /*no_weight_decay=*/true,
+                                 ParamInit::Normal);
+  } else if (config.softmax_type == "off-by-one") {
+    fixed_sinks_ = Tensor::zeros({nq_}, DType::Float32, params.device());
+  }
+}
+
+void SelfAttention::apply_sinks(Context& ctx, Saved& saved) const {
+  if (const Tensor sinks = sinks_tensor(); sinks.defined())
+    ops::attention_sink_forward(ctx, saved.context, saved.lse, sinks, saved.context, saved.lse);
+}
+
+AttnMask SelfAttention::mask_of(const AttentionInputs& in) const {
+  const AttnMask mask = in.packed ? in.packed->mask() : AttnMask::causal();
+  return mask.with_window(window_left_);
 }
 
 void SelfAttention::enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears) {
@@ -46,10 +68,6 @@ void SelfAttention::enable_fp8(const Fp8Config& config, Device device, std::vect
     fp8_linears.push_back(l);
   }
 }
-
-namespace {
-AttnMask mask_of(const AttentionInputs& in) { return in.packed ? in.packed->mask() : AttnMask::causal(); }
-}  // namespace
 
 Tensor SelfAttention::head_norm_forward(Context& ctx, const Norm& norm, const Tensor& x, Norm::Saved& saved) {
   const int64_t d = x.size(x.dim() - 1);
@@ -72,6 +90,7 @@ void SelfAttention::core_forward(Context& ctx, const AttentionInputs& in, Saved&
   if (fused_qkv(in)) {
     ops::attention_forward_qkv(ctx, saved.qkv, mask_of(in), softmax_scale_, dropout_p_, seed,
                                saved.dropout_offset, saved.context, saved.lse);
+    apply_sinks(ctx, saved);
     return;
   }
   Tensor q = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
@@ -92,6 +111,7 @@ void SelfAttention::core_forward(Context& ctx, const AttentionInputs& in, Saved&
   } else {
     ops::attention_forward(ctx, q, k, v, mask_of(in), softmax_scale_, dropout_p_, seed, saved.dropout_offset,
                            saved.context, saved.lse);
+    apply_sinks(ctx, saved);
   }
   saved.q = q, saved.k = k, saved.v = v;
 }
@@ -127,6 +147,12 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Atten
   Tensor grad_context = linear_proj_.backward(ctx, grad_out.view({-1, h}), saved.context.view({s * b, nq_ * d_}));
   const DType dt = saved.x.dtype();
   const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
+  if (const Tensor sinks = sinks_tensor(); sinks.defined()) {  // Note [Attention sinks]
+    Tensor none, &sinks_grad = softmax_offset_ ? softmax_offset_->main_grad : none;
+    ops::attention_sink_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.context, saved.lse, sinks,
+                                 sinks_grad);
+    notify_grad_accumulated(ctx, softmax_offset_);
+  }
   Tensor grad_qkv;
   if (fused_qkv(in)) {
     grad_qkv = Tensor::empty(saved.qkv.shape(), dt, ctx.device());
@@ -163,6 +189,8 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Atten
 Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
                                         const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const {
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
+  MG_CHECK(!sinks_tensor().defined() && window_left_ < 0,
+           "generation over the KV cache does not support --softmax-type learnable/off-by-one or --window-size yet");
   const DType dt = x.dtype();
   Tensor qkv = linear_qkv_.forward(ctx, x.view({s * b, h})).view({s, b, -1});
   Tensor q = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());

@@ -45,11 +45,11 @@ void TransformerConfig::finalize() {
   MG_CHECK(ffn_hidden_size > 0, "--ffn-hidden-size must be positive (got {})", ffn_hidden_size);
   MG_CHECK(normalization == "LayerNorm" || normalization == "RMSNorm",
            "--normalization must be LayerNorm or RMSNorm (got '{}')", normalization);
-  if (activation == "swiglu") gated_linear_unit = true;
-  MG_CHECK(activation == "gelu" || activation == "swiglu", "the activation must be gelu or swiglu (got '{}')",
-           activation);
-  MG_CHECK(!gated_linear_unit || activation == "swiglu",
-           "a gated linear unit is only supported with swiglu (use --swiglu)");
+  if (activation == "swiglu" || activation == "quick_geglu") gated_linear_unit = true;
+  MG_CHECK(activation == "gelu" || activation == "swiglu" || activation == "quick_geglu",
+           "the activation must be gelu, swiglu or quick_geglu (got '{}')", activation);
+  MG_CHECK(!gated_linear_unit || activation == "swiglu" || activation == "quick_geglu",
+           "a gated linear unit is only supported with swiglu or quick_geglu (use --swiglu or --quick-geglu)");
   MG_CHECK(position_embedding_type == "learned_absolute" || position_embedding_type == "rope" ||
                position_embedding_type == "yarn" || position_embedding_type == "none",
            "--position-embedding-type must be learned_absolute, rope, yarn or none (got '{}')",
@@ -103,6 +103,32 @@ void TransformerConfig::finalize() {
   }
   padded_vocab_size = megatron::padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size);
   finalize_moe();
+  finalize_gpt_oss();
+}
+
+// Attention sinks, sliding windows and the clamped quick-GeGLU (Megatron's softmax_type, window_size,
+// window_attn_skip_freq, glu_linear_offset, activation_func_clamp_value), one line each.
+void TransformerConfig::finalize_gpt_oss() {
+  MG_CHECK(softmax_type == "vanilla" || softmax_type == "off-by-one" || softmax_type == "learnable",
+           "--softmax-type must be vanilla, off-by-one or learnable (got '{}')", softmax_type);
+  MG_CHECK(!has_attention_sinks() || context_parallel_size == 1,
+           "--softmax-type {} with --context-parallel-size {} is not supported (the sink would have to join the "
+           "merged attention of every rank): use --context-parallel-size 1",
+           softmax_type, context_parallel_size);
+  MG_CHECK(window_size_left >= -1, "--window-size's left window must be >= 0 (got {})", window_size_left);
+  MG_CHECK(window_size_left >= 0 || window_attn_skip_freq.empty(),
+           "--window-attn-skip-freq '{}' needs --window-size", window_attn_skip_freq);
+  window_attn_pattern.clear();
+  if (window_size_left >= 0) {
+    MG_CHECK(context_parallel_size == 1,
+             "--window-size with --context-parallel-size {} is not supported: use --context-parallel-size 1",
+             context_parallel_size);
+    window_attn_pattern = megatron::window_attn_pattern(window_attn_skip_freq, num_layers);
+  }
+  MG_CHECK(std::isfinite(activation_func_clamp_value) && activation_func_clamp_value >= 0.0f,
+           "--activation-func-clamp-value must be a positive number (got {})", activation_func_clamp_value);
+  MG_CHECK(quick_geglu() || (glu_linear_offset == 0.0f && activation_func_clamp_value == 0.0f),
+           "--glu-linear-offset and --activation-func-clamp-value apply to the quick-GeGLU MLP only: add --quick-geglu");
 }
 
 // The RoPE scaling rules (rotary_pos_embedding.h), one line each.
@@ -178,14 +204,14 @@ namespace {
 struct PatternParser {
   const std::string& s;
   size_t i = 0;
+  const char* flag = "--moe-layer-freq";
   void skip() {
     while (i < s.size() && s[i] == ' ') ++i;
   }
   [[noreturn]] void fail() const {
     MG_CHECK(false,
-             "--moe-layer-freq '{}' is neither an integer nor a list pattern such as ([0]+[1]*23) (error at "
-             "character {})",
-             s, i + 1);
+             "{} '{}' is neither an integer nor a list pattern such as ([0]+[1]*23) (error at character {})", flag, s,
+             i + 1);
     __builtin_unreachable();
   }
   bool eat(char c) {
@@ -271,6 +297,33 @@ std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers) {
   p.skip();
   if (p.i != freq.size()) p.fail();
   MG_CHECK(int(pattern.size()) == num_layers, "--moe-layer-freq '{}' gives {} layers for --num-layers {}", freq,
+           pattern.size(), num_layers);
+  return pattern;
+}
+
+std::vector<int> window_attn_pattern(const std::string& freq, int num_layers) {
+  std::vector<int> pattern;
+  if (freq.empty()) return std::vector<int>(size_t(num_layers), 1);
+  if (freq.find('[') == std::string::npos) {
+    size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(freq, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    MG_CHECK(used == freq.size() && n >= 1,
+             "--window-attn-skip-freq '{}' is neither a positive integer nor a list pattern such as ([1]*3+[0]*1)*3",
+             freq);
+    for (int i = 0; i < num_layers; ++i) pattern.push_back((i + 1) % n != 0 ? 1 : 0);  // Megatron's 1-based numbers
+    return pattern;
+  }
+  PatternParser p{freq};
+  p.flag = "--window-attn-skip-freq";
+  pattern = p.expr();
+  p.skip();
+  if (p.i != freq.size()) p.fail();
+  MG_CHECK(int(pattern.size()) == num_layers, "--window-attn-skip-freq '{}' gives {} layers for --num-layers {}", freq,
            pattern.size(), num_layers);
   return pattern;
 }

@@ -39,7 +39,7 @@ namespace megatron {
 
 using TensorMap = std::map<std::string, Tensor>;
 
-enum class HFFamily { GPT2, Llama };
+enum class HFFamily { GPT2, Llama, GptOss };  // GptOss: hf_gpt_oss.h
 
 struct HFModelInfo {
   HFFamily family = HFFamily::GPT2;
