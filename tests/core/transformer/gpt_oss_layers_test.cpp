@@ -122,7 +122,7 @@ TEST(GptOssConfig, FlagsMapToTheConfig) {
   EXPECT_TRUE(back.quick_geglu);
   EXPECT_FALSE(back.swiglu);
   std::vector<const char*> bad(std::begin(argv), std::end(argv));
-  bad[18] = "127,3";  // a right window
+  bad[19] = "127,3";  // a right window
   const Arguments b = *parse_args(int(bad.size()), bad.data(), "test");
   EXPECT_THROW(transformer_config_from_args(b, 64), Error);
 }
