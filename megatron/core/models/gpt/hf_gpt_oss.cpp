@@ -199,7 +199,14 @@ nlohmann::json hf_gpt_oss_config(const TransformerConfig& c) {
                       {"layer_types", types},
                       {"sliding_window", c.window_size_left >= 0 ? c.window_size_left + 1 : 128},
                       {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
-  rope_config_to_hf(c, j);  // Note [HF RoPE scaling]
+  // transformers 5's rope_parameters, rope_theta inside: GptOssConfig takes a missing one for YaRN with
+  // factor 32, so plain RoPE must say "default" (Note [HF RoPE scaling]).
+  rope_config_to_hf(c, j);
+  nlohmann::json rope = j.contains("rope_scaling") ? j["rope_scaling"] : nlohmann::json{{"rope_type", "default"}};
+  rope["rope_theta"] = j["rope_theta"];
+  j.erase("rope_scaling");
+  j.erase("rope_theta");
+  j["rope_parameters"] = rope;
   return j;
 }
 
