@@ -2,15 +2,20 @@
 // attention on alternate layers (--window-size, --window-attn-skip-freq), the clamped quick-GeGLU
 // experts with biases (sequential and grouped GEMMs) and the router's bias. Finite-difference
 // gradients of the new parameters and of the layers they feed, grouped = sequential experts,
-// selective recomputation giving the same gradients, the parameters' names and shapes, and the
-// configurations refused with one line.
+// selective recomputation giving the same gradients, the sinks under tensor parallelism, the
+// parameters' names and shapes, and the configurations refused with one line.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "megatron/core/comm/communicator.h"
+#include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/models/gpt/gpt_layer_specs.h"
+#include "megatron/core/parallel_state.h"
+#include "megatron/core/transformer/kv_cache.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/runtime/philox.h"
 #include "megatron/training/arguments.h"
@@ -232,6 +237,83 @@ TEST(GptOssModel, OffByOneChangesTheSoftmax) {
     losses[t] = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash).to_floats();
   }
   EXPECT_GT(testing::max_abs_error(losses[0], losses[1]), 1e-4);
+}
+
+// Generation over the KV cache has no sinks or windows yet: refused in one line, not computed wrongly.
+TEST(GptOssModel, KVCacheGenerationIsRefused) {
+  for (const char* type : {"learnable", "vanilla"}) {
+    TransformerConfig c = gpt_oss_config(false, type);
+    GPTModel model(c);
+    model.init_weights(1234);
+    Context ctx;
+    KVCache cache(model.config(), 1, 16, ctx.device());
+    const std::string e = testing::error_of(
+        [&] { model.forward_inference(ctx, Tensor::from_ints({5, 17, 3}, {1, 3}), {0}, {0}, cache); });
+    EXPECT_NE(e.find("--window-size"), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+}
+
+// Under tensor parallelism each rank holds the sinks of its heads: the gathered gradients (and the
+// losses) equal the single-process ones, with and without sequence parallelism. A dense model (the
+// quick-GeGLU fc1 split as [gate; up] blocks) with sinks on every layer and a window on the first.
+struct TpRun {
+  std::vector<float> losses, sinks_grad;  // sinks of layer 0, gathered in rank order
+};
+
+TpRun tp_run(int tp, bool sp) {
+  std::vector<TpRun> per_rank(static_cast<size_t>(tp));
+  std::vector<std::string> errors(static_cast<size_t>(tp));
+  auto comms = make_local_group(tp);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < tp; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        ParallelConfig pc;
+        pc.tensor_model_parallel_size = tp;
+        pc.sequence_parallel = sp;
+        ParallelState ps(std::move(comms[size_t(r)]), pc);
+        TransformerConfig c = gpt_oss_config();
+        c.num_moe_experts = 0;
+        c.tensor_model_parallel_size = tp;
+        c.sequence_parallel = sp;
+        GPTModel model(c, Device::cpu(), &ps);
+        model.init_weights(1234);  // shard-aware: each rank gets its piece of the same full tensors
+        Context ctx(Device::cpu(), 1234);
+        DistributedDataParallel ddp(ps, {&model.params()}, DDPConfig{});
+        ddp.zero_grad(ctx);
+        GPTModel::Stash stash;
+        Tensor losses = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash);
+        model.backward(ctx, testing::random_tensor(losses.shape(), 5, 1.0f, DType::Float32), stash);
+        finalize_model_grads(ctx, ddp);
+        Parameter* sinks = model.params().find("decoder.layers.0.self_attention.core_attention.softmax_offset");
+        MG_CHECK(sinks && sinks->data.numel() == 4 / tp, "rank {} holds no shard of the sinks", r);
+        per_rank[size_t(r)] = {losses.to_floats(), sinks->main_grad.to_floats()};
+      } catch (const std::exception& e) {
+        errors[size_t(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  TpRun all;
+  for (int r = 0; r < tp; ++r) {
+    EXPECT_TRUE(errors[size_t(r)].empty()) << "rank " << r << ": " << errors[size_t(r)];
+    all.sinks_grad.insert(all.sinks_grad.end(), per_rank[size_t(r)].sinks_grad.begin(),
+                          per_rank[size_t(r)].sinks_grad.end());
+  }
+  all.losses = per_rank[0].losses;
+  return all;
+}
+
+TEST(GptOssTensorParallel, SinksAreShardedWithTheirHeads) {
+  const TpRun single = tp_run(1, false);
+  ASSERT_EQ(single.sinks_grad.size(), 4u);
+  for (bool sp : {false, true}) {
+    const TpRun tp2 = tp_run(2, sp);
+    ASSERT_EQ(tp2.sinks_grad.size(), 4u);
+    EXPECT_LT(testing::max_abs_error(tp2.losses, single.losses), 1e-5) << (sp ? "sp" : "");
+    EXPECT_LT(testing::max_abs_error(tp2.sinks_grad, single.sinks_grad), 1e-5) << (sp ? "sp" : "");
+  }
 }
 
 }  // namespace

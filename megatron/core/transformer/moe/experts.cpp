@@ -7,9 +7,13 @@
 namespace megatron::moe {
 
 namespace {
-// A column of n ones [n, 1] in `dtype` on ctx's device (the left factor of a bias's rank-1 product).
+// A column of n ones [n, 1] in `dtype` on ctx's device (the left factor of a bias's rank-1 product),
+// written on the context's stream with no host copy (a CUDA graph can capture it):
+// masked_loss_backward without a mask fills its output with `scale`.
 Tensor ones_column(Context& ctx, int64_t n, DType dtype) {
-  return Tensor::from_floats(std::vector<float>(size_t(n), 1.0f), {n, 1}, dtype).to(ctx.device());
+  Tensor ones = Tensor::empty({n}, DType::Float32, ctx.device());
+  ops::masked_loss_backward(ctx, Tensor(), 1.0f, ones);
+  return (dtype == DType::Float32 ? ones : ones.to(dtype)).view({n, 1});
 }
 }  // namespace
 
