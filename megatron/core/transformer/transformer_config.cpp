@@ -205,12 +205,13 @@ struct PatternParser {
   const std::string& s;
   size_t i = 0;
   const char* flag = "--moe-layer-freq";
+  const char* example = "([0]+[1]*23)";
   void skip() {
     while (i < s.size() && s[i] == ' ') ++i;
   }
   [[noreturn]] void fail() const {
     MG_CHECK(false,
-             "{} '{}' is neither an integer nor a list pattern such as ([0]+[1]*23) (error at character {})", flag, s,
+             "{} '{}' is neither an integer nor a list pattern such as {} (error at character {})", flag, s, example,
              i + 1);
     __builtin_unreachable();
   }
@@ -277,7 +278,11 @@ struct PatternParser {
 };
 }  // namespace
 
-std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers) {
+namespace {
+// A per-layer 0/1 pattern in Megatron's moe_freq_type: an int N (layer i gets of_int(i, N)) or a
+// Python list expression with num_layers entries; `flag` and `example` word the errors.
+std::vector<int> layer_pattern(const std::string& freq, int num_layers, const char* flag, const char* example,
+                               int (*of_int)(int layer, int n)) {
   std::vector<int> pattern;
   if (freq.find('[') == std::string::npos) {
     size_t used = 0;
@@ -288,44 +293,32 @@ std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers) {
       used = 0;
     }
     MG_CHECK(used == freq.size() && !freq.empty() && n >= 1,
-             "--moe-layer-freq '{}' is neither a positive integer nor a list pattern such as ([0]+[1]*23)", freq);
-    for (int i = 0; i < num_layers; ++i) pattern.push_back(i % n == 0 ? 1 : 0);
+             "{} '{}' is neither a positive integer nor a list pattern such as {}", flag, freq, example);
+    for (int i = 0; i < num_layers; ++i) pattern.push_back(of_int(i, n));
     return pattern;
   }
   PatternParser p{freq};
+  p.flag = flag;
+  p.example = example;
   pattern = p.expr();
   p.skip();
   if (p.i != freq.size()) p.fail();
-  MG_CHECK(int(pattern.size()) == num_layers, "--moe-layer-freq '{}' gives {} layers for --num-layers {}", freq,
+  MG_CHECK(int(pattern.size()) == num_layers, "{} '{}' gives {} layers for --num-layers {}", flag, freq,
            pattern.size(), num_layers);
   return pattern;
 }
+}  // namespace
+
+std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers) {
+  return layer_pattern(freq, num_layers, "--moe-layer-freq", "([0]+[1]*23)",
+                       [](int i, int n) { return i % n == 0 ? 1 : 0; });
+}
 
 std::vector<int> window_attn_pattern(const std::string& freq, int num_layers) {
-  std::vector<int> pattern;
   if (freq.empty()) return std::vector<int>(size_t(num_layers), 1);
-  if (freq.find('[') == std::string::npos) {
-    size_t used = 0;
-    int n = 0;
-    try {
-      n = std::stoi(freq, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    MG_CHECK(used == freq.size() && n >= 1,
-             "--window-attn-skip-freq '{}' is neither a positive integer nor a list pattern such as ([1]*3+[0]*1)*3",
-             freq);
-    for (int i = 0; i < num_layers; ++i) pattern.push_back((i + 1) % n != 0 ? 1 : 0);  // Megatron's 1-based numbers
-    return pattern;
-  }
-  PatternParser p{freq};
-  p.flag = "--window-attn-skip-freq";
-  pattern = p.expr();
-  p.skip();
-  if (p.i != freq.size()) p.fail();
-  MG_CHECK(int(pattern.size()) == num_layers, "--window-attn-skip-freq '{}' gives {} layers for --num-layers {}", freq,
-           pattern.size(), num_layers);
-  return pattern;
+  // Megatron's is_layer_window_attention counts layers from 1: layer_number % N != 0 is windowed.
+  return layer_pattern(freq, num_layers, "--window-attn-skip-freq", "([1]*3+[0]*1)*3",
+                       [](int i, int n) { return (i + 1) % n != 0 ? 1 : 0; });
 }
 
 LayerRange pipeline_layer_range(const TransformerConfig& c, int pp_rank, int vp_stage) {
