@@ -9,8 +9,7 @@
 #   examples/gptoss/train_gptoss_20b.sh <checkpoint-dir> <tokenizer-dir> <data-prefix>
 # From the HF weights (bf16; HF's MXFP4 expert weights must be dequantised first):
 #   build/bin/convert_checkpoint --from hf --load gpt-oss-20b --save <checkpoint-dir>
-# Not yet in this build: generation with sinks or windows (the KV-cache path refuses them), and sinks or
-# windows with context parallelism (refused at start).
+# Not yet in this build: sinks or windows with context parallelism (refused at start).
 set -euo pipefail
 CKPT=${1:?checkpoint dir}
 TOKENIZER=${2:?HF tokenizer folder (tokenizer.json)}

@@ -189,8 +189,6 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Atten
 Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
                                         const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const {
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
-  MG_CHECK(!sinks_tensor().defined() && window_left_ < 0,
-           "generation over the KV cache does not support --softmax-type learnable/off-by-one or --window-size yet");
   const DType dt = x.dtype();
   Tensor qkv = linear_qkv_.forward(ctx, x.view({s * b, h})).view({s, b, -1});
   Tensor q = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
@@ -208,8 +206,57 @@ Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Ten
     ops::rope_forward(ctx, k_rows, freqs, rope_interleaved_, rope_scale_, k_rows);
   }
   Tensor context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
-  ops::attention_kv_cache_forward(ctx, q, k, v, slots, starts, softmax_scale_, k_cache, v_cache, context);
+  if (sinks_tensor().defined() || window_left_ >= 0) {
+    context = cached_attention_rows(ctx, q, k, v, slots, starts, k_cache, v_cache);
+  } else {
+    ops::attention_kv_cache_forward(ctx, q, k, v, slots, starts, softmax_scale_, k_cache, v_cache, context);
+  }
   return linear_proj_.forward(ctx, context.view({s * b, nq_ * d_})).view({s, b, h});
+}
+
+// Note [KV-cache attention with sinks or windows]: ops::attention_kv_cache_forward has neither, so
+// these layers take each batch row on its own: its new keys and values go into its cache slot
+// (ops::copy_rows), then the training ops run over the slot's first start + s positions — the
+// CausalWithOffset mask (queries at start.., keys from 0) with the layer's window, then the sinks —
+// so generation computes what the full forward does. One attention call per sequence of the batch;
+// the slots and starts are read on the host.
+Tensor SelfAttention::cached_attention_rows(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const Tensor& slots, const Tensor& starts, Tensor& k_cache,
+                                            Tensor& v_cache) const {
+  const int64_t s = q.size(0), b = q.size(1), max_len = k_cache.size(1);
+  const DType dt = q.dtype();
+  const Device dev = ctx.device();
+  const std::vector<int64_t> slot = slots.to_ints(), start = starts.to_ints();
+  MG_CHECK(int64_t(slot.size()) == b && int64_t(start.size()) == b, "{} cache slots and {} starts for {} sequences",
+           slot.size(), start.size(), b);
+  auto batch_major = [&](const Tensor& t) {  // [s, b, n, d] -> [b, s, n, d]
+    Tensor out = Tensor::empty({b, s, t.size(2), t.size(3)}, dt, dev);
+    ops::transpose_01(ctx, t, out);
+    return out;
+  };
+  const Tensor qb = batch_major(q), kb = batch_major(k), vb = batch_major(v);
+  Tensor out_b = Tensor::empty({b, s, nq_, d_}, dt, dev);
+  const Tensor sinks = sinks_tensor();
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t si = slot[size_t(i)], st = start[size_t(i)], len = st + s;
+    MG_CHECK(si >= 0 && si < k_cache.size(0) && st >= 0 && len <= max_len,
+             "cache slot {} at positions {}..{} does not fit a cache of {} slots of {} positions", si, st, len - 1,
+             k_cache.size(0), max_len);
+    Tensor kc = k_cache.slice(si, si + 1).view({max_len, ng_ * d_});
+    Tensor vc = v_cache.slice(si, si + 1).view({max_len, ng_ * d_});
+    ops::copy_rows(ctx, kb.slice(i, i + 1).view({s, ng_ * d_}), 0, kc, st, s);
+    ops::copy_rows(ctx, vb.slice(i, i + 1).view({s, ng_ * d_}), 0, vc, st, s);
+    const Tensor keys = kc.slice(0, len).view({len, 1, ng_, d_}), values = vc.slice(0, len).view({len, 1, ng_, d_});
+    Tensor oi = out_b.slice(i, i + 1).view({s, 1, nq_, d_});
+    Tensor lse = Tensor::empty({1, nq_, s}, DType::Float32, dev);
+    ops::attention_forward(ctx, qb.slice(i, i + 1).view({s, 1, nq_, d_}), keys, values,
+                           AttnMask::causal_with_offset(st, 0).with_window(window_left_), softmax_scale_, 0.0f, 0, 0,
+                           oi, lse);
+    if (sinks.defined()) ops::attention_sink_forward(ctx, oi, lse, sinks, oi, lse);
+  }
+  Tensor out = Tensor::empty({s, b, nq_, d_}, dt, dev);
+  ops::transpose_01(ctx, out_b, out);
+  return out;
 }
 
 }  // namespace megatron

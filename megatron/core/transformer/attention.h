@@ -37,7 +37,8 @@
 //
 // Sliding-window attention (--window-size, --window-attn-skip-freq): the layer spec's window
 // (MixerSpec::window_left) goes into every mask this layer builds (Note [Sliding-window attention]).
-// Inference over the KV cache has neither sinks nor windows yet: forward_inference refuses them.
+// Generation over the KV cache with sinks or a window runs the training ops row by row (Note [KV-cache
+// attention with sinks or windows] in the .cpp).
 //
 // Note [Selective recomputation]: with --recompute-granularity selective the core attention's
 // tensors (split q/k/v after RoPE where the split path runs, the attention output and its
@@ -92,6 +93,10 @@ class SelfAttention {
 
  private:
   void core_forward(Context& ctx, const AttentionInputs& in, Saved& saved) const;
+  /// Inference with sinks or a window (Note [KV-cache attention with sinks or windows]): q [s, b, nq, d],
+  /// k/v [s, b, ng, d] after RoPE -> the core attention's output [s, b, nq, d]; writes k/v into the caches.
+  Tensor cached_attention_rows(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& slots,
+                               const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
   /// The sink logits [nq_] (learnable or off-by-one), undefined for the vanilla softmax.
   Tensor sinks_tensor() const { return softmax_offset_ ? softmax_offset_->data : fixed_sinks_; }
   /// Folds the sinks into saved.context and saved.lse in place (Note [Attention sinks]).

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <thread>
 #include <vector>
@@ -239,18 +240,44 @@ TEST(GptOssModel, OffByOneChangesTheSoftmax) {
   EXPECT_GT(testing::max_abs_error(losses[0], losses[1]), 1e-4);
 }
 
-// Generation over the KV cache has no sinks or windows yet: refused in one line, not computed wrongly.
-TEST(GptOssModel, KVCacheGenerationIsRefused) {
-  for (const char* type : {"learnable", "vanilla"}) {
-    TransformerConfig c = gpt_oss_config(false, type);
-    GPTModel model(c);
-    model.init_weights(1234);
+// Generation over the KV cache (Note [KV-cache attention with sinks or windows]): two sequences of
+// different lengths prefilled into their slots, then decoded together, each step's logits equal to
+// the full forward of each sequence, past the window (2) and with the sinks; learnable and off-by-one.
+TEST(GptOssModel, KVCacheEqualsFullForward) {
+  for (const char* type : {"learnable", "off-by-one"}) {
+    SCOPED_TRACE(type);
+    GPTModel model(gpt_oss_config(false, type));
+    init(model);
     Context ctx;
-    KVCache cache(model.config(), 1, 16, ctx.device());
-    const std::string e = testing::error_of(
-        [&] { model.forward_inference(ctx, Tensor::from_ints({5, 17, 3}, {1, 3}), {0}, {0}, cache); });
-    EXPECT_NE(e.find("--window-size"), std::string::npos) << e;
-    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+    std::vector<std::vector<int64_t>> seqs = {{5, 17, 3, 9, 12}, {7, 1, 30}};
+    KVCache cache(model.config(), 2, 16, ctx.device());
+    Tensor last[2];
+    for (int64_t i = 0; i < 2; ++i) {
+      const int64_t n = int64_t(seqs[size_t(i)].size());
+      const Tensor logits = model.forward_inference(ctx, Tensor::from_ints(seqs[size_t(i)], {1, n}), {i}, {0}, cache);
+      last[i] = logits.slice(n - 1, n);  // [1, 1, vp]
+    }
+    double worst = 0;
+    for (int step = 0; step < 4; ++step) {
+      std::vector<int64_t> next, starts;
+      for (int64_t i = 0; i < 2; ++i) {
+        std::vector<int64_t>& seq = seqs[size_t(i)];
+        const int64_t n = int64_t(seq.size());
+        const Tensor full = model.forward_logits(ctx, Tensor::from_ints(seq, {1, n}), Tensor());
+        const std::vector<float> want = full.slice(n - 1, n).to_floats();
+        worst = std::max(worst, testing::max_abs_error(last[i].to_floats(), want));
+        seq.push_back(int64_t(std::max_element(want.begin(), want.begin() + 40) - want.begin()));
+        next.push_back(seq.back());
+        starts.push_back(n);
+      }
+      const Tensor logits = model.forward_inference(ctx, Tensor::from_ints(next, {2, 1}), {0, 1}, starts, cache);
+      for (int64_t i = 0; i < 2; ++i) {  // logits [1, 2, vp]: sequence i's row
+        const int64_t vp = logits.size(2);
+        std::vector<float> all = logits.to_floats();
+        last[i] = Tensor::from_floats(std::vector<float>(all.begin() + i * vp, all.begin() + (i + 1) * vp), {1, 1, vp});
+      }
+    }
+    EXPECT_LE(worst, 1e-5) << "logits differ by " << worst;
   }
 }
 
