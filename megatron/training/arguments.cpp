@@ -519,8 +519,8 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
 // converted before this table recorded it.
 namespace {
 
-// Megatron's --window-size tuple "L,R" (tuple_type; parentheses allowed) as the left window; the
-// right one must be 0 (keys after the query are never seen here).
+// Megatron's --window-size tuple "L,R" (tuple_type; parentheses allowed) as the left window (-1, as
+// TransformerEngine reads it: none); the right one must be 0 (keys after the query are never seen here).
 int window_size_left_from_flag(const std::string& flag) {
   if (flag.empty()) return -1;
   std::string t;
@@ -539,7 +539,7 @@ int window_size_left_from_flag(const std::string& flag) {
       ok = false;
     }
   }
-  MG_CHECK(ok && left >= 0, "--window-size '{}' must be two integers 'left,right' with left >= 0", flag);
+  MG_CHECK(ok && left >= -1, "--window-size '{}' must be two integers 'left,right' with left >= 0 (-1: none)", flag);
   MG_CHECK(right == 0, "--window-size '{}': a right window ({}) is not supported; causal attention needs 0", flag,
            right);
   return left;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "megatron/core/models/gpt/hf_mapping_detail.h"
@@ -33,26 +34,28 @@ std::vector<std::string> layer_types_of(const nlohmann::json& j, int num_layers)
   return types;
 }
 
-// Rows [0, 2, 4, ...] then [1, 3, 5, ...] of t [2f, ...]: HF's interleaved gate/up -> our [gate; up].
-Tensor deinterleave_rows(const Tensor& t) {
+// Row r of t [2f, ...] moves to row to(r): the gate/up (de)interleaving, as one pass over the rows.
+template <typename To>
+Tensor permute_rows(const Tensor& t, To to) {
   Tensor src = as_fp32(t);
-  const int64_t rows = src.size(0), half = rows / 2;
-  std::vector<Tensor> parts;
-  for (int64_t r = 0; r < half; ++r) parts.push_back(src.slice(2 * r, 2 * r + 1));
-  for (int64_t r = 0; r < half; ++r) parts.push_back(src.slice(2 * r + 1, 2 * r + 2));
-  return concat_rows(parts);
+  Tensor out = Tensor::empty(src.shape(), DType::Float32);
+  const int64_t rows = src.size(0), row = rows == 0 ? 0 : src.numel() / rows;
+  const float* s = src.data<float>();
+  float* o = out.data<float>();
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(o + to(r) * row, s + r * row, size_t(row) * sizeof(float));
+  return out;
+}
+
+// HF's interleaved gate/up (gate at rows 0, 2, ..., up at 1, 3, ...) -> our [gate; up].
+Tensor deinterleave_rows(const Tensor& t) {
+  const int64_t half = t.size(0) / 2;
+  return permute_rows(t, [half](int64_t r) { return r % 2 == 0 ? r / 2 : half + r / 2; });
 }
 
 // The inverse: our [gate; up] rows -> HF's interleaved order.
 Tensor interleave_rows(const Tensor& t) {
-  Tensor src = as_fp32(t);
-  const int64_t half = src.size(0) / 2;
-  std::vector<Tensor> parts;
-  for (int64_t r = 0; r < half; ++r) {
-    parts.push_back(src.slice(r, r + 1));
-    parts.push_back(src.slice(half + r, half + r + 1));
-  }
-  return concat_rows(parts);
+  const int64_t half = t.size(0) / 2;
+  return permute_rows(t, [half](int64_t r) { return r < half ? 2 * r : 2 * (r - half) + 1; });
 }
 
 // Expert e's [rows, cols] matrix of an HF [E, rows, cols] tensor (or its [cols] row of [E, cols]).
