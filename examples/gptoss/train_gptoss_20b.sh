@@ -9,7 +9,8 @@
 #   examples/gptoss/train_gptoss_20b.sh <checkpoint-dir> <tokenizer-dir> <data-prefix>
 # From the HF weights (bf16; HF's MXFP4 expert weights must be dequantised first):
 #   build/bin/convert_checkpoint --from hf --load gpt-oss-20b --save <checkpoint-dir>
-# Not yet in this build: sinks or windows with context parallelism (refused at start).
+# Not yet in this build: windows with context parallelism, and sinks with --cp-comm-type a2a / a2a+p2p
+# (both refused at start; sinks work with p2p and all_gather).
 set -euo pipefail
 CKPT=${1:?checkpoint dir}
 TOKENIZER=${2:?HF tokenizer folder (tokenizer.json)}

@@ -39,10 +39,12 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
       k_layernorm_(qk_layernorm(config, params, prefix + ".k_layernorm", pg)) {
   MG_ASSERT(spec.kind == MixerKind::SelfAttention, "SelfAttention built from a {} spec", mixer_kind_name(spec.kind));
   if (multi_rank(pg.cp)) cp_.emplace(pg.cp, cp_comm_type_from_string(config.cp_comm_type), pg.hcp_a2a, pg.hcp_p2p);
-  MG_CHECK(!cp_ || (!config.has_attention_sinks() && window_left_ < 0),
-           "--softmax-type {} and --window-size are not supported with context parallelism: use "
-           "--context-parallel-size 1",
-           config.softmax_type);
+  MG_CHECK(!cp_ || window_left_ < 0, "--window-size is not supported with context parallelism: use "
+           "--context-parallel-size 1");
+  MG_CHECK(!cp_ || !config.has_attention_sinks() || cp_sinks_supported(config.cp_comm_type),
+           "--softmax-type {} with context parallelism needs --cp-comm-type p2p or all_gather (a2a splits the heads "
+           "inside the exchange), got {}",
+           config.softmax_type, config.cp_comm_type);
   if (config.softmax_type == "learnable") {  // Note [Attention sinks]
     softmax_offset_ = params.add(prefix + ".core_attention.softmax_offset",
                                  tp_shard({config.num_attention_heads}, 0, pg.tp), /*no_weight_decay=*/true,
@@ -53,8 +55,9 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
 }
 
 void SelfAttention::apply_sinks(Context& ctx, Saved& saved) const {
+  Tensor& lse = saved_lse(saved);
   if (const Tensor sinks = sinks_tensor(); sinks.defined())
-    ops::attention_sink_forward(ctx, saved.context, saved.lse, sinks, saved.context, saved.lse);
+    ops::attention_sink_forward(ctx, saved.context, lse, sinks, saved.context, lse);
 }
 
 AttnMask SelfAttention::mask_of(const AttentionInputs& in) const {
@@ -108,6 +111,7 @@ void SelfAttention::core_forward(Context& ctx, const AttentionInputs& in, Saved&
   if (cp_) {
     cp_->forward(ctx, q, k, v, in.packed.get(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.context,
                  saved.cp);
+    apply_sinks(ctx, saved);  // p2p, all_gather: the merged rows of this rank (Note [Attention sinks])
   } else {
     ops::attention_forward(ctx, q, k, v, mask_of(in), softmax_scale_, dropout_p_, seed, saved.dropout_offset,
                            saved.context, saved.lse);
@@ -149,7 +153,7 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Atten
   const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
   if (const Tensor sinks = sinks_tensor(); sinks.defined()) {  // Note [Attention sinks]
     Tensor none, &sinks_grad = softmax_offset_ ? softmax_offset_->main_grad : none;
-    ops::attention_sink_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.context, saved.lse, sinks,
+    ops::attention_sink_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.context, saved_lse(saved), sinks,
                                  sinks_grad);
     notify_grad_accumulated(ctx, softmax_offset_);
   }

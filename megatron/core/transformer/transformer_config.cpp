@@ -111,10 +111,9 @@ void TransformerConfig::finalize() {
 void TransformerConfig::finalize_gpt_oss() {
   MG_CHECK(softmax_type == "vanilla" || softmax_type == "off-by-one" || softmax_type == "learnable",
            "--softmax-type must be vanilla, off-by-one or learnable (got '{}')", softmax_type);
-  MG_CHECK(!has_attention_sinks() || context_parallel_size == 1,
-           "--softmax-type {} with --context-parallel-size {} is not supported (the sink would have to join the "
-           "merged attention of every rank): use --context-parallel-size 1",
-           softmax_type, context_parallel_size);
+  MG_CHECK(!has_attention_sinks() || context_parallel_size == 1 || cp_sinks_supported(cp_comm_type),
+           "--softmax-type {} with context parallelism needs --cp-comm-type p2p or all_gather (got {})", softmax_type,
+           cp_comm_type);
   MG_CHECK(window_size_left >= -1, "--window-size's left window must be >= 0 (got {})", window_size_left);
   MG_CHECK(window_size_left >= 0 || window_attn_skip_freq.empty(),
            "--window-attn-skip-freq '{}' needs --window-size", window_attn_skip_freq);

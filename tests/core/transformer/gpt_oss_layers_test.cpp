@@ -98,13 +98,19 @@ TEST(GptOssConfig, UnsupportedCombinationsAreRefused) {
   refused([](TransformerConfig& c) { c.activation = "swiglu"; });                     // offset/clamp need quick-GeGLU
   refused([](TransformerConfig& c) { c.activation_func_clamp_value = -1.0f; });
   refused([](TransformerConfig& c) { c.window_attn_skip_freq = "[1,0,1]"; });         // 3 entries for 2 layers
-  {
-    TransformerConfig c = gpt_oss_config();
-    c.softmax_type = "vanilla";
+  refused([](TransformerConfig& c) {  // sinks under CP: a2a splits the heads inside the exchange
     c.window_attn_skip_freq.clear();
     c.window_size_left = -1;
     c.context_parallel_size = 2;
-    EXPECT_NO_THROW(c.finalize());
+    c.cp_comm_type = "a2a";
+  });
+  for (const char* type : {"p2p", "all_gather"}) {
+    TransformerConfig c = gpt_oss_config();
+    c.window_attn_skip_freq.clear();
+    c.window_size_left = -1;
+    c.context_parallel_size = 2;
+    c.cp_comm_type = type;
+    EXPECT_NO_THROW(c.finalize()) << type;
   }
 }
 
