@@ -209,10 +209,11 @@ Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Ten
     ops::rope_forward(ctx, q_rows, freqs, rope_interleaved_, rope_scale_, q_rows);
     ops::rope_forward(ctx, k_rows, freqs, rope_interleaved_, rope_scale_, k_rows);
   }
-  Tensor context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
+  Tensor context;
   if (sinks_tensor().defined() || window_left_ >= 0) {
     context = cached_attention_rows(ctx, q, k, v, slots, starts, k_cache, v_cache);
   } else {
+    context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
     ops::attention_kv_cache_forward(ctx, q, k, v, slots, starts, softmax_scale_, k_cache, v_cache, context);
   }
   return linear_proj_.forward(ctx, context.view({s * b, nq_ * d_})).view({s, b, h});
