@@ -9,8 +9,7 @@
 #   examples/gptoss/train_gptoss_20b.sh <checkpoint-dir> <tokenizer-dir> <data-prefix>
 # From the HF weights (bf16; HF's MXFP4 expert weights must be dequantised first):
 #   build/bin/convert_checkpoint --from hf --load gpt-oss-20b --save <checkpoint-dir>
-# Not yet in this build: windows with context parallelism, and sinks with --cp-comm-type a2a / a2a+p2p
-# (both refused at start; sinks work with p2p and all_gather).
+# Not yet in this build: sinks with --cp-comm-type a2a / a2a+p2p (refused at start; p2p and all_gather work).
 set -euo pipefail
 CKPT=${1:?checkpoint dir}
 TOKENIZER=${2:?HF tokenizer folder (tokenizer.json)}

@@ -38,9 +38,9 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
       q_layernorm_(qk_layernorm(config, params, prefix + ".q_layernorm", pg)),
       k_layernorm_(qk_layernorm(config, params, prefix + ".k_layernorm", pg)) {
   MG_ASSERT(spec.kind == MixerKind::SelfAttention, "SelfAttention built from a {} spec", mixer_kind_name(spec.kind));
-  if (multi_rank(pg.cp)) cp_.emplace(pg.cp, cp_comm_type_from_string(config.cp_comm_type), pg.hcp_a2a, pg.hcp_p2p);
-  MG_CHECK(!cp_ || window_left_ < 0, "--window-size is not supported with context parallelism: use "
-           "--context-parallel-size 1");
+  if (multi_rank(pg.cp)) {
+    cp_.emplace(pg.cp, cp_comm_type_from_string(config.cp_comm_type), pg.hcp_a2a, pg.hcp_p2p, window_left_);
+  }
   MG_CHECK(!cp_ || !config.has_attention_sinks() || cp_sinks_supported(config.cp_comm_type),
            "--softmax-type {} with context parallelism needs --cp-comm-type p2p or all_gather (a2a splits the heads "
            "inside the exchange), got {}",

@@ -38,7 +38,8 @@
 // a2a+p2p (the heads split inside the exchange) are refused.
 //
 // Sliding-window attention (--window-size, --window-attn-skip-freq): the layer spec's window
-// (MixerSpec::window_left) goes into every mask this layer builds (Note [Sliding-window attention]).
+// (MixerSpec::window_left) goes into every mask this layer builds (Note [Sliding-window attention]),
+// context parallelism's blocks included (in global positions, every --cp-comm-type).
 // Generation over the KV cache with sinks or a window runs the training ops row by row (Note [KV-cache
 // attention with sinks or windows] in the .cpp).
 //

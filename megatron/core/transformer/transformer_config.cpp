@@ -119,9 +119,6 @@ void TransformerConfig::finalize_gpt_oss() {
            "--window-attn-skip-freq '{}' needs --window-size", window_attn_skip_freq);
   window_attn_pattern.clear();
   if (window_size_left >= 0) {
-    MG_CHECK(context_parallel_size == 1,
-             "--window-size with --context-parallel-size {} is not supported: use --context-parallel-size 1",
-             context_parallel_size);
     window_attn_pattern = megatron::window_attn_pattern(window_attn_skip_freq, num_layers);
   }
   MG_CHECK(std::isfinite(activation_func_clamp_value) && activation_func_clamp_value >= 0.0f,

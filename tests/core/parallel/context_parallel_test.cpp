@@ -37,10 +37,16 @@ const std::vector<std::string> kYarn = concat(kLlama, {"--position-embedding-typ
 
 // Learned attention sinks (Note [Attention sinks]): folded into each rank's merged rows.
 const std::vector<std::string> kSinks = concat(kLlama, {"--softmax-type", "learnable"});
+// A sliding window of 6 positions on layers 1 and 3 (Note [Sliding-window attention]): it crosses the
+// chunk boundaries (chunks of 8 at CP 2, of 4 at CP 4), so some blocks hold rows that see no key.
+const std::vector<std::string> kWindow = concat(kLlama, {"--window-size", "5,0", "--window-attn-skip-freq", "2"});
+const std::vector<std::string> kPackedWindow = concat(kPacked, {"--window-size", "5,0"});
 
 const std::vector<std::string>& model_flags(const std::string& m) {
   if (m == "gpt") return kGpt;
   if (m == "sinks") return kSinks;
+  if (m == "window") return kWindow;
+  if (m == "packed_window") return kPackedWindow;
   if (m == "yarn") return kYarn;
   if (m == "packed") return kPacked;
   if (m == "moe") return kCpMoe;
@@ -57,7 +63,7 @@ class ContextParallel : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new ScratchDir("context_parallel");
-    for (const char* m : {"llama", "gpt", "packed", "moe", "yarn", "sinks"}) {
+    for (const char* m : {"llama", "gpt", "packed", "moe", "yarn", "sinks", "window", "packed_window"}) {
       singles_[m] = train(dir_->path, std::string(m) + "_single", 1,
                           concat(model_flags(m), {"--train-iters", "5", "--save", (dir_->path / (std::string(m) + "_single")).string()}));
     }
@@ -76,6 +82,11 @@ std::vector<CpLayout> layouts() {
   std::vector<CpLayout> out;
   for (const char* t : {"p2p", "all_gather", "a2a"}) out.push_back({"llama", std::string("cp2_") + t, 2, cp(2, t)});
   for (const char* t : {"p2p", "all_gather"}) out.push_back({"sinks", std::string("cp2_sinks_") + t, 2, cp(2, t)});
+  for (const char* t : {"p2p", "all_gather", "a2a"}) out.push_back({"window", std::string("cp2_") + t, 2, cp(2, t)});
+  out.push_back({"window", "cp4_a2a+p2p", 4, cp(4, "a2a+p2p")});
+  out.push_back({"window", "cp4_p2p", 4, cp(4, "p2p")});
+  for (const char* t : {"p2p", "all_gather", "a2a"})
+    out.push_back({"packed_window", std::string("cp2_") + t, 2, cp(2, t)});
   for (const char* t : {"p2p", "all_gather", "a2a+p2p"}) out.push_back({"llama", std::string("cp4_") + t, 4, cp(4, t)});
   out.push_back({"llama", "cp2_tp2_sp", 4, concat(cp(2, "p2p"), {"--tensor-model-parallel-size", "2", "--sequence-parallel"})});
   out.push_back({"llama", "cp2_pp2_vpp", 4,

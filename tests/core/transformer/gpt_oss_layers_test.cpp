@@ -92,7 +92,10 @@ TEST(GptOssConfig, UnsupportedCombinationsAreRefused) {
     edit(c);
     EXPECT_THROW(c.finalize(), Error);
   };
-  refused([](TransformerConfig& c) { c.context_parallel_size = 2; });                // sinks and windows with CP
+  refused([](TransformerConfig& c) {  // sinks with a2a CP
+    c.context_parallel_size = 2;
+    c.cp_comm_type = "a2a";
+  });
   refused([](TransformerConfig& c) { c.softmax_type = "sigmoid"; });
   refused([](TransformerConfig& c) { c.window_size_left = -1; });                     // skip freq without a window
   refused([](TransformerConfig& c) { c.activation = "swiglu"; });                     // offset/clamp need quick-GeGLU
