@@ -59,6 +59,8 @@ bool has_cuda_kernels() {
 void check_attention_mask(const AttnMask& mask, const Device& device, int64_t b, int64_t sq, int64_t sk) {
   MG_CHECK(mask.kind == AttnMask::Kind::CausalWithOffset || sq == sk,
            "attention: q has {} positions and k {}; only the CausalWithOffset mask takes different lengths", sq, sk);
+  MG_CHECK(mask.window_left >= -1, "attention: the mask's left window is {}; expected -1 (none) or >= 0",
+           mask.window_left);
   if (mask.kind != AttnMask::Kind::Documents) return;
   const Tensor& cu = mask.cu_seqlens;
   MG_CHECK(cu.defined() && cu.dtype() == DType::Int32 && cu.device() == device &&

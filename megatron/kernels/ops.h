@@ -52,8 +52,18 @@ struct AttnMask {
   Kind kind = Kind::Causal;
   int64_t q_offset = 0, k_offset = 0;  // CausalWithOffset: global positions of query row 0 and key row 0
   Tensor cu_seqlens;                   // Documents: int32 [n + 1] for every batch row, or [b, n + 1]
+  // Sliding window (Note [Sliding-window attention]): query i also sees only keys j >= i - window_left
+  // (global positions); -1: no window. Megatron's window_size (left, 0); HF's sliding_window W is W - 1.
+  int64_t window_left = -1;
 
   static AttnMask causal() { return {}; }
+  /// This mask with a left window (-1: none).
+  AttnMask with_window(int64_t left) const {
+    AttnMask m = *this;
+    m.window_left = left;
+    return m;
+  }
+  bool windowed() const { return window_left >= 0; }
   static AttnMask causal_with_offset(int64_t q_offset, int64_t k_offset) {
     return {Kind::CausalWithOffset, q_offset, k_offset, Tensor()};
   }

@@ -545,6 +545,8 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
 //   --group-query-attention       gates --num-query-groups: without it, one group per head (MHA)
 //   --disable-bias-linear         add_bias_linear is its negation
 //   --swiglu                      activation "swiglu" and gated_linear_unit (else "gelu")
+//   --quick-geglu                 activation "quick_geglu" and gated_linear_unit
+//   --window-size L,R             window_size_left = L (Megatron's tuple; R must be 0); empty: -1
 //   --untie-embeddings-and-output-weights   share_embeddings_and_output_weights is its negation
 //   --use-rotary-position-embeddings        position_embedding_type "rope" (an alias)
 //   --moe-expert-capacity-factor  a number, or absent (Megatron's None: dropless); the config holds
@@ -553,6 +555,32 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
 // heads; add_qkv_bias only where it adds something (without the linear biases), as checkpoints
 // converted before this table recorded it.
 namespace {
+
+// Megatron's --window-size tuple "L,R" (tuple_type; parentheses allowed) as the left window (-1, as
+// TransformerEngine reads it: none); the right one must be 0 (keys after the query are never seen here).
+int window_size_left_from_flag(const std::string& flag) {
+  if (flag.empty()) return -1;
+  std::string t;
+  for (char ch : flag)
+    if (ch != '(' && ch != ')' && ch != ' ') t.push_back(ch);
+  const std::vector<std::string> parts = split(t, ',');
+  int left = -1, right = -1;
+  bool ok = parts.size() == 2;
+  if (ok) {
+    try {
+      size_t u1 = 0, u2 = 0;
+      left = std::stoi(parts[0], &u1);
+      right = std::stoi(parts[1], &u2);
+      ok = u1 == parts[0].size() && u2 == parts[1].size();
+    } catch (const std::exception&) {
+      ok = false;
+    }
+  }
+  MG_CHECK(ok && left >= -1, "--window-size '{}' must be two integers 'left,right' with left >= 0 (-1: none)", flag);
+  MG_CHECK(right == 0, "--window-size '{}': a right window ({}) is not supported; causal attention needs 0", flag,
+           right);
+  return left;
+}
 
 #define MG_CFG(field) &TransformerConfig::field
 #define MG_NO_CFG nullptr
@@ -581,8 +609,10 @@ TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab
   // Note [Model arguments that are not 1:1].
   c.num_query_groups = a.group_query_attention ? a.num_query_groups : a.num_attention_heads;
   c.add_bias_linear = !a.disable_bias_linear;
-  c.activation = a.swiglu ? "swiglu" : "gelu";
-  c.gated_linear_unit = a.swiglu;
+  MG_CHECK(!(a.swiglu && a.quick_geglu), "--swiglu and --quick-geglu cannot both be given");
+  c.activation = a.swiglu ? "swiglu" : a.quick_geglu ? "quick_geglu" : "gelu";
+  c.gated_linear_unit = a.swiglu || a.quick_geglu;
+  c.window_size_left = window_size_left_from_flag(a.window_size);
   c.share_embeddings_and_output_weights = !a.untie_embeddings_and_output_weights;
   if (a.use_rotary_position_embeddings) c.position_embedding_type = "rope";
   if (!a.moe_expert_capacity_factor.empty()) c.moe_expert_capacity_factor = std::stof(a.moe_expert_capacity_factor);
@@ -619,7 +649,9 @@ Arguments model_arguments_from_config(const TransformerConfig& c) {
   a.num_query_groups = c.num_query_groups;
   a.disable_bias_linear = !c.add_bias_linear;
   a.add_qkv_bias = c.add_qkv_bias && !c.add_bias_linear;
-  a.swiglu = c.gated_linear_unit;
+  a.swiglu = c.activation == "swiglu";
+  a.quick_geglu = c.activation == "quick_geglu";
+  a.window_size = c.window_size_left >= 0 ? fmt::format("{},0", c.window_size_left) : std::string();
   a.untie_embeddings_and_output_weights = !c.share_embeddings_and_output_weights;
   if (c.moe_expert_capacity_factor > 0) a.moe_expert_capacity_factor = fmt::format("{}", c.moe_expert_capacity_factor);
   return a;

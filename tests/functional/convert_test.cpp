@@ -190,6 +190,34 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ConvertMoE, ::testing::ValuesIn(moe_model_fix
                          [](const auto& info) { return info.param; });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(ConvertMoE);
 
+// GPT-OSS (Note [HF GPT-OSS]): HF -> megatron.cpp -> HF is exact over every tensor (the stacked,
+// interleaved expert tensors included), the export's config reads back as the same model, and the
+// checkpoint loaded as pretrain_gpt would gives the io file's logits.
+TEST(Convert, GptOssRoundTripIsExactAndLogitsMatch) {
+  ScratchDir dir("convert_gpt_oss");
+  const fs::path src_dir = fs::absolute(arch_fixtures_dir()) / "gpt_oss";
+  RunResult to = run({bin("convert_checkpoint"), "--from", "hf", "--load", src_dir.string(), "--save", "ckpt"}, dir.path);
+  ASSERT_EQ(to.exit_code, 0) << to.output;
+  RunResult back = run({bin("convert_checkpoint"), "--from", "megatron", "--load", "ckpt", "--save", "hf"}, dir.path);
+  ASSERT_EQ(back.exit_code, 0) << back.output;
+  HFFolder src(src_dir.string()), out((dir.path / "hf").string());
+  ASSERT_EQ(out.tensor_names(), src.tensor_names());
+  for (const std::string& n : src.tensor_names()) EXPECT_EQ(out.get(n).to_floats(), src.get(n).to_floats()) << n;
+  const TransformerConfig want = config_from_hf(src.config()).config, got = config_from_hf(out.config()).config;
+  EXPECT_EQ(got.window_attn_pattern, want.window_attn_pattern);
+  EXPECT_EQ(got.window_size_left, want.window_size_left);
+  EXPECT_EQ(got.yarn_correction_range_round_to_int, want.yarn_correction_range_round_to_int);
+  EXPECT_EQ(got.activation_func_clamp_value, want.activation_func_clamp_value);
+  Arguments args;
+  const double error =
+      checkpoint_logits_error(dir.path / "ckpt", fs::absolute(arch_fixtures_dir()) / "gpt_oss_io.safetensors", args);
+  EXPECT_EQ(args.softmax_type, "learnable");
+  EXPECT_EQ(args.window_size, "7,0");
+  EXPECT_LE(error, 1e-5);
+  std::printf("convert gpt_oss: HF -> megatron.cpp -> HF exact over %zu tensors, logits within %.2e\n",
+              src.tensor_names().size(), error);
+}
+
 // MoE models trained here (no HF config in their checkpoints) export as the HF type with their
 // options — Qwen2-MoE for a gated shared expert with pre-softmax routing, Qwen3-MoE for
 // --qk-layernorm with a dense first layer, Mixtral otherwise — and that export goes through

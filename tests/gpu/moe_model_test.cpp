@@ -1,5 +1,6 @@
 // Mixture-of-experts models on CUDA against the CPU reference: every MoE fixture of
-// testing::moe_model_fixtures() (Mixtral, Qwen2-MoE with its gated shared expert, Qwen3-MoE), with
+// testing::moe_model_fixtures() (Mixtral, Qwen2-MoE with its gated shared expert, Qwen3-MoE) and the
+// GPT-OSS architecture fixture, with
 // the aux and z losses on, one forward and backward of the mean loss — the loss and every gradient
 // on CUDA against the CPU in the same precision (fp32, and bf16: the CPU keeps bf16 storage and
 // computes in fp32, so the router sees the same rounded activations), with the experts sequential
@@ -22,6 +23,7 @@ namespace {
 struct Case {
   std::string model;
   bool bf16, grouped;
+  std::string dir = testing::moe_fixtures_dir();  // the fixture's folder
 };
 
 struct Result {
@@ -40,8 +42,7 @@ double scaled_error(const std::vector<float>& x, const std::vector<float>& y) {
   return diff / std::max(scale, 1e-30);
 }
 
-Result run(const std::string& name, Device device, bool bf16, bool grouped) {
-  const std::string dir = testing::moe_fixtures_dir();
+Result run(const std::string& dir, const std::string& name, Device device, bool bf16, bool grouped) {
   HFFolder folder(dir + "/" + name);
   safetensors::File io(dir + "/" + name + "_io.safetensors");
   HFModelInfo info = config_from_hf(folder.config(), 1);
@@ -80,9 +81,9 @@ TEST_P(MoeModelGpu, LossAndGradientsMatchCpu) {
   const Case k = GetParam();
   static std::map<std::string, Result> cpu;  // the CPU reference of each fixture and precision (sequential)
   const std::string key = k.model + (k.bf16 ? "_bf16" : "_fp32");
-  if (!cpu.count(key)) cpu[key] = run(k.model, Device::cpu(), k.bf16, false);
+  if (!cpu.count(key)) cpu[key] = run(k.dir, k.model, Device::cpu(), k.bf16, false);
   const Result& want = cpu[key];
-  const Result got = run(k.model, Device::cuda(0), k.bf16, k.grouped);
+  const Result got = run(k.dir, k.model, Device::cuda(0), k.bf16, k.grouped);
   const double loss_tol = k.bf16 ? 1e-2 : 1e-5, grad_tol = k.bf16 ? 1e-1 : 1e-4;
   EXPECT_NEAR(got.loss, want.loss, loss_tol * std::fabs(want.loss));
   ASSERT_EQ(got.grads.size(), want.grads.size());
@@ -104,6 +105,12 @@ std::vector<Case> cases() {
   for (const std::string& name : testing::moe_model_fixtures())
     for (bool bf16 : {false, true})
       for (bool grouped : {false, true}) v.push_back(Case{name, bf16, grouped});
+  // GPT-OSS (attention sinks, sliding windows on alternate layers: cuDNN's left bound in bf16, the
+  // row-wise kernels in fp32; the clamped quick-GeGLU experts with biases; the router's bias).
+  for (const std::string& name : testing::model_fixtures_in(testing::arch_fixtures_dir()))
+    if (name == "gpt_oss")
+      for (bool bf16 : {false, true})
+        for (bool grouped : {false, true}) v.push_back(Case{name, bf16, grouped, testing::arch_fixtures_dir()});
   return v;
 }
 

@@ -1,7 +1,7 @@
 // The attention ops' masks (Note [Attention masks] in op_list.inc) on the CPU reference: each kind
 // against an explicit softmax over the keys it lets through (with and without dropout, GQA and
 // MHA, rows that see no key), gradient checks for each kind, and the identities that tie the kinds
-// together: one document is Causal, CausalWithOffset with equal offsets is Causal, and Documents is
+// together (windows included: Note [Sliding-window attention]): one document is Causal, CausalWithOffset with equal offsets is Causal, and Documents is
 // each document run on its own through Causal.
 #include <gtest/gtest.h>
 
@@ -71,6 +71,26 @@ std::vector<MaskCase> mask_cases() {
                                              {kB, 4}));
            },
            [](int64_t b, int64_t i, int64_t j) { return j <= i && in_one_document(kPerRow[size_t(b)], i, j); }});
+      // Note [Sliding-window attention]: the window cuts each kind's interval from the left.
+      cases.push_back({"CausalWindow" + heads + drop, 7, 7, nq, ng, p,
+                       [] { return AttnMask::causal().with_window(2); },
+                       [](int64_t, int64_t i, int64_t j) { return j <= i && j >= i - 2; }});
+      cases.push_back({"CausalWindow0" + heads + drop, 5, 5, nq, ng, p,
+                       [] { return AttnMask::causal().with_window(0); },
+                       [](int64_t, int64_t i, int64_t j) { return j == i; }});
+      cases.push_back({"OffsetWindow" + heads + drop, 4, 6, nq, ng, p,
+                       [] { return AttnMask::causal_with_offset(4, 1).with_window(3); },
+                       [](int64_t, int64_t i, int64_t j) { return j + 1 <= i + 4 && j + 1 >= i + 4 - 3; }});
+      cases.push_back({"RowDocumentsWindow" + heads + drop, 7, 7, nq, ng, p,
+                       [] {
+                         return AttnMask::documents(ints({kPerRow[0][0], kPerRow[0][1], kPerRow[0][2], kPerRow[0][3],
+                                                          kPerRow[1][0], kPerRow[1][1], kPerRow[1][2], kPerRow[1][3]},
+                                                         {kB, 4}))
+                             .with_window(1);
+                       },
+                       [](int64_t b, int64_t i, int64_t j) {
+                         return j <= i && j >= i - 1 && in_one_document(kPerRow[size_t(b)], i, j);
+                       }});
     }
   }
   return cases;
@@ -323,6 +343,23 @@ TEST(AttentionMaskChecks, BadMasksAreRefused) {
   EXPECT_THROW(cpu::attention_forward(ctx, q, k7, v7, AttnMask::causal(), 1.0f, 0.0f, 0, 0, out, lse), Error);
   EXPECT_NO_THROW(
       cpu::attention_forward(ctx, q, k7, v7, AttnMask::causal_with_offset(2, 0), 1.0f, 0.0f, 0, 0, out, lse));
+}
+
+// A window no shorter than the sequence is no window; a negative one other than -1 is refused.
+TEST(AttentionMaskIdentities, WideWindowIsCausal) {
+  const int64_t s = 6;
+  const Tensor q = random_tensor({s, kB, 4, kD}, 31), k = random_tensor({s, kB, 2, kD}, 32),
+               v = random_tensor({s, kB, 2, kD}, 33), dout = random_tensor({s, kB, 4, kD}, 34);
+  for (float p : {0.0f, 0.25f}) {
+    SCOPED_TRACE(p);
+    const Outputs causal = run_mask(q, k, v, dout, AttnMask::causal(), p);
+    expect_same_bits(run_mask(q, k, v, dout, AttnMask::causal().with_window(s - 1), p), causal);
+    expect_same_bits(run_mask(q, k, v, dout, AttnMask::causal().with_window(100), p), causal);
+  }
+  Context ctx;
+  Tensor out = Tensor::empty(q.shape(), DType::Float32), lse = Tensor::empty({kB, 4, s}, DType::Float32);
+  EXPECT_THROW(cpu::attention_forward(ctx, q, k, v, AttnMask::causal().with_window(-2), 1.0f, 0.0f, 0, 0, out, lse),
+               Error);
 }
 
 }  // namespace

@@ -241,6 +241,16 @@ const Case kCases[] = {
      {"--rotary-interleaved", "--apply-layernorm-1p", "--num-experts", "4", "--moe-router-topk", "2",
       "--untie-embeddings-and-output-weights"},
      "mixtral"},
+    // GPT-OSS's pieces (Note [HF GPT-OSS]): on the GPT-2 flags (linear biases on), RMSNorm, RoPE, GQA,
+    // every layer MoE with the clamped quick-GeGLU experts, sinks and a window on alternate layers.
+    {"gpt_oss_sinks_windows",
+     false,
+     "none",
+     {"--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
+      "--num-query-groups", "2", "--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7.0",
+      "--softmax-type", "learnable", "--window-size", "3,0", "--window-attn-skip-freq", "2", "--num-experts", "4",
+      "--moe-router-topk", "2", "--untie-embeddings-and-output-weights"},
+     "gpt_oss"},
 };
 
 INSTANTIATE_TEST_SUITE_P(Flags, HFExport, ::testing::ValuesIn(kCases),

@@ -125,6 +125,17 @@ TEST(CheckpointArgs, KeysAndValuesOfTheEarlierFormatAreUnchanged) {
   EXPECT_EQ(now.at("mtp_loss_scaling_factor"), 0.1f);
   now.erase("mtp_num_layers");
   now.erase("mtp_loss_scaling_factor");
+  // And GPT-OSS's rows (sinks, windows, quick-GeGLU): a run without them writes Megatron's defaults.
+  const nlohmann::json gpt_oss_defaults = {{"quick_geglu", false},
+                                           {"glu_linear_offset", 0.0f},
+                                           {"activation_func_clamp_value", 0.0f},
+                                           {"softmax_type", "vanilla"},
+                                           {"window_size", ""},
+                                           {"window_attn_skip_freq", ""}};
+  for (const auto& [key, value] : gpt_oss_defaults.items()) {
+    EXPECT_EQ(now.at(key), value) << key;
+    now.erase(key);
+  }
   EXPECT_EQ(now.dump(2), before.dump(2));
   EXPECT_EQ(now.at("norm_epsilon").dump(), nlohmann::json(1e-6f).dump());
 }

@@ -22,6 +22,7 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
     : nq_(config.num_attention_heads / group_size(pg.tp)),
       ng_(config.num_query_groups / group_size(pg.tp)),
       d_(config.kv_channels),
+      window_left_(spec.window_left),
       softmax_scale_(1.0f / std::sqrt(float(config.kv_channels))),
       dropout_p_(config.attention_dropout),
       rope_interleaved_(config.rotary_interleaved),
@@ -37,7 +38,31 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
       q_layernorm_(qk_layernorm(config, params, prefix + ".q_layernorm", pg)),
       k_layernorm_(qk_layernorm(config, params, prefix + ".k_layernorm", pg)) {
   MG_ASSERT(spec.kind == MixerKind::SelfAttention, "SelfAttention built from a {} spec", mixer_kind_name(spec.kind));
-  if (multi_rank(pg.cp)) cp_.emplace(pg.cp, cp_comm_type_from_string(config.cp_comm_type), pg.hcp_a2a, pg.hcp_p2p);
+  if (multi_rank(pg.cp)) {
+    cp_.emplace(pg.cp, cp_comm_type_from_string(config.cp_comm_type), pg.hcp_a2a, pg.hcp_p2p, window_left_);
+  }
+  MG_CHECK(!cp_ || !config.has_attention_sinks() || cp_sinks_supported(config.cp_comm_type),
+           "--softmax-type {} with context parallelism needs --cp-comm-type p2p or all_gather (a2a splits the heads "
+           "inside the exchange), got {}",
+           config.softmax_type, config.cp_comm_type);
+  if (config.softmax_type == "learnable") {  // Note [Attention sinks]
+    softmax_offset_ = params.add(prefix + ".core_attention.softmax_offset",
+                                 tp_shard({config.num_attention_heads}, 0, pg.tp), /*no_weight_decay=*/true,
+                                 ParamInit::Normal);
+  } else if (config.softmax_type == "off-by-one") {
+    fixed_sinks_ = Tensor::zeros({nq_}, DType::Float32, params.device());
+  }
+}
+
+void SelfAttention::apply_sinks(Context& ctx, Saved& saved) const {
+  Tensor& lse = saved_lse(saved);
+  if (const Tensor sinks = sinks_tensor(); sinks.defined())
+    ops::attention_sink_forward(ctx, saved.context, lse, sinks, saved.context, lse);
+}
+
+AttnMask SelfAttention::mask_of(const AttentionInputs& in) const {
+  const AttnMask mask = in.packed ? in.packed->mask() : AttnMask::causal();
+  return mask.with_window(window_left_);
 }
 
 void SelfAttention::enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears) {
@@ -46,10 +71,6 @@ void SelfAttention::enable_fp8(const Fp8Config& config, Device device, std::vect
     fp8_linears.push_back(l);
   }
 }
-
-namespace {
-AttnMask mask_of(const AttentionInputs& in) { return in.packed ? in.packed->mask() : AttnMask::causal(); }
-}  // namespace
 
 Tensor SelfAttention::head_norm_forward(Context& ctx, const Norm& norm, const Tensor& x, Norm::Saved& saved) {
   const int64_t d = x.size(x.dim() - 1);
@@ -72,6 +93,7 @@ void SelfAttention::core_forward(Context& ctx, const AttentionInputs& in, Saved&
   if (fused_qkv(in)) {
     ops::attention_forward_qkv(ctx, saved.qkv, mask_of(in), softmax_scale_, dropout_p_, seed,
                                saved.dropout_offset, saved.context, saved.lse);
+    apply_sinks(ctx, saved);
     return;
   }
   Tensor q = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
@@ -89,9 +111,11 @@ void SelfAttention::core_forward(Context& ctx, const AttentionInputs& in, Saved&
   if (cp_) {
     cp_->forward(ctx, q, k, v, in.packed.get(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.context,
                  saved.cp);
+    apply_sinks(ctx, saved);  // p2p, all_gather: the merged rows of this rank (Note [Attention sinks])
   } else {
     ops::attention_forward(ctx, q, k, v, mask_of(in), softmax_scale_, dropout_p_, seed, saved.dropout_offset,
                            saved.context, saved.lse);
+    apply_sinks(ctx, saved);
   }
   saved.q = q, saved.k = k, saved.v = v;
 }
@@ -127,6 +151,12 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Atten
   Tensor grad_context = linear_proj_.backward(ctx, grad_out.view({-1, h}), saved.context.view({s * b, nq_ * d_}));
   const DType dt = saved.x.dtype();
   const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
+  if (const Tensor sinks = sinks_tensor(); sinks.defined()) {  // Note [Attention sinks]
+    Tensor none, &sinks_grad = softmax_offset_ ? softmax_offset_->main_grad : none;
+    ops::attention_sink_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.context, saved_lse(saved), sinks,
+                                 sinks_grad);
+    notify_grad_accumulated(ctx, softmax_offset_);
+  }
   Tensor grad_qkv;
   if (fused_qkv(in)) {
     grad_qkv = Tensor::empty(saved.qkv.shape(), dt, ctx.device());
@@ -179,9 +209,59 @@ Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Ten
     ops::rope_forward(ctx, q_rows, freqs, rope_interleaved_, rope_scale_, q_rows);
     ops::rope_forward(ctx, k_rows, freqs, rope_interleaved_, rope_scale_, k_rows);
   }
-  Tensor context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
-  ops::attention_kv_cache_forward(ctx, q, k, v, slots, starts, softmax_scale_, k_cache, v_cache, context);
+  Tensor context;
+  if (sinks_tensor().defined() || window_left_ >= 0) {
+    context = cached_attention_rows(ctx, q, k, v, slots, starts, k_cache, v_cache);
+  } else {
+    context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
+    ops::attention_kv_cache_forward(ctx, q, k, v, slots, starts, softmax_scale_, k_cache, v_cache, context);
+  }
   return linear_proj_.forward(ctx, context.view({s * b, nq_ * d_})).view({s, b, h});
+}
+
+// Note [KV-cache attention with sinks or windows]: ops::attention_kv_cache_forward has neither, so
+// these layers take each batch row on its own: its new keys and values go into its cache slot
+// (ops::copy_rows), then the training ops run over the slot's first start + s positions — the
+// CausalWithOffset mask (queries at start.., keys from 0) with the layer's window, then the sinks —
+// so generation computes what the full forward does. One attention call per sequence of the batch;
+// the slots and starts are read on the host.
+Tensor SelfAttention::cached_attention_rows(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const Tensor& slots, const Tensor& starts, Tensor& k_cache,
+                                            Tensor& v_cache) const {
+  const int64_t s = q.size(0), b = q.size(1), max_len = k_cache.size(1);
+  const DType dt = q.dtype();
+  const Device dev = ctx.device();
+  const std::vector<int64_t> slot = slots.to_ints(), start = starts.to_ints();
+  MG_CHECK(int64_t(slot.size()) == b && int64_t(start.size()) == b, "{} cache slots and {} starts for {} sequences",
+           slot.size(), start.size(), b);
+  auto batch_major = [&](const Tensor& t) {  // [s, b, n, d] -> [b, s, n, d]
+    Tensor out = Tensor::empty({b, s, t.size(2), t.size(3)}, dt, dev);
+    ops::transpose_01(ctx, t, out);
+    return out;
+  };
+  const Tensor qb = batch_major(q), kb = batch_major(k), vb = batch_major(v);
+  Tensor out_b = Tensor::empty({b, s, nq_, d_}, dt, dev);
+  const Tensor sinks = sinks_tensor();
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t si = slot[size_t(i)], st = start[size_t(i)], len = st + s;
+    MG_CHECK(si >= 0 && si < k_cache.size(0) && st >= 0 && len <= max_len,
+             "cache slot {} at positions {}..{} does not fit a cache of {} slots of {} positions", si, st, len - 1,
+             k_cache.size(0), max_len);
+    Tensor kc = k_cache.slice(si, si + 1).view({max_len, ng_ * d_});
+    Tensor vc = v_cache.slice(si, si + 1).view({max_len, ng_ * d_});
+    ops::copy_rows(ctx, kb.slice(i, i + 1).view({s, ng_ * d_}), 0, kc, st, s);
+    ops::copy_rows(ctx, vb.slice(i, i + 1).view({s, ng_ * d_}), 0, vc, st, s);
+    const Tensor keys = kc.slice(0, len).view({len, 1, ng_, d_}), values = vc.slice(0, len).view({len, 1, ng_, d_});
+    Tensor oi = out_b.slice(i, i + 1).view({s, 1, nq_, d_});
+    Tensor lse = Tensor::empty({1, nq_, s}, DType::Float32, dev);
+    ops::attention_forward(ctx, qb.slice(i, i + 1).view({s, 1, nq_, d_}), keys, values,
+                           AttnMask::causal_with_offset(st, 0).with_window(window_left_), softmax_scale_, 0.0f, 0, 0,
+                           oi, lse);
+    if (sinks.defined()) ops::attention_sink_forward(ctx, oi, lse, sinks, oi, lse);
+  }
+  Tensor out = Tensor::empty({s, b, nq_, d_}, dt, dev);
+  ops::transpose_01(ctx, out_b, out);
+  return out;
 }
 
 }  // namespace megatron

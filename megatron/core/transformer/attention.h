@@ -26,6 +26,23 @@
 // ContextParallelAttention's (Note [Context-parallel attention]), which brings the other ranks' keys
 // and values. The fused QKV path is not taken (the exchange needs k and v split).
 //
+// Attention sinks (--softmax-type learnable / off-by-one; Note [Attention sinks] in
+// kernels/op_list.inc): after the core attention, ops::attention_sink_forward folds each head's sink
+// logit into the output and the log-sum-exp, in place; the backward first takes the sinks' gradient
+// (ops::attention_sink_backward) and then runs the core attention's backward on the adjusted output
+// and log-sum-exp, which gives the exact q/k/v gradients. learnable: the parameter
+// "<prefix>.core_attention.softmax_offset" [heads] (Megatron's name), split with the heads under
+// tensor parallelism; off-by-one: a fixed 0 per head. Under context parallelism with p2p or
+// all_gather the sinks fold into the merged output and log-sum-exp of this rank's rows, and each key
+// block's backward with those is exact as without CP (Note [Context-parallel attention]); a2a and
+// a2a+p2p (the heads split inside the exchange) are refused.
+//
+// Sliding-window attention (--window-size, --window-attn-skip-freq): the layer spec's window
+// (MixerSpec::window_left) goes into every mask this layer builds (Note [Sliding-window attention]),
+// context parallelism's blocks included (in global positions, every --cp-comm-type).
+// Generation over the KV cache with sinks or a window runs the training ops row by row (Note [KV-cache
+// attention with sinks or windows] in the .cpp).
+//
 // Note [Selective recomputation]: with --recompute-granularity selective the core attention's
 // tensors (split q/k/v after RoPE where the split path runs, the attention output and its
 // log-sum-exp) are dropped after forward and recomputed in backward from the kept QKV projection,
@@ -79,6 +96,16 @@ class SelfAttention {
 
  private:
   void core_forward(Context& ctx, const AttentionInputs& in, Saved& saved) const;
+  /// Inference with sinks or a window (Note [KV-cache attention with sinks or windows]): q [s, b, nq, d],
+  /// k/v [s, b, ng, d] after RoPE -> the core attention's output [s, b, nq, d]; writes k/v into the caches.
+  Tensor cached_attention_rows(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& slots,
+                               const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
+  /// The sink logits [nq_] (learnable or off-by-one), undefined for the vanilla softmax.
+  Tensor sinks_tensor() const { return softmax_offset_ ? softmax_offset_->data : fixed_sinks_; }
+  /// Folds the sinks into saved.context and the saved log-sum-exp in place (Note [Attention sinks]).
+  void apply_sinks(Context& ctx, Saved& saved) const;
+  /// The core attention's log-sum-exp of this rank's rows: saved.lse, or context parallelism's.
+  Tensor& saved_lse(Saved& saved) const { return cp_ ? saved.cp.lse : saved.lse; }
   /// Note [Fused QKV attention]: whether the core attention reads the QKV projection directly.
   bool fused_qkv(const AttentionInputs& in) const {
     return nq_ == ng_ && !in.freqs.defined() && !q_layernorm_ && !cp_;
@@ -87,7 +114,13 @@ class SelfAttention {
   static Tensor head_norm_forward(Context& ctx, const Norm& norm, const Tensor& x, Norm::Saved& saved);
   static Tensor head_norm_backward(Context& ctx, const Norm& norm, const Tensor& grad_out, const Norm::Saved& saved);
 
+  /// The attention mask of this layer: causal or the documents, with the layer's window.
+  AttnMask mask_of(const AttentionInputs& in) const;
+
   int64_t nq_, ng_, d_;
+  int64_t window_left_;  // -1: full attention
+  Parameter* softmax_offset_ = nullptr;  // --softmax-type learnable: the sinks [nq_]
+  Tensor fixed_sinks_;                   // --softmax-type off-by-one: zeros [nq_] fp32
   float softmax_scale_;
   float dropout_p_;
   bool rope_interleaved_;

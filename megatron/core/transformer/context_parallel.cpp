@@ -85,6 +85,7 @@ struct Params {
   uint64_t seed = 0, offset = 0;
   int64_t c = 0;  // chunk rows
   const PackedSeqParams* packed = nullptr;
+  int64_t window = -1;  // Note [Sliding-window attention]: -1 none
 };
 
 // Each block draws its dropout mask from a seed of its chunk pair (replayable, not the
@@ -110,12 +111,18 @@ Block block_of(int64_t gq, int64_t gk, const Params& p) {
   if (gk > gq) return bl;
   bl.visible = true;
   bl.q1 = bl.k1 = c;
+  // A sliding window counts global positions: query row i of chunk gq is at gq·c + i, key row j of
+  // chunk gk at gk·c + j (+ k0 below); a block whose rows all fall outside gives rows without keys.
   if (!p.packed) {
-    bl.mask = gk == gq ? AttnMask::causal() : full_mask(c);
+    if (gk == gq) {
+      bl.mask = AttnMask::causal().with_window(p.window);
+    } else {
+      bl.mask = p.window >= 0 ? AttnMask::causal_with_offset(gq * c, gk * c).with_window(p.window) : full_mask(c);
+    }
     return bl;
   }
   if (gk == gq) {
-    bl.mask = AttnMask::documents(p.packed->chunk_cu_seqlens[size_t(gq)]);
+    bl.mask = AttnMask::documents(p.packed->chunk_cu_seqlens[size_t(gq)]).with_window(p.window);
     return bl;
   }
   // The one document that may run from chunk gk into chunk gq: the one holding gk's last key.
@@ -130,7 +137,8 @@ Block block_of(int64_t gq, int64_t gk, const Params& p) {
   }
   bl.k0 = std::max(doc_begin, gk * c) - gk * c;
   bl.q1 = std::min(doc_end, gq * c + c) - gq * c;
-  bl.mask = full_mask(bl.k1 - bl.k0);
+  bl.mask = p.window >= 0 ? AttnMask::causal_with_offset(gq * c, gk * c + bl.k0).with_window(p.window)
+                          : full_mask(bl.k1 - bl.k0);
   return bl;
 }
 
@@ -355,8 +363,8 @@ Tensor to_rank_order(Context& ctx, const Tensor& x, int64_t n, int64_t c) {
 }  // namespace
 
 ContextParallelAttention::ContextParallelAttention(Communicator* cp, CpCommType type, Communicator* a2a,
-                                                   Communicator* ring)
-    : cp_(cp), type_(type), n_(group_size(cp)), r_(group_rank(cp)) {
+                                                   Communicator* ring, int64_t window_left)
+    : cp_(cp), type_(type), n_(group_size(cp)), r_(group_rank(cp)), window_left_(window_left) {
   MG_ASSERT(cp && n_ > 1, "context-parallel attention without a context-parallel group");
   switch (type_) {
     case CpCommType::P2P: ring_ = cp; break;
@@ -378,7 +386,7 @@ void ContextParallelAttention::forward(Context& ctx, const Tensor& q, const Tens
   MG_ASSERT(R % 2 == 0, "a context-parallel rank holds two chunks, got {} rows", R);
   MG_CHECK(!packed || b == 1, "packed sequences (--reset-attention-mask) with context parallelism need "
                               "--micro-batch-size 1 (Megatron's THD format), got {}", b);
-  Params p{softmax_scale, dropout_p, seed, offset, R / 2, packed};
+  Params p{softmax_scale, dropout_p, seed, offset, R / 2, packed, window_left_};
   saved = Saved{};
   switch (type_) {
     case CpCommType::P2P: {
@@ -416,8 +424,8 @@ void ContextParallelAttention::forward(Context& ctx, const Tensor& q, const Tens
         Tensor qa = q.slice(int64_t(a) * p.c, int64_t(a + 1) * p.c), oa = out.slice(int64_t(a) * p.c, int64_t(a + 1) * p.c);
         Tensor lse_a = Tensor::empty({b, nq, p.c}, DType::Float32, q.device());
         ops::attention_forward(ctx, qa, saved.k_all.slice(0, keys), saved.v_all.slice(0, keys),
-                               AttnMask::causal_with_offset(g * p.c, 0), softmax_scale, dropout_p,
-                               block_seed(seed, g, -1), offset, oa, lse_a);
+                               AttnMask::causal_with_offset(g * p.c, 0).with_window(p.window), softmax_scale,
+                               dropout_p, block_seed(seed, g, -1), offset, oa, lse_a);
         ops::lse_copy_rows(ctx, lse_a, 0, saved.lse, int64_t(a) * p.c, p.c);
       }
       return;
@@ -428,9 +436,9 @@ void ContextParallelAttention::forward(Context& ctx, const Tensor& q, const Tens
       saved.v = to_global_order(ctx, heads_to_sequence(ctx, *a2a_, v), n_, p.c);
       saved.out = empty_like_rows(saved.q, saved.q.size(0));
       saved.lse = Tensor::empty({b, saved.q.size(2), saved.q.size(0)}, DType::Float32, q.device());
-      ops::attention_forward(ctx, saved.q, saved.k, saved.v, packed ? packed->mask() : AttnMask::causal(),
-                             softmax_scale, dropout_p, block_seed(seed, a2a_->rank(), -1), offset, saved.out,
-                             saved.lse);
+      ops::attention_forward(ctx, saved.q, saved.k, saved.v,
+                             (packed ? packed->mask() : AttnMask::causal()).with_window(p.window), softmax_scale,
+                             dropout_p, block_seed(seed, a2a_->rank(), -1), offset, saved.out, saved.lse);
       copy_into(ctx, sequence_to_heads(ctx, *a2a_, to_rank_order(ctx, saved.out, n_, p.c)), out);
       return;
     }
@@ -460,7 +468,7 @@ void ContextParallelAttention::backward(Context& ctx, const Tensor& grad_out, co
                                         float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset,
                                         Saved& saved, Tensor& grad_q, Tensor& grad_k, Tensor& grad_v) const {
   const int64_t R = q.size(0), b = q.size(1), nq = q.size(2);
-  Params p{softmax_scale, dropout_p, seed, offset, R / 2, packed};
+  Params p{softmax_scale, dropout_p, seed, offset, R / 2, packed, window_left_};
   switch (type_) {
     case CpCommType::P2P: {
       const int64_t n = n_;
@@ -492,8 +500,8 @@ void ContextParallelAttention::backward(Context& ctx, const Tensor& grad_out, co
           Tensor gk = empty_like_rows(k, keys), gv = empty_like_rows(v, keys);
           ops::attention_backward(ctx, grad_out.slice(r0, r0 + p.c), q.slice(r0, r0 + p.c), saved.k_all.slice(0, keys),
                                   saved.v_all.slice(0, keys), out.slice(r0, r0 + p.c), lse_a,
-                                  AttnMask::causal_with_offset(g * p.c, 0), softmax_scale, dropout_p,
-                                  block_seed(seed, g, -1), offset, gq, gk, gv);
+                                  AttnMask::causal_with_offset(g * p.c, 0).with_window(p.window), softmax_scale,
+                                  dropout_p, block_seed(seed, g, -1), offset, gq, gk, gv);
           Tensor dks = dk_all.slice(0, keys), dvs = dv_all.slice(0, keys);
           ops::add(ctx, dks, gk, dks);
           ops::add(ctx, dvs, gv, dvs);
@@ -518,8 +526,8 @@ void ContextParallelAttention::backward(Context& ctx, const Tensor& grad_out, co
       Tensor gq = empty_like_rows(saved.q, saved.q.size(0)), gk = empty_like_rows(saved.k, saved.k.size(0)),
              gv = empty_like_rows(saved.v, saved.v.size(0));
       ops::attention_backward(ctx, go, saved.q, saved.k, saved.v, saved.out, saved.lse,
-                              packed ? packed->mask() : AttnMask::causal(), softmax_scale, dropout_p,
-                              block_seed(seed, a2a_->rank(), -1), offset, gq, gk, gv);
+                              (packed ? packed->mask() : AttnMask::causal()).with_window(p.window), softmax_scale,
+                              dropout_p, block_seed(seed, a2a_->rank(), -1), offset, gq, gk, gv);
       copy_into(ctx, sequence_to_heads(ctx, *a2a_, to_rank_order(ctx, gq, n_, p.c)), grad_q);
       copy_into(ctx, sequence_to_heads(ctx, *a2a_, to_rank_order(ctx, gk, n_, p.c)), grad_k);
       copy_into(ctx, sequence_to_heads(ctx, *a2a_, to_rank_order(ctx, gv, n_, p.c)), grad_v);

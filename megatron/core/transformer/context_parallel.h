@@ -71,7 +71,10 @@ class ContextParallelAttention {
  public:
   /// cp: the context-parallel group (size N > 1). a2a+p2p needs its level-0 (a2a, A ranks) and
   /// level-1 (ring, P ranks) groups (ParallelState::hierarchical_cp_groups).
-  ContextParallelAttention(Communicator* cp, CpCommType type, Communicator* a2a = nullptr, Communicator* ring = nullptr);
+  /// window_left: the layer's sliding window (Note [Sliding-window attention]; -1: none), which every
+  /// block's mask carries in global positions.
+  ContextParallelAttention(Communicator* cp, CpCommType type, Communicator* a2a = nullptr, Communicator* ring = nullptr,
+                           int64_t window_left = -1);
 
   struct Saved {
     Tensor lse;            // p2p, all_gather: [b, nq, s] of this rank's rows; a2a: of the gathered sequence
@@ -96,6 +99,7 @@ class ContextParallelAttention {
   Communicator* cp_;
   CpCommType type_;
   int n_ = 1, r_ = 0;
+  int64_t window_left_ = -1;
   Communicator* a2a_ = nullptr;   // a2a: cp; a2a+p2p: the level-0 group
   Communicator* ring_ = nullptr;  // p2p: cp; a2a+p2p: the level-1 group
 };

@@ -1,8 +1,41 @@
 #include "megatron/core/transformer/mlp.h"
 
+#include <limits>
+
 #include "megatron/kernels/ops.h"
 
 namespace megatron {
+
+MlpActivation MlpActivation::from_config(const TransformerConfig& config) {
+  MlpActivation a;
+  if (config.quick_geglu()) {
+    a.kind = Kind::QuickGeglu;
+    a.limit = config.activation_func_clamp_value > 0.0f ? config.activation_func_clamp_value
+                                                         : std::numeric_limits<float>::infinity();
+    a.linear_offset = config.glu_linear_offset;
+  } else if (config.gated_linear_unit) {
+    a.kind = Kind::Swiglu;
+  }
+  return a;
+}
+
+void MlpActivation::forward(Context& ctx, const Tensor& fc1, Tensor& out) const {
+  switch (kind) {
+    case Kind::Gelu: ops::gelu_forward(ctx, fc1, out); return;
+    case Kind::Swiglu: ops::swiglu_forward(ctx, fc1, out); return;
+    case Kind::QuickGeglu: ops::quick_geglu_forward(ctx, fc1, alpha, limit, linear_offset, out); return;
+  }
+}
+
+void MlpActivation::backward(Context& ctx, const Tensor& grad_out, const Tensor& fc1, Tensor& grad_fc1) const {
+  switch (kind) {
+    case Kind::Gelu: ops::gelu_backward(ctx, grad_out, fc1, grad_fc1); return;
+    case Kind::Swiglu: ops::swiglu_backward(ctx, grad_out, fc1, grad_fc1); return;
+    case Kind::QuickGeglu:
+      ops::quick_geglu_backward(ctx, grad_out, fc1, alpha, limit, linear_offset, grad_fc1);
+      return;
+  }
+}
 
 namespace {
 int64_t ffn_size(const TransformerConfig& config, const MlpSpec& spec, const ProcessGroupCollection& pg) {
@@ -16,7 +49,8 @@ int64_t ffn_size(const TransformerConfig& config, const MlpSpec& spec, const Pro
 
 MLP::MLP(const TransformerConfig& config, const MlpSpec& spec, ParamAndGradBuffer& params, const std::string& prefix,
          const ProcessGroupCollection& pg)
-    : swiglu_(config.gated_linear_unit),
+    : act_(MlpActivation::from_config(config)),
+      swiglu_(config.gated_linear_unit),
       ffn_(ffn_size(config, spec, pg) / group_size(pg.tp)),
       linear_fc1_(params, prefix + ".linear_fc1", config.hidden_size,
                   (config.gated_linear_unit ? 2 : 1) * ffn_size(config, spec, pg), config.add_bias_linear,
@@ -35,11 +69,7 @@ void MLP::enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*
 
 Tensor MLP::activation(Context& ctx, const Tensor& fc1) const {
   Tensor act = Tensor::empty({fc1.size(0), ffn_}, fc1.dtype(), ctx.device());
-  if (swiglu_) {
-    ops::swiglu_forward(ctx, fc1, act);
-  } else {
-    ops::gelu_forward(ctx, fc1, act);
-  }
+  act_.forward(ctx, fc1, act);
   return act;
 }
 
@@ -61,7 +91,7 @@ Tensor MLP::backward(Context& ctx, const Tensor& grad_out, const Saved& saved) c
   }
   Tensor grad_act = linear_fc2_.backward(ctx, grad_out, activation(ctx, saved.fc1));
   Tensor grad_fc1 = Tensor::empty(saved.fc1.shape(), saved.fc1.dtype(), ctx.device());
-  ops::swiglu_backward(ctx, grad_act, saved.fc1, grad_fc1);
+  act_.backward(ctx, grad_act, saved.fc1, grad_fc1);
   return linear_fc1_.backward(ctx, grad_fc1, saved.x);
 }
 

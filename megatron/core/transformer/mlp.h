@@ -1,6 +1,8 @@
 // MLP: linear_fc1 -> activation -> linear_fc2 (Megatron-Core's MLP, the dense MLP of a layer spec).
 // With SwiGLU, fc1 produces [gate; up] (2·ffn rows) and the activation is silu(gate)·up; with GeLU,
 // fc1 produces ffn rows. ffn is the spec's intermediate size (the config's unless the spec says).
+// With --quick-geglu the gated activation is quick_gelu(min(gate, c))·(clamp(up, -c, c) + offset)
+// (GPT-OSS; ops::quick_geglu_*), with --glu-linear-offset and --activation-func-clamp-value.
 #pragma once
 
 #include <string>
@@ -11,6 +13,23 @@
 #include "megatron/core/transformer/transformer_layer_spec.h"
 
 namespace megatron {
+
+/// The activation of an MLP's fc1 output (the dense MLP's and the experts'): GeLU on [N, ffn], or a
+/// gated unit on [N, 2·ffn] = [gate | up] -> [N, ffn]: SwiGLU or the clamped quick-GeGLU.
+struct MlpActivation {
+  enum class Kind { Gelu, Swiglu, QuickGeglu };
+  Kind kind = Kind::Gelu;
+  float alpha = 1.702f;  // quick_gelu(x) = x·σ(1.702x), as Megatron's
+  float limit = 0.0f;    // quick-GeGLU's clamp (+inf: none)
+  float linear_offset = 0.0f;
+
+  static MlpActivation from_config(const TransformerConfig& config);
+  bool gated() const { return kind != Kind::Gelu; }
+  /// out [N, ffn] from fc1 [N, ffn] or [N, 2·ffn].
+  void forward(Context& ctx, const Tensor& fc1, Tensor& out) const;
+  /// grad_fc1 (fc1's shape) from the gradient of out.
+  void backward(Context& ctx, const Tensor& grad_out, const Tensor& fc1, Tensor& grad_fc1) const;
+};
 
 class MLP {
  public:
@@ -33,7 +52,8 @@ class MLP {
  private:
   Tensor activation(Context& ctx, const Tensor& fc1) const;
 
-  bool swiglu_;
+  MlpActivation act_;
+  bool swiglu_;  // gated (SwiGLU or quick-GeGLU)
   int64_t ffn_;
   Linear linear_fc1_;
   Linear linear_fc2_;

@@ -45,11 +45,11 @@ void TransformerConfig::finalize() {
   MG_CHECK(ffn_hidden_size > 0, "--ffn-hidden-size must be positive (got {})", ffn_hidden_size);
   MG_CHECK(normalization == "LayerNorm" || normalization == "RMSNorm",
            "--normalization must be LayerNorm or RMSNorm (got '{}')", normalization);
-  if (activation == "swiglu") gated_linear_unit = true;
-  MG_CHECK(activation == "gelu" || activation == "swiglu", "the activation must be gelu or swiglu (got '{}')",
-           activation);
-  MG_CHECK(!gated_linear_unit || activation == "swiglu",
-           "a gated linear unit is only supported with swiglu (use --swiglu)");
+  if (activation == "swiglu" || activation == "quick_geglu") gated_linear_unit = true;
+  MG_CHECK(activation == "gelu" || activation == "swiglu" || activation == "quick_geglu",
+           "the activation must be gelu, swiglu or quick_geglu (got '{}')", activation);
+  MG_CHECK(!gated_linear_unit || activation == "swiglu" || activation == "quick_geglu",
+           "a gated linear unit is only supported with swiglu or quick_geglu (use --swiglu or --quick-geglu)");
   MG_CHECK(position_embedding_type == "learned_absolute" || position_embedding_type == "rope" ||
                position_embedding_type == "yarn" || position_embedding_type == "none",
            "--position-embedding-type must be learned_absolute, rope, yarn or none (got '{}')",
@@ -104,6 +104,7 @@ void TransformerConfig::finalize() {
   padded_vocab_size = megatron::padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size);
   finalize_moe();
   finalize_mtp();
+  finalize_gpt_oss();
 }
 
 // The multi-token-prediction rules (multi_token_prediction.h): what the MTP block does not support
@@ -124,6 +125,27 @@ void TransformerConfig::finalize_mtp() {
            "supported (the last stage would hold an unsynchronised copy of the position table): use "
            "--position-embedding-type rope or none, or one pipeline stage",
            pipeline_model_parallel_size);
+}
+
+// Attention sinks, sliding windows and the clamped quick-GeGLU (Megatron's softmax_type, window_size,
+// window_attn_skip_freq, glu_linear_offset, activation_func_clamp_value), one line each.
+void TransformerConfig::finalize_gpt_oss() {
+  MG_CHECK(softmax_type == "vanilla" || softmax_type == "off-by-one" || softmax_type == "learnable",
+           "--softmax-type must be vanilla, off-by-one or learnable (got '{}')", softmax_type);
+  MG_CHECK(!has_attention_sinks() || context_parallel_size == 1 || cp_sinks_supported(cp_comm_type),
+           "--softmax-type {} with context parallelism needs --cp-comm-type p2p or all_gather (got {})", softmax_type,
+           cp_comm_type);
+  MG_CHECK(window_size_left >= -1, "--window-size's left window must be >= 0 (got {})", window_size_left);
+  MG_CHECK(window_size_left >= 0 || window_attn_skip_freq.empty(),
+           "--window-attn-skip-freq '{}' needs --window-size", window_attn_skip_freq);
+  window_attn_pattern.clear();
+  if (window_size_left >= 0) {
+    window_attn_pattern = megatron::window_attn_pattern(window_attn_skip_freq, num_layers);
+  }
+  MG_CHECK(std::isfinite(activation_func_clamp_value) && activation_func_clamp_value >= 0.0f,
+           "--activation-func-clamp-value must be a positive number (got {})", activation_func_clamp_value);
+  MG_CHECK(quick_geglu() || (glu_linear_offset == 0.0f && activation_func_clamp_value == 0.0f),
+           "--glu-linear-offset and --activation-func-clamp-value apply to the quick-GeGLU MLP only: add --quick-geglu");
 }
 
 // The RoPE scaling rules (rotary_pos_embedding.h), one line each.
@@ -199,14 +221,15 @@ namespace {
 struct PatternParser {
   const std::string& s;
   size_t i = 0;
+  const char* flag = "--moe-layer-freq";
+  const char* example = "([0]+[1]*23)";
   void skip() {
     while (i < s.size() && s[i] == ' ') ++i;
   }
   [[noreturn]] void fail() const {
     MG_CHECK(false,
-             "--moe-layer-freq '{}' is neither an integer nor a list pattern such as ([0]+[1]*23) (error at "
-             "character {})",
-             s, i + 1);
+             "{} '{}' is neither an integer nor a list pattern such as {} (error at character {})", flag, s, example,
+             i + 1);
     __builtin_unreachable();
   }
   bool eat(char c) {
@@ -272,7 +295,11 @@ struct PatternParser {
 };
 }  // namespace
 
-std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers) {
+namespace {
+// A per-layer 0/1 pattern in Megatron's moe_freq_type: an int N (layer i gets of_int(i, N)) or a
+// Python list expression with num_layers entries; `flag` and `example` word the errors.
+std::vector<int> layer_pattern(const std::string& freq, int num_layers, const char* flag, const char* example,
+                               int (*of_int)(int layer, int n)) {
   std::vector<int> pattern;
   if (freq.find('[') == std::string::npos) {
     size_t used = 0;
@@ -283,17 +310,32 @@ std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers) {
       used = 0;
     }
     MG_CHECK(used == freq.size() && !freq.empty() && n >= 1,
-             "--moe-layer-freq '{}' is neither a positive integer nor a list pattern such as ([0]+[1]*23)", freq);
-    for (int i = 0; i < num_layers; ++i) pattern.push_back(i % n == 0 ? 1 : 0);
+             "{} '{}' is neither a positive integer nor a list pattern such as {}", flag, freq, example);
+    for (int i = 0; i < num_layers; ++i) pattern.push_back(of_int(i, n));
     return pattern;
   }
   PatternParser p{freq};
+  p.flag = flag;
+  p.example = example;
   pattern = p.expr();
   p.skip();
   if (p.i != freq.size()) p.fail();
-  MG_CHECK(int(pattern.size()) == num_layers, "--moe-layer-freq '{}' gives {} layers for --num-layers {}", freq,
+  MG_CHECK(int(pattern.size()) == num_layers, "{} '{}' gives {} layers for --num-layers {}", flag, freq,
            pattern.size(), num_layers);
   return pattern;
+}
+}  // namespace
+
+std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers) {
+  return layer_pattern(freq, num_layers, "--moe-layer-freq", "([0]+[1]*23)",
+                       [](int i, int n) { return i % n == 0 ? 1 : 0; });
+}
+
+std::vector<int> window_attn_pattern(const std::string& freq, int num_layers) {
+  if (freq.empty()) return std::vector<int>(size_t(num_layers), 1);
+  // Megatron's is_layer_window_attention counts layers from 1: layer_number % N != 0 is windowed.
+  return layer_pattern(freq, num_layers, "--window-attn-skip-freq", "([1]*3+[0]*1)*3",
+                       [](int i, int n) { return (i + 1) % n != 0 ? 1 : 0; });
 }
 
 LayerRange pipeline_layer_range(const TransformerConfig& c, int pp_rank, int vp_stage) {

@@ -32,7 +32,7 @@ struct TransformerConfig {
   bool add_bias_linear = true;
   bool add_qkv_bias = false;  // Megatron: add_bias_linear also adds the qkv bias
   bool gated_linear_unit = false;
-  std::string activation = "gelu";                           // gelu | swiglu (swiglu implies gated_linear_unit)
+  std::string activation = "gelu";  // gelu | swiglu | quick_geglu (the last two imply gated_linear_unit)
   std::string position_embedding_type = "learned_absolute";  // learned_absolute | rope | yarn | none
   float rotary_base = 10000.0f;
   float rotary_percent = 1.0f;
@@ -56,6 +56,20 @@ struct TransformerConfig {
   // ---- multi-token prediction (core/transformer/multi_token_prediction.h; Megatron's mtp_* fields)
   int mtp_num_layers = 0;                // --mtp-num-layers: MTP depths (0: none, Megatron's None)
   float mtp_loss_scaling_factor = 0.1f;  // --mtp-loss-scaling-factor
+
+  // ---- GPT-OSS's pieces (Megatron's names; docs/architecture.md, GPT-OSS)
+  // The gated MLP's activation with --quick-geglu (activation "quick_geglu"): quick_gelu(min(gate, c))
+  // · (clamp(up, -c, c) + glu_linear_offset), c = activation_func_clamp_value (0: Megatron's None).
+  float glu_linear_offset = 0.0f;
+  float activation_func_clamp_value = 0.0f;
+  // Note [Attention sinks]: vanilla | off-by-one | learnable (the parameter
+  // "<attention>.core_attention.softmax_offset" [heads], sharded with the heads under TP).
+  std::string softmax_type = "vanilla";
+  // Note [Sliding-window attention]: --window-size L,0 (Megatron's window_size tuple; right must be
+  // 0), -1: none; --window-attn-skip-freq picks the layers that keep full attention.
+  int window_size_left = -1;
+  std::string window_attn_skip_freq;  // "" (every layer windowed), an int N or a pattern
+  std::vector<int> window_attn_pattern;  // derived: per decoder layer, 1 = sliding window, 0 = full
 
   // ---- mixture of experts (Megatron's moe_* fields; num_moe_experts 0 is a dense model)
   int num_moe_experts = 0;                 // --num-experts
@@ -119,6 +133,16 @@ struct TransformerConfig {
   void finalize_moe();  // finalize()'s MoE part
   void finalize_rope_scaling();  // finalize()'s RoPE-scaling part
   void finalize_mtp();  // finalize()'s multi-token-prediction part
+  void finalize_gpt_oss();       // finalize()'s part for sinks, windows and the clamped quick-GeGLU
+  /// The left window of decoder layer `layer` (global, 0-based): -1 for full attention.
+  int layer_window_left(int layer) const {
+    return window_size_left >= 0 && layer >= 0 && size_t(layer) < window_attn_pattern.size() &&
+                   window_attn_pattern[size_t(layer)] != 0
+               ? window_size_left
+               : -1;
+  }
+  bool quick_geglu() const { return activation == "quick_geglu"; }
+  bool has_attention_sinks() const { return softmax_type != "vanilla"; }
   int head_dim() const { return kv_channels; }
   int query_projection_size() const { return kv_channels * num_attention_heads; }
   int kv_projection_size() const { return kv_channels * num_query_groups; }
@@ -147,6 +171,16 @@ LayerRange pipeline_layer_range(const TransformerConfig& config, int pp_rank, in
 /// a Python list expression of 0/1 ("([0]+[1]*23)", "([1]*3+[0]*1)*3") and must have num_layers
 /// entries. One clear line for anything else.
 std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers);
+
+/// Megatron's --window-attn-skip-freq (is_layer_window_attention): "" gives 1 (window) for every
+/// layer; an int N gives 0 (full attention) for every layer whose 1-based number is a multiple of N;
+/// a pattern as --moe-layer-freq's (1: window, 0: full) must have num_layers entries.
+std::vector<int> window_attn_pattern(const std::string& freq, int num_layers);
+
+/// Whether attention sinks combine with this --cp-comm-type (Note [Attention sinks] in attention.h).
+inline bool cp_sinks_supported(const std::string& cp_comm_type) {
+  return cp_comm_type == "p2p" || cp_comm_type == "all_gather";
+}
 
 /// Megatron's _vocab_size_with_padding: the smallest multiple of divisible_by * tp >= vocab_size.
 int padded_vocab_size(int vocab_size, int make_vocab_size_divisible_by, int tensor_model_parallel_size);

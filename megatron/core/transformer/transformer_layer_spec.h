@@ -21,6 +21,7 @@ enum class MlpKind { Dense, MoE };
 
 struct MixerSpec {
   MixerKind kind = MixerKind::SelfAttention;
+  int window_left = -1;  // Note [Sliding-window attention]: this layer's left window; -1: full attention
 };
 
 struct MlpSpec {

@@ -4,7 +4,11 @@
 //   dy/dx = ½(1 + t) + ½x(1 - t²)·√(2/π)(1 + 3·0.044715x²), t = tanh(u).
 // SwiGLU: each row of x [N, 2f] is [gate | up]; y = silu(gate)·up, silu(g) = g·σ(g);
 //   dgate = dy·up·σ(g)(1 + g(1 - σ(g))),  dup = dy·silu(g).
+// Quick-GeGLU with clamps (Megatron's quick_gelu gated, glu_linear_offset, activation_func_clamp_value;
+//   GPT-OSS's experts): g = min(gate, L), u = clamp(up, -L, L), y = g·σ(a·g)·(u + c);
+//   dgate = [gate <= L]·dy·(u + c)·σ(a·g)(1 + a·g(1 - σ(a·g))),  dup = [-L <= up <= L]·dy·g·σ(a·g).
 // grad_in may alias grad_out for GeLU (each element is read before it is written).
+#include <algorithm>
 #include <cmath>
 
 #include "megatron/kernels/cpu/cpu_common.h"
@@ -88,6 +92,46 @@ void swiglu_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tens
       const float g = gate[c], u = up[c], s = sigmoid(g);
       dgate[c] = dyr[c] * u * s * (1.0f + g * (1.0f - s));
       dup[c] = dyr[c] * g * s;
+    }
+  }
+}
+
+void quick_geglu_forward(Context& ctx, const Tensor& x, float alpha, float limit, float linear_offset, Tensor& out) {
+  int64_t f = 0;
+  const int64_t n = swiglu_rows(x, out, f);
+  FloatIn in(x);
+  FloatOut y(out);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* gate = in.data() + r * 2 * f;
+    const float* up = gate + f;
+    float* yr = y.data() + r * f;
+    for (int64_t c = 0; c < f; ++c) {
+      const float g = std::min(gate[c], limit), u = std::clamp(up[c], -limit, limit);
+      yr[c] = g * sigmoid(alpha * g) * (u + linear_offset);
+    }
+  }
+}
+
+void quick_geglu_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, float alpha, float limit,
+                          float linear_offset, Tensor& grad_in) {
+  int64_t f = 0;
+  const int64_t n = swiglu_rows(x, grad_out, f);
+  assert_numel(grad_in, x.numel(), "grad_in");
+  FloatIn in(x), dy(grad_out);
+  FloatOut dx(grad_in);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* gate = in.data() + r * 2 * f;
+    const float* up = gate + f;
+    const float* dyr = dy.data() + r * f;
+    float* dgate = dx.data() + r * 2 * f;
+    float* dup = dgate + f;
+    for (int64_t c = 0; c < f; ++c) {
+      const float g = std::min(gate[c], limit), u = std::clamp(up[c], -limit, limit);
+      const float s = sigmoid(alpha * g);
+      const bool gate_in = gate[c] <= limit, up_in = up[c] >= -limit && up[c] <= limit;
+      const float d = dyr[c];
+      dgate[c] = gate_in ? d * (u + linear_offset) * s * (1.0f + alpha * g * (1.0f - s)) : 0.0f;
+      dup[c] = up_in ? d * g * s : 0.0f;
     }
   }
 }

@@ -91,7 +91,7 @@ class VisibleKeys {
  public:
   // Checks the mask against the shape and, for Documents, the values of cu_seqlens.
   VisibleKeys(const Context& ctx, const AttnMask& mask, const AttnShape& a)
-      : kind_(mask.kind), sq_(a.sq), sk_(a.sk), shift_(mask.q_offset - mask.k_offset) {
+      : kind_(mask.kind), sq_(a.sq), sk_(a.sk), shift_(mask.q_offset - mask.k_offset), window_(mask.window_left) {
     ops::check_attention_mask(mask, ctx.device(), a.b, a.sq, a.sk);
     if (kind_ != AttnMask::Kind::Documents) return;
     const Tensor& cu = mask.cu_seqlens;
@@ -112,6 +112,14 @@ class VisibleKeys {
   }
 
   KeyRange row(int64_t bi, int64_t i) const {
+    KeyRange r = kind_row(bi, i);
+    // Note [Sliding-window attention]: keys j with j + k_offset >= i + q_offset - window.
+    if (window_ >= 0) r.begin = std::max(r.begin, i + shift_ - window_);
+    return r;
+  }
+
+ private:
+  KeyRange kind_row(int64_t bi, int64_t i) const {
     switch (kind_) {
       case AttnMask::Kind::Causal:
         return {0, i + 1};
@@ -123,9 +131,8 @@ class VisibleKeys {
     return {};
   }
 
- private:
   AttnMask::Kind kind_;
-  int64_t sq_, sk_, shift_;
+  int64_t sq_, sk_, shift_, window_;
   bool per_row_ = false;
   std::vector<int64_t> doc_start_;  // Documents: the first position of each position's document
 };

@@ -19,6 +19,8 @@
 // other bounds. Causal: keys [0, i], queries [j, s). CausalWithOffset (q [sq, ...], k [sk, ...],
 // shift = q_offset - k_offset): keys [0, i + shift] within [0, sk), queries [j - shift, sq) within
 // [0, sq); a row that sees no key gets out 0 and lse -inf (m = -inf, Σ = 0: -inf + log 0), dQ 0.
+// A sliding window (Note [Sliding-window attention]) raises each key interval's start to
+// i + shift - window and caps each query interval's end at j - shift + window + 1.
 // Documents: keys [start of i's document, i], queries [j, end of j's document), each block finding
 // the document by a binary search of cu_seqlens. cu_seqlens' values are not checked on the device
 // (that would wait for the GPU; the CPU reference checks them): bounds are clamped so that bad
@@ -55,6 +57,7 @@ constexpr int kWarps = kThreads / 32;
 struct AttnDims {
   int64_t s = 0, b = 0, nq = 0, ng = 0, d = 0;
   int64_t sk = 0, shift = 0;
+  int64_t window = -1;  // Note [Sliding-window attention]: keys j >= i + shift - window; -1: none
   const int32_t* cu = nullptr;
   int64_t cu_n1 = 0, cu_stride = 0;
   __host__ __device__ int64_t q_row(int64_t pos, int64_t bi, int64_t h) const { return ((pos * b + bi) * nq + h) * d; }
@@ -76,14 +79,14 @@ struct AttnDims {
   }
   // The keys [key_begin, key_end) query i sees, and the queries [query_begin, query_end) that see key j.
   __device__ int64_t key_begin(int64_t bi, int64_t i) const {
-    if (!cu) return 0;
-    return min(max(int64_t(cu[bi * cu_stride + document(bi, i)]), int64_t(0)), i);
+    const int64_t begin = cu ? min(max(int64_t(cu[bi * cu_stride + document(bi, i)]), int64_t(0)), i) : 0;
+    return window >= 0 ? max(begin, i + shift - window) : begin;
   }
   __device__ int64_t key_end(int64_t i) const { return min(max(i + shift + 1, int64_t(0)), sk); }
   __device__ int64_t query_begin(int64_t j) const { return min(max(j - shift, int64_t(0)), s); }
   __device__ int64_t query_end(int64_t bi, int64_t j) const {
-    if (!cu) return s;
-    return min(max(int64_t(cu[bi * cu_stride + document(bi, j) + 1]), j + 1), s);
+    const int64_t end = cu ? min(max(int64_t(cu[bi * cu_stride + document(bi, j) + 1]), j + 1), s) : s;
+    return window >= 0 ? min(end, max(j - shift + window + 1, int64_t(0))) : end;
   }
 };
 
@@ -379,6 +382,9 @@ void check_mask(const Context& ctx, const AttnMask& mask, int64_t sk, AttnDims& 
   a.sk = sk;
   // Clamped to [-sq, sk]: no row sees a key below -sq, every row sees every key from sk on.
   if (mask.kind == AttnMask::Kind::CausalWithOffset) a.shift = std::clamp(mask.q_offset - mask.k_offset, -a.s, sk);
+  a.window = mask.window_left;
+  // The window counts from the true shift (the clamp above would move it).
+  if (a.window >= 0 && mask.kind == AttnMask::Kind::CausalWithOffset) a.shift = mask.q_offset - mask.k_offset;
   if (mask.kind != AttnMask::Kind::Documents) return;
   const Tensor& cu = mask.cu_seqlens;
   a.cu = dev_ptr<const int32_t>(cu);

@@ -127,6 +127,7 @@ struct GraphKey {
   int device = 0;
   int64_t b = 0, s = 0, nq = 0, ng = 0, d = 0;
   int64_t sk = 0, shift = 0;  // key positions; the band's right bound (CausalWithOffset, else 0)
+  int64_t window = -1;        // Note [Sliding-window attention]: the band's left bound is window + 1; -1: none
   DType dtype = DType::BFloat16;
   uint32_t scale_bits = 0, dropout_bits = 0;
   bool backward = false;
@@ -144,7 +145,7 @@ struct GraphKeyHash {
     size_t h = std::hash<void*>()(k.handle);
     auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
     mix(uint64_t(k.device));
-    for (int64_t v : {k.b, k.s, k.nq, k.ng, k.d, k.sk, k.shift, k.docs}) mix(uint64_t(v));
+    for (int64_t v : {k.b, k.s, k.nq, k.ng, k.d, k.sk, k.shift, k.docs, k.window}) mix(uint64_t(v));
     mix(uint64_t(k.dtype));
     mix(k.scale_bits);
     mix(k.dropout_bits);
@@ -170,6 +171,7 @@ struct Geometry {
   bool fused_qkv = false;
   int64_t docs = 0;
   int64_t sk = 0, shift = 0;
+  int64_t window = -1;
 };
 
 // The band's right bound for sk keys: a bound past the last key is the same as sk (all keys seen).
@@ -188,6 +190,7 @@ Geometry with_mask(Geometry g, const AttnMask& mask, int64_t sk) {
   g.docs = documents(mask);
   g.sk = sk;
   g.shift = band_shift(mask, sk);
+  g.window = mask.window_left;
   return g;
 }
 
@@ -220,6 +223,7 @@ GraphKey make_key(Context& ctx, const Geometry& g, float softmax_scale, float dr
   key.docs = g.docs;
   key.sk = g.sk;
   key.shift = g.shift;
+  key.window = g.window;
   return key;
 }
 
@@ -322,6 +326,8 @@ void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
                      .set_attn_scale(k.scale())
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                      .set_diagonal_band_right_bound(int(k.shift));
+  // Note [Sliding-window attention]: cuDNN keeps key j when j + left_bound > i (top-left aligned).
+  if (k.window >= 0) options.set_diagonal_band_left_bound(int(k.window + 1));
   set_documents(options, k, r);
   if (k.dropout_bits != 0)
     options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
@@ -360,6 +366,7 @@ void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
                      .set_attn_scale(k.scale())
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                      .set_diagonal_band_right_bound(int(k.shift));
+  if (k.window >= 0) options.set_diagonal_band_left_bound(int(k.window + 1));
   set_documents(options, k, r);
   // Without it, dQ is accumulated with atomics over the key blocks: the last bits vary from run to
   // run. The deterministic algorithm goes through a dP workspace of b·h·s·s·2 bytes instead.
@@ -470,6 +477,8 @@ Lookup lookup(Context& ctx, const Geometry& g, float softmax_scale, float dropou
   if (g.shift < 0)
     return {nullptr, "cuDNN's diagonal band takes no negative right bound (q_offset - k_offset = " +
                          std::to_string(g.shift) + ")"};
+  if (g.window >= 0 && (g.docs > 0 || g.shift != 0))
+    return {nullptr, "a sliding window runs on cuDNN with the plain causal mask only (not with documents or offsets)"};
   auto entry = graph_cache().get(make_key(ctx, g, softmax_scale, dropout_p, backward));
   if (!entry->graph) return {nullptr, entry->unsupported};
   if (dropout_p > 0.0f) {

@@ -7,7 +7,7 @@
 // draws element i from philox_uniform(seed, offset, i) (Note [Random stream layout] in
 // runtime/philox.h): a pack of 4k elements starts at a multiple of 4, so each Philox block is computed
 // once and the mask is bit-identical to the CPU reference's.
-// SwiGLU works on [gate | up] rows in packs; RoPE puts one thread on each rotated pair or
+// SwiGLU and quick-GeGLU work on [gate | up] rows in packs; RoPE puts one thread on each rotated pair or
 // pass-through channel of a head row, several rows per block.
 #include <algorithm>
 
@@ -203,6 +203,47 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ dy, const T* __rest
   }
 }
 
+// Quick-GeGLU with clamps on [gate | up] rows (reference and derivative: kernels/cpu/activations.cpp).
+template <typename T, int VEC>
+__global__ void quick_geglu_forward_kernel(const T* __restrict__ x, int64_t rows, int64_t f, float alpha, float limit,
+                                           float linear_offset, T* __restrict__ out) {
+  const int64_t per_row = f / VEC, packs = rows * per_row;
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = p / per_row, c = (p % per_row) * VEC;
+    float g[VEC], u[VEC], y[VEC];
+    load_pack<VEC>(x + r * 2 * f + c, g);
+    load_pack<VEC>(x + r * 2 * f + f + c, u);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float gc = fminf(g[k], limit), uc = fminf(fmaxf(u[k], -limit), limit);
+      y[k] = gc * sigmoid(alpha * gc) * (uc + linear_offset);
+    }
+    store_pack<VEC>(out + r * f + c, y);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void quick_geglu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, int64_t rows, int64_t f,
+                                            float alpha, float limit, float linear_offset, T* __restrict__ dx) {
+  const int64_t per_row = f / VEC, packs = rows * per_row;
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = p / per_row, c = (p % per_row) * VEC;
+    float g[VEC], u[VEC], d[VEC], dg[VEC], du[VEC];
+    load_pack<VEC>(x + r * 2 * f + c, g);
+    load_pack<VEC>(x + r * 2 * f + f + c, u);
+    load_pack<VEC>(dy + r * f + c, d);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float gc = fminf(g[k], limit), uc = fminf(fmaxf(u[k], -limit), limit);
+      const float s = sigmoid(alpha * gc);
+      dg[k] = g[k] <= limit ? d[k] * (uc + linear_offset) * s * (1.0f + alpha * gc * (1.0f - s)) : 0.0f;
+      du[k] = (u[k] >= -limit && u[k] <= limit) ? d[k] * gc * s : 0.0f;
+    }
+    store_pack<VEC>(dx + r * 2 * f + c, dg);
+    store_pack<VEC>(dx + r * 2 * f + f + c, du);
+  }
+}
+
 // Rows and f of a SwiGLU input x [N, 2f] and its half-width partner [N, f] (out or grad_out).
 int64_t swiglu_rows(const Tensor& x, const Tensor& half, int64_t& f) {
   check_float_cuda(x, "x");
@@ -317,6 +358,44 @@ void swiglu_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tens
     } else {
       swiglu_backward_kernel<T, 1><<<grid_for(n * f), kBlockSize, 0, stream>>>(dev_ptr<T>(grad_out), dev_ptr<T>(x), n,
                                                                                f, dev_ptr<T>(grad_in));
+    }
+  });
+  CUDA_CHECK_LAUNCH();
+}
+
+void quick_geglu_forward(Context& ctx, const Tensor& x, float alpha, float limit, float linear_offset, Tensor& out) {
+  int64_t f = 0;
+  const int64_t n = swiglu_rows(x, out, f);
+  if (n * f == 0) return;
+  cudaStream_t stream = stream_of(ctx);
+  dispatch_float(x.dtype(), [&]<typename T>() {
+    constexpr int kVec = 16 / sizeof(T);
+    if (f % kVec == 0 && aligned16(x.raw_data()) && aligned16(out.raw_data())) {
+      quick_geglu_forward_kernel<T, kVec><<<grid_for(n * f / kVec), kBlockSize, 0, stream>>>(
+          dev_ptr<T>(x), n, f, alpha, limit, linear_offset, dev_ptr<T>(out));
+    } else {
+      quick_geglu_forward_kernel<T, 1><<<grid_for(n * f), kBlockSize, 0, stream>>>(dev_ptr<T>(x), n, f, alpha, limit,
+                                                                                    linear_offset, dev_ptr<T>(out));
+    }
+  });
+  CUDA_CHECK_LAUNCH();
+}
+
+void quick_geglu_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, float alpha, float limit,
+                          float linear_offset, Tensor& grad_in) {
+  int64_t f = 0;
+  const int64_t n = swiglu_rows(x, grad_out, f);
+  check_like(grad_in, x, "grad_in");
+  if (n * f == 0) return;
+  cudaStream_t stream = stream_of(ctx);
+  dispatch_float(x.dtype(), [&]<typename T>() {
+    constexpr int kVec = 16 / sizeof(T);
+    if (f % kVec == 0 && aligned16(x.raw_data()) && aligned16(grad_out.raw_data()) && aligned16(grad_in.raw_data())) {
+      quick_geglu_backward_kernel<T, kVec><<<grid_for(n * f / kVec), kBlockSize, 0, stream>>>(
+          dev_ptr<T>(grad_out), dev_ptr<T>(x), n, f, alpha, limit, linear_offset, dev_ptr<T>(grad_in));
+    } else {
+      quick_geglu_backward_kernel<T, 1><<<grid_for(n * f), kBlockSize, 0, stream>>>(
+          dev_ptr<T>(grad_out), dev_ptr<T>(x), n, f, alpha, limit, linear_offset, dev_ptr<T>(grad_in));
     }
   });
   CUDA_CHECK_LAUNCH();

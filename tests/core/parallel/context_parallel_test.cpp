@@ -5,7 +5,8 @@
 // recomputation, learned positions (GPT) and RoPE with GQA (Llama; and with YaRN's scaling, whose
 // angle rows each rank takes for its chunks and whose factor scales cos/sin), an MoE model with EP, and
 // packed documents (--reset-attention-mask --reset-position-ids --eod-mask-loss) with each comm
-// type; a CP checkpoint resumes without CP (and the reverse) with the single run's losses.
+// type; learned attention sinks with p2p and all_gather; a CP checkpoint resumes without CP (and the
+// reverse) with the single run's losses.
 // Sequences of 32 positions: CP 2 cuts them into 4 chunks of 8, CP 4 into 8 chunks of 4.
 #include <gtest/gtest.h>
 
@@ -34,8 +35,18 @@ const std::vector<std::string> kCpMoe =
 const std::vector<std::string> kYarn = concat(kLlama, {"--position-embedding-type", "yarn", "--rotary-scaling-factor",
                                                        "4", "--yarn-original-max-position-embeddings", "8"});
 
+// Learned attention sinks (Note [Attention sinks]): folded into each rank's merged rows.
+const std::vector<std::string> kSinks = concat(kLlama, {"--softmax-type", "learnable"});
+// A sliding window of 6 positions on layers 1 and 3 (Note [Sliding-window attention]): it crosses the
+// chunk boundaries (chunks of 8 at CP 2, of 4 at CP 4), so some blocks hold rows that see no key.
+const std::vector<std::string> kWindow = concat(kLlama, {"--window-size", "5,0", "--window-attn-skip-freq", "2"});
+const std::vector<std::string> kPackedWindow = concat(kPacked, {"--window-size", "5,0"});
+
 const std::vector<std::string>& model_flags(const std::string& m) {
   if (m == "gpt") return kGpt;
+  if (m == "sinks") return kSinks;
+  if (m == "window") return kWindow;
+  if (m == "packed_window") return kPackedWindow;
   if (m == "yarn") return kYarn;
   if (m == "packed") return kPacked;
   if (m == "moe") return kCpMoe;
@@ -52,7 +63,7 @@ class ContextParallel : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new ScratchDir("context_parallel");
-    for (const char* m : {"llama", "gpt", "packed", "moe", "yarn"}) {
+    for (const char* m : {"llama", "gpt", "packed", "moe", "yarn", "sinks", "window", "packed_window"}) {
       singles_[m] = train(dir_->path, std::string(m) + "_single", 1,
                           concat(model_flags(m), {"--train-iters", "5", "--save", (dir_->path / (std::string(m) + "_single")).string()}));
     }
@@ -70,6 +81,12 @@ std::map<std::string, TrainRun> ContextParallel::singles_;
 std::vector<CpLayout> layouts() {
   std::vector<CpLayout> out;
   for (const char* t : {"p2p", "all_gather", "a2a"}) out.push_back({"llama", std::string("cp2_") + t, 2, cp(2, t)});
+  for (const char* t : {"p2p", "all_gather"}) out.push_back({"sinks", std::string("cp2_sinks_") + t, 2, cp(2, t)});
+  for (const char* t : {"p2p", "all_gather", "a2a"}) out.push_back({"window", std::string("cp2_") + t, 2, cp(2, t)});
+  out.push_back({"window", "cp4_a2a+p2p", 4, cp(4, "a2a+p2p")});
+  out.push_back({"window", "cp4_p2p", 4, cp(4, "p2p")});
+  for (const char* t : {"p2p", "all_gather", "a2a"})
+    out.push_back({"packed_window", std::string("cp2_") + t, 2, cp(2, t)});
   for (const char* t : {"p2p", "all_gather", "a2a+p2p"}) out.push_back({"llama", std::string("cp4_") + t, 4, cp(4, t)});
   out.push_back({"llama", "cp2_tp2_sp", 4, concat(cp(2, "p2p"), {"--tensor-model-parallel-size", "2", "--sequence-parallel"})});
   out.push_back({"llama", "cp2_pp2_vpp", 4,

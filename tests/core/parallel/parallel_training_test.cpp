@@ -258,6 +258,52 @@ TEST_P(MoeGrid, EqualsSingleProcess) {
 INSTANTIATE_TEST_SUITE_P(MoeLayouts, MoeGrid, ::testing::ValuesIn(moe_grid()),
                          [](const ::testing::TestParamInfo<Layout>& info) { return info.param.name; });
 
+// ---- GPT-OSS -------------------------------------------------------------------------------------
+// A small GPT-OSS-style model (biases everywhere, the router's included; learned attention sinks; a
+// window on every other layer; clamped quick-GeGLU experts, 4 of them, top-2): the sinks split with
+// the heads under TP, the router bias duplicated over TP with sequence parallelism, the expert biases
+// over EP, and pipeline stages each equal one process.
+const std::vector<std::string> kGptOss = concat(
+    kLlama, {"--num-layers", "4", "--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value",
+             "7.0", "--softmax-type", "learnable", "--window-size", "7,0", "--window-attn-skip-freq", "2",
+             "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff",
+             "1e-2"});
+
+// kLlama without --swiglu and --disable-bias-linear: GPT-OSS has biases and its own gated activation.
+std::vector<std::string> gpt_oss_flags() {
+  std::vector<std::string> f;
+  for (const std::string& x : kGptOss)
+    if (x != "--swiglu" && x != "--disable-bias-linear") f.push_back(x);
+  return f;
+}
+
+class GptOssGrid : public ParallelTraining, public ::testing::WithParamInterface<Layout> {
+ protected:
+  static const TrainRun& single() {
+    static TrainRun* run = nullptr;
+    if (!run) {
+      run = new TrainRun(train(dir_->path, "gpt_oss_single", 1,
+                               concat(gpt_oss_flags(), {"--train-iters", "5", "--save",
+                                                        (dir_->path / "gpt_oss_single").string()})));
+    }
+    return *run;
+  }
+};
+
+TEST_P(GptOssGrid, EqualsSingleProcess) {
+  ASSERT_EQ(single().aux.count("load_balancing_loss"), 1u) << single().output;
+  check(gpt_oss_flags(), single(), "gpt_oss_single", GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    GptOssLayouts, GptOssGrid,
+    ::testing::Values(Layout{"tp2sp_ep2_etp1_alltoall", 4,
+                             {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
+                              "2", "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"}},
+                      Layout{"ep2_grouped_gemm", 2, {"--expert-model-parallel-size", "2", "--moe-grouped-gemm"}},
+                      Layout{"pp2", 2, {"--pipeline-model-parallel-size", "2"}}),
+    [](const ::testing::TestParamInfo<Layout>& info) { return info.param.name; });
+
 // Token dropping: a capacity factor with dropping, and with padding to the capacity, over EP 2 × DP.
 TEST_F(ParallelTraining, MoeCapacityDropAndPad) {
   for (const bool pad : {false, true}) {

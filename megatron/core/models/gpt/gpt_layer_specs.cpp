@@ -40,6 +40,8 @@ TransformerBlockSpec get_gpt_decoder_block_spec(const TransformerConfig& config)
   // get_gpt_decoder_block_spec with moe_layer_pattern).
   for (int i = 0; i < config.num_layers; ++i) {
     block.layers.push_back(get_gpt_layer_spec(config, config.is_moe_layer(i)));
+    // --window-size with --window-attn-skip-freq (Megatron's is_layer_window_attention).
+    block.layers.back().mixer.window_left = config.layer_window_left(i);
     // Note [FP8 layers]
     block.layers.back().fp8 = config.fp8.enabled() && !is_first_last_bf16_layer(config.fp8, config.num_layers, i);
   }

@@ -8,11 +8,14 @@
 #include <fstream>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/models/gpt/hf_gpt_oss.h"
+#include "megatron/core/models/gpt/hf_mapping_detail.h"
 #include "megatron/core/models/gpt/hf_rope.h"
 
 namespace megatron {
 
-namespace {
+// The helpers hf_mapping_detail.h shares with the other HF mappings (hf_gpt_oss.cpp).
+namespace hf_detail {
 
 // ---- small host helpers on fp32 row-major matrices --------------------------------------------------
 Tensor as_fp32(const Tensor& t) {
@@ -98,6 +101,12 @@ struct HFReader {
 };
 
 std::string layer(int i, const char* rest) { return fmt::format("decoder.layers.{}.{}", i, rest); }
+
+}  // namespace hf_detail
+
+using namespace hf_detail;
+
+namespace {
 
 bool is_hf_moe(const std::string& model_type) {
   return model_type == "mixtral" || model_type == "qwen2_moe" || model_type == "qwen3_moe";
@@ -237,10 +246,13 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
     c.hidden_dropout = 0.0f;
     c.attention_dropout = num("attention_dropout", 0.0f);
     c.init_method_std = num("initializer_range", 0.02f);
+  } else if (info.model_type == "gpt_oss") {
+    info.family = HFFamily::GptOss;
+    gpt_oss_config_from_hf(j, c);  // Note [HF GPT-OSS]
   } else {
     MG_CHECK(false,
-             "HF model_type '{}' is not supported: expected gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen2_moe or "
-             "qwen3_moe",
+             "HF model_type '{}' is not supported: expected gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, "
+             "qwen3_moe or gpt_oss",
              info.model_type);
   }
   c.finalize();
@@ -254,6 +266,10 @@ TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(con
   const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels;
   HFReader hf{get_hf};
   TensorMap out;
+  if (info.family == HFFamily::GptOss) {
+    gpt_oss_to_megatron(c, get_hf, out);  // Note [HF GPT-OSS]
+    return out;
+  }
   if (info.family == HFFamily::GPT2) {
     out["embedding.word_embeddings.weight"] = resize_rows(hf("transformer.wte.weight", {v, h}), vp);
     out["embedding.position_embeddings.weight"] = hf("transformer.wpe.weight", {c.max_position_embeddings, h});
@@ -391,6 +407,10 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
     q = rope_order(q, nq), k = rope_order(k, ng);
   };
   TensorMap out;
+  if (info.family == HFFamily::GptOss) {
+    megatron_to_gpt_oss(c, get, out);  // Note [HF GPT-OSS]
+    return out;
+  }
   if (info.family == HFFamily::GPT2) {
     // Note [GPT-2 export of biasless and position-free models]: HF GPT-2 always adds its biases and
     // its learned positions; a model trained with --disable-bias-linear (or without positions,
@@ -497,6 +517,7 @@ double shortest(float x) { return std::stod(fmt::format("{}", x)); }
 }  // namespace
 
 nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
+  if (uses_gpt_oss_features(c)) return hf_gpt_oss_config(c);  // Note [HF GPT-OSS]
   MG_CHECK(!c.apply_residual_connection_post_layernorm,
            "--apply-residual-connection-post-layernorm has no HuggingFace export: GPT-2 and Llama-type models add the "
            "residual before the norm");

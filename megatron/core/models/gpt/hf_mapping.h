@@ -39,7 +39,7 @@ namespace megatron {
 
 using TensorMap = std::map<std::string, Tensor>;
 
-enum class HFFamily { GPT2, Llama };
+enum class HFFamily { GPT2, Llama, GptOss };  // GptOss: hf_gpt_oss.h
 
 struct HFModelInfo {
   HFFamily family = HFFamily::GPT2;
@@ -48,7 +48,8 @@ struct HFModelInfo {
 };
 
 /// Reads a HuggingFace config.json (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
-/// Qwen3-MoE), with llama3 and yarn RoPE scaling (Note [HF RoPE scaling] in hf_rope.h). Unknown
+/// Qwen3-MoE, GPT-OSS: Note [HF GPT-OSS] in hf_gpt_oss.h), with llama3 and yarn RoPE scaling (Note
+/// [HF RoPE scaling] in hf_rope.h). Unknown
 /// model types and unsupported options (e.g. other rope scalings, active sliding windows, router
 /// jitter) are refused with a clear message. make_vocab_size_divisible_by sets the padding
 /// of the vocabulary.
@@ -56,8 +57,8 @@ HFModelInfo config_from_hf(const nlohmann::json& hf_config, int make_vocab_size_
 
 /// The HF config.json of a model trained here (a checkpoint without an HF config): gpt2 (GeLU MLP;
 /// untied with --untie-embeddings-and-output-weights), llama, qwen2 (--add-qkv-bias), qwen3
-/// (--qk-layernorm), mixtral (every layer MoE, no shared experts), qwen2_moe (a gated shared expert)
-/// or qwen3_moe (MoE with --qk-layernorm). One line naming the flag when the model computes something
+/// (--qk-layernorm), mixtral (every layer MoE, no shared experts), qwen2_moe (a gated shared expert),
+/// qwen3_moe (MoE with --qk-layernorm) or gpt_oss (attention sinks, windows or --quick-geglu). One line naming the flag when the model computes something
 /// HF cannot (Note [Which HF model a checkpoint exports as] in the .cpp). config_from_hf of the
 /// result, with megatron_to_hf's tensors, gives a model that computes the same.
 nlohmann::json hf_config_from_megatron(const TransformerConfig& config);

@@ -6,17 +6,25 @@
 
 namespace megatron::moe {
 
+namespace {
+// A column of n ones [n, 1] in `dtype` on ctx's device (the left factor of a bias's rank-1 product),
+// written on the context's stream with no host copy (a CUDA graph can capture it):
+// masked_loss_backward without a mask fills its output with `scale`.
+Tensor ones_column(Context& ctx, int64_t n, DType dtype) {
+  Tensor ones = Tensor::empty({n}, DType::Float32, ctx.device());
+  ops::masked_loss_backward(ctx, Tensor(), 1.0f, ones);
+  return (dtype == DType::Float32 ? ones : ones.to(dtype)).view({n, 1});
+}
+}  // namespace
+
 SequentialMLP::SequentialMLP(const TransformerConfig& config, int num_local_experts, int first_expert,
                              int64_t ffn_hidden_size, ParamAndGradBuffer& params, const std::string& prefix,
                              const ProcessGroupCollection& pg, bool grouped)
-    : swiglu_(config.gated_linear_unit), grouped_(grouped) {
+    : act_(MlpActivation::from_config(config)), swiglu_(config.gated_linear_unit), grouped_(grouped) {
   Communicator* etp = multi_rank(pg.expt_tp);
   MG_CHECK(ffn_hidden_size % group_size(etp) == 0,
            "--moe-ffn-hidden-size ({}) must be divisible by --expert-tensor-parallel-size ({})", ffn_hidden_size,
            group_size(etp));
-  MG_CHECK(!(grouped && config.add_bias_linear),
-           "--moe-grouped-gemm runs the experts without biases (as Megatron's GroupedMLP): add --disable-bias-linear "
-           "or leave --moe-grouped-gemm out");
   ffn_ = ffn_hidden_size / group_size(etp);
   const int glu = swiglu_ ? 2 : 1;
   const size_t first_param = params.parameters().size();
@@ -52,6 +60,18 @@ void SequentialMLP::linear_forward(Context& ctx, const std::vector<Parameter*>& 
     std::vector<Tensor> weights;
     for (const Parameter* p : w) weights.push_back(p->data);
     ops::moe_grouped_linear_forward(ctx, x, weights, rows, y);
+    // Note [Grouped experts with biases]: y_e += 1·b_eᵀ.
+    int64_t row = 0;
+    for (size_t e = 0; e < w.size(); ++e) {
+      const int64_t n = rows[e];
+      if (b[e] && n > 0) {
+        const int64_t out = y.size(1);
+        Tensor ye = y.slice(row, row + n), add = Tensor::empty({n, out}, y.dtype(), ctx.device());
+        ops::linear_forward(ctx, ones_column(ctx, n, y.dtype()), b[e]->data.view({out, 1}), Tensor(), add);
+        ops::add(ctx, ye, add, ye);
+      }
+      row += n;
+    }
     return;
   }
   int64_t row = 0;
@@ -74,6 +94,17 @@ void SequentialMLP::linear_backward(Context& ctx, const std::vector<Parameter*>&
       grads.push_back(p->main_grad);
     }
     ops::moe_grouped_linear_backward(ctx, grad_out, x, weights, rows, grad_in, grads);
+    int64_t row = 0;
+    for (size_t e = 0; e < w.size(); ++e) {  // db_e += Σ_rows dy (Note [Grouped experts with biases])
+      const int64_t n = rows[e];
+      if (b[e] && n > 0) {
+        const int64_t out = grad_out.size(1);
+        Tensor none, db = b[e]->main_grad.view({out, 1});
+        ops::linear_backward(ctx, grad_out.slice(row, row + n), ones_column(ctx, n, grad_out.dtype()),
+                             b[e]->data.view({out, 1}), none, db, none);
+      }
+      row += n;
+    }
   } else {
     int64_t row = 0;
     for (size_t e = 0; e < w.size(); ++e) {
@@ -105,11 +136,7 @@ Tensor SequentialMLP::forward(Context& ctx, const Tensor& x, const Tensor& probs
   saved.fc1 = Tensor::empty({n_rows, (swiglu_ ? 2 : 1) * ffn_}, x.dtype(), ctx.device());
   linear_forward(ctx, fc1_, fc1_bias_, x, tokens_per_expert, saved.fc1);
   Tensor act = Tensor::empty({n_rows, ffn_}, x.dtype(), ctx.device());
-  if (swiglu_) {
-    ops::swiglu_forward(ctx, saved.fc1, act);
-  } else {
-    ops::gelu_forward(ctx, saved.fc1, act);
-  }
+  act_.forward(ctx, saved.fc1, act);
   saved.scaled = Tensor::empty({n_rows, ffn_}, x.dtype(), ctx.device());
   ops::moe_scale_rows_forward(ctx, act, probs, saved.scaled);
   act = Tensor();
@@ -139,11 +166,7 @@ Tensor SequentialMLP::backward(Context& ctx, const Tensor& grad_out, Saved& save
   linear_backward(ctx, fc2_, no_bias, grad_out, saved.scaled, rows, grad_scaled);
   saved.scaled = Tensor();
   Tensor act = Tensor::empty({n_rows, ffn_}, saved.fc1.dtype(), ctx.device());  // recomputed, not kept
-  if (swiglu_) {
-    ops::swiglu_forward(ctx, saved.fc1, act);
-  } else {
-    ops::gelu_forward(ctx, saved.fc1, act);
-  }
+  act_.forward(ctx, saved.fc1, act);
   Tensor grad_act = Tensor::empty(act.shape(), act.dtype(), ctx.device());
   grad_probs = Tensor::empty({n_rows}, DType::Float32, ctx.device());
   ops::moe_scale_rows_backward(ctx, grad_scaled, act, saved.probs, grad_act, grad_probs);
@@ -166,11 +189,7 @@ Tensor SequentialMLP::backward(Context& ctx, const Tensor& grad_out, Saved& save
     row += n;
   }
   Tensor grad_fc1 = Tensor::empty(saved.fc1.shape(), saved.fc1.dtype(), ctx.device());
-  if (swiglu_) {
-    ops::swiglu_backward(ctx, grad_act, saved.fc1, grad_fc1);
-  } else {
-    ops::gelu_backward(ctx, grad_act, saved.fc1, grad_fc1);
-  }
+  act_.backward(ctx, grad_act, saved.fc1, grad_fc1);
   grad_act = Tensor();
   Tensor grad_x = Tensor::empty({n_rows, h}, grad_out.dtype(), ctx.device());
   linear_backward(ctx, fc1_, fc1_bias_, grad_fc1, saved.x, rows, grad_x);

@@ -12,8 +12,10 @@
 // ops::moe_grouped_linear_forward/backward over every local expert's rows. The same parameters
 // either way, so a checkpoint of one loads into the other. The activation and the scaling by the
 // probabilities run once over all rows (ops::swiglu_* / gelu_*, ops::moe_scale_rows_*), on the
-// context's device. The grouped GEMM has no bias (as Megatron's GroupedMLP): with --add-bias-linear
-// the experts refuse --moe-grouped-gemm.
+// context's device. The activation is the model's (MlpActivation: GeLU, SwiGLU or GPT-OSS's clamped
+// quick-GeGLU). Note [Grouped experts with biases]: the grouped GEMM has no bias epilogue, so with
+// --add-bias-linear (GPT-OSS) each expert's fc1 bias is added to its rows as the rank-1 product
+// 1·b1ᵀ (one small GEMM per expert, as the p·b2 term below), and its gradient is Σ_rows dy.
 // The weights are "<prefix>.local_experts.<g>.linear_fc1.weight" / "...linear_fc2.weight" (and
 // biases) with g the GLOBAL expert index (ep_rank · local experts + local index), so checkpoints
 // name each expert once whatever the expert-parallel layout. Under expert tensor parallelism fc1
@@ -27,6 +29,7 @@
 #include <vector>
 
 #include "megatron/core/tensor_parallel/layers.h"
+#include "megatron/core/transformer/mlp.h"
 #include "megatron/core/transformer/transformer_config.h"
 
 namespace megatron::moe {
@@ -63,6 +66,7 @@ class SequentialMLP {
   void linear_backward(Context& ctx, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
                        const Tensor& grad_out, const Tensor& x, const std::vector<int64_t>& rows, Tensor& grad_in) const;
 
+  MlpActivation act_;
   bool swiglu_, grouped_;
   int64_t ffn_;  // local intermediate features (ffn / etp)
   std::vector<std::unique_ptr<Linear>> layers_;  // the registration (names, shards) of fc1 and fc2

@@ -24,6 +24,7 @@ MoEConfig moe_config(const TransformerConfig& c) {
   r.drop_policy = c.moe_token_drop_policy;
   r.pad_to_capacity = c.moe_pad_expert_input_to_capacity;
   r.expert_bias = c.moe_router_enable_expert_bias;
+  r.linear_bias = c.add_bias_linear;
   for (size_t i = 0; i < c.moe_router_load_balancing_type.size(); ++i) {
     const std::string& type = c.moe_router_load_balancing_type[i];
     const float coeff = i < c.moe_aux_loss_coeff.size() ? c.moe_aux_loss_coeff[i] : 0.0f;

@@ -51,6 +51,7 @@ struct RouterConfig {
   std::string drop_policy = "probs";       // --moe-token-drop-policy probs | position
   bool pad_to_capacity = false;            // --moe-pad-expert-input-to-capacity
   bool expert_bias = false;                // --moe-router-enable-expert-bias
+  bool linear_bias = false;                // the gating linear's own bias "<router>.bias" (add_bias_linear; GPT-OSS)
   bool sinkhorn = false;                   // --moe-router-load-balancing-type sinkhorn (Note [Sinkhorn routing])
 
   /// One clear line for a combination Megatron refuses or this file does not have.

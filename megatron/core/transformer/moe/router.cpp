@@ -25,6 +25,11 @@ TopKRouter::TopKRouter(const RouterConfig& config, int64_t hidden_size, ParamAnd
   // The same weight on every tensor-parallel rank, each routing its own sequence shard.
   weight_->tp_duplicate = tp_ != nullptr;
   weight_->sequence_parallel = tp_ != nullptr;
+  if (config_.linear_bias) {
+    bias_ = params.add(prefix + ".bias", {config_.num_experts}, /*no_weight_decay=*/true, ParamInit::Normal);
+    bias_->tp_duplicate = tp_ != nullptr;
+    bias_->sequence_parallel = tp_ != nullptr;
+  }
   if (config_.expert_bias) expert_bias_ = Tensor::zeros({config_.num_experts}, DType::Float32, params.device());
   tokens_per_expert_ = Tensor::zeros({config_.num_experts}, DType::Float32, params.device());
   if (config_.global_aux_loss_coeff > 0) {
@@ -89,10 +94,12 @@ std::vector<double> TopKRouter::logits_fp64(const Tensor& x) const {
   const int64_t t_count = x.size(0), h = x.size(1), e = config_.num_experts;
   const std::vector<float> xv = x.to(Device::cpu()).to_floats();
   const std::vector<float> wv = weight_->data.to(Device::cpu()).to(DType::Float32).to_floats();
+  const std::vector<float> bv = bias_ ? bias_->data.to(Device::cpu()).to(DType::Float32).to_floats()
+                                      : std::vector<float>(size_t(e), 0.0f);
   std::vector<double> out(static_cast<size_t>(t_count * e));
   for (int64_t t = 0; t < t_count; ++t)
     for (int64_t x_ = 0; x_ < e; ++x_) {
-      double acc = 0;
+      double acc = bv[size_t(x_)];
       for (int64_t j = 0; j < h; ++j) acc += double(xv[size_t(t * h + j)]) * double(wv[size_t(x_ * h + j)]);
       out[size_t(t * e + x_)] = acc;
     }
@@ -148,7 +155,7 @@ TopKRouter::Output TopKRouter::forward(Context& ctx, const Tensor& x, int64_t se
                                training);
     } else {
       Tensor logits = Tensor::empty({t_count, e}, DType::Float32, dev);
-      ops::linear_forward(ctx, saved.x, weight_fp32(), Tensor(), logits);  // Megatron's router_gating_linear in fp32
+      ops::linear_forward(ctx, saved.x, weight_fp32(), bias_fp32(), logits);  // Megatron's router_gating_linear in fp32
       r = routing_forward(rc, logits, expert_bias_, seq_length, micro_batch, saved.host, &counts, training);
     }
     out.probs = r.probs.to(dev);
@@ -158,7 +165,7 @@ TopKRouter::Output TopKRouter::forward(Context& ctx, const Tensor& x, int64_t se
     if (saved.global_on) global_loss = Tensor::from_floats({float(r.global_aux_loss)}, {1}).to(dev);
   } else {
     Tensor logits = Tensor::empty({t_count, e}, DType::Float32, dev);
-    ops::linear_forward(ctx, saved.x, weight_fp32(), Tensor(), logits);  // Megatron's router_gating_linear in fp32
+    ops::linear_forward(ctx, saved.x, weight_fp32(), bias_fp32(), logits);  // Megatron's router_gating_linear in fp32
     const MoeRoutingParams p = routing_params(rc, seq_length, micro_batch, global_aux_group());
     out.probs = Tensor::empty({t_count, e}, DType::Float32, dev);
     out.routing_map = Tensor::empty({t_count, e}, DType::UInt8, dev);
@@ -226,6 +233,15 @@ Tensor TopKRouter::backward(Context& ctx, const Tensor& grad_probs, const Saved&
     grad_x = Tensor::from_floats(gx, {t_count, h}).to(dev);
     Tensor& main_grad = weight_->main_grad;
     ops::add(ctx, main_grad, Tensor::from_floats(gw, {e, h}).to(main_grad.device()), main_grad);
+    if (bias_) {
+      std::vector<float> gb(static_cast<size_t>(e));
+      for (int64_t x = 0; x < e; ++x) {
+        double acc = 0;
+        for (int64_t t = 0; t < t_count; ++t) acc += g[size_t(t * e + x)];
+        gb[size_t(x)] = float(acc);
+      }
+      ops::add(ctx, bias_->main_grad, Tensor::from_floats(gb, {e}).to(bias_->main_grad.device()), bias_->main_grad);
+    }
   } else {
     Tensor grad_logits;
     if (host_routing()) {
@@ -241,15 +257,21 @@ Tensor TopKRouter::backward(Context& ctx, const Tensor& grad_probs, const Saved&
       }
     }
     grad_x = Tensor::empty(saved.x.shape(), DType::Float32, dev);
-    Tensor no_bias;
-    ops::linear_backward(ctx, grad_logits, saved.x, weight_fp32(), grad_x, weight_->main_grad, no_bias);
+    Tensor no_bias, &bias_grad = bias_ ? bias_->main_grad : no_bias;
+    ops::linear_backward(ctx, grad_logits, saved.x, weight_fp32(), grad_x, weight_->main_grad, bias_grad);
   }
   notify_grad_accumulated(ctx, weight_);
+  notify_grad_accumulated(ctx, bias_);
   if (saved.jitter) {  // d(x·u)/dx = u (Note [Router input jitter])
     ops::moe_input_jitter(ctx, grad_x, config_.input_jitter_eps, saved.jitter_seed, saved.jitter_offset,
                           saved.micro_batch, int64_t(group_rank(tp_)) * saved.seq_length, grad_x);
   }
   return grad_x;
+}
+
+Tensor TopKRouter::bias_fp32() const {
+  if (!bias_) return Tensor();
+  return bias_->data.dtype() == DType::Float32 ? bias_->data : bias_->data.to(DType::Float32);
 }
 
 Tensor TopKRouter::weight_fp32() const {

@@ -1,4 +1,5 @@
-// TopKRouter (Megatron-Core's moe/router.py): the gating linear "<prefix>.weight" [E, h], applied in
+// TopKRouter (Megatron-Core's moe/router.py): the gating linear "<prefix>.weight" [E, h] (and with
+// --add-bias-linear its bias "<prefix>.bias" [E], as Megatron's router and GPT-OSS's), applied in
 // fp32 (--moe-router-dtype fp32) or fp64 (Note [fp64 router] in moe_utils.h), then the routing of
 // moe_utils.h (top-k with its score function, token dropping, the aux and z losses), forward and
 // backward side by side. The losses go to the AuxLossTracker as Megatron logs them:
@@ -139,6 +140,8 @@ class TopKRouter {
   Communicator* tp_;     // null: one rank (the jitter's sequence offset under sequence parallelism)
   Communicator* dp_;     // null: one rank (the global aux loss's counts)
   Parameter* weight_;
+  Parameter* bias_ = nullptr;  // RouterConfig::linear_bias
+  Tensor bias_fp32() const;    // undefined without a bias
   Tensor expert_bias_;       // [E] fp32 (undefined without --moe-router-enable-expert-bias)
   Tensor tokens_per_expert_;  // [E] fp32, summed over the step's microbatches (on the parameters' device)
   // The global aux loss (Note [Global aux loss]): [E] fp32 counts summed over the step's forwards,
