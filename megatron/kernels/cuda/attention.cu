@@ -386,12 +386,29 @@ void check_mask(const Context& ctx, const AttnMask& mask, int64_t sk, AttnDims& 
   a.cu_stride = cu.dim() == 2 ? a.cu_n1 : 0;
 }
 
+// out and grad_out: [sq, b, nq, dv], q's dtype.
+void check_out(const Context& ctx, const Tensor& t, const Tensor& q, const Tensor& v, const char* name) {
+  check_on_device(ctx, t, name);
+  MG_ASSERT(t.dtype() == q.dtype() && t.shape() == Shape({q.size(0), q.size(1), q.size(2), v.size(3)}),
+            "attention: {} is {}, expected [{}, {}, {}, {}] in {}", name, t.str(), q.size(0), q.size(1), q.size(2),
+            v.size(3), to_string(q.dtype()));
+}
+
+// Note [Value heads of another width on the GPU]: attention with dv != d (multi-latent attention)
+// runs on cuDNN only (bf16/fp16, no documents); the row-wise kernels keep one head width.
+void refuse_value_width_rowwise(const Tensor& q, const Tensor& v) {
+  MG_CHECK(v.size(3) == q.size(3),
+           "attention with value heads of {} channels and query/key heads of {} (multi-latent attention) runs on the "
+           "GPU only through cuDNN (bf16 or fp16, no packed documents): use --bf16",
+           v.size(3), q.size(3));
+}
+
 AttnDims check_inputs(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const AttnMask& mask,
                       float dropout_p, const Tensor& lse) {
   MG_ASSERT(ctx.is_cuda(), "megatron::cuda::attention on a {} context", ctx.device().str());
   check_on_device(ctx, q, "q");
   check_on_device(ctx, k, "k");
-  check_like(ctx, v, k, "v");
+  check_on_device(ctx, v, "v");
   MG_ASSERT(q.dtype() == DType::Float32 || q.dtype() == DType::BFloat16 || q.dtype() == DType::Float16,
             "attention: q is {}, expected fp32, bf16 or fp16", q.str());
   MG_ASSERT(q.dim() == 4 && k.dim() == 4 && k.dtype() == q.dtype(),
@@ -401,6 +418,9 @@ AttnDims check_inputs(const Context& ctx, const Tensor& q, const Tensor& k, cons
   MG_ASSERT(k.size(1) == a.b && k.size(3) == a.d && a.ng > 0 && a.nq % a.ng == 0 && a.nq >= a.ng,
             "q {} and k {} do not fit causal GQA attention", q.str(), k.str());
   MG_ASSERT(a.d > 0, "attention head dimension must be positive, q is {}", q.str());
+  MG_ASSERT(v.dtype() == k.dtype() && v.dim() == 4 && v.size(0) == k.size(0) && v.size(1) == k.size(1) &&
+                v.size(2) == k.size(2) && v.size(3) > 0,
+            "attention: v is {}, expected [sk, b, ng, dv] of k's dtype with k {}", v.str(), k.str());
   MG_ASSERT(dropout_p >= 0.0f && dropout_p < 1.0f, "attention dropout_p {} must be in [0, 1)", dropout_p);
   check_on_device(ctx, lse, "lse");
   MG_ASSERT(lse.dtype() == DType::Float32 && lse.shape() == Shape({a.b, a.nq, a.s}),
@@ -411,7 +431,7 @@ AttnDims check_inputs(const Context& ctx, const Tensor& q, const Tensor& k, cons
 AttnDims check_forward(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const AttnMask& mask,
                        float dropout_p, const Tensor& out, const Tensor& lse) {
   const AttnDims a = check_inputs(ctx, q, k, v, mask, dropout_p, lse);
-  check_like(ctx, out, q, "out");
+  check_out(ctx, out, q, v, "out");
   return a;
 }
 
@@ -419,11 +439,11 @@ AttnDims check_backward(const Context& ctx, const Tensor& grad_out, const Tensor
                         const Tensor& out, const Tensor& lse, const AttnMask& mask, float dropout_p,
                         const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
   const AttnDims a = check_inputs(ctx, q, k, v, mask, dropout_p, lse);
-  check_like(ctx, grad_out, q, "grad_out");
-  check_like(ctx, out, q, "out");
+  check_out(ctx, grad_out, q, v, "grad_out");
+  check_out(ctx, out, q, v, "out");
   check_like(ctx, grad_q, q, "grad_q");
   check_like(ctx, grad_k, k, "grad_k");
-  check_like(ctx, grad_v, k, "grad_v");
+  check_like(ctx, grad_v, v, "grad_v");
   return a;
 }
 
@@ -549,6 +569,7 @@ void attention_forward_rowwise(Context& ctx, const Tensor& q, const Tensor& k, c
                                Tensor& lse) {
   const AttnDims a = check_forward(ctx, q, k, v, mask, dropout_p, out, lse);
   if (is_empty(a)) return;
+  refuse_value_width_rowwise(q, v);
   launch_forward_rowwise(ctx, a, q, k, v, softmax_scale, dropout_p, seed, offset, out, lse);
 }
 
@@ -558,6 +579,7 @@ void attention_backward_rowwise(Context& ctx, const Tensor& grad_out, const Tens
                                 Tensor& grad_v) {
   const AttnDims a = check_backward(ctx, grad_out, q, k, v, out, lse, mask, dropout_p, grad_q, grad_k, grad_v);
   if (is_empty(a)) return;
+  refuse_value_width_rowwise(q, v);
   launch_backward_rowwise(ctx, a, grad_out, q, k, v, out, lse, softmax_scale, dropout_p, seed, offset, grad_q,
                           grad_k, grad_v);
 }
@@ -569,6 +591,7 @@ void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Ten
   if (q.dtype() != DType::Float32 && a.sk > 0 &&
       cudnn_attention_forward(ctx, q, k, v, mask, softmax_scale, dropout_p, seed, offset, out, lse))
     return;
+  refuse_value_width_rowwise(q, v);
   launch_forward_rowwise(ctx, a, q, k, v, softmax_scale, dropout_p, seed, offset, out, lse);
 }
 
@@ -582,6 +605,7 @@ void attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, c
       cudnn_attention_backward(ctx, grad_out, q, k, v, out, lse, mask, softmax_scale, dropout_p, seed, offset, grad_q,
                                grad_k, grad_v))
     return;
+  refuse_value_width_rowwise(q, v);
   launch_backward_rowwise(ctx, a, grad_out, q, k, v, out, lse, softmax_scale, dropout_p, seed, offset, grad_q,
                           grad_k, grad_v);
 }
