@@ -510,6 +510,8 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
 //   --swiglu                      activation "swiglu" and gated_linear_unit (else "gelu")
 //   --untie-embeddings-and-output-weights   share_embeddings_and_output_weights is its negation
 //   --use-rotary-position-embeddings        position_embedding_type "rope" (an alias)
+//   --rope-type                   with --multi-latent-attention, position_embedding_type (yarn when
+//                                 absent: Megatron's MLA default, whatever --position-embedding-type says)
 //   --moe-expert-capacity-factor  a number, or absent (Megatron's None: dropless); the config holds
 //                                 0 for absent
 // and back (model_arguments_from_config): group_query_attention when the groups are fewer than the
@@ -548,6 +550,7 @@ TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab
   c.gated_linear_unit = a.swiglu;
   c.share_embeddings_and_output_weights = !a.untie_embeddings_and_output_weights;
   if (a.use_rotary_position_embeddings) c.position_embedding_type = "rope";
+  if (a.multi_latent_attention) c.position_embedding_type = a.rope_type.empty() ? "yarn" : a.rope_type;
   if (!a.moe_expert_capacity_factor.empty()) c.moe_expert_capacity_factor = std::stof(a.moe_expert_capacity_factor);
 
   c.vocab_size = int(vocab_size);
@@ -584,6 +587,7 @@ Arguments model_arguments_from_config(const TransformerConfig& c) {
   a.add_qkv_bias = c.add_qkv_bias && !c.add_bias_linear;
   a.swiglu = c.gated_linear_unit;
   a.untie_embeddings_and_output_weights = !c.share_embeddings_and_output_weights;
+  if (c.multi_latent_attention) a.rope_type = c.position_embedding_type;
   if (c.moe_expert_capacity_factor > 0) a.moe_expert_capacity_factor = fmt::format("{}", c.moe_expert_capacity_factor);
   return a;
 }
