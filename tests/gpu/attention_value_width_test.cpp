@@ -1,7 +1,7 @@
 // Attention with value heads of another width than the query/key heads (dv != d, multi-latent
 // attention: DeepSeek-V3's 192 and 128, the fixture's 24 and 16) on CUDA against the CPU reference:
-// cuDNN's fused attention (bf16, fp16) takes it (Note [Value heads of another width on the GPU]);
-// the row-wise kernels refuse it in one line, and so does the dispatch in fp32.
+// cuDNN's fused attention (bf16, fp16) takes it (Note [Value heads of another width on the GPU]),
+// and so do the row-wise kernels (fp32; packed documents), dropout mask included.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -82,18 +82,41 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionValueWidthGpu,
                                   std::to_string(info.param.s);
                          });
 
-TEST(AttentionValueWidthGpuRowwise, RefusedInOneLine) {
+// The row-wise kernels (fp32, and the fallback for packed documents) with both widths: the CPU's
+// result, dropout mask included.
+TEST(AttentionValueWidthGpuRowwise, MatchesCpu) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
   Context gpu(Device::cuda(0));
   const Device dev = gpu.device();
-  Tensor q = random_tensor({8, 1, 2, 24}, 1).to(dev), k = random_tensor({8, 1, 2, 24}, 2).to(dev);
-  Tensor v = random_tensor({8, 1, 2, 16}, 3).to(dev);
-  Tensor out = Tensor::empty({8, 1, 2, 16}, DType::Float32, dev), lse = Tensor::empty({1, 2, 8}, DType::Float32, dev);
-  try {
-    ops::attention_forward(gpu, q, k, v, AttnMask::causal(), 0.2f, 0.0f, 0, 0, out, lse);
-    FAIL() << "fp32 attention with dv != d ran on the row-wise kernels";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("through cuDNN"), std::string::npos) << e.what();
+  const int64_t s = 24, b = 2, nq = 4, ng = 2, d = 24, dv = 16;
+  const Tensor cu = Tensor::from_floats({0, 10, 24}, {3}, DType::Int32);
+  for (float p : {0.0f, 0.2f}) {
+    for (const AttnMask& host_mask : {AttnMask::causal(), AttnMask::documents(cu)}) {
+      AttnMask mask = host_mask;
+      if (mask.cu_seqlens.defined()) mask.cu_seqlens = mask.cu_seqlens.to(dev);
+      Tensor q = random_tensor({s, b, nq, d}, 1), k = random_tensor({s, b, ng, d}, 2);
+      Tensor v = random_tensor({s, b, ng, dv}, 3), go = random_tensor({s, b, nq, dv}, 4);
+      Context cpu;
+      Tensor out = Tensor::empty({s, b, nq, dv}, DType::Float32), lse = Tensor::empty({b, nq, s}, DType::Float32);
+      Tensor gq = Tensor::empty(q.shape(), DType::Float32), gk = Tensor::empty(k.shape(), DType::Float32),
+             gv = Tensor::empty(v.shape(), DType::Float32);
+      ops::attention_forward(cpu, q, k, v, host_mask, 0.3f, p, kSeed, kOffset, out, lse);
+      ops::attention_backward(cpu, go, q, k, v, out, lse, host_mask, 0.3f, p, kSeed, kOffset, gq, gk, gv);
+      Tensor qd = q.to(dev), kd = k.to(dev), vd = v.to(dev), god = go.to(dev);
+      Tensor out_d = Tensor::empty(out.shape(), DType::Float32, dev), lse_d = Tensor::empty(lse.shape(), DType::Float32, dev);
+      Tensor gq_d = Tensor::empty(q.shape(), DType::Float32, dev), gk_d = Tensor::empty(k.shape(), DType::Float32, dev),
+             gv_d = Tensor::empty(v.shape(), DType::Float32, dev);
+      cuda::attention_forward_rowwise(gpu, qd, kd, vd, mask, 0.3f, p, kSeed, kOffset, out_d, lse_d);
+      cuda::attention_backward_rowwise(gpu, god, qd, kd, vd, out_d, lse_d, mask, 0.3f, p, kSeed, kOffset, gq_d, gk_d,
+                                       gv_d);
+      gpu.synchronize();
+      const std::string what = std::string(p > 0 ? "dropout " : "") + (mask.cu_seqlens.defined() ? "documents " : "");
+      expect_close(out_d.to(Device::cpu()), out, 1e-5, what + "out");
+      expect_close(lse_d.to(Device::cpu()), lse, 1e-5, what + "lse");
+      expect_close(gq_d.to(Device::cpu()), gq, 1e-5, what + "grad_q");
+      expect_close(gk_d.to(Device::cpu()), gk, 1e-5, what + "grad_k");
+      expect_close(gv_d.to(Device::cpu()), gv, 1e-5, what + "grad_v");
+    }
   }
 }
 

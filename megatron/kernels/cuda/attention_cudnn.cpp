@@ -42,9 +42,9 @@
 // Note [Value heads of another width on the GPU]: multi-latent attention has query/key heads of d
 // channels and value heads of dv != d (DeepSeek-V3: 192 and 128). cuDNN's SDPA takes that on Hopper:
 // v, o, dO and dV are declared with dv, q, k, dQ and dK with d (GraphKey carries both). Packed
-// documents share one ragged-offset array between k and v, so dv != d with documents is declined,
-// and the row-wise kernels (attention.cu) refuse dv != d in one line: such attention on the GPU
-// needs bf16 or fp16 without packed documents.
+// documents share one ragged-offset array between k and v, so dv != d with documents is declined
+// and runs on the row-wise kernels (attention.cu), which take both widths (AttnDims::dv), as they
+// do for fp32.
 //
 // Note [Attention dropout on the GPU]: cuDNN draws its dropout mask with its own Philox, keyed by
 // the (seed, offset) we pass as device int64 scalars, over its own element order. The mask is a

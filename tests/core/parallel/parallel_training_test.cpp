@@ -188,7 +188,7 @@ TEST_F(ParallelTraining, MultiLatentAttentionTP2SequenceParallel) {
       "--mscale-all-dim", "1", "--num-experts", "4", "--moe-layer-freq", "([0]+[1])", "--moe-ffn-hidden-size", "32",
       "--moe-shared-expert-intermediate-size", "32", "--moe-router-topk", "2", "--moe-router-score-function",
       "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
-      "--moe-router-topk-scaling-factor", "2.5", "--moe-token-dispatcher-type", "alltoall",
+      "--moe-router-topk-scaling-factor", "2.5",
       "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
       "--lr", "1e-3", "--vocab-size", "1000", "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0",
       "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--device", "cpu", "--split", "100,0,0",
