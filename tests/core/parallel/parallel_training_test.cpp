@@ -177,7 +177,7 @@ TEST_F(ParallelTraining, QkLayernormTP2DP2) {
 // on the decoupled rope channels, dense first layer then MoE with sigmoid group-limited routing, the
 // expert bias and a shared expert. TP 2 with sequence parallelism (the down projections duplicated,
 // their gradients all-reduced; the rope key gathered and its gradient reduce-scattered: Note [MLA
-// tensor parallelism]), and TP 2 without it, equal one process.
+// tensor parallelism]), and TP 2 without it (MLA without MoE, one q projection), equal one process.
 TEST_F(ParallelTraining, MultiLatentAttentionTP2SequenceParallel) {
   const std::vector<std::string> deepseek = {
       "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96", "--swiglu",
@@ -197,7 +197,19 @@ TEST_F(ParallelTraining, MultiLatentAttentionTP2SequenceParallel) {
                           concat(deepseek, {"--train-iters", "5", "--save", (dir_->path / "mla_single").string()}));
   check(deepseek, single, "mla_single",
         Layout{"mla_tp2_sp", 2, {"--tensor-model-parallel-size", "2", "--sequence-parallel"}});
-  check(deepseek, single, "mla_single", Layout{"mla_tp2", 2, {"--tensor-model-parallel-size", "2"}});
+  // Without sequence parallelism (MoE under TP needs it, as in Megatron): MLA alone, with one q projection.
+  std::vector<std::string> dense;
+  for (size_t i = 0; i < deepseek.size(); ++i) {
+    const std::string& f = deepseek[i];
+    if (f.rfind("--moe-", 0) == 0 || f == "--num-experts" || f == "--q-lora-rank") {
+      if (f != "--moe-router-enable-expert-bias") ++i;  // and its value
+      continue;
+    }
+    dense.push_back(f);
+  }
+  TrainRun dense_single = train(dir_->path, "mla_dense_single", 1,
+                                concat(dense, {"--train-iters", "5", "--save", (dir_->path / "mla_dense_single").string()}));
+  check(dense, dense_single, "mla_dense_single", Layout{"mla_dense_tp2", 2, {"--tensor-model-parallel-size", "2"}});
 }
 
 // Dropout masks do not depend on the data-parallel or pipeline layout (schedules.h).
