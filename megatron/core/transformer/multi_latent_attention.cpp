@@ -222,4 +222,72 @@ Tensor MLASelfAttention::backward(Context& ctx, const Tensor& grad_out, const At
   return grad_x.view({-1, b, h});
 }
 
+// ---- inference ---------------------------------------------------------------------------------
+
+Tensor MLASelfAttention::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
+                                           const Tensor& starts, Tensor& latent_cache, Tensor& rope_cache) const {
+  MG_CHECK(!tp_, "inference with multi-latent attention runs on one rank (no tensor parallelism)");
+  MG_ASSERT(freqs.defined(), "multi-latent attention without rotary angles");
+  const int64_t s = x.size(0), b = x.size(1), h = x.size(2), N = s * b, dqk = qk_ + pe_;
+  const int64_t slot_len = latent_cache.size(1);
+  MG_ASSERT(latent_cache.dim() == 4 && latent_cache.size(3) == kv_lora_rank_ && rope_cache.dim() == 4 &&
+                rope_cache.size(3) == pe_ && rope_cache.size(1) == slot_len,
+            "MLA caches {} and {} do not hold [slots, S, 1, {}] latents and [slots, S, 1, {}] rope keys",
+            latent_cache.str(), rope_cache.str(), kv_lora_rank_, pe_);
+  const DType dt = x.dtype();
+  const Device dev = ctx.device();
+  const Tensor rows = x.view({N, h});  // row j·b + i: sequence i's token j
+  Norm::Saved unused;
+  // The new tokens' queries (rope channels rotated at their own positions), latents and rope keys.
+  Tensor q;
+  if (linear_q_proj_) {
+    q = linear_q_proj_->forward(ctx, rows);
+  } else {
+    Tensor q_down = linear_q_down_proj_->forward(ctx, rows);
+    q = linear_q_up_proj_->forward(ctx, q_layernorm_ ? q_layernorm_->forward(ctx, q_down, unused) : q_down);
+  }
+  Tensor q_rows = q.view({N * n_, dqk}), q_pe = Tensor::empty({N * n_, pe_}, dt, dev);
+  ops::copy_columns(ctx, q_rows, qk_, q_pe, 0, pe_, false);
+  Tensor q_pe_rows = q_pe.view({N, 1, n_, pe_});
+  ops::rope_forward(ctx, q_pe_rows, freqs, /*interleaved=*/false, rope_scale_, q_pe_rows);
+  ops::copy_columns(ctx, q_pe, 0, q_rows, qk_, pe_, false);
+  Tensor kv_down = linear_kv_down_proj_.forward(ctx, rows);
+  Tensor latent = Tensor::empty({N, kv_lora_rank_}, dt, dev), k_pe = Tensor::empty({N, pe_}, dt, dev);
+  ops::copy_columns(ctx, kv_down, 0, latent, 0, kv_lora_rank_, false);
+  ops::copy_columns(ctx, kv_down, kv_lora_rank_, k_pe, 0, pe_, false);
+  if (kv_layernorm_) latent = kv_layernorm_->forward(ctx, latent, unused);
+  Tensor k_pe_rows = k_pe.view({N, 1, 1, pe_});
+  ops::rope_forward(ctx, k_pe_rows, freqs, /*interleaved=*/false, rope_scale_, k_pe_rows);
+  // Into the caches, then attention per sequence over its cached positions.
+  const std::vector<int64_t> slot_of = slots.to(Device::cpu()).to_ints();
+  const std::vector<int64_t> start_of = starts.to(Device::cpu()).to_ints();
+  Tensor latent_flat = latent_cache.view({-1, kv_lora_rank_}), rope_flat = rope_cache.view({-1, pe_});
+  Tensor context = Tensor::empty({N, n_ * dv_}, dt, dev);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t slot = slot_of[size_t(i)], start = start_of[size_t(i)], base = slot * slot_len, L = start + s;
+    MG_CHECK(slot >= 0 && slot < latent_cache.size(0) && start >= 0 && L <= slot_len,
+             "KV cache slot {} positions {}..{} are outside its {} slots of {} positions", slot, start, L - 1,
+             latent_cache.size(0), slot_len);
+    Tensor q_i = Tensor::empty({s, n_ * dqk}, dt, dev);
+    for (int64_t j = 0; j < s; ++j) {
+      ops::copy_rows(ctx, latent, j * b + i, latent_flat, base + start + j, 1);
+      ops::copy_rows(ctx, k_pe, j * b + i, rope_flat, base + start + j, 1);
+      ops::copy_rows(ctx, q, j * b + i, q_i, j, 1);
+    }
+    Tensor kv = linear_kv_up_proj_.forward(ctx, latent_flat.slice(base, base + L)).view({L * n_, qk_ + dv_});
+    Tensor K = Tensor::empty({L * n_, dqk}, dt, dev), V = Tensor::empty({L * n_, dv_}, dt, dev);
+    ops::copy_columns(ctx, kv, 0, K, 0, qk_, false);
+    ops::copy_columns(ctx, kv, qk_, V, 0, dv_, false);
+    const Tensor rope_keys = rope_flat.slice(base, base + L);
+    Tensor K_tokens = K.view({L, n_ * dqk});
+    for (int64_t hd = 0; hd < n_; ++hd) ops::copy_columns(ctx, rope_keys, 0, K_tokens, hd * dqk + qk_, pe_, false);
+    Tensor out_i = Tensor::empty({s, 1, n_, dv_}, dt, dev), lse = Tensor::empty({1, n_, s}, DType::Float32, dev);
+    ops::attention_forward(ctx, q_i.view({s, 1, n_, dqk}), K.view({L, 1, n_, dqk}), V.view({L, 1, n_, dv_}),
+                           AttnMask::causal_with_offset(start, 0), softmax_scale_, 0.0f, 0, 0, out_i, lse);
+    const Tensor out_rows = out_i.view({s, n_ * dv_});
+    for (int64_t j = 0; j < s; ++j) ops::copy_rows(ctx, out_rows, j, context, j * b + i, 1);
+  }
+  return linear_proj_.forward(ctx, context).view({s, b, h});
+}
+
 }  // namespace megatron

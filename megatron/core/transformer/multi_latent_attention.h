@@ -37,8 +37,17 @@
 //
 // Selective recomputation (--recompute-granularity selective) drops Q, K, V, the context and the
 // log-sum-exp after forward and rebuilds them in backward from the kept projections, as
-// SelfAttention does (Note [Selective recomputation] in attention.h). Context parallelism and the
-// KV cache (text generation) are refused at start with one line each.
+// SelfAttention does (Note [Selective recomputation] in attention.h). Context parallelism is refused
+// at start with one line.
+//
+// Note [MLA KV cache]: inference caches what DeepSeek's inference caches — per position the
+// compressed latent after kv_layernorm [kv_lora_rank] and the rope key after RoPE [pe], not the
+// per-head keys and values (KVCache's keys and values of an MLA layer hold those two: [slots,
+// max_length, 1, kv_lora_rank] and [slots, max_length, 1, pe]). Each forward writes the new tokens'
+// latents and rope keys, then per sequence expands its cached positions through linear_kv_up_proj
+// into keys and values and attends (CausalWithOffset: query j at position start + j sees keys
+// 0 .. start + j). The up projection is not absorbed into the queries (Megatron's
+// cache_mla_latents absorption), so the cache is small but each step re-expands the history.
 #pragma once
 
 #include <optional>
@@ -77,6 +86,13 @@ class MLASelfAttention {
   Tensor forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t dropout_offset, bool keep_core,
                  Saved& saved) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const AttentionInputs& in, Saved& saved) const;
+
+  // ---- inference (Note [MLA KV cache]; no dropout, one rank) ----
+  /// x [s, b, h] -> [s, b, h]. freqs: rotary angles per (position, sequence) row, [s·b, pe/2].
+  /// slots, starts [b]: sequence i uses cache slot slots[i], its tokens at positions starts[i]...
+  /// latent_cache [slots, S, 1, kv_lora_rank], rope_cache [slots, S, 1, pe].
+  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
+                           const Tensor& starts, Tensor& latent_cache, Tensor& rope_cache) const;
 
   /// Runs every linear layer in FP8 (Note [FP8 layers]); appends them to `fp8_linears`.
   void enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears);

@@ -156,12 +156,9 @@ Tensor TransformerLayer::forward_inference(Context& ctx, const Tensor& x, const 
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
   Norm::Saved norm_saved;
   MlpSaved mlp_saved;
-  const auto* attention = std::get_if<SelfAttention>(&mixer_);
-  MG_CHECK(attention,
-           "inference with a KV cache needs self-attention in every layer: --multi-latent-attention has no KV cache "
-           "yet");
   Tensor h1 = input_layernorm_.forward(ctx, x.view({s * b, h}), norm_saved).view({s, b, h});
-  Tensor attn = attention->forward_inference(ctx, h1, freqs, slots, starts, k_cache, v_cache);
+  Tensor attn = std::visit(
+      [&](const auto& m) { return m.forward_inference(ctx, h1, freqs, slots, starts, k_cache, v_cache); }, mixer_);
   Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::add(ctx, attn, x, x2);
   Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), norm_saved);

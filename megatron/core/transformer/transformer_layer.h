@@ -55,8 +55,8 @@ class TransformerLayer {
                  Saved& saved, AuxLossTracker* aux_losses = nullptr, bool report_aux_losses = true) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const AttentionInputs& in, Saved& saved) const;
 
-  /// Inference with a KV cache (SelfAttention::forward_inference): x [s, b, h] -> [s, b, h], no dropout.
-  /// Refused for a mixer kind without a KV cache.
+  /// Inference with a KV cache (SelfAttention::forward_inference, or MLASelfAttention's over its
+  /// latent cache: Note [MLA KV cache]): x [s, b, h] -> [s, b, h], no dropout.
   Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
                            const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
 

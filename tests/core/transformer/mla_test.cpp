@@ -2,8 +2,8 @@
 // parameter names and shapes, finite-difference gradients of every MLA parameter (with and without
 // the low-rank query, YaRN and plain RoPE), selective recomputation giving the same gradients,
 // tensor parallelism with and without sequence parallelism giving the single-process loss and
-// gradients (Note [MLA tensor parallelism]), and the one-line refusals of shapes and features that
-// do not fit.
+// gradients (Note [MLA tensor parallelism]), the latent KV cache equal to the full forward (Note [MLA
+// KV cache]), and the one-line refusals of shapes that do not fit.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -328,15 +328,41 @@ TEST(MLAConfig, BadShapesAreRefusedInOneLine) {
   EXPECT_EQ(finalize_error([](TransformerConfig&) {}), "");
 }
 
-TEST(MLAConfig, TextGenerationIsRefusedAtStart) {
-  TransformerConfig c = mla_config(kStyles[0]);
-  c.finalize();
-  try {
-    KVCache cache(c, 1, 8, Device::cpu());
-    FAIL() << "a KV cache was built for multi-latent attention";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("--multi-latent-attention"), std::string::npos) << e.what();
+// Note [MLA KV cache]: cached inference (prefill, then decode steps, two sequences at different
+// positions in one batch) gives the full forward's logits.
+TEST_P(MLA, KVCacheEqualsFullForward) {
+  GPTModel model(mla_config(GetParam(), 2));
+  init(model);
+  Context ctx;
+  KVCache cache(model.config(), 2, 16, ctx.device());
+  EXPECT_EQ(cache.keys[0].shape(), Shape({2, 16, 1, 10}));  // the latent, not per-head keys
+  EXPECT_EQ(cache.values[0].shape(), Shape({2, 16, 1, 4}));  // the rope key
+  std::vector<std::vector<int64_t>> seqs = {{5, 17, 3, 9, 12}, {8, 1, 30}};
+  std::vector<Tensor> last(2);
+  for (int64_t i = 0; i < 2; ++i) {  // prefill each sequence into its slot
+    const auto& seq = seqs[size_t(i)];
+    Tensor logits = model.forward_inference(ctx, Tensor::from_ints(seq, {1, int64_t(seq.size())}), {i}, {0}, cache);
+    last[size_t(i)] = logits.slice(logits.size(0) - 1, logits.size(0));
   }
+  double worst = 0;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<int64_t> next, starts;
+    for (size_t i = 0; i < 2; ++i) {
+      const auto& seq = seqs[i];
+      Tensor full = model.forward_logits(ctx, Tensor::from_ints(seq, {1, int64_t(seq.size())}), Tensor());
+      const int64_t n = int64_t(seq.size());
+      const std::vector<float> want = full.slice(n - 1, n).to_floats();
+      worst = std::max(worst, testing::max_abs_error(last[i].to_floats(), want));
+      next.push_back(int64_t(std::max_element(want.begin(), want.begin() + 40) - want.begin()));
+      starts.push_back(n);
+    }
+    for (size_t i = 0; i < 2; ++i) seqs[i].push_back(next[i]);
+    // One decode step for both sequences: batch rows at positions 5+step and 3+step.
+    Tensor logits = model.forward_inference(ctx, Tensor::from_ints(next, {2, 1}), {0, 1}, starts, cache);
+    const int64_t v = logits.size(2);
+    for (int64_t i = 0; i < 2; ++i) last[size_t(i)] = logits.view({2, v}).slice(i, i + 1).clone();
+  }
+  EXPECT_LE(worst, 1e-5) << "logits differ by " << worst;
 }
 
 }  // namespace
