@@ -296,7 +296,9 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
   checkpointer.load(ctx, load.string(), model, nullptr, nullptr);
   std::fprintf(stderr, "[convert] read %s (%lld parameters, %s)\n", dir.c_str(), (long long)model.params().numel(),
                std::string(to_string(config.params_dtype)).c_str());
-  TensorMap hf = in_export_dtype(megatron_to_hf(info, model_state_dict(model)), config);
+  TensorMap state = model_state_dict(model);
+  state.merge(model_buffer_dict(model));  // the MoE routers' expert biases (DeepSeek's e_score_correction_bias)
+  TensorMap hf = in_export_dtype(megatron_to_hf(info, state), config);
   fs::create_directories(save);
   write_hf_weights(save, hf, max_shard_bytes);
 

@@ -82,7 +82,8 @@ MG_HD inline double selected_softmax_sum(const float* l, const int32_t* top, int
   return sum;
 }
 
-// Megatron's group_limited_topk, or the plain top-k: emit(j, index) for the chosen experts.
+// Megatron's group_limited_topk (a group's score: the sum of its top topk / group_topk scores, or of
+// its top group_score_topk, HF DeepSeek-V3's 2, when given), or the plain top-k: emit(j, index) for the chosen experts.
 template <typename Score, typename Emit>
 MG_HD void select_experts(const MoeRoutingParams& c, Score score, Emit emit) {
   const int e = c.num_experts, k = c.topk;
@@ -91,11 +92,12 @@ MG_HD void select_experts(const MoeRoutingParams& c, Score score, Emit emit) {
     return;
   }
   const int per_group = e / c.num_groups;
+  const int per_score = c.group_score_topk > 0 ? c.group_score_topk : k / c.group_topk;
   float group_score[kMaxGroups];
   for (int g = 0; g < c.num_groups; ++g) {
     float sum = 0;
     topk_each(
-        per_group, k / c.group_topk, [&](int i) { return score(g * per_group + i); }, [](int) { return true; },
+        per_group, per_score, [&](int i) { return score(g * per_group + i); }, [](int) { return true; },
         [&](int, int, float v) { sum += v; });
     group_score[g] = sum;
   }

@@ -80,6 +80,9 @@ void check_moe_routing(const MoeRoutingParams& p, const Tensor& logits, const Te
              "({}), --moe-router-group-topk ({}) dividing --moe-router-topk ({}), at most the groups ({}), and "
              "enough experts in the chosen groups",
              e, p.group_topk, k, p.num_groups);
+    MG_CHECK(p.group_score_topk >= 0 && p.group_score_topk <= e / p.num_groups,
+             "MoE routing: --moe-router-group-score-topk {} must be at most the experts of a group ({})",
+             p.group_score_topk, e / p.num_groups);
   }
   MG_CHECK(p.capacity_factor >= 0.0f, "MoE routing: --moe-expert-capacity-factor must be positive (got {})",
            p.capacity_factor);

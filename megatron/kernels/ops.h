@@ -85,6 +85,7 @@ struct MoeRoutingParams {
   bool pre_softmax = false;   // --moe-router-pre-softmax
   int num_groups = 0;         // --moe-router-num-groups (group-limited routing when group_topk > 0)
   int group_topk = 0;         // --moe-router-group-topk
+  int group_score_topk = 0;   // --moe-router-group-score-topk: experts summed into a group's score (0: topk / group_topk)
   float topk_scaling_factor = 0.0f;  // 0: none
   float aux_loss_coeff = 0.0f, seq_aux_loss_coeff = 0.0f, z_loss_coeff = 0.0f;
   // --moe-router-load-balancing-type global_aux_loss: its coefficient and the ranks whose tokens its

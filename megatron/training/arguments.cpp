@@ -549,6 +549,8 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
 //   --window-size L,R             window_size_left = L (Megatron's tuple; R must be 0); empty: -1
 //   --untie-embeddings-and-output-weights   share_embeddings_and_output_weights is its negation
 //   --use-rotary-position-embeddings        position_embedding_type "rope" (an alias)
+//   --rope-type                   with --multi-latent-attention, position_embedding_type (yarn when
+//                                 absent: Megatron's MLA default, whatever --position-embedding-type says)
 //   --moe-expert-capacity-factor  a number, or absent (Megatron's None: dropless); the config holds
 //                                 0 for absent
 // and back (model_arguments_from_config): group_query_attention when the groups are fewer than the
@@ -615,6 +617,7 @@ TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab
   c.window_size_left = window_size_left_from_flag(a.window_size);
   c.share_embeddings_and_output_weights = !a.untie_embeddings_and_output_weights;
   if (a.use_rotary_position_embeddings) c.position_embedding_type = "rope";
+  if (a.multi_latent_attention) c.position_embedding_type = a.rope_type.empty() ? "yarn" : a.rope_type;
   if (!a.moe_expert_capacity_factor.empty()) c.moe_expert_capacity_factor = std::stof(a.moe_expert_capacity_factor);
 
   c.vocab_size = int(vocab_size);
@@ -653,6 +656,7 @@ Arguments model_arguments_from_config(const TransformerConfig& c) {
   a.quick_geglu = c.activation == "quick_geglu";
   a.window_size = c.window_size_left >= 0 ? fmt::format("{},0", c.window_size_left) : std::string();
   a.untie_embeddings_and_output_weights = !c.share_embeddings_and_output_weights;
+  if (c.multi_latent_attention) a.rope_type = c.position_embedding_type;
   if (c.moe_expert_capacity_factor > 0) a.moe_expert_capacity_factor = fmt::format("{}", c.moe_expert_capacity_factor);
   return a;
 }

@@ -174,9 +174,11 @@ void validate_args(Arguments& a) {
   // Megatron's rule: only RoPE goes without a learned position embedding under this old flag.
   MG_CHECK(!a.no_position_embedding || a.position_embedding_type == "rope",
            "--no-position-embedding is deprecated, use --position-embedding-type (it is accepted with rope only)");
-  MG_CHECK(a.rope_type != "yarn",
+  MG_CHECK(a.multi_latent_attention || a.rope_type != "yarn",
            "--rope-type yarn is Megatron's choice for multi-latent attention; standard attention takes only rope: for "
            "YaRN give --position-embedding-type yarn");
+  // Megatron's MLA takes its RoPE from --rope-type (yarn unless given), whatever --position-embedding-type says.
+  if (a.multi_latent_attention) a.position_embedding_type = a.rope_type.empty() ? "yarn" : a.rope_type;
   if (a.ffn_hidden_size == 0) {
     a.ffn_hidden_size = a.swiglu ? int((4.0 * a.hidden_size * 2.0 / 3.0) / 64.0) * 64 : 4 * a.hidden_size;
   }

@@ -441,6 +441,9 @@ void Checkpointer::finalize() {
 void Checkpointer::save(Context& ctx, const ModelChunk& model, const AdamOptimizer* optimizer,
                         const OptimizerParamScheduler* scheduler, const TrainingProgress& progress, bool release,
                         const nlohmann::json& extra) {
+  // The model's buffers (the MoE routers' expert biases) are saved with it, as training saves them.
+  // buffers() hands out pointers for loading too, hence not const; saving only reads them.
+  set_model_buffers(const_cast<ModelChunk&>(model).buffers());
   save(ctx, model.params().parameters(), optimizer, scheduler, progress, release, extra);
 }
 
@@ -567,6 +570,7 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
 
 std::optional<TrainingProgress> Checkpointer::load(Context& ctx, const std::string& load_dir, ModelChunk& model,
                                                    AdamOptimizer* optimizer, OptimizerParamScheduler* scheduler) {
+  set_model_buffers(model.buffers());  // the expert biases (and FP8 state) come back with the weights
   return load(ctx, load_dir, model.params().parameters(), optimizer, scheduler);
 }
 

@@ -136,6 +136,15 @@ TEST(CheckpointArgs, KeysAndValuesOfTheEarlierFormatAreUnchanged) {
     EXPECT_EQ(now.at(key), value) << key;
     now.erase(key);
   }
+  // And the multi-latent attention rows (with --rope-type, now saved): a run without MLA writes Megatron's defaults.
+  const nlohmann::json mla_defaults = {{"multi_latent_attention", false}, {"q_lora_rank", 0},
+                                       {"kv_lora_rank", 32},             {"qk_head_dim", 128},
+                                       {"qk_pos_emb_head_dim", 64},      {"v_head_dim", 128},
+                                       {"rope_type", ""}};
+  for (const auto& [key, value] : mla_defaults.items()) {
+    EXPECT_EQ(now.at(key), value) << key;
+    now.erase(key);
+  }
   EXPECT_EQ(now.dump(2), before.dump(2));
   EXPECT_EQ(now.at("norm_epsilon").dump(), nlohmann::json(1e-6f).dump());
 }

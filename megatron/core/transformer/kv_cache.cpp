@@ -8,6 +8,13 @@ KVCache::KVCache(const TransformerConfig& config, int64_t num_slots, int64_t max
     : num_slots_(num_slots), max_length_(max_length) {
   MG_CHECK(num_slots > 0 && max_length > 0, "a KV cache needs at least one slot and one position (got {} x {})",
            num_slots, max_length);
+  if (config.multi_latent_attention) {  // Note [MLA KV cache]: the latent and the rope key per position
+    for (int i = 0; i < config.num_layers; ++i) {
+      keys.push_back(Tensor::zeros({num_slots, max_length, 1, config.kv_lora_rank}, config.params_dtype, device));
+      values.push_back(Tensor::zeros({num_slots, max_length, 1, config.qk_pos_emb_head_dim}, config.params_dtype, device));
+    }
+    return;
+  }
   MG_CHECK(config.num_query_groups > 0 && config.kv_channels > 0, "the KV cache needs a finalized TransformerConfig");
   const Shape shape{num_slots, max_length, config.num_query_groups, config.kv_channels};
   for (int i = 0; i < config.num_layers; ++i) {

@@ -2,6 +2,8 @@
 // preallocated once: per layer [slots, max_length, num_query_groups, kv_channels] in the model
 // dtype on the model's device. Slot-major, so one sequence's history is contiguous and a batch
 // can be any subset of slots, each at its own position (ops::attention_kv_cache_forward).
+// Multi-latent attention caches its compressed latent and rope key instead (Note [MLA KV cache] in
+// multi_latent_attention.h): keys [slots, max_length, 1, kv_lora_rank], values [.., 1, qk_pos_emb_head_dim].
 // Which positions of a slot are valid is the caller's bookkeeping (InferenceEngine): a forward
 // writes positions starts[i] .. starts[i]+s-1 and reads 0 .. starts[i]+s-1.
 #pragma once

@@ -6,20 +6,25 @@ namespace megatron {
 
 Norm::Norm(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params, const std::string& prefix,
            const ProcessGroupCollection& pg)
-    : Norm(config, kind, params, prefix, pg, /*per_head=*/false) {}
+    : Norm(config, kind, params, prefix, pg, /*per_head=*/false, config.hidden_size) {}
 
 Norm Norm::per_head(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
                     const ProcessGroupCollection& pg) {
   return Norm(config, config.use_rmsnorm() ? NormKind::RMSNorm : NormKind::LayerNorm, params, prefix, pg,
-              /*per_head=*/true);
+              /*per_head=*/true, config.kv_channels);
+}
+
+Norm Norm::of_size(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params, const std::string& prefix,
+                   int64_t size, const ProcessGroupCollection& pg) {
+  return Norm(config, kind, params, prefix, pg, /*per_head=*/false, size);
 }
 
 Norm::Norm(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params, const std::string& prefix,
-           const ProcessGroupCollection& pg, bool per_head)
+           const ProcessGroupCollection& pg, bool per_head, int64_t size)
     : rms_(kind == NormKind::RMSNorm),
       zero_centered_gamma_(config.layernorm_zero_centered_gamma),
       eps_(config.layernorm_epsilon) {
-  const Shape shape{per_head ? config.kv_channels : config.hidden_size};
+  const Shape shape{size};
   weight_ = params.add(prefix + ".weight", shape, /*no_weight_decay=*/true, ParamInit::Ones);
   if (!rms_) bias_ = params.add(prefix + ".bias", shape, /*no_weight_decay=*/true, ParamInit::Zeros);
   const bool tp = group_size(pg.tp) > 1;

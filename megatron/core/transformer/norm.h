@@ -25,6 +25,11 @@ class Norm {
   /// sequence parallel. Inputs are [rows, kv_channels].
   static Norm per_head(const TransformerConfig& config, ParamAndGradBuffer& params, const std::string& prefix,
                        const ProcessGroupCollection& pg = {});
+  /// A norm over `size` channels (multi-latent attention's q_layernorm over q_lora_rank and
+  /// kv_layernorm over kv_lora_rank), its weights duplicated on the tensor-parallel ranks and
+  /// sequence parallel as the hidden-size norms are. Inputs are [rows, size].
+  static Norm of_size(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params,
+                      const std::string& prefix, int64_t size, const ProcessGroupCollection& pg = {});
 
   struct Saved {
     Tensor x;     // input [N, h]
@@ -38,7 +43,7 @@ class Norm {
 
  private:
   Norm(const TransformerConfig& config, NormKind kind, ParamAndGradBuffer& params, const std::string& prefix,
-       const ProcessGroupCollection& pg, bool per_head);
+       const ProcessGroupCollection& pg, bool per_head, int64_t size);
 
   bool rms_;
   bool zero_centered_gamma_;

@@ -57,12 +57,13 @@ void TransformerConfig::finalize() {
   if (use_learned_positions()) {
     MG_CHECK(max_position_embeddings > 0, "--max-position-embeddings must be positive with learned positions");
   }
-  if (use_rope()) {
-    int rot = int(float(kv_channels) * rotary_percent);
+  if (use_rope() && !multi_latent_attention) {
+    int rot = rotary_dim();
     MG_CHECK(rotary_percent > 0.0f && rotary_percent <= 1.0f && rot > 0 && rot % 2 == 0,
              "--rotary-percent ({}) must give an even, positive number of rotary channels of the {} per head",
              rotary_percent, kv_channels);
   }
+  finalize_mla();
   finalize_rope_scaling();
   MG_CHECK(!(bf16 && fp16), "--bf16 and --fp16 cannot both be given");
   if (bf16) params_dtype = DType::BFloat16;
@@ -146,6 +147,30 @@ void TransformerConfig::finalize_gpt_oss() {
            "--activation-func-clamp-value must be a positive number (got {})", activation_func_clamp_value);
   MG_CHECK(quick_geglu() || (glu_linear_offset == 0.0f && activation_func_clamp_value == 0.0f),
            "--glu-linear-offset and --activation-func-clamp-value apply to the quick-GeGLU MLP only: add --quick-geglu");
+}
+
+// The multi-latent attention rules (Note [Multi-latent attention] in multi_latent_attention.h), one
+// line each.
+void TransformerConfig::finalize_mla() {
+  if (!multi_latent_attention) return;
+  MG_CHECK(num_query_groups == num_attention_heads,
+           "--group-query-attention is mutually exclusive with --multi-latent-attention (as in Megatron)");
+  MG_CHECK(q_lora_rank >= 0, "--q-lora-rank must be positive, or absent for one q projection (got {})", q_lora_rank);
+  MG_CHECK(kv_lora_rank > 0, "--kv-lora-rank must be positive (got {})", kv_lora_rank);
+  MG_CHECK(qk_head_dim > 0, "--qk-head-dim must be positive (got {})", qk_head_dim);
+  MG_CHECK(v_head_dim > 0, "--v-head-dim must be positive (got {})", v_head_dim);
+  MG_CHECK(qk_pos_emb_head_dim > 0 && qk_pos_emb_head_dim % 2 == 0,
+           "--qk-pos-emb-head-dim must be even and positive: RoPE rotates channel pairs (got {})", qk_pos_emb_head_dim);
+  MG_CHECK(use_rope(),
+           "--multi-latent-attention rotates its --qk-pos-emb-head-dim channels: give --rope-type rope or yarn (got "
+           "--position-embedding-type {})",
+           position_embedding_type);
+  MG_CHECK(!rotary_interleaved, "--rotary-interleaved does not work with --multi-latent-attention (as in Megatron)");
+  MG_CHECK(rotary_percent == 1.0f,
+           "--rotary-percent {} does not apply to --multi-latent-attention: it rotates all --qk-pos-emb-head-dim "
+           "channels",
+           rotary_percent);
+  MG_CHECK(!add_qkv_bias, "--add-qkv-bias does not apply to --multi-latent-attention (its projections have no bias)");
 }
 
 // The RoPE scaling rules (rotary_pos_embedding.h), one line each.

@@ -71,6 +71,16 @@ struct TransformerConfig {
   std::string window_attn_skip_freq;  // "" (every layer windowed), an int N or a pattern
   std::vector<int> window_attn_pattern;  // derived: per decoder layer, 1 = sliding window, 0 = full
 
+  // ---- multi-latent attention (Megatron's MLATransformerConfig; --multi-latent-attention). The
+  // heads' query/key channels are qk_head_dim (no position) + qk_pos_emb_head_dim (RoPE), their value
+  // channels v_head_dim; kv_channels is not used by it (Note [Multi-latent attention]).
+  bool multi_latent_attention = false;
+  int q_lora_rank = 0;  // 0 (Megatron's None): one q projection, no low-rank query
+  int kv_lora_rank = 32;
+  int qk_head_dim = 128;
+  int qk_pos_emb_head_dim = 64;
+  int v_head_dim = 128;
+
   // ---- mixture of experts (Megatron's moe_* fields; num_moe_experts 0 is a dense model)
   int num_moe_experts = 0;                 // --num-experts
   std::string moe_layer_freq = "1";        // an int N (every N-th layer from layer 0) or a pattern "([0]+[1]*23)"
@@ -83,6 +93,9 @@ struct TransformerConfig {
   std::string moe_router_score_function = "softmax";  // softmax | sigmoid
   bool moe_router_pre_softmax = false;
   int moe_router_num_groups = 0, moe_router_group_topk = 0;  // 0: no group-limited routing
+  // Experts of a group summed into its score: 0 is Megatron's topk / group_topk; HF DeepSeek-V3 always
+  // sums the top 2 (the same for DeepSeek-V3's 8 / 4, not for other shapes).
+  int moe_router_group_score_topk = 0;
   float moe_router_topk_scaling_factor = 0.0f;              // 0: none
   std::string moe_router_dtype = "fp32";                    // fp32 | fp64
   bool moe_router_enable_expert_bias = false;
@@ -143,6 +156,12 @@ struct TransformerConfig {
   }
   bool quick_geglu() const { return activation == "quick_geglu"; }
   bool has_attention_sinks() const { return softmax_type != "vanilla"; }
+  void finalize_mla();  // finalize()'s multi-latent-attention part
+  /// The channels RoPE rotates per head: qk_pos_emb_head_dim with multi-latent attention, else
+  /// kv_channels · rotary_percent.
+  int rotary_dim() const {
+    return multi_latent_attention ? qk_pos_emb_head_dim : int(float(kv_channels) * rotary_percent);
+  }
   int head_dim() const { return kv_channels; }
   int query_projection_size() const { return kv_channels * num_attention_heads; }
   int kv_projection_size() const { return kv_channels * num_query_groups; }

@@ -13,6 +13,9 @@ TransformerLayer::Mixer make_mixer(const TransformerConfig& config, const MixerS
     case MixerKind::SelfAttention:
       return TransformerLayer::Mixer(std::in_place_type<SelfAttention>, config, spec, params,
                                      prefix + ".self_attention", pg);
+    case MixerKind::MLA:
+      return TransformerLayer::Mixer(std::in_place_type<MLASelfAttention>, config, spec, params,
+                                     prefix + ".self_attention", pg);
   }
   MG_CHECK(false, "unknown mixer kind {}", int(spec.kind));
   __builtin_unreachable();
@@ -153,10 +156,9 @@ Tensor TransformerLayer::forward_inference(Context& ctx, const Tensor& x, const 
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
   Norm::Saved norm_saved;
   MlpSaved mlp_saved;
-  const auto* attention = std::get_if<SelfAttention>(&mixer_);
-  MG_CHECK(attention, "inference with a KV cache needs self-attention in every layer");
   Tensor h1 = input_layernorm_.forward(ctx, x.view({s * b, h}), norm_saved).view({s, b, h});
-  Tensor attn = attention->forward_inference(ctx, h1, freqs, slots, starts, k_cache, v_cache);
+  Tensor attn = std::visit(
+      [&](const auto& m) { return m.forward_inference(ctx, h1, freqs, slots, starts, k_cache, v_cache); }, mixer_);
   Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::add(ctx, attn, x, x2);
   Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), norm_saved);

@@ -19,6 +19,7 @@
 
 #include "megatron/core/transformer/attention.h"
 #include "megatron/core/transformer/mlp.h"
+#include "megatron/core/transformer/multi_latent_attention.h"
 #include "megatron/core/transformer/moe/moe_layer.h"
 #include "megatron/core/transformer/norm.h"
 #include "megatron/core/transformer/transformer_layer_spec.h"
@@ -35,8 +36,8 @@ class TransformerLayer {
                    const std::string& prefix, const ProcessGroupCollection& pg = {}, int layer_number = 0);
 
   /// The kinds a spec can name (TransformerLayerSpec), and their saved activations in the same order.
-  using Mixer = std::variant<SelfAttention>;
-  using MixerSaved = std::variant<SelfAttention::Saved>;
+  using Mixer = std::variant<SelfAttention, MLASelfAttention>;
+  using MixerSaved = std::variant<SelfAttention::Saved, MLASelfAttention::Saved>;
   using Mlp = std::variant<MLP, moe::MoELayer>;
   using MlpSaved = std::variant<MLP::Saved, moe::MoELayer::Saved>;
 
@@ -54,8 +55,8 @@ class TransformerLayer {
                  Saved& saved, AuxLossTracker* aux_losses = nullptr, bool report_aux_losses = true) const;
   Tensor backward(Context& ctx, const Tensor& grad_out, const AttentionInputs& in, Saved& saved) const;
 
-  /// Inference with a KV cache (SelfAttention::forward_inference): x [s, b, h] -> [s, b, h], no dropout.
-  /// Refused for a mixer kind without a KV cache.
+  /// Inference with a KV cache (SelfAttention::forward_inference, or MLASelfAttention's over its
+  /// latent cache: Note [MLA KV cache]): x [s, b, h] -> [s, b, h], no dropout.
   Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
                            const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
 

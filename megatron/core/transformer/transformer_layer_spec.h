@@ -1,6 +1,6 @@
 // Layer specs (Megatron-Core's ModuleSpec / TransformerLayerSubmodules, without the reflection):
 // which implementation each part of a decoder layer has — its mixer (the token-mixing sublayer:
-// self-attention now; multi-latent attention and Mamba are further kinds), its MLP (dense, or a
+// self-attention or multi-latent attention; Mamba would be a further kind), its MLP (dense, or a
 // mixture of experts) and its norms — and the per-layer values that differ from the config.
 // A block spec holds one layer spec per decoder layer (by global layer index), so layouts such as
 // an MoE layer every other layer, dense first layers or a hybrid pattern are data, not code paths.
@@ -16,7 +16,7 @@
 namespace megatron {
 
 enum class NormKind { LayerNorm, RMSNorm };
-enum class MixerKind { SelfAttention };
+enum class MixerKind { SelfAttention, MLA };
 enum class MlpKind { Dense, MoE };
 
 struct MixerSpec {

@@ -1,6 +1,7 @@
 // Self-attention with grouped-query heads and a mask, CPU reference (flash-attention semantics).
 //
-// q [sq, b, nq, d]; k, v [sk, b, ng, d]; query head h reads key/value group h / (nq/ng). For one
+// q [sq, b, nq, d]; k [sk, b, ng, d]; v [sk, b, ng, dv] (dv may differ from d, as multi-latent
+// attention's heads do); query head h reads key/value group h / (nq/ng). For one
 // (batch, head) the rows of Q, K, V, O are d contiguous floats a fixed stride apart (sequence-
 // first), so they feed cblas_sgemm directly through the leading dimension, with no gathering:
 //   S = scale·Q·Kᵀ [sq, sk]; P = softmax over the visible keys (fp32, lse saved); P̃ = P∘M; O = P̃·V
@@ -35,21 +36,23 @@ namespace megatron::cpu {
 
 namespace {
 
-// Where the rows of one (batch, head) sit. Separate tensors: q/dq [sq, b, nq, d], k/v/dk/dv
-// [sk, b, ng, d]. fused (MHA, sq == sk): q, k, v and their gradients in one [s, b, 3·nq·d] buffer,
-// head h's q/k/v at h·3d, h·3d + d, h·3d + 2d of a token row. o and do are always [sq, b, nq, d].
+// Where the rows of one (batch, head) sit. Separate tensors: q/dq [sq, b, nq, d], k/dk [sk, b, ng, d],
+// v/dv [sk, b, ng, dv] (dv may differ from d: multi-latent attention's value heads). fused (MHA,
+// sq == sk, dv == d): q, k, v and their gradients in one [s, b, 3·nq·d] buffer, head h's q/k/v at
+// h·3d, h·3d + d, h·3d + 2d of a token row. o and do are always [sq, b, nq, dv].
 struct AttnShape {
-  int64_t sq = 0, sk = 0, b = 0, nq = 0, ng = 0, d = 0;
+  int64_t sq = 0, sk = 0, b = 0, nq = 0, ng = 0, d = 0, dv = 0;
   bool fused = false;
   int64_t ldq() const { return fused ? 3 * b * nq * d : b * nq * d; }  // between sequence positions of q, dq
-  int64_t ldk() const { return fused ? 3 * b * nq * d : b * ng * d; }  // of k, v, dk, dv
-  int64_t ldo() const { return b * nq * d; }                           // of o, do
-  int64_t o_off(int64_t bi, int64_t h) const { return (bi * nq + h) * d; }
+  int64_t ldk() const { return fused ? 3 * b * nq * d : b * ng * d; }  // of k, dk
+  int64_t ldv() const { return fused ? 3 * b * nq * d : b * ng * dv; }  // of v, dv
+  int64_t ldo() const { return b * nq * dv; }                          // of o, do
+  int64_t o_off(int64_t bi, int64_t h) const { return (bi * nq + h) * dv; }
   int64_t q_off(int64_t bi, int64_t h) const { return fused ? (bi * nq + h) * 3 * d : (bi * nq + h) * d; }
   int64_t k_off(int64_t bi, int64_t h) const {
     return fused ? (bi * nq + h) * 3 * d + d : (bi * ng + h / (nq / ng)) * d;
   }
-  int64_t v_off(int64_t bi, int64_t h) const { return fused ? k_off(bi, h) + d : k_off(bi, h); }
+  int64_t v_off(int64_t bi, int64_t h) const { return fused ? k_off(bi, h) + d : (bi * ng + h / (nq / ng)) * dv; }
   // Row (bi, h, i) of lse; times sk plus the key position it is the dropout element.
   int64_t stat(int64_t bi, int64_t h, int64_t i) const { return (bi * nq + h) * sq + i; }
 };
@@ -58,12 +61,14 @@ AttnShape attention_shape(const Tensor& q, const Tensor& k, const Tensor& v, flo
   assert_float(q, "q");
   assert_float(k, "k");
   assert_float(v, "v");
-  MG_ASSERT(q.dim() == 4 && k.dim() == 4 && k.shape() == v.shape(),
-            "attention expects q [sq, b, nq, d], k/v [sk, b, ng, d]; got {}, {}, {}", q.str(), k.str(), v.str());
-  AttnShape a{q.size(0), k.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  MG_ASSERT(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && v.size(0) == k.size(0) && v.size(1) == k.size(1) &&
+                v.size(2) == k.size(2),
+            "attention expects q [sq, b, nq, d], k [sk, b, ng, d], v [sk, b, ng, dv]; got {}, {}, {}", q.str(), k.str(),
+            v.str());
+  AttnShape a{q.size(0), k.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
   MG_ASSERT(k.size(1) == a.b && k.size(3) == a.d && a.ng > 0 && a.nq % a.ng == 0,
             "q {} and k {} do not fit GQA attention", q.str(), k.str());
-  MG_ASSERT(a.d > 0, "attention head dimension must be positive, q is {}", q.str());
+  MG_ASSERT(a.d > 0 && a.dv > 0, "attention head dimensions must be positive, q is {}, v {}", q.str(), v.str());
   MG_ASSERT(dropout_p >= 0.0f && dropout_p < 1.0f, "attention dropout_p {} must be in [0, 1)", dropout_p);
   return a;
 }
@@ -75,7 +80,7 @@ AttnShape fused_attention_shape(const Tensor& qkv, const Tensor& out, float drop
                 qkv.numel() == 3 * out.numel(),
             "attention on the fused QKV buffer expects qkv [s, b, 3·nq·d] and out [s, b, nq, d]; got {}, {}",
             qkv.str(), out.str());
-  AttnShape a{out.size(0), out.size(0), out.size(1), out.size(2), out.size(2), out.size(3), true};
+  AttnShape a{out.size(0), out.size(0), out.size(1), out.size(2), out.size(2), out.size(3), out.size(3), true};
   MG_ASSERT(a.d > 0 && a.nq > 0, "attention heads and head dimension must be positive, out is {}", out.str());
   MG_ASSERT(dropout_p >= 0.0f && dropout_p < 1.0f, "attention dropout_p {} must be in [0, 1)", dropout_p);
   return a;
@@ -194,11 +199,11 @@ void forward_rows(const AttnShape& a, const VisibleKeys& keys, const float* q, c
           dropout_row(row, r, dropout_p, seed, offset, uint64_t(a.stat(bi, h, i) * sk), uniform.data(), row);
       }
       if (sk == 0) {
-        for (int64_t i = 0; i < sq; ++i) std::fill_n(o + a.o_off(bi, h) + i * a.ldo(), a.d, 0.0f);
+        for (int64_t i = 0; i < sq; ++i) std::fill_n(o + a.o_off(bi, h) + i * a.ldo(), a.dv, 0.0f);
         continue;
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(sq), int(a.d), int(sk), 1.0f, probs.data(), int(sk),
-                  v + a.v_off(bi, h), int(a.ldk()), 0.0f, o + a.o_off(bi, h), int(a.ldo()));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(sq), int(a.dv), int(sk), 1.0f, probs.data(), int(sk),
+                  v + a.v_off(bi, h), int(a.ldv()), 0.0f, o + a.o_off(bi, h), int(a.ldo()));
     }
   }
 }
@@ -241,14 +246,14 @@ void backward_rows(const AttnShape& a, const VisibleKeys& keys, const float* dou
         }
       }
       // dV += P̃ᵀ·dO; dP̃ = dO·Vᵀ.
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(sk), int(a.d), int(sq), 1.0f, pd, int(sk), doh,
-                  int(a.ldo()), 1.0f, dv + a.v_off(bi, h), int(a.ldk()));
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(sq), int(sk), int(a.d), 1.0f, doh, int(a.ldo()), vh,
-                  int(a.ldk()), 0.0f, dscores.data(), int(sk));
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(sk), int(a.dv), int(sq), 1.0f, pd, int(sk), doh,
+                  int(a.ldo()), 1.0f, dv + a.v_off(bi, h), int(a.ldv()));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(sq), int(sk), int(a.dv), 1.0f, doh, int(a.ldo()), vh,
+                  int(a.ldv()), 0.0f, dscores.data(), int(sk));
       // dS = P̃∘dP̃ - P∘D, in place of dP̃.
       for (int64_t i = 0; i < sq; ++i) {
         double di = 0.0;
-        for (int64_t c = 0; c < a.d; ++c) di += double(doh[i * a.ldo() + c]) * oh[i * a.ldo() + c];
+        for (int64_t c = 0; c < a.dv; ++c) di += double(doh[i * a.ldo() + c]) * oh[i * a.ldo() + c];
         float* ds = dscores.data() + i * sk;
         const float* prow = probs.data() + i * sk;
         const float* pdrow = pd + i * sk;
@@ -271,7 +276,7 @@ void attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Ten
                        float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Tensor& lse) {
   const AttnShape a = attention_shape(q, k, v, dropout_p);
   const VisibleKeys keys(ctx, mask, a);
-  assert_numel(out, q.numel(), "out");
+  assert_numel(out, a.sq * a.b * a.nq * a.dv, "out");
   check_lse(lse, a);
   FloatIn qin(q), kin(k), vin(v);
   FloatOut o(out);
@@ -285,8 +290,8 @@ void attention_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, c
                         Tensor& grad_v) {
   const AttnShape a = attention_shape(q, k, v, dropout_p);
   const VisibleKeys keys(ctx, mask, a);
-  assert_numel(grad_out, q.numel(), "grad_out");
-  assert_numel(out, q.numel(), "out");
+  assert_numel(grad_out, a.sq * a.b * a.nq * a.dv, "grad_out");
+  assert_numel(out, a.sq * a.b * a.nq * a.dv, "out");
   assert_numel(grad_q, q.numel(), "grad_q");
   assert_numel(grad_k, k.numel(), "grad_k");
   assert_numel(grad_v, v.numel(), "grad_v");

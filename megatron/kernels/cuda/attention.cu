@@ -14,6 +14,8 @@
 //       that see j (i >= j when causal), recomputing P_ij and dS_ij, and sums dV_j = Σ P̃_ij dO_i,
 //       dK_j = scale·Σ dS_ij q_i.
 // The score row lives in shared memory (4·sk bytes), so sk is bounded by the block's shared memory.
+// Value heads may be of another width dv than the query/key heads' d (multi-latent attention): v,
+// out, dout and dv use dv (AttnDims::v_row, o_row), the scores and dq/dk use d.
 // Masks: every kind lets query i see one interval of keys and key j be seen by one interval of
 // queries (AttnDims::key_begin/key_end, query_begin/query_end), so the loops are the causal ones with
 // other bounds. Causal: keys [0, i], queries [j, s). CausalWithOffset (q [sq, ...], k [sk, ...],
@@ -60,8 +62,12 @@ struct AttnDims {
   int64_t window = -1;  // Note [Sliding-window attention]: keys j >= i + shift - window; -1: none
   const int32_t* cu = nullptr;
   int64_t cu_n1 = 0, cu_stride = 0;
+  int64_t dv = 0;  // value/output head width (d but for multi-latent attention)
   __host__ __device__ int64_t q_row(int64_t pos, int64_t bi, int64_t h) const { return ((pos * b + bi) * nq + h) * d; }
   __host__ __device__ int64_t k_row(int64_t pos, int64_t bi, int64_t g) const { return ((pos * b + bi) * ng + g) * d; }
+  // Rows of v/dv [sk, b, ng, dv] and of out/dout [s, b, nq, dv].
+  __host__ __device__ int64_t v_row(int64_t pos, int64_t bi, int64_t g) const { return ((pos * b + bi) * ng + g) * dv; }
+  __host__ __device__ int64_t o_row(int64_t pos, int64_t bi, int64_t h) const { return ((pos * b + bi) * nq + h) * dv; }
   // Index into lse / D [b, nq, s]; times sk plus the key position it is the Philox element.
   __host__ __device__ int64_t stat(int64_t bi, int64_t h, int64_t i) const { return (bi * nq + h) * s + i; }
   // The document t of position i in batch row bi: cu[t] <= i < cu[t + 1] (its index into the row).
@@ -147,12 +153,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t i = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
   const int64_t g = h / (a.nq / a.ng);
   const int64_t j0 = a.key_begin(bi, i), n = a.key_end(i);  // keys j0 .. n - 1
-  const int64_t d = a.d;
+  const int64_t d = a.d, dv = a.dv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* qs = smem;               // [d]
-  float* p = qs + d;              // [sk]: scores, then P̃
-  float* acc = p + a.sk;          // [kWarps, d]
-  float* red = acc + kWarps * d;  // [kWarps]
+  float* qs = smem;                // [d]
+  float* p = qs + d;               // [sk]: scores, then P̃
+  float* acc = p + a.sk;           // [kWarps, dv]
+  float* red = acc + kWarps * dv;  // [kWarps]
 
   const T* qrow = q + a.q_row(i, bi, h);
   for (int64_t c = threadIdx.x; c < d; c += kThreads) qs[c] = load_float(qrow[c]);
@@ -183,18 +189,18 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t base = uint64_t(row) * uint64_t(a.sk);
   for (int64_t j = j0 + threadIdx.x; j < n; j += kThreads)
     p[j] = apply_dropout(p[j] * inv, dropout_p, seed, offset, base + uint64_t(j));
-  float* mine = acc + warp * d;
-  for (int64_t c = lane; c < d; c += 32) mine[c] = 0.0f;
+  float* mine = acc + warp * dv;
+  for (int64_t c = lane; c < dv; c += 32) mine[c] = 0.0f;
   __syncthreads();
 
   for (int64_t j = j0 + warp; j < n; j += kWarps) {
     const float pj = p[j];
-    const T* vrow = v + a.k_row(j, bi, g);
-    for (int64_t c = lane; c < d; c += 32) mine[c] += pj * load_float(vrow[c]);
+    const T* vrow = v + a.v_row(j, bi, g);
+    for (int64_t c = lane; c < dv; c += 32) mine[c] += pj * load_float(vrow[c]);
   }
   __syncthreads();
-  T* orow = out + a.q_row(i, bi, h);
-  for (int64_t c = threadIdx.x; c < d; c += kThreads) orow[c] = store_float<T>(sum_over_warps(acc, d, c));
+  T* orow = out + a.o_row(i, bi, h);
+  for (int64_t c = threadIdx.x; c < dv; c += kThreads) orow[c] = store_float<T>(sum_over_warps(acc, dv, c));
 }
 
 // Pass 1 of the backward: dQ and D (module comment).
@@ -209,20 +215,20 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t i = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
   const int64_t g = h / (a.nq / a.ng);
   const int64_t j0 = a.key_begin(bi, i), n = a.key_end(i);
-  const int64_t d = a.d;
+  const int64_t d = a.d, dv = a.dv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* qs = smem;               // [d]
-  float* dos = qs + d;            // [d]
-  float* ds = dos + d;            // [sk]
+  float* dos = qs + d;            // [dv]
+  float* ds = dos + dv;           // [sk]
   float* acc = ds + a.sk;         // [kWarps, d]
   float* red = acc + kWarps * d;  // [kWarps]
 
   const T* qrow = q + a.q_row(i, bi, h);
-  const T* dorow = dout + a.q_row(i, bi, h);
-  const T* orow = out + a.q_row(i, bi, h);
+  const T* dorow = dout + a.o_row(i, bi, h);
+  const T* orow = out + a.o_row(i, bi, h);
   float partial = 0.0f;
-  for (int64_t c = threadIdx.x; c < d; c += kThreads) {
-    qs[c] = load_float(qrow[c]);
+  for (int64_t c = threadIdx.x; c < d; c += kThreads) qs[c] = load_float(qrow[c]);
+  for (int64_t c = threadIdx.x; c < dv; c += kThreads) {
     const float go = load_float(dorow[c]);
     dos[c] = go;
     partial += go * load_float(orow[c]);
@@ -235,12 +241,10 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int64_t j = j0 + warp; j < n; j += kWarps) {
     const T* krow = k + a.k_row(j, bi, g);
-    const T* vrow = v + a.k_row(j, bi, g);
+    const T* vrow = v + a.v_row(j, bi, g);
     float qk = 0.0f, dpv = 0.0f;
-    for (int64_t c = lane; c < d; c += 32) {
-      qk += qs[c] * load_float(krow[c]);
-      dpv += dos[c] * load_float(vrow[c]);
-    }
+    for (int64_t c = lane; c < d; c += 32) qk += qs[c] * load_float(krow[c]);
+    for (int64_t c = lane; c < dv; c += 32) dpv += dos[c] * load_float(vrow[c]);
     qk = scale * warp_sum(qk);
     dpv = warp_sum(dpv);
     const float pj = expf(qk - l);
@@ -266,7 +270,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_dkv_kernel(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
                                   const T* __restrict__ v, const float* __restrict__ lse,
-                                  const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                                  const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dvout,
                                   AttnDims a, float scale, float dropout_p, uint64_t seed, uint64_t offset,
                                   const uint64_t* shift) {
   extern __shared__ float smem[];
@@ -274,51 +278,44 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t j = blockIdx.x, g = blockIdx.y, bi = blockIdx.z;
   const int64_t group = a.nq / a.ng;
   const int64_t i0 = a.query_begin(j), rows = max(a.query_end(bi, j) - i0, int64_t(0));  // queries i0 .. i0 + rows - 1
-  const int64_t d = a.d;
+  const int64_t d = a.d, dv = a.dv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* ks = smem;                   // [d]
-  float* vs = ks + d;                 // [d]
-  float* acc_k = vs + d;              // [kWarps, d]
-  float* acc_v = acc_k + kWarps * d;  // [kWarps, d]
+  float* vs = ks + d;                 // [dv]
+  float* acc_k = vs + dv;             // [kWarps, d]
+  float* acc_v = acc_k + kWarps * d;  // [kWarps, dv]
 
   const T* krow = k + a.k_row(j, bi, g);
-  const T* vrow = v + a.k_row(j, bi, g);
-  for (int64_t c = threadIdx.x; c < d; c += kThreads) {
-    ks[c] = load_float(krow[c]);
-    vs[c] = load_float(vrow[c]);
-  }
+  const T* vrow = v + a.v_row(j, bi, g);
+  for (int64_t c = threadIdx.x; c < d; c += kThreads) ks[c] = load_float(krow[c]);
+  for (int64_t c = threadIdx.x; c < dv; c += kThreads) vs[c] = load_float(vrow[c]);
   float* mine_k = acc_k + warp * d;
-  float* mine_v = acc_v + warp * d;
-  for (int64_t c = lane; c < d; c += 32) mine_k[c] = mine_v[c] = 0.0f;
+  float* mine_v = acc_v + warp * dv;
+  for (int64_t c = lane; c < d; c += 32) mine_k[c] = 0.0f;
+  for (int64_t c = lane; c < dv; c += 32) mine_v[c] = 0.0f;
   __syncthreads();
 
   for (int64_t t = warp; t < group * rows; t += kWarps) {
     const int64_t h = g * group + t / rows, i = i0 + t % rows;
     const T* qrow = q + a.q_row(i, bi, h);
-    const T* dorow = dout + a.q_row(i, bi, h);
+    const T* dorow = dout + a.o_row(i, bi, h);
     float qk = 0.0f, dpv = 0.0f;
-    for (int64_t c = lane; c < d; c += 32) {
-      qk += load_float(qrow[c]) * ks[c];
-      dpv += load_float(dorow[c]) * vs[c];
-    }
+    for (int64_t c = lane; c < d; c += 32) qk += load_float(qrow[c]) * ks[c];
+    for (int64_t c = lane; c < dv; c += 32) dpv += load_float(dorow[c]) * vs[c];
     qk = scale * warp_sum(qk);
     dpv = warp_sum(dpv);
     const int64_t row = a.stat(bi, h, i);
     const float pij = expf(qk - lse[row]);
     const float pd = apply_dropout(pij, dropout_p, seed, offset, uint64_t(row) * uint64_t(a.sk) + uint64_t(j));
     const float dsij = pd * dpv - pij * delta[row];
-    for (int64_t c = lane; c < d; c += 32) {
-      mine_k[c] += dsij * load_float(qrow[c]);
-      mine_v[c] += pd * load_float(dorow[c]);
-    }
+    for (int64_t c = lane; c < d; c += 32) mine_k[c] += dsij * load_float(qrow[c]);
+    for (int64_t c = lane; c < dv; c += 32) mine_v[c] += pd * load_float(dorow[c]);
   }
   __syncthreads();
   T* dkrow = dk + a.k_row(j, bi, g);
-  T* dvrow = dv + a.k_row(j, bi, g);
-  for (int64_t c = threadIdx.x; c < d; c += kThreads) {
-    dkrow[c] = store_float<T>(scale * sum_over_warps(acc_k, d, c));
-    dvrow[c] = store_float<T>(sum_over_warps(acc_v, d, c));
-  }
+  T* dvrow = dvout + a.v_row(j, bi, g);
+  for (int64_t c = threadIdx.x; c < d; c += kThreads) dkrow[c] = store_float<T>(scale * sum_over_warps(acc_k, d, c));
+  for (int64_t c = threadIdx.x; c < dv; c += kThreads) dvrow[c] = store_float<T>(sum_over_warps(acc_v, dv, c));
 }
 
 // cuDNN's dropout state: {mix(seed, offset + shift) >> 1, 0}. cuDNN's dropout barely moves with
@@ -392,21 +389,33 @@ void check_mask(const Context& ctx, const AttnMask& mask, int64_t sk, AttnDims& 
   a.cu_stride = cu.dim() == 2 ? a.cu_n1 : 0;
 }
 
+// out and grad_out: [sq, b, nq, dv], q's dtype.
+void check_out(const Context& ctx, const Tensor& t, const Tensor& q, const Tensor& v, const char* name) {
+  check_on_device(ctx, t, name);
+  MG_ASSERT(t.dtype() == q.dtype() && t.shape() == Shape({q.size(0), q.size(1), q.size(2), v.size(3)}),
+            "attention: {} is {}, expected [{}, {}, {}, {}] in {}", name, t.str(), q.size(0), q.size(1), q.size(2),
+            v.size(3), to_string(q.dtype()));
+}
+
 AttnDims check_inputs(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const AttnMask& mask,
                       float dropout_p, const Tensor& lse) {
   MG_ASSERT(ctx.is_cuda(), "megatron::cuda::attention on a {} context", ctx.device().str());
   check_on_device(ctx, q, "q");
   check_on_device(ctx, k, "k");
-  check_like(ctx, v, k, "v");
+  check_on_device(ctx, v, "v");
   MG_ASSERT(q.dtype() == DType::Float32 || q.dtype() == DType::BFloat16 || q.dtype() == DType::Float16,
             "attention: q is {}, expected fp32, bf16 or fp16", q.str());
   MG_ASSERT(q.dim() == 4 && k.dim() == 4 && k.dtype() == q.dtype(),
             "attention expects q [s, b, nq, d], k/v [s, b, ng, d] of one dtype; got {}, {}", q.str(), k.str());
   AttnDims a{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  a.dv = v.dim() == 4 ? v.size(3) : 0;
   check_mask(ctx, mask, k.size(0), a);
   MG_ASSERT(k.size(1) == a.b && k.size(3) == a.d && a.ng > 0 && a.nq % a.ng == 0 && a.nq >= a.ng,
             "q {} and k {} do not fit causal GQA attention", q.str(), k.str());
   MG_ASSERT(a.d > 0, "attention head dimension must be positive, q is {}", q.str());
+  MG_ASSERT(v.dtype() == k.dtype() && v.dim() == 4 && v.size(0) == k.size(0) && v.size(1) == k.size(1) &&
+                v.size(2) == k.size(2) && v.size(3) > 0,
+            "attention: v is {}, expected [sk, b, ng, dv] of k's dtype with k {}", v.str(), k.str());
   MG_ASSERT(dropout_p >= 0.0f && dropout_p < 1.0f, "attention dropout_p {} must be in [0, 1)", dropout_p);
   check_on_device(ctx, lse, "lse");
   MG_ASSERT(lse.dtype() == DType::Float32 && lse.shape() == Shape({a.b, a.nq, a.s}),
@@ -417,7 +426,7 @@ AttnDims check_inputs(const Context& ctx, const Tensor& q, const Tensor& k, cons
 AttnDims check_forward(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const AttnMask& mask,
                        float dropout_p, const Tensor& out, const Tensor& lse) {
   const AttnDims a = check_inputs(ctx, q, k, v, mask, dropout_p, lse);
-  check_like(ctx, out, q, "out");
+  check_out(ctx, out, q, v, "out");
   return a;
 }
 
@@ -425,11 +434,11 @@ AttnDims check_backward(const Context& ctx, const Tensor& grad_out, const Tensor
                         const Tensor& out, const Tensor& lse, const AttnMask& mask, float dropout_p,
                         const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
   const AttnDims a = check_inputs(ctx, q, k, v, mask, dropout_p, lse);
-  check_like(ctx, grad_out, q, "grad_out");
-  check_like(ctx, out, q, "out");
+  check_out(ctx, grad_out, q, v, "grad_out");
+  check_out(ctx, out, q, v, "out");
   check_like(ctx, grad_q, q, "grad_q");
   check_like(ctx, grad_k, k, "grad_k");
-  check_like(ctx, grad_v, k, "grad_v");
+  check_like(ctx, grad_v, v, "grad_v");
   return a;
 }
 
@@ -457,7 +466,7 @@ void reserve_shared_memory(Kernel* kernel, size_t bytes, const AttnDims& a) {
 void launch_forward_rowwise(Context& ctx, const AttnDims& a, const Tensor& q, const Tensor& k, const Tensor& v,
                             float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, Tensor& out,
                             Tensor& lse) {
-  const size_t smem = sizeof(float) * size_t(a.d + a.sk + kWarps * a.d + kWarps);
+  const size_t smem = sizeof(float) * size_t(a.d + a.sk + kWarps * a.dv + kWarps);
   const dim3 grid = row_grid(a.s, a.nq, a.b);
   dispatch_float(q.dtype(), [&]<typename T>() {
     reserve_shared_memory(attention_forward_rowwise_kernel<T>, smem, a);
@@ -475,8 +484,8 @@ void launch_backward_rowwise(Context& ctx, const AttnDims& a, const Tensor& grad
   // D [b, nq, s] fp32, written by pass 1 and read by pass 2 (same stream).
   Tensor delta_buf = ctx.workspace(sizeof(float) * size_t(a.b * a.nq * a.s));
   float* delta = static_cast<float*>(delta_buf.raw_data());
-  const size_t smem_dq = sizeof(float) * size_t(2 * a.d + a.sk + kWarps * a.d + kWarps);
-  const size_t smem_dkv = sizeof(float) * size_t(2 * a.d + 2 * kWarps * a.d);
+  const size_t smem_dq = sizeof(float) * size_t(a.d + a.dv + a.sk + kWarps * a.d + kWarps);
+  const size_t smem_dkv = sizeof(float) * size_t(a.d + a.dv + kWarps * (a.d + a.dv));
   const dim3 grid_dq = row_grid(a.s, a.nq, a.b);
   const dim3 grid_dkv = row_grid(a.sk, a.ng, a.b);
   dispatch_float(q.dtype(), [&]<typename T>() {
@@ -512,6 +521,7 @@ AttnDims check_qkv(const Context& ctx, const Tensor& qkv, const Tensor& out, con
             "got {}, {}",
             qkv.str(), out.str());
   AttnDims a{out.size(0), out.size(1), out.size(2), out.size(2), out.size(3)};
+  a.dv = a.d;
   check_mask(ctx, mask, a.s, a);
   MG_ASSERT(a.d > 0 && a.nq > 0, "attention heads and head dimension must be positive, out is {}", out.str());
   MG_ASSERT(dropout_p >= 0.0f && dropout_p < 1.0f, "attention dropout_p {} must be in [0, 1)", dropout_p);

@@ -39,6 +39,13 @@
 // {nq·s, s, 1, 1}). Its backward consumes the same definition, so an lse from the row-wise kernels
 // feeds cuDNN's backward and vice versa.
 //
+// Note [Value heads of another width on the GPU]: multi-latent attention has query/key heads of d
+// channels and value heads of dv != d (DeepSeek-V3: 192 and 128). cuDNN's SDPA takes that on Hopper:
+// v, o, dO and dV are declared with dv, q, k, dQ and dK with d (GraphKey carries both). Packed
+// documents share one ragged-offset array between k and v, so dv != d with documents is declined
+// and runs on the row-wise kernels (attention.cu), which take both widths (AttnDims::dv), as they
+// do for fp32.
+//
 // Note [Attention dropout on the GPU]: cuDNN draws its dropout mask with its own Philox, keyed by
 // the (seed, offset) we pass as device int64 scalars, over its own element order. The mask is a
 // pure function of (seed, offset), so cuDNN's backward regenerates its forward's mask, but it does
@@ -126,6 +133,7 @@ struct GraphKey {
   void* handle = nullptr;
   int device = 0;
   int64_t b = 0, s = 0, nq = 0, ng = 0, d = 0;
+  int64_t dv = 0;             // value (and output) head width; d for all but multi-latent attention
   int64_t sk = 0, shift = 0;  // key positions; the band's right bound (CausalWithOffset, else 0)
   int64_t window = -1;        // Note [Sliding-window attention]: the band's left bound is window + 1; -1: none
   DType dtype = DType::BFloat16;
@@ -145,7 +153,7 @@ struct GraphKeyHash {
     size_t h = std::hash<void*>()(k.handle);
     auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
     mix(uint64_t(k.device));
-    for (int64_t v : {k.b, k.s, k.nq, k.ng, k.d, k.sk, k.shift, k.docs, k.window}) mix(uint64_t(v));
+    for (int64_t v : {k.b, k.s, k.nq, k.ng, k.d, k.dv, k.sk, k.shift, k.docs, k.window}) mix(uint64_t(v));
     mix(uint64_t(k.dtype));
     mix(k.scale_bits);
     mix(k.dropout_bits);
@@ -166,7 +174,7 @@ struct CachedGraph {
 // The shape part of a GraphKey: from separate q [s, b, nq, d], k [s, b, ng, d], or (fused) from
 // the output [s, b, nq, d] of attention over a [s, b, 3·nq·d] buffer.
 struct Geometry {
-  int64_t s = 0, b = 0, nq = 0, ng = 0, d = 0;
+  int64_t s = 0, b = 0, nq = 0, ng = 0, d = 0, dv = 0;
   DType dtype = DType::BFloat16;
   bool fused_qkv = false;
   int64_t docs = 0;
@@ -194,12 +202,13 @@ Geometry with_mask(Geometry g, const AttnMask& mask, int64_t sk) {
   return g;
 }
 
-Geometry split_geometry(const Tensor& q, const Tensor& k, const AttnMask& mask) {
-  return with_mask({q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.dtype(), false}, mask, k.size(0));
+Geometry split_geometry(const Tensor& q, const Tensor& k, const Tensor& v, const AttnMask& mask) {
+  return with_mask({q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3), q.dtype(), false}, mask,
+                   k.size(0));
 }
 
 Geometry fused_geometry(const Tensor& qkv, const Tensor& out, const AttnMask& mask) {
-  return with_mask({out.size(0), out.size(1), out.size(2), out.size(2), out.size(3), qkv.dtype(), true}, mask,
+  return with_mask({out.size(0), out.size(1), out.size(2), out.size(2), out.size(3), out.size(3), qkv.dtype(), true}, mask,
                    out.size(0));
 }
 
@@ -214,6 +223,7 @@ GraphKey make_key(Context& ctx, const Geometry& g, float softmax_scale, float dr
   key.nq = g.nq;
   key.ng = g.ng;
   key.d = g.d;
+  key.dv = g.dv;
   key.dtype = g.dtype;
   key.scale_bits = std::bit_cast<uint32_t>(softmax_scale);
   key.dropout_bits = dropout_p > 0.0f ? std::bit_cast<uint32_t>(dropout_p) : 0u;
@@ -238,14 +248,17 @@ fe::DataType_t io_type(DType t) {
 }
 
 // Logical [b, h, s, d] over sequence-first memory [s, b, h, d]; seq is k.s (queries) or k.sk (keys).
-std::vector<int64_t> bhsd_dims(const GraphKey& k, int64_t heads, int64_t seq) { return {k.batch(), heads, seq, k.d}; }
-std::vector<int64_t> sbhd_strides(const GraphKey& k, int64_t heads) {
-  return {heads * k.d, k.d, k.b * heads * k.d, 1};
+// width: the head width, k.d (q, k) or k.dv (v, o; Note [Value heads of another width on the GPU]).
+std::vector<int64_t> bhsd_dims(const GraphKey& k, int64_t heads, int64_t seq, int64_t width) {
+  return {k.batch(), heads, seq, width};
+}
+std::vector<int64_t> sbhd_strides(const GraphKey& k, int64_t heads, int64_t width) {
+  return {heads * width, width, k.b * heads * width, 1};
 }
 
 // q, k, v and their gradients: their own [s, b, h, d] tensors, or views of the fused buffer.
-std::vector<int64_t> qkv_strides(const GraphKey& k, int64_t heads) {
-  if (!k.fused_qkv) return sbhd_strides(k, heads);
+std::vector<int64_t> qkv_strides(const GraphKey& k, int64_t heads, int64_t width) {
+  if (!k.fused_qkv) return sbhd_strides(k, heads, width);
   const int64_t row = 3 * k.nq * k.d;  // one token's fused row
   return {row, 3 * k.d, k.b * row, 1};
 }
@@ -253,14 +266,17 @@ std::vector<int64_t> qkv_strides(const GraphKey& k, int64_t heads) {
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
 TensorPtr activation(fe::graph::Graph& graph, const GraphKey& k, const char* name, Uid uid, int64_t heads, int64_t seq,
-                     const std::vector<int64_t>& strides) {
-  return graph.tensor(
-      fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(bhsd_dims(k, heads, seq)).set_stride(strides));
+                     int64_t width, const std::vector<int64_t>& strides) {
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim(bhsd_dims(k, heads, seq, width))
+                          .set_stride(strides));
 }
 
-void mark_activation_output(const TensorPtr& t, const GraphKey& k, Uid uid, int64_t heads, int64_t seq,
+void mark_activation_output(const TensorPtr& t, const GraphKey& k, Uid uid, int64_t heads, int64_t seq, int64_t width,
                             const std::vector<int64_t>& strides) {
-  t->set_output(true).set_uid(uid).set_dim(bhsd_dims(k, heads, seq)).set_stride(strides);
+  t->set_output(true).set_uid(uid).set_dim(bhsd_dims(k, heads, seq, width)).set_stride(strides);
 }
 
 // Our lse [b, nq, s] as cuDNN's Stats [b, nq, s, 1].
@@ -314,9 +330,9 @@ void set_documents(Options& options, const GraphKey& k, const Ragged& r) {
 
 void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
   const Ragged r = ragged_tensors(graph, k);
-  TensorPtr q = activation(graph, k, "q", kQ, k.nq, k.s, qkv_strides(k, k.nq));
-  TensorPtr kk = activation(graph, k, "k", kK, k.ng, k.sk, qkv_strides(k, k.ng));
-  TensorPtr v = activation(graph, k, "v", kV, k.ng, k.sk, qkv_strides(k, k.ng));
+  TensorPtr q = activation(graph, k, "q", kQ, k.nq, k.s, k.d, qkv_strides(k, k.nq, k.d));
+  TensorPtr kk = activation(graph, k, "k", kK, k.ng, k.sk, k.d, qkv_strides(k, k.ng, k.d));
+  TensorPtr v = activation(graph, k, "v", kV, k.ng, k.sk, k.dv, qkv_strides(k, k.ng, k.dv));
   set_ragged(q, r.q);
   set_ragged(kk, r.k);
   set_ragged(v, r.k);
@@ -332,7 +348,7 @@ void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
   if (k.dropout_bits != 0)
     options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
   auto [o, stats] = graph.sdpa(q, kk, v, options);
-  mark_activation_output(o, k, kO, k.nq, k.s, sbhd_strides(k, k.nq));
+  mark_activation_output(o, k, kO, k.nq, k.s, k.dv, sbhd_strides(k, k.nq, k.dv));
   set_ragged(o, r.o);
   stats->set_output(true)
       .set_uid(kStats)
@@ -344,11 +360,11 @@ void define_forward(fe::graph::Graph& graph, const GraphKey& k) {
 
 void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
   const Ragged r = ragged_tensors(graph, k);
-  TensorPtr q = activation(graph, k, "q", kQ, k.nq, k.s, qkv_strides(k, k.nq));
-  TensorPtr kk = activation(graph, k, "k", kK, k.ng, k.sk, qkv_strides(k, k.ng));
-  TensorPtr v = activation(graph, k, "v", kV, k.ng, k.sk, qkv_strides(k, k.ng));
-  TensorPtr o = activation(graph, k, "o", kO, k.nq, k.s, sbhd_strides(k, k.nq));
-  TensorPtr grad_o = activation(graph, k, "grad_o", kGradO, k.nq, k.s, sbhd_strides(k, k.nq));
+  TensorPtr q = activation(graph, k, "q", kQ, k.nq, k.s, k.d, qkv_strides(k, k.nq, k.d));
+  TensorPtr kk = activation(graph, k, "k", kK, k.ng, k.sk, k.d, qkv_strides(k, k.ng, k.d));
+  TensorPtr v = activation(graph, k, "v", kV, k.ng, k.sk, k.dv, qkv_strides(k, k.ng, k.dv));
+  TensorPtr o = activation(graph, k, "o", kO, k.nq, k.s, k.dv, sbhd_strides(k, k.nq, k.dv));
+  TensorPtr grad_o = activation(graph, k, "grad_o", kGradO, k.nq, k.s, k.dv, sbhd_strides(k, k.nq, k.dv));
   TensorPtr stats = graph.tensor(fe::graph::Tensor_attributes()
                                      .set_name("stats")
                                      .set_uid(kStats)
@@ -374,9 +390,9 @@ void define_backward(fe::graph::Graph& graph, const GraphKey& k) {
   if (k.dropout_bits != 0)
     options.set_dropout(k.dropout_p(), int64_scalar(graph, "seed", kSeed), int64_scalar(graph, "offset", kOffset));
   auto [grad_q, grad_k, grad_v] = graph.sdpa_backward(q, kk, v, o, grad_o, stats, options);
-  mark_activation_output(grad_q, k, kGradQ, k.nq, k.s, qkv_strides(k, k.nq));
-  mark_activation_output(grad_k, k, kGradK, k.ng, k.sk, qkv_strides(k, k.ng));
-  mark_activation_output(grad_v, k, kGradV, k.ng, k.sk, qkv_strides(k, k.ng));
+  mark_activation_output(grad_q, k, kGradQ, k.nq, k.s, k.d, qkv_strides(k, k.nq, k.d));
+  mark_activation_output(grad_k, k, kGradK, k.ng, k.sk, k.d, qkv_strides(k, k.ng, k.d));
+  mark_activation_output(grad_v, k, kGradV, k.ng, k.sk, k.dv, qkv_strides(k, k.ng, k.dv));
   set_ragged(grad_q, r.q);
   set_ragged(grad_k, r.k);
   set_ragged(grad_v, r.k);
@@ -474,6 +490,9 @@ struct Lookup {
 };
 
 Lookup lookup(Context& ctx, const Geometry& g, float softmax_scale, float dropout_p, bool backward) {
+  // Note [Value heads of another width on the GPU]: one ragged offset array serves k and v.
+  if (g.docs > 0 && g.dv != g.d)
+    return {nullptr, "packed documents with value heads of another width than the query/key heads"};
   if (g.shift < 0)
     return {nullptr, "cuDNN's diagonal band takes no negative right bound (q_offset - k_offset = " +
                          std::to_string(g.shift) + ")"};
@@ -586,14 +605,14 @@ CudnnAttentionSupport cudnn_attention_support(Context& ctx, const Tensor& q, con
                                               float softmax_scale, float dropout_p, bool backward) {
   if (q.dtype() != DType::BFloat16 && q.dtype() != DType::Float16)
     return {false, "cuDNN attention takes bf16 or fp16, not " + std::string(to_string(q.dtype()))};
-  Lookup found = lookup(ctx, split_geometry(q, k, mask), softmax_scale, dropout_p, backward);
+  Lookup found = lookup(ctx, split_geometry(q, k, /*v=*/k, mask), softmax_scale, dropout_p, backward);
   return {found.entry != nullptr, found.unsupported};
 }
 
 bool cudnn_attention_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const AttnMask& mask,
                              float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, Tensor& out,
                              Tensor& lse) {
-  auto entry = lookup(ctx, split_geometry(q, k, mask), softmax_scale, dropout_p, /*backward=*/false).entry;
+  auto entry = lookup(ctx, split_geometry(q, k, v, mask), softmax_scale, dropout_p, /*backward=*/false).entry;
   if (!entry) return false;
   if (!check_alignment({q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(), lse.raw_data()}, dropout_p))
     return false;
@@ -607,7 +626,7 @@ bool cudnn_attention_backward(Context& ctx, const Tensor& grad_out, const Tensor
                               const Tensor& out, const Tensor& lse, const AttnMask& mask, float softmax_scale,
                               float dropout_p, uint64_t seed, uint64_t offset, Tensor& grad_q, Tensor& grad_k,
                               Tensor& grad_v) {
-  auto entry = lookup(ctx, split_geometry(q, k, mask), softmax_scale, dropout_p, /*backward=*/true).entry;
+  auto entry = lookup(ctx, split_geometry(q, k, v, mask), softmax_scale, dropout_p, /*backward=*/true).entry;
   if (!entry) return false;
   if (!check_alignment({grad_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(),
                         lse.raw_data(), grad_q.raw_data(), grad_k.raw_data(), grad_v.raw_data()},

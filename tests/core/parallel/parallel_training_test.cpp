@@ -173,6 +173,45 @@ TEST_F(ParallelTraining, QkLayernormTP2DP2) {
                 "--overlap-grad-reduce", "--ddp-bucket-size", "20000"}});
 }
 
+// DeepSeek-V3 style (Note [Multi-latent attention]): MLA with low-rank q and kv, their norms, YaRN
+// on the decoupled rope channels, dense first layer then MoE with sigmoid group-limited routing, the
+// expert bias and a shared expert. TP 2 with sequence parallelism (the down projections duplicated,
+// their gradients all-reduced; the rope key gathered and its gradient reduce-scattered: Note [MLA
+// tensor parallelism]), and TP 2 without it (MLA without MoE, one q projection), equal one process.
+TEST_F(ParallelTraining, MultiLatentAttentionTP2SequenceParallel) {
+  const std::vector<std::string> deepseek = {
+      "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96", "--swiglu",
+      "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+      "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "20", "--qk-head-dim", "12",
+      "--qk-pos-emb-head-dim", "8", "--v-head-dim", "10", "--qk-layernorm", "--rope-type", "yarn",
+      "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "8", "--mscale", "1",
+      "--mscale-all-dim", "1", "--num-experts", "4", "--moe-layer-freq", "([0]+[1])", "--moe-ffn-hidden-size", "32",
+      "--moe-shared-expert-intermediate-size", "32", "--moe-router-topk", "2", "--moe-router-score-function",
+      "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+      "--moe-router-topk-scaling-factor", "2.5",
+      "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
+      "--lr", "1e-3", "--vocab-size", "1000", "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0",
+      "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--device", "cpu", "--split", "100,0,0",
+      "--adam-eps", "1e-4"};
+  TrainRun single = train(dir_->path, "mla_single", 1,
+                          concat(deepseek, {"--train-iters", "5", "--save", (dir_->path / "mla_single").string()}));
+  check(deepseek, single, "mla_single",
+        Layout{"mla_tp2_sp", 2, {"--tensor-model-parallel-size", "2", "--sequence-parallel"}});
+  // Without sequence parallelism (MoE under TP needs it, as in Megatron): MLA alone, with one q projection.
+  std::vector<std::string> dense;
+  for (size_t i = 0; i < deepseek.size(); ++i) {
+    const std::string& f = deepseek[i];
+    if (f.rfind("--moe-", 0) == 0 || f == "--num-experts" || f == "--q-lora-rank") {
+      if (f != "--moe-router-enable-expert-bias") ++i;  // and its value
+      continue;
+    }
+    dense.push_back(f);
+  }
+  TrainRun dense_single = train(dir_->path, "mla_dense_single", 1,
+                                concat(dense, {"--train-iters", "5", "--save", (dir_->path / "mla_dense_single").string()}));
+  check(dense, dense_single, "mla_dense_single", Layout{"mla_dense_tp2", 2, {"--tensor-model-parallel-size", "2"}});
+}
+
 // Dropout masks do not depend on the data-parallel or pipeline layout (schedules.h).
 TEST_F(ParallelTraining, DropoutMatchesAcrossDataAndPipelineParallel) {
   std::vector<std::string> model = kGpt;

@@ -8,6 +8,8 @@ const char* mixer_kind_name(MixerKind k) {
   switch (k) {
     case MixerKind::SelfAttention:
       return "self_attention";
+    case MixerKind::MLA:
+      return "multi_latent_attention";
   }
   return "?";
 }
@@ -26,7 +28,7 @@ TransformerLayerSpec get_gpt_layer_spec(const TransformerConfig& config, bool mo
   const NormKind norm = config.use_rmsnorm() ? NormKind::RMSNorm : NormKind::LayerNorm;
   TransformerLayerSpec spec;
   spec.input_layernorm = norm;
-  spec.mixer.kind = MixerKind::SelfAttention;
+  spec.mixer.kind = config.multi_latent_attention ? MixerKind::MLA : MixerKind::SelfAttention;
   spec.pre_mlp_layernorm = norm;
   spec.mlp.kind = moe ? MlpKind::MoE : MlpKind::Dense;
   spec.mlp.ffn_hidden_size = moe ? (config.moe_ffn_hidden_size > 0 ? config.moe_ffn_hidden_size : config.ffn_hidden_size)

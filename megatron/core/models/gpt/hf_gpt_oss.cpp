@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "megatron/core/models/gpt/hf_mapping_detail.h"
+#include "megatron/core/models/gpt/hf_util.h"
 #include "megatron/core/models/gpt/hf_rope.h"
 
 namespace megatron {

@@ -8,13 +8,14 @@
 #include <fstream>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/models/gpt/hf_deepseek.h"
 #include "megatron/core/models/gpt/hf_gpt_oss.h"
-#include "megatron/core/models/gpt/hf_mapping_detail.h"
 #include "megatron/core/models/gpt/hf_rope.h"
+#include "megatron/core/models/gpt/hf_util.h"
 
 namespace megatron {
 
-// The helpers hf_mapping_detail.h shares with the other HF mappings (hf_gpt_oss.cpp).
+// The helpers hf_util.h shares with the other HF mappings (hf_deepseek.cpp, hf_gpt_oss.cpp).
 namespace hf_detail {
 
 // ---- small host helpers on fp32 row-major matrices --------------------------------------------------
@@ -86,27 +87,22 @@ Tensor resize_rows(const Tensor& t, int64_t rows) {
   return out;
 }
 
-// Fetches an HF tensor and checks its shape.
-struct HFReader {
-  const std::function<Tensor(const std::string&)>& get;
-  Tensor operator()(const std::string& name, const Shape& expected) const {
-    Tensor t = get(name);
-    MG_CHECK(is_floating(t.dtype()), "HF tensor '{}' has dtype {}, expected a floating-point type", name,
-             to_string(t.dtype()));
-    MG_CHECK(t.shape() == expected,
-             "HF tensor '{}' has shape {}, but the config needs {}: the weights do not belong to this config.json",
-             name, shape_str(t.shape()), shape_str(expected));
-    return as_fp32(t);
-  }
-};
+Tensor HFReader::operator()(const std::string& name, const Shape& expected) const {
+  Tensor t = get(name);
+  MG_CHECK(is_floating(t.dtype()), "HF tensor '{}' has dtype {}, expected a floating-point type", name,
+           to_string(t.dtype()));
+  MG_CHECK(t.shape() == expected,
+           "HF tensor '{}' has shape {}, but the config needs {}: the weights do not belong to this config.json", name,
+           shape_str(t.shape()), shape_str(expected));
+  return as_fp32(t);
+}
 
 std::string layer(int i, const char* rest) { return fmt::format("decoder.layers.{}.{}", i, rest); }
 
 }  // namespace hf_detail
 
-using namespace hf_detail;
-
 namespace {
+using namespace hf_detail;
 
 bool is_hf_moe(const std::string& model_type) {
   return model_type == "mixtral" || model_type == "qwen2_moe" || model_type == "qwen3_moe";
@@ -249,10 +245,14 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
   } else if (info.model_type == "gpt_oss") {
     info.family = HFFamily::GptOss;
     gpt_oss_config_from_hf(j, c);  // Note [HF GPT-OSS]
+  } else if (is_hf_deepseek(info.model_type)) {
+    info.family = HFFamily::DeepSeek;
+    info.rope_interleave = num("rope_interleave", true);
+    deepseek_config_from_hf(j, c);  // Note [HF DeepSeek-V3]
   } else {
     MG_CHECK(false,
              "HF model_type '{}' is not supported: expected gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, "
-             "qwen3_moe or gpt_oss",
+             "qwen3_moe, gpt_oss or deepseek_v3",
              info.model_type);
   }
   c.finalize();
@@ -264,6 +264,7 @@ TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(con
   const TransformerConfig& c = info.config;
   const int64_t h = c.hidden_size, v = c.vocab_size, vp = c.padded_vocab_size, f = c.ffn_hidden_size;
   const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels;
+  if (info.family == HFFamily::DeepSeek) return deepseek_to_megatron(info, get_hf);
   HFReader hf{get_hf};
   TensorMap out;
   if (info.family == HFFamily::GptOss) {
@@ -387,6 +388,7 @@ Tensor half_split_rows(const Tensor& t, int64_t heads, int64_t d, int64_t r) {
 }  // namespace
 
 TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
+  if (info.family == HFFamily::DeepSeek) return megatron_to_deepseek(info, m);
   const TransformerConfig& c = info.config;
   const int64_t h = c.hidden_size, v = c.vocab_size, f = c.ffn_hidden_size;
   const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels;
@@ -518,6 +520,7 @@ double shortest(float x) { return std::stod(fmt::format("{}", x)); }
 
 nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
   if (uses_gpt_oss_features(c)) return hf_gpt_oss_config(c);  // Note [HF GPT-OSS]
+  if (c.multi_latent_attention) return deepseek_config_to_hf(c);  // Note [HF DeepSeek-V3]
   MG_CHECK(!c.apply_residual_connection_post_layernorm,
            "--apply-residual-connection-post-layernorm has no HuggingFace export: GPT-2 and Llama-type models add the "
            "residual before the norm");
@@ -724,7 +727,15 @@ TensorMap model_grad_dict(const GPTModel& model) {
   return out;
 }
 
+TensorMap model_buffer_dict(GPTModel& model) {
+  TensorMap out;
+  for (const ModelBuffer& b : model.buffers()) out[b.name] = as_fp32(*b.tensor).clone();
+  return out;
+}
+
 void load_model_state_dict(GPTModel& model, const TensorMap& state, const std::string& source) {
+  std::map<std::string, Tensor*> buffers;
+  for (const ModelBuffer& b : model.buffers()) buffers[b.name] = b.tensor;
   for (Parameter* p : model.params().parameters()) {
     auto it = state.find(p->name);
     MG_CHECK(it != state.end(), "{} has no tensor '{}' that the model needs", source, p->name);
@@ -733,7 +744,12 @@ void load_model_state_dict(GPTModel& model, const TensorMap& state, const std::s
     p->data.copy_from(it->second);
   }
   for (const auto& [name, t] : state) {
-    MG_CHECK(model.params().find(name) != nullptr, "{} has a tensor '{}' that this model does not have", source, name);
+    if (model.params().find(name) != nullptr) continue;
+    auto b = buffers.find(name);
+    MG_CHECK(b != buffers.end(), "{} has a tensor '{}' that this model does not have", source, name);
+    MG_CHECK(t.shape() == b->second->shape(), "{}: tensor '{}' has shape {}, the model needs {}", source, name,
+             shape_str(t.shape()), shape_str(b->second->shape()));
+    b->second->copy_from(as_fp32(t).to(b->second->dtype()));
   }
 }
 

@@ -39,17 +39,19 @@ namespace megatron {
 
 using TensorMap = std::map<std::string, Tensor>;
 
-enum class HFFamily { GPT2, Llama, GptOss };  // GptOss: hf_gpt_oss.h
+enum class HFFamily { GPT2, Llama, GptOss, DeepSeek };  // GptOss: hf_gpt_oss.h, DeepSeek: hf_deepseek.h
 
 struct HFModelInfo {
   HFFamily family = HFFamily::GPT2;
   std::string model_type;
   TransformerConfig config;  // finalized
+  /// DeepSeek's rope_interleave (Note [Importing DeepSeek's interleaved RoPE] in hf_deepseek.h).
+  bool rope_interleave = false;
 };
 
 /// Reads a HuggingFace config.json (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
-/// Qwen3-MoE, GPT-OSS: Note [HF GPT-OSS] in hf_gpt_oss.h), with llama3 and yarn RoPE scaling (Note
-/// [HF RoPE scaling] in hf_rope.h). Unknown
+/// Qwen3-MoE, GPT-OSS: Note [HF GPT-OSS] in hf_gpt_oss.h, DeepSeek-V3: Note [HF DeepSeek-V3] in hf_deepseek.h),
+/// with llama3 and yarn RoPE scaling (Note [HF RoPE scaling] in hf_rope.h). Unknown
 /// model types and unsupported options (e.g. other rope scalings, active sliding windows, router
 /// jitter) are refused with a clear message. make_vocab_size_divisible_by sets the padding
 /// of the vocabulary.
@@ -93,8 +95,12 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& megatron);
 /// The model's parameters (or their fp32 gradients) by Megatron-Core name, as host fp32 copies.
 TensorMap model_state_dict(const GPTModel& model);
 TensorMap model_grad_dict(const GPTModel& model);
-/// Copies tensors into the model's parameters (converted to the model dtype). Every parameter must
-/// be present with its exact shape; an extra tensor is an error too. Errors name the tensor.
+/// The model's buffers (GPTModel::buffers: the MoE routers' expert biases, ...) by name, as host
+/// fp32 copies: with model_state_dict, everything an HF export needs.
+TensorMap model_buffer_dict(GPTModel& model);
+/// Copies tensors into the model's parameters (converted to the model dtype), and into its buffers
+/// (the expert biases) when the state names them. Every parameter must be present with its exact
+/// shape; an extra tensor is an error too. Errors name the tensor.
 void load_model_state_dict(GPTModel& model, const TensorMap& state, const std::string& source);
 
 }  // namespace megatron

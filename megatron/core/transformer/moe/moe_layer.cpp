@@ -18,6 +18,7 @@ MoEConfig moe_config(const TransformerConfig& c) {
   r.pre_softmax = c.moe_router_pre_softmax;
   r.num_groups = c.moe_router_num_groups;
   r.group_topk = c.moe_router_group_topk;
+  r.group_score_topk = c.moe_router_group_score_topk;
   r.topk_scaling_factor = c.moe_router_topk_scaling_factor;
   r.z_loss_coeff = c.moe_z_loss_coeff;
   if (c.moe_expert_capacity_factor > 0) r.capacity_factor = c.moe_expert_capacity_factor;

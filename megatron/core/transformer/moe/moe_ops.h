@@ -19,6 +19,7 @@ inline MoeRoutingParams routing_params(const RouterConfig& config, int64_t seq_l
   p.pre_softmax = config.pre_softmax;
   p.num_groups = config.num_groups;
   p.group_topk = config.group_topk;
+  p.group_score_topk = config.group_score_topk;
   p.topk_scaling_factor = config.topk_scaling_factor;
   p.aux_loss_coeff = config.aux_loss_coeff;
   p.seq_aux_loss_coeff = config.seq_aux_loss_coeff;

@@ -36,7 +36,8 @@ std::vector<int64_t> select(const RouterConfig& c, const R* scores, int64_t e) {
   const int64_t per_group = e / c.num_groups;
   std::vector<R> group_score(static_cast<size_t>(c.num_groups));
   for (int g = 0; g < c.num_groups; ++g) {
-    std::vector<int64_t> best = top_indices(scores + g * per_group, per_group, c.topk / c.group_topk);
+    std::vector<int64_t> best = top_indices(scores + g * per_group, per_group,
+                                            c.group_score_topk > 0 ? c.group_score_topk : c.topk / c.group_topk);
     R sum = 0;
     for (int64_t i : best) sum += scores[g * per_group + i];
     group_score[size_t(g)] = sum;
@@ -411,6 +412,9 @@ void RouterConfig::validate() const {
              "group-limited routing needs --moe-router-num-groups dividing --num-experts ({}) and "
              "--moe-router-group-topk ({}) dividing --moe-router-topk ({}) and at most the groups ({})",
              num_experts, group_topk, topk, num_groups);
+    MG_CHECK(group_score_topk >= 0 && group_score_topk <= num_experts / num_groups,
+             "--moe-router-group-score-topk {} must be at most the experts of a group ({})", group_score_topk,
+             num_experts / num_groups);
   }
   MG_CHECK(!expert_bias || score_function == "sigmoid",
            "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as Megatron)");

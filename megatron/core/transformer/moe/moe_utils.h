@@ -40,6 +40,7 @@ struct RouterConfig {
   std::string score_function = "softmax";  // --moe-router-score-function softmax | sigmoid
   bool pre_softmax = false;                // --moe-router-pre-softmax
   int num_groups = 0, group_topk = 0;      // --moe-router-num-groups, --moe-router-group-topk (0: off)
+  int group_score_topk = 0;                // --moe-router-group-score-topk (0: topk / group_topk, Megatron's)
   float topk_scaling_factor = 0.0f;        // --moe-router-topk-scaling-factor (0: none)
   float aux_loss_coeff = 0.0f;             // aux_loss (switch load balancing) coefficient
   float seq_aux_loss_coeff = 0.0f;         // seq_aux_loss coefficient

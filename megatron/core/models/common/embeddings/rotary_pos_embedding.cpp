@@ -94,7 +94,7 @@ float rotary_attention_scale(const TransformerConfig& c) {
 }
 
 RotaryEmbedding::RotaryEmbedding(const TransformerConfig& config)
-    : rotary_dim_(int(float(config.kv_channels) * config.rotary_percent)), interleaved_(config.rotary_interleaved) {
+    : rotary_dim_(config.rotary_dim()), interleaved_(config.rotary_interleaved) {
   if (config.use_yarn()) {
     inv_freq_ = yarn_inv_freq(yarn_params(config), rotary_dim_, config.rotary_base);
     return;

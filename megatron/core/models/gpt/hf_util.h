@@ -1,7 +1,9 @@
-// Host helpers on fp32 row-major tensors shared by the HF mappings (hf_mapping.cpp, hf_gpt_oss.cpp):
-// not a public API.
+// Host helpers the HF converters share (hf_mapping.cpp, hf_deepseek.cpp, hf_gpt_oss.cpp): fp32
+// row-major tensors, row concatenation and padding, the grouped QKV layout, the shape-checked HF
+// reader and Megatron's layer names. Not a public API.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -9,7 +11,7 @@
 
 namespace megatron::hf_detail {
 
-/// A host fp32 copy (or t itself when it already is one).
+/// t as a host fp32 tensor (no copy when it already is one).
 Tensor as_fp32(const Tensor& t);
 /// [r, c] -> [c, r].
 Tensor transpose2d(const Tensor& t);
@@ -19,8 +21,15 @@ Tensor concat_rows(const std::vector<Tensor>& parts);
 Tensor merge_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t nq, int64_t ng, int64_t d);
 /// The inverse of merge_qkv.
 void split_qkv(const Tensor& qkv, int64_t nq, int64_t ng, int64_t d, Tensor& q, Tensor& k, Tensor& v);
-/// Pads the rows of a [V, h] table to `rows` with zeros, or strips it back.
+/// Pads the rows of a [V, ...] table to `rows` with zeros, or strips it back.
 Tensor resize_rows(const Tensor& t, int64_t rows);
+
+/// Fetches an HF tensor as fp32 and checks its shape against the config's (one line naming it).
+struct HFReader {
+  const std::function<Tensor(const std::string&)>& get;
+  Tensor operator()(const std::string& name, const Shape& expected) const;
+};
+
 /// "decoder.layers.<i>.<rest>".
 std::string layer(int i, const char* rest);
 

@@ -1,0 +1,346 @@
+#include "megatron/core/models/gpt/hf_deepseek.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "megatron/core/models/gpt/hf_rope.h"
+#include "megatron/core/models/gpt/hf_util.h"
+
+namespace megatron {
+
+using namespace hf_detail;
+
+bool is_hf_deepseek(const std::string& model_type) { return model_type == "deepseek_v3"; }
+
+// ---- config ----------------------------------------------------------------------------------------
+void deepseek_config_from_hf(const nlohmann::json& j, TransformerConfig& c) {
+  auto num = [&](const char* key, auto fallback) {
+    return j.contains(key) && !j[key].is_null() ? j[key].get<decltype(fallback)>() : fallback;
+  };
+  auto required = [&](const char* key) {
+    MG_CHECK(j.contains(key) && j[key].is_number_integer(), "deepseek_v3 config.json needs an integer {}", key);
+    return j[key].get<int>();
+  };
+  c.num_layers = required("num_hidden_layers");
+  c.hidden_size = required("hidden_size");
+  c.num_attention_heads = required("num_attention_heads");
+  c.num_query_groups = c.num_attention_heads;
+  const int kv_heads = num("num_key_value_heads", c.num_attention_heads);
+  MG_CHECK(kv_heads == c.num_attention_heads,
+           "deepseek_v3 num_key_value_heads {} differs from num_attention_heads {}: multi-latent attention has one "
+           "key/value head per query head",
+           kv_heads, c.num_attention_heads);
+  c.ffn_hidden_size = required("intermediate_size");
+  c.max_position_embeddings = num("max_position_embeddings", 0);
+  c.vocab_size = required("vocab_size");
+  c.layernorm_epsilon = num("rms_norm_eps", 1e-6f);
+  c.normalization = "RMSNorm";
+  c.activation = "swiglu";
+  const std::string act = num("hidden_act", std::string("silu"));
+  MG_CHECK(act == "silu", "hidden_act '{}' is not supported: only silu (SwiGLU)", act);
+  c.add_bias_linear = false;
+  MG_CHECK(!num("attention_bias", false), "deepseek_v3 attention_bias=true is not supported: Megatron's MLA projections "
+                                          "have no biases");
+  // Multi-latent attention (Note [Multi-latent attention]).
+  c.multi_latent_attention = true;
+  c.qk_layernorm = true;  // q_a_layernorm, kv_a_layernorm
+  c.q_lora_rank = num("q_lora_rank", 0);
+  c.kv_lora_rank = required("kv_lora_rank");
+  c.qk_head_dim = required("qk_nope_head_dim");
+  c.qk_pos_emb_head_dim = required("qk_rope_head_dim");
+  c.v_head_dim = required("v_head_dim");
+  c.kv_channels = c.v_head_dim;  // not used by MLA
+  // RoPE over the qk_rope_head_dim channels (HF's head_dim for the rotary tables).
+  rope_config_from_hf(j, c);  // Note [HF RoPE scaling]; refuses unknown rope types
+  MG_CHECK(c.use_rope(), "deepseek_v3 config.json without RoPE is not supported");
+  // HF scales the softmax by mscale(factor, mscale_all_dim)² (yarn_apply_mscale); Megatron's MLA
+  // takes mscale_all_dim from its YaRN settings, so the two must agree.
+  const nlohmann::json rope = j.contains("rope_scaling") && j["rope_scaling"].is_object()       ? j["rope_scaling"]
+                              : j.contains("rope_parameters") && j["rope_parameters"].is_object() ? j["rope_parameters"]
+                                                                                                 : nlohmann::json();
+  const double mscale_all_dim =
+      rope.is_object() && rope.contains("mscale_all_dim") && !rope["mscale_all_dim"].is_null()
+          ? rope["mscale_all_dim"].get<double>()
+          : 0.0;
+  MG_CHECK(!c.use_yarn() || double(c.yarn_mscale_all_dim) == mscale_all_dim,
+           "deepseek_v3 rope_scaling with mscale_all_dim {} but no mscale: HF then scales cos/sin by mscale(factor) and "
+           "the softmax by mscale(factor, mscale_all_dim)², which Megatron's --mscale/--mscale-all-dim cannot express",
+           mscale_all_dim);
+  // Mixture of experts: dense first layers, then MoE (Note [HF DeepSeek-V3]).
+  c.num_moe_experts = required("n_routed_experts");
+  c.moe_router_topk = required("num_experts_per_tok");
+  c.moe_ffn_hidden_size = required("moe_intermediate_size");
+  c.moe_shared_expert_intermediate_size = num("n_shared_experts", 0) * c.moe_ffn_hidden_size;
+  const int dense = num("first_k_dense_replace", 0);
+  const int freq = num("moe_layer_freq", 1);
+  MG_CHECK(freq == 1, "deepseek_v3 moe_layer_freq {} is not supported: HF DeepSeek-V3 makes every layer after "
+                      "first_k_dense_replace an MoE layer", freq);
+  MG_CHECK(dense >= 0 && dense <= c.num_layers, "first_k_dense_replace {} must be within [0, num_hidden_layers {}]",
+           dense, c.num_layers);
+  if (dense == 0) {
+    c.moe_layer_freq = "1";
+  } else {
+    c.moe_layer_freq = fmt::format("([0]*{}+[1]*{})", dense, c.num_layers - dense);
+  }
+  const std::string scoring = num("scoring_func", std::string("sigmoid"));
+  MG_CHECK(scoring == "sigmoid", "deepseek_v3 scoring_func '{}' is not supported: DeepSeek-V3 routes by sigmoid",
+           scoring);
+  const std::string method = num("topk_method", std::string("noaux_tc"));
+  MG_CHECK(method == "noaux_tc", "deepseek_v3 topk_method '{}' is not supported: only noaux_tc (the expert bias)",
+           method);
+  c.moe_router_score_function = "sigmoid";
+  c.moe_router_enable_expert_bias = true;
+  c.moe_router_pre_softmax = false;
+  MG_CHECK(num("norm_topk_prob", true) || c.moe_router_topk == 1,
+           "deepseek_v3 norm_topk_prob=false is not supported: Megatron renormalises the chosen sigmoid scores");
+  const int groups = num("n_group", 1), group_topk = num("topk_group", 1);
+  c.moe_router_num_groups = groups > 1 ? groups : 0;
+  c.moe_router_group_topk = groups > 1 ? group_topk : 0;
+  // HF scores a group by the sum of its top 2; Megatron's topk / group_topk agrees for DeepSeek-V3 (8 / 4).
+  if (groups > 1 && (group_topk <= 0 || c.moe_router_topk / group_topk != 2)) c.moe_router_group_score_topk = 2;
+  c.moe_router_topk_scaling_factor = num("routed_scaling_factor", 1.0f);
+  if (c.moe_router_topk_scaling_factor == 1.0f) c.moe_router_topk_scaling_factor = 0.0f;  // Megatron's None
+  c.moe_router_load_balancing_type = {"aux_loss"};
+  c.moe_aux_loss_coeff = {0.0f};
+  c.share_embeddings_and_output_weights = num("tie_word_embeddings", false);
+  c.hidden_dropout = 0.0f;
+  c.attention_dropout = num("attention_dropout", 0.0f);
+  c.init_method_std = num("initializer_range", 0.02f);
+}
+
+namespace {
+double shortest(float x) { return std::stod(fmt::format("{}", x)); }
+}  // namespace
+
+nlohmann::json deepseek_config_to_hf(const TransformerConfig& c) {
+  MG_CHECK(c.qk_layernorm, "--multi-latent-attention without --qk-layernorm has no HuggingFace export: DeepSeek-V3 "
+                           "normalises its latents");
+  MG_CHECK(c.gated_linear_unit && c.use_rmsnorm() && !c.add_bias_linear,
+           "--multi-latent-attention exports as DeepSeek-V3, which needs --swiglu, --normalization RMSNorm and "
+           "--disable-bias-linear");
+  MG_CHECK(!c.layernorm_zero_centered_gamma, "--apply-layernorm-1p has no DeepSeek-V3 export");
+  nlohmann::json j = {{"model_type", "deepseek_v3"},
+                      {"architectures", {"DeepseekV3ForCausalLM"}},
+                      {"hidden_size", c.hidden_size},
+                      {"intermediate_size", c.ffn_hidden_size},
+                      {"num_hidden_layers", c.num_layers},
+                      {"num_attention_heads", c.num_attention_heads},
+                      {"num_key_value_heads", c.num_attention_heads},
+                      {"q_lora_rank", c.q_lora_rank > 0 ? nlohmann::json(c.q_lora_rank) : nlohmann::json(nullptr)},
+                      {"kv_lora_rank", c.kv_lora_rank},
+                      {"qk_nope_head_dim", c.qk_head_dim},
+                      {"qk_rope_head_dim", c.qk_pos_emb_head_dim},
+                      {"qk_head_dim", c.qk_head_dim + c.qk_pos_emb_head_dim},
+                      {"head_dim", c.qk_pos_emb_head_dim},
+                      {"v_head_dim", c.v_head_dim},
+                      {"rope_interleave", true},  // Note [Importing DeepSeek's interleaved RoPE]
+                      {"rms_norm_eps", shortest(c.layernorm_epsilon)},
+                      {"rope_theta", shortest(c.rotary_base)},
+                      {"max_position_embeddings", c.max_position_embeddings},
+                      {"vocab_size", c.vocab_size},
+                      {"hidden_act", "silu"},
+                      {"attention_bias", false},
+                      {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
+  rope_config_to_hf(c, j);
+  MG_CHECK(c.is_moe(), "--multi-latent-attention without --num-experts has no HuggingFace export: DeepSeek-V3 has "
+                       "MoE layers");
+  MG_CHECK(c.moe_router_score_function == "sigmoid" && c.moe_router_enable_expert_bias && !c.moe_router_pre_softmax &&
+               c.moe_expert_capacity_factor == 0.0f && !c.moe_shared_expert_gate,
+           "this MoE router has no DeepSeek-V3 export: it needs --moe-router-score-function sigmoid "
+           "--moe-router-enable-expert-bias, no --moe-router-pre-softmax, no capacity and no shared-expert gate");
+  int dense = 0;
+  while (dense < c.num_layers && !c.is_moe_layer(dense)) ++dense;
+  for (int i = dense; i < c.num_layers; ++i)
+    MG_CHECK(c.is_moe_layer(i), "--moe-layer-freq {} has no DeepSeek-V3 export: dense layers must all come first",
+             c.moe_layer_freq);
+  MG_CHECK(c.moe_shared_expert_intermediate_size % c.moe_ffn_hidden_size == 0,
+           "--moe-shared-expert-intermediate-size {} has no DeepSeek-V3 export: it must be a multiple of "
+           "--moe-ffn-hidden-size {} (n_shared_experts)",
+           c.moe_shared_expert_intermediate_size, c.moe_ffn_hidden_size);
+  const float aux = c.moe_aux_loss_coeff.empty() ? 0.0f : c.moe_aux_loss_coeff[0];
+  MG_CHECK(aux == 0.0f, "--moe-aux-loss-coeff has no DeepSeek-V3 export (HF DeepSeek-V3 has no auxiliary loss)");
+  j["n_routed_experts"] = c.num_moe_experts;
+  j["num_experts_per_tok"] = c.moe_router_topk;
+  j["moe_intermediate_size"] = c.moe_ffn_hidden_size;
+  j["n_shared_experts"] = c.moe_shared_expert_intermediate_size / c.moe_ffn_hidden_size;
+  j["first_k_dense_replace"] = dense;
+  if (c.moe_router_num_groups > 0) {
+    const int per_score = c.moe_router_group_score_topk > 0 ? c.moe_router_group_score_topk
+                                                            : c.moe_router_topk / c.moe_router_group_topk;
+    MG_CHECK(per_score == 2,
+             "group-limited routing summing {} scores per group has no DeepSeek-V3 export: HF sums each group's top 2 "
+             "(give --moe-router-group-score-topk 2)",
+             per_score);
+  }
+  j["n_group"] = c.moe_router_num_groups > 0 ? c.moe_router_num_groups : 1;
+  j["topk_group"] = c.moe_router_num_groups > 0 ? c.moe_router_group_topk : 1;
+  j["norm_topk_prob"] = true;
+  j["routed_scaling_factor"] = c.moe_router_topk_scaling_factor > 0.0f ? shortest(c.moe_router_topk_scaling_factor) : 1.0;
+  j["num_nextn_predict_layers"] = 0;
+  return j;
+}
+
+// ---- tensors ---------------------------------------------------------------------------------------
+namespace {
+
+// Note [Importing DeepSeek's interleaved RoPE]: within each of `heads` blocks of `block` rows, the pe
+// rope rows at `offset` go from pair order (2j, 2j+1) to half-split order (j, j + pe/2), or back.
+Tensor permute_rope_rows(const Tensor& t, int64_t heads, int64_t block, int64_t offset, int64_t pe,
+                         bool to_half_split) {
+  Tensor src = as_fp32(t);
+  Tensor out = src.clone();
+  const int64_t row = src.numel() / src.size(0);
+  const float* s = src.data<float>();
+  float* o = out.data<float>();
+  for (int64_t hd = 0; hd < heads; ++hd)
+    for (int64_t j = 0; j < pe / 2; ++j)
+      for (int64_t part = 0; part < 2; ++part) {
+        const int64_t pair = hd * block + offset + 2 * j + part, half = hd * block + offset + j + part * (pe / 2);
+        const int64_t from = to_half_split ? pair : half, to = to_half_split ? half : pair;
+        std::memcpy(o + to * row, s + from * row, size_t(row) * sizeof(float));
+      }
+  return out;
+}
+
+struct Dims {
+  int64_t h, n, qk, pe, dv, qr, kvr, v, vp, f, ef, sf;
+  explicit Dims(const TransformerConfig& c)
+      : h(c.hidden_size),
+        n(c.num_attention_heads),
+        qk(c.qk_head_dim),
+        pe(c.qk_pos_emb_head_dim),
+        dv(c.v_head_dim),
+        qr(c.q_lora_rank),
+        kvr(c.kv_lora_rank),
+        v(c.vocab_size),
+        vp(c.padded_vocab_size),
+        f(c.ffn_hidden_size),
+        ef(c.moe_ffn_hidden_size),
+        sf(c.moe_shared_expert_intermediate_size) {}
+};
+
+std::string hf_layer(int i, const char* rest) { return fmt::format("model.layers.{}.{}", i, rest); }
+
+}  // namespace
+
+TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf) {
+  const TransformerConfig& c = info.config;
+  const Dims d(c);
+  const int64_t dqk = d.qk + d.pe;
+  HFReader hf{get_hf};
+  auto rope_rows = [&](Tensor t, int64_t heads, int64_t block, int64_t offset) {
+    return info.rope_interleave ? permute_rope_rows(t, heads, block, offset, d.pe, true) : t;
+  };
+  TensorMap out;
+  out["embedding.word_embeddings.weight"] = resize_rows(hf("model.embed_tokens.weight", {d.v, d.h}), d.vp);
+  for (int i = 0; i < c.num_layers; ++i) {
+    auto p = [&](const char* rest) { return hf_layer(i, rest); };
+    out[layer(i, "input_layernorm.weight")] = hf(p("input_layernorm.weight"), {d.h});
+    if (d.qr > 0) {
+      out[layer(i, "self_attention.linear_q_down_proj.weight")] = hf(p("self_attn.q_a_proj.weight"), {d.qr, d.h});
+      out[layer(i, "self_attention.q_layernorm.weight")] = hf(p("self_attn.q_a_layernorm.weight"), {d.qr});
+      out[layer(i, "self_attention.linear_q_up_proj.weight")] =
+          rope_rows(hf(p("self_attn.q_b_proj.weight"), {d.n * dqk, d.qr}), d.n, dqk, d.qk);
+    } else {
+      out[layer(i, "self_attention.linear_q_proj.weight")] =
+          rope_rows(hf(p("self_attn.q_proj.weight"), {d.n * dqk, d.h}), d.n, dqk, d.qk);
+    }
+    out[layer(i, "self_attention.linear_kv_down_proj.weight")] =
+        rope_rows(hf(p("self_attn.kv_a_proj_with_mqa.weight"), {d.kvr + d.pe, d.h}), 1, d.kvr + d.pe, d.kvr);
+    out[layer(i, "self_attention.kv_layernorm.weight")] = hf(p("self_attn.kv_a_layernorm.weight"), {d.kvr});
+    out[layer(i, "self_attention.linear_kv_up_proj.weight")] =
+        hf(p("self_attn.kv_b_proj.weight"), {d.n * (d.qk + d.dv), d.kvr});
+    out[layer(i, "self_attention.linear_proj.weight")] = hf(p("self_attn.o_proj.weight"), {d.h, d.n * d.dv});
+    out[layer(i, "pre_mlp_layernorm.weight")] = hf(p("post_attention_layernorm.weight"), {d.h});
+    auto fc1 = [&](const std::string& base, int64_t rows) {
+      return concat_rows({hf(base + "gate_proj.weight", {rows, d.h}), hf(base + "up_proj.weight", {rows, d.h})});
+    };
+    if (!c.is_moe_layer(i)) {
+      out[layer(i, "mlp.linear_fc1.weight")] = fc1(p("mlp."), d.f);
+      out[layer(i, "mlp.linear_fc2.weight")] = hf(p("mlp.down_proj.weight"), {d.h, d.f});
+      continue;
+    }
+    out[layer(i, "mlp.router.weight")] = hf(p("mlp.gate.weight"), {c.num_moe_experts, d.h});
+    out[layer(i, "mlp.router.expert_bias")] = hf(p("mlp.gate.e_score_correction_bias"), {c.num_moe_experts});
+    for (int e = 0; e < c.num_moe_experts; ++e) {
+      const std::string ours = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.", i, e);
+      const std::string theirs = p("mlp.experts.") + std::to_string(e) + ".";
+      out[ours + "linear_fc1.weight"] = fc1(theirs, d.ef);
+      out[ours + "linear_fc2.weight"] = hf(theirs + "down_proj.weight", {d.h, d.ef});
+    }
+    if (d.sf > 0) {
+      out[layer(i, "mlp.shared_experts.linear_fc1.weight")] = fc1(p("mlp.shared_experts."), d.sf);
+      out[layer(i, "mlp.shared_experts.linear_fc2.weight")] = hf(p("mlp.shared_experts.down_proj.weight"), {d.h, d.sf});
+    }
+  }
+  out["decoder.final_layernorm.weight"] = hf("model.norm.weight", {d.h});
+  if (!c.share_embeddings_and_output_weights)
+    out["output_layer.weight"] = resize_rows(hf("lm_head.weight", {d.v, d.h}), d.vp);
+  return out;
+}
+
+TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
+  const TransformerConfig& c = info.config;
+  const Dims d(c);
+  const int64_t dqk = d.qk + d.pe;
+  auto get = [&](const std::string& name) -> Tensor {
+    auto it = m.find(name);
+    MG_CHECK(it != m.end(), "tensor '{}' is missing from the Megatron state", name);
+    return as_fp32(it->second);
+  };
+  auto rope_rows = [&](Tensor t, int64_t heads, int64_t block, int64_t offset) {
+    return info.rope_interleave ? permute_rope_rows(t, heads, block, offset, d.pe, false) : t;
+  };
+  TensorMap out;
+  out["model.embed_tokens.weight"] = resize_rows(get("embedding.word_embeddings.weight"), d.v);
+  for (int i = 0; i < c.num_layers; ++i) {
+    auto p = [&](const char* rest) { return hf_layer(i, rest); };
+    out[p("input_layernorm.weight")] = get(layer(i, "input_layernorm.weight"));
+    if (d.qr > 0) {
+      out[p("self_attn.q_a_proj.weight")] = get(layer(i, "self_attention.linear_q_down_proj.weight"));
+      out[p("self_attn.q_a_layernorm.weight")] = get(layer(i, "self_attention.q_layernorm.weight"));
+      out[p("self_attn.q_b_proj.weight")] = rope_rows(get(layer(i, "self_attention.linear_q_up_proj.weight")), d.n, dqk, d.qk);
+    } else {
+      out[p("self_attn.q_proj.weight")] = rope_rows(get(layer(i, "self_attention.linear_q_proj.weight")), d.n, dqk, d.qk);
+    }
+    out[p("self_attn.kv_a_proj_with_mqa.weight")] =
+        rope_rows(get(layer(i, "self_attention.linear_kv_down_proj.weight")), 1, d.kvr + d.pe, d.kvr);
+    out[p("self_attn.kv_a_layernorm.weight")] = get(layer(i, "self_attention.kv_layernorm.weight"));
+    out[p("self_attn.kv_b_proj.weight")] = get(layer(i, "self_attention.linear_kv_up_proj.weight"));
+    out[p("self_attn.o_proj.weight")] = get(layer(i, "self_attention.linear_proj.weight"));
+    out[p("post_attention_layernorm.weight")] = get(layer(i, "pre_mlp_layernorm.weight"));
+    auto split_fc1 = [&](const std::string& fc1_name, const std::string& base) {
+      Tensor fc1 = get(fc1_name);
+      const int64_t half = fc1.size(0) / 2;
+      out[base + "gate_proj.weight"] = fc1.slice(0, half).clone();
+      out[base + "up_proj.weight"] = fc1.slice(half, 2 * half).clone();
+    };
+    if (!c.is_moe_layer(i)) {
+      split_fc1(layer(i, "mlp.linear_fc1.weight"), p("mlp."));
+      out[p("mlp.down_proj.weight")] = get(layer(i, "mlp.linear_fc2.weight"));
+      continue;
+    }
+    out[p("mlp.gate.weight")] = get(layer(i, "mlp.router.weight"));
+    // The expert bias is a model buffer, not a parameter: exported when the state holds it
+    // (checkpoints and model_buffer_dict do; gradients do not).
+    if (m.count(layer(i, "mlp.router.expert_bias")))
+      out[p("mlp.gate.e_score_correction_bias")] = get(layer(i, "mlp.router.expert_bias"));
+    for (int e = 0; e < c.num_moe_experts; ++e) {
+      const std::string ours = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.", i, e);
+      const std::string theirs = p("mlp.experts.") + std::to_string(e) + ".";
+      split_fc1(ours + "linear_fc1.weight", theirs);
+      out[theirs + "down_proj.weight"] = get(ours + "linear_fc2.weight");
+    }
+    if (d.sf > 0) {
+      split_fc1(layer(i, "mlp.shared_experts.linear_fc1.weight"), p("mlp.shared_experts."));
+      out[p("mlp.shared_experts.down_proj.weight")] = get(layer(i, "mlp.shared_experts.linear_fc2.weight"));
+    }
+  }
+  out["model.norm.weight"] = get("decoder.final_layernorm.weight");
+  if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), d.v);
+  return out;
+}
+
+}  // namespace megatron

@@ -1,0 +1,51 @@
+// HuggingFace DeepSeek-V3 (model_type "deepseek_v3", DeepseekV3ForCausalLM) <-> Megatron-Core:
+// multi-latent attention, YaRN, dense first layers then MoE with sigmoid group-limited routing, an
+// expert bias and shared experts. hf_mapping.cpp's config_from_hf / hf_to_megatron / megatron_to_hf /
+// hf_config_from_megatron dispatch here for it.
+//
+// Note [HF DeepSeek-V3]
+//   config: num_attention_heads -> --num-attention-heads (num_key_value_heads must equal it),
+//     q_lora_rank (null: none) / kv_lora_rank / qk_nope_head_dim / qk_rope_head_dim / v_head_dim ->
+//     --q-lora-rank / --kv-lora-rank / --qk-head-dim / --qk-pos-emb-head-dim / --v-head-dim with
+//     --multi-latent-attention and --qk-layernorm (HF always has the latents' RMSNorms), RoPE as
+//     Note [HF RoPE scaling] says (rope_type yarn -> --rope-type yarn), first_k_dense_replace ->
+//     --moe-layer-freq [0]*k + [1]*(L-k), n_routed_experts / num_experts_per_tok /
+//     moe_intermediate_size -> --num-experts / --moe-router-topk / --moe-ffn-hidden-size,
+//     n_shared_experts · moe_intermediate_size -> --moe-shared-expert-intermediate-size, sigmoid
+//     scores with the expert bias (--moe-router-score-function sigmoid
+//     --moe-router-enable-expert-bias), n_group / topk_group -> --moe-router-num-groups /
+//     --moe-router-group-topk, routed_scaling_factor -> --moe-router-topk-scaling-factor.
+//     norm_topk_prob must be true (Megatron renormalises sigmoid top-k scores); attention_bias must
+//     be false. num_nextn_predict_layers (multi-token prediction) is not read: HF checkpoints of
+//     DeepSeek-V3 keep those layers outside the model's layers and HF does not run them.
+//   tensors: self_attn.q_a_proj / q_a_layernorm / q_b_proj (or q_proj) / kv_a_proj_with_mqa /
+//     kv_a_layernorm / kv_b_proj / o_proj -> self_attention.linear_q_down_proj / q_layernorm /
+//     linear_q_up_proj (linear_q_proj) / linear_kv_down_proj / kv_layernorm / linear_kv_up_proj /
+//     linear_proj; mlp.gate.weight -> mlp.router.weight; mlp.gate.e_score_correction_bias (a buffer)
+//     -> mlp.router.expert_bias (a model buffer); mlp.experts.E.* and mlp.shared_experts.* as the
+//     other MoE families.
+//
+// Note [Importing DeepSeek's interleaved RoPE]: with rope_interleave true (DeepSeek's checkpoints)
+// HF rotates the rope channels of q and of the shared key in pairs (2j, 2j+1); Megatron's MLA rotates
+// (j, j + pe/2) and refuses --rotary-interleaved. With P the permutation sending channel 2j to j and
+// 2j+1 to j + pe/2, rotate_half(P x) = P interleaved(x), and the scores only see q_pe·k_pe, which P
+// leaves unchanged when applied to both. So the import permutes the rope rows of each head of
+// q_b_proj (q_proj) and the rope rows of kv_a_proj_with_mqa; the export permutes them back and writes
+// rope_interleave true. Exact both ways.
+#pragma once
+
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "megatron/core/models/gpt/hf_mapping.h"
+
+namespace megatron {
+
+bool is_hf_deepseek(const std::string& model_type);
+/// The fields of a deepseek_v3 config.json (Note [HF DeepSeek-V3]); one line for what is not supported.
+void deepseek_config_from_hf(const nlohmann::json& hf_config, TransformerConfig& config);
+TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf);
+TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& megatron);
+nlohmann::json deepseek_config_to_hf(const TransformerConfig& config);
+
+}  // namespace megatron
