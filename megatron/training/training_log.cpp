@@ -109,7 +109,12 @@ TheoreticalMemory theoretical_memory(const Arguments& a, int64_t padded_vocab_si
   const double q_ratio = kv * a.num_attention_heads / h;
   const double glu = a.swiglu ? 1.5 : 1.0;
   const double norm_size = a.normalization == "RMSNorm" ? 1 : 2;
-  const double self_attn = 2 * h * h * ((1 + groups / a.num_attention_heads) * q_ratio);
+  double self_attn = 2 * h * h * ((1 + groups / a.num_attention_heads) * q_ratio);
+  if (a.multi_latent_attention) {  // Megatron's MLA count: q (low-rank or not), kv latent and rope key, o
+    const double N = a.num_attention_heads, qk = a.qk_head_dim, pe = a.qk_pos_emb_head_dim, dv = a.v_head_dim;
+    const double q_term = a.q_lora_rank > 0 ? a.q_lora_rank * (h + N * (qk + pe) + norm_size) : h * N * (qk + pe);
+    self_attn = q_term + a.kv_lora_rank * (h + N * (qk + dv) + norm_size) + h * pe + N * dv * h;
+  }
   const double embedding = h * double(padded_vocab_size);
   // Megatron's split of the parameters by how each rank holds them: tensor-parallel shards,
   // replicas (norms, routers, the shared experts' gate), and the routed experts, sharded over

@@ -116,10 +116,6 @@ void deepseek_config_from_hf(const nlohmann::json& j, TransformerConfig& c) {
   c.init_method_std = num("initializer_range", 0.02f);
 }
 
-namespace {
-double shortest(float x) { return std::stod(fmt::format("{}", x)); }
-}  // namespace
-
 nlohmann::json deepseek_config_to_hf(const TransformerConfig& c) {
   MG_CHECK(c.qk_layernorm, "--multi-latent-attention without --qk-layernorm has no HuggingFace export: DeepSeek-V3 "
                            "normalises its latents");
