@@ -80,7 +80,14 @@ double num_floating_point_operations(const Arguments& a, int64_t padded_vocab_si
   const double groups = a.group_query_attention ? a.num_query_groups : a.num_attention_heads;
   const double q = kv * a.num_attention_heads, k = kv * groups, v = kv * groups;
   const double fb = 3, fma = 2, ffn_expansion = a.swiglu ? 3 : 2;
-  const double attn = fb * fma * (h * (q + k + v) + q * s / 2 * 2 + q * h);
+  double attn = fb * fma * (h * (q + k + v) + q * s / 2 * 2 + q * h);
+  if (a.multi_latent_attention) {  // Megatron's MLA terms: the projections, then the causal core
+    const double N = a.num_attention_heads, qk = a.qk_head_dim, pe = a.qk_pos_emb_head_dim, dv = a.v_head_dim;
+    const double q_term = a.q_lora_rank > 0 ? a.q_lora_rank * (h + N * (qk + pe) + 1) : h * N * (qk + pe);
+    attn = fb * fma *
+           (q_term + a.kv_lora_rank * (h + N * (qk + dv) + 1) + h * pe + N * dv * h +
+            s * (N * (qk + pe) / 2 + N * dv / 2));
+  }
   // MoE: the active experts' FLOPs (top-k routed experts and the shared ones per MoE layer), as
   // Megatron counts them (the router's GEMM is not counted).
   MoeLayerCounts n = moe_layer_counts(a);
@@ -108,7 +115,12 @@ TheoreticalMemory theoretical_memory(const Arguments& a, int64_t padded_vocab_si
   const double q_ratio = kv * a.num_attention_heads / h;
   const double glu = a.swiglu ? 1.5 : 1.0;
   const double norm_size = a.normalization == "RMSNorm" ? 1 : 2;
-  const double self_attn = 2 * h * h * ((1 + groups / a.num_attention_heads) * q_ratio);
+  double self_attn = 2 * h * h * ((1 + groups / a.num_attention_heads) * q_ratio);
+  if (a.multi_latent_attention) {  // Megatron's MLA count: q (low-rank or not), kv latent and rope key, o
+    const double N = a.num_attention_heads, qk = a.qk_head_dim, pe = a.qk_pos_emb_head_dim, dv = a.v_head_dim;
+    const double q_term = a.q_lora_rank > 0 ? a.q_lora_rank * (h + N * (qk + pe) + norm_size) : h * N * (qk + pe);
+    self_attn = q_term + a.kv_lora_rank * (h + N * (qk + dv) + norm_size) + h * pe + N * dv * h;
+  }
   const double embedding = h * double(padded_vocab_size);
   // Megatron's split of the parameters by how each rank holds them: tensor-parallel shards,
   // replicas (norms, routers, the shared experts' gate), and the routed experts, sharded over

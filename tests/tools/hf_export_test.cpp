@@ -251,6 +251,20 @@ const Case kCases[] = {
       "--softmax-type", "learnable", "--window-size", "3,0", "--window-attn-skip-freq", "2", "--num-experts", "4",
       "--moe-router-topk", "2", "--untie-embeddings-and-output-weights"},
      "gpt_oss"},
+    // Multi-latent attention with DeepSeek-V3's MoE (Note [HF DeepSeek-V3]): exported with HF's
+    // interleaved rope rows (Note [Importing DeepSeek's interleaved RoPE]) and its expert biases.
+    {"deepseek_v3_mla_moe",
+     true,
+     "none",
+     {"--num-query-groups", "4", "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+      "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm",
+      "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "8", "--mscale", "1",
+      "--mscale-all-dim", "1", "--num-experts", "4", "--moe-layer-freq", "([0]+[1])", "--moe-ffn-hidden-size", "32",
+      "--moe-shared-expert-intermediate-size", "32", "--moe-router-topk", "2", "--moe-router-score-function",
+      "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+      "--moe-router-group-score-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
+      "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-6"},
+     "deepseek_v3"},
 };
 
 INSTANTIATE_TEST_SUITE_P(Flags, HFExport, ::testing::ValuesIn(kCases),
@@ -299,6 +313,11 @@ TEST(HFExport, InexpressibleFlagsAreRefusedInOneLine) {
       {false, {"--position-embedding-type", "rope"}, "--position-embedding-type rope with a GeLU MLP"},
       {false, {"--normalization", "RMSNorm"}, "--normalization RMSNorm with a GeLU MLP"},
       {false, {"--group-query-attention", "--num-query-groups", "2"}, "--group-query-attention has no HuggingFace"},
+      {true,
+       {"--num-query-groups", "4", "--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm", "--num-experts", "4",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"},
+       "--norm-epsilon 1e-05 has no DeepSeek-V3 export"},
   };
   for (const Refusal& r : refusals) {
     ScratchDir dir("hf_export_refused");

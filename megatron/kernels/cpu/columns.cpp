@@ -10,7 +10,7 @@ void copy_columns(Context&, const Tensor& src, int64_t src_col, Tensor& dst, int
   const int64_t rows = src.size(0), cs = src.size(1), cd = dst.size(1);
   FloatIn in(src);
   FloatOut out(dst, /*load=*/true);  // the other columns keep their values
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * width >= (int64_t(1) << 16))  // small blocks: no thread start-up
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = in.data() + r * cs + src_col;
     float* d = out.data() + r * cd + dst_col;

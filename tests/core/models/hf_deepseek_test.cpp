@@ -88,6 +88,7 @@ TEST(HFDeepSeekV3, UnsupportedConfigsAreRefusedInOneLine) {
       {[](nlohmann::json& j) { j["num_key_value_heads"] = 2; }, "num_key_value_heads"},
       {[](nlohmann::json& j) { j["qk_rope_head_dim"] = 7; }, "--qk-pos-emb-head-dim"},
       {[](nlohmann::json& j) { j["topk_method"] = "greedy"; }, "topk_method"},
+      {[](nlohmann::json& j) { j["rms_norm_eps"] = 1e-5; }, "rms_norm_eps"},
   };
   for (const auto& [change, word] : cases) {
     const std::string e = import_error(change);

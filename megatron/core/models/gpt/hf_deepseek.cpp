@@ -36,6 +36,12 @@ void deepseek_config_from_hf(const nlohmann::json& j, TransformerConfig& c) {
   c.max_position_embeddings = num("max_position_embeddings", 0);
   c.vocab_size = required("vocab_size");
   c.layernorm_epsilon = num("rms_norm_eps", 1e-6f);
+  // HF builds q_a_layernorm and kv_a_layernorm with RMSNorm's default epsilon 1e-6 whatever
+  // rms_norm_eps says; Megatron's MLA norms take --norm-epsilon like the others.
+  MG_CHECK(c.layernorm_epsilon == 1e-6f,
+           "deepseek_v3 rms_norm_eps {} is not supported: HF's latent norms (q_a_layernorm, kv_a_layernorm) always use "
+           "1e-6 and Megatron's use --norm-epsilon, so only 1e-6 computes the same",
+           c.layernorm_epsilon);
   c.normalization = "RMSNorm";
   c.activation = "swiglu";
   const std::string act = num("hidden_act", std::string("silu"));
@@ -110,10 +116,6 @@ void deepseek_config_from_hf(const nlohmann::json& j, TransformerConfig& c) {
   c.init_method_std = num("initializer_range", 0.02f);
 }
 
-namespace {
-double shortest(float x) { return std::stod(fmt::format("{}", x)); }
-}  // namespace
-
 nlohmann::json deepseek_config_to_hf(const TransformerConfig& c) {
   MG_CHECK(c.qk_layernorm, "--multi-latent-attention without --qk-layernorm has no HuggingFace export: DeepSeek-V3 "
                            "normalises its latents");
@@ -121,6 +123,9 @@ nlohmann::json deepseek_config_to_hf(const TransformerConfig& c) {
            "--multi-latent-attention exports as DeepSeek-V3, which needs --swiglu, --normalization RMSNorm and "
            "--disable-bias-linear");
   MG_CHECK(!c.layernorm_zero_centered_gamma, "--apply-layernorm-1p has no DeepSeek-V3 export");
+  MG_CHECK(c.layernorm_epsilon == 1e-6f,
+           "--norm-epsilon {} has no DeepSeek-V3 export: HF's latent norms always use 1e-6 (give --norm-epsilon 1e-6)",
+           c.layernorm_epsilon);
   nlohmann::json j = {{"model_type", "deepseek_v3"},
                       {"architectures", {"DeepseekV3ForCausalLM"}},
                       {"hidden_size", c.hidden_size},

@@ -16,7 +16,7 @@
 //     --moe-router-enable-expert-bias), n_group / topk_group -> --moe-router-num-groups /
 //     --moe-router-group-topk, routed_scaling_factor -> --moe-router-topk-scaling-factor.
 //     norm_topk_prob must be true (Megatron renormalises sigmoid top-k scores); attention_bias must
-//     be false. num_nextn_predict_layers (multi-token prediction) is not read: HF checkpoints of
+//     be false; rms_norm_eps must be 1e-6 (HF's latent norms always use 1e-6, Megatron's --norm-epsilon). num_nextn_predict_layers (multi-token prediction) is not read: HF checkpoints of
 //     DeepSeek-V3 keep those layers outside the model's layers and HF does not run them.
 //   tensors: self_attn.q_a_proj / q_a_layernorm / q_b_proj (or q_proj) / kv_a_proj_with_mqa /
 //     kv_a_layernorm / kv_b_proj / o_proj -> self_attention.linear_q_down_proj / q_layernorm /

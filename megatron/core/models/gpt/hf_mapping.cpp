@@ -513,10 +513,9 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
 // remaining TransformerConfig fields do not change what a trained model computes (dropout,
 // initialisation, parallel layout, recomputation, MoE dispatch) or are written as they are (sizes,
 // heads, query groups, kv channels, epsilon, rotary base, vocabulary: the padding is stripped).
-namespace {
-// A float as the shortest decimal that reads back as it (1e-05, not 9.999999747378752e-06).
+namespace hf_detail {
 double shortest(float x) { return std::stod(fmt::format("{}", x)); }
-}  // namespace
+}  // namespace hf_detail
 
 nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
   if (uses_gpt_oss_features(c)) return hf_gpt_oss_config(c);  // Note [HF GPT-OSS]

@@ -33,4 +33,7 @@ struct HFReader {
 /// "decoder.layers.<i>.<rest>".
 std::string layer(int i, const char* rest);
 
+/// A float as the shortest decimal that reads back as it (1e-05, not 9.999999747378752e-06), for config.json.
+double shortest(float x);
+
 }  // namespace megatron::hf_detail
