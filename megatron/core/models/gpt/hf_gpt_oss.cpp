@@ -82,9 +82,6 @@ std::string expert(int i, int e, const char* rest) {
   return fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.{}", i, e, rest);
 }
 
-// A float as the shortest decimal that reads back as it.
-double shortest(float x) { return std::stod(fmt::format("{}", x)); }
-
 }  // namespace
 
 void gpt_oss_config_from_hf(const nlohmann::json& j, TransformerConfig& c) {
