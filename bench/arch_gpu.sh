@@ -54,7 +54,7 @@ DEEPSEEK="--num-layers 6 --hidden-size 2048 --ffn-hidden-size 8192 --num-attenti
   --multi-latent-attention --q-lora-rank 768 --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64
   --v-head-dim 128 --qk-layernorm
   --num-experts 64 --moe-layer-freq ([0]*1+[1]*5) --moe-ffn-hidden-size 1024 --moe-shared-expert-intermediate-size 1024
-  --moe-router-topk 6 --moe-router-num-groups 8 --moe-router-group-topk 4 --moe-router-topk-scaling-factor 2.5
+  --moe-router-topk 6 --moe-router-num-groups 8 --moe-router-group-topk 3 --moe-router-topk-scaling-factor 2.5
   --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-load-balancing-type none
   --moe-token-dispatcher-type alltoall --moe-grouped-gemm"
 GPTOSS="--num-layers 6 --hidden-size 2880 --ffn-hidden-size 2880 --num-attention-heads 64 --kv-channels 64
@@ -68,13 +68,13 @@ COMMON="--attention-dropout 0.0 --hidden-dropout 0.0 --bf16 --device cuda --lr 1
 
 if [[ " $parts " == *" tests "* ]]; then
   echo "== architecture GPU tests"
-  timeout 300 $P/bin/gpu_tests --gtest_filter='*QuickGeglu*:*AttentionSinks*:*WindowAttention*:*ValueWidth*:CopyColumnsGpu.*:*MoeModelGpu*:MemoryPoolGpu.*:*GoldenGpu*:*CudaAttention*:*CudaRope*' \
+  timeout 300 $P/bin/gpu_tests --gtest_filter=${ARCH_TEST_FILTER:-'*DeepSeek*:*QuickGeglu*:*AttentionSinks*:*WindowAttention*:*ValueWidth*:CopyColumnsGpu.*:*MoeModelGpu*:MemoryPoolGpu.*:*GoldenGpu*:*CudaAttention*:*CudaRope*'} \
     2>&1 | tee $OUT/arch_gpu_tests.txt | grep -E "^\[  (PASSED|FAILED|SKIPPED)|FAILED|on cuda" | head -60
 fi
 
 if [[ " $parts " == *" bench "* ]]; then
   echo "== throughput ($(left) s left)"
-  for m in deepseek gptoss; do
+  for m in ${ARCH_MODELS:-deepseek gptoss}; do
     F=$DEEPSEEK; [[ $m == gptoss ]] && F=$GPTOSS
     (cd /tmp && timeout 150 $P/bin/pretrain_gpt $F $COMMON --seq-length 4096 --max-position-embeddings 4096 \
       --micro-batch-size 1 --global-batch-size 1 --train-iters 12 --log-interval 1 --log-throughput \
@@ -102,7 +102,7 @@ if [[ " $parts " == *" train "* ]]; then
   echo "== bf16 training on real text ($(left) s left)"
   DATA="--data-path $P/data/corpus_text_document --split 100,0,0 --tokenizer-type GPT2BPETokenizer
     --vocab-file $P/data/vocab.json --merge-file $P/data/merges.txt"
-  for m in deepseek gptoss; do
+  for m in ${ARCH_MODELS:-deepseek gptoss}; do
     F="$DEEPSEEK --mtp-num-layers 1"; [[ $m == gptoss ]] && F=$GPTOSS  # DeepSeek-V3 trains with one MTP depth
     # The same architecture at width 512, 4 layers: 400 iterations of 8 x 512 tokens.
     SMALL=$(echo $F | sed -E 's/--num-layers [0-9]+/--num-layers 4/; s/--hidden-size [0-9]+/--hidden-size 512/;

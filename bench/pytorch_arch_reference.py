@@ -28,7 +28,7 @@ PRESETS = {
     # layers, hidden, heads, q_lora, kv_lora, qk_nope, qk_rope, v, experts, topk, groups, group_topk, moe_ffn,
     # dense_ffn, seq, mbs, vocab (DeepSeek-V2-Lite-like widths, V3's routing)
     "deepseek-small": dict(arch="deepseek", L=6, h=2048, nh=16, q_lora=768, kv_lora=512, nope=128, rope=64, v=128,
-                           E=64, k=6, groups=8, group_topk=4, f=1024, dense_f=8192, S=4096, mbs=1, V=32000,
+                           E=64, k=6, groups=8, group_topk=3, f=1024, dense_f=8192, S=4096, mbs=1, V=32000,
                            scale=2.5),
     # layers, hidden, heads, kv heads, head dim, experts, topk, ffn, window, seq, mbs, vocab (GPT-OSS-20B widths,
     # fewer layers and experts)
