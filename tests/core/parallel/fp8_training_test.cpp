@@ -168,6 +168,31 @@ TEST_F(Fp8Training, EveryRecipeTrainsCloseToTheUnquantisedRun) {
   }
 }
 
+// Multi-latent attention's projections (q/kv down and up, linear_proj) run their GEMMs in FP8 as
+// attention's do (MLASelfAttention::enable_fp8); a DeepSeek-style model (MLA, a dense first layer,
+// sigmoid group-limited MoE with a shared expert) trains close to its unquantised run.
+TEST_F(Fp8Training, MultiLatentAttentionTrainsCloseToTheUnquantisedRun) {
+  const std::vector<std::string> mla = {
+      "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+      "--multi-latent-attention", "--q-lora-rank", "64", "--kv-lora-rank", "32", "--qk-head-dim", "32",
+      "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32", "--qk-layernorm", "--num-experts", "4",
+      "--moe-layer-freq", "([0]+[1]*3)", "--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
+      "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+      "--moe-router-load-balancing-type", "none", "--train-iters", "8", "--lr", "3e-3"};
+  TrainRun plain = train(dir_->path, "mla_plain", 1, concat(kWide, mla));
+  ASSERT_EQ(plain.losses.size(), 8u) << plain.output;
+  TrainRun r = train(dir_->path, "mla_delayed", 1, concat(fp8(concat(kWide, mla), "delayed"), {}));
+  ASSERT_EQ(r.losses.size(), 8u) << r.output;
+  EXPECT_LT(r.losses.back(), r.losses.front() - 0.1);
+  double max_rel = 0;
+  for (size_t i = 0; i < r.losses.size(); ++i)
+    max_rel = std::max(max_rel, std::abs(r.losses[i] - plain.losses[i]) / plain.losses[i]);
+  std::printf("mla_delayed: final loss %.6f (unquantised %.6f), largest relative difference %.3g\n",
+              r.losses.back(), plain.losses.back(), max_rel);
+  EXPECT_GT(max_rel, 0.0) << "no difference from the unquantised run: FP8 is not in use";
+  EXPECT_LT(max_rel, 0.02);
+}
+
 TEST_F(Fp8Training, FirstAndLastLayersInBf16) {
   // tensorwise (the delayed recipe refuses --first-last-layers-bf16, as Megatron): with every layer
   // kept in bf16 the run is the unquantised one exactly.
