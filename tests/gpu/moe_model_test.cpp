@@ -105,12 +105,14 @@ std::vector<Case> cases() {
   for (const std::string& name : testing::moe_model_fixtures())
     for (bool bf16 : {false, true})
       for (bool grouped : {false, true}) v.push_back(Case{name, bf16, grouped});
-  // GPT-OSS (attention sinks, sliding windows on alternate layers: cuDNN's left bound in bf16, the
-  // row-wise kernels in fp32; the clamped quick-GeGLU experts with biases; the router's bias).
+  // The architecture fixtures: GPT-OSS (attention sinks, sliding windows on alternate layers: cuDNN's
+  // left bound in bf16, the row-wise kernels in fp32; the clamped quick-GeGLU experts with biases; the
+  // router's bias) and DeepSeek-V3 (multi-latent attention with value heads narrower than the
+  // query/key heads: the row-wise kernels in fp32, cuDNN with both widths in bf16; copy_columns; the
+  // sigmoid group-limited router with the expert bias and a shared expert).
   for (const std::string& name : testing::model_fixtures_in(testing::arch_fixtures_dir()))
-    if (name == "gpt_oss")
-      for (bool bf16 : {false, true})
-        for (bool grouped : {false, true}) v.push_back(Case{name, bf16, grouped, testing::arch_fixtures_dir()});
+    for (bool bf16 : {false, true})
+      for (bool grouped : {false, true}) v.push_back(Case{name, bf16, grouped, testing::arch_fixtures_dir()});
   return v;
 }
 
