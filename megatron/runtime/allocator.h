@@ -78,6 +78,8 @@ struct CudaAllocatorHooks {
   void* (*event_record)(void* stream) = nullptr;
   float (*event_elapsed_ms)(void* start, void* end) = nullptr;
   void (*event_destroy)(void* event) = nullptr;
+  // cudaProfilerStart / cudaProfilerStop (an external profiler's capture range).
+  void (*profiler_range)(bool start) = nullptr;
 };
 CudaAllocatorHooks& cuda_hooks();
 }  // namespace detail

@@ -1,5 +1,9 @@
 #include "megatron/runtime/profiler.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
+
 #include "megatron/runtime/allocator.h"
 #include "megatron/runtime/context.h"
 
@@ -57,6 +61,40 @@ void OpProfiler::reset() {
     }
   }
   closed_.clear();
+}
+
+std::string format_op_table(const std::map<std::string, OpProfiler::Entry>& ops, double wall_ms, int64_t iterations,
+                            size_t top) {
+  std::vector<std::pair<std::string, OpProfiler::Entry>> rows(ops.begin(), ops.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+  const double n = double(std::max<int64_t>(iterations, 1));
+  double total = 0;
+  for (const auto& r : rows) total += r.second.ms;
+  std::string out = fmt::format("{:<44} {:>12} {:>7} {:>9} {:>12}\n", "op", "ms/iteration", "share", "calls/it",
+                                "host ms/it");
+  auto line = [&](const std::string& name, double ms, double host_ms, double calls) {
+    out += fmt::format("{:<44} {:>12.3f} {:>6.1f}% {:>9.1f} {:>12.3f}\n", name.substr(0, 44), ms / n,
+                       wall_ms > 0 ? 100.0 * ms / wall_ms : 0.0, calls / n, host_ms / n);
+  };
+  OpProfiler::Entry rest;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto& [op, e] = rows[i];
+    if (i < top) {
+      line(op, e.ms, e.host_ms, double(e.calls));
+    } else {
+      rest.ms += e.ms, rest.host_ms += e.host_ms, rest.calls += e.calls;
+    }
+  }
+  if (rows.size() > top) line(fmt::format("({} other ops)", rows.size() - top), rest.ms, rest.host_ms, double(rest.calls));
+  out += fmt::format("{:<44} {:>12.3f} {:>6.1f}%\n", "(between ops: launch gaps, host work, syncs)",
+                     std::max(0.0, wall_ms - total) / n, wall_ms > 0 ? 100.0 * std::max(0.0, wall_ms - total) / wall_ms : 0.0);
+  out += fmt::format("{:<44} {:>12.3f}\n", "(iteration, wall)", wall_ms / n);
+  return out;
+}
+
+void device_profiler_range(bool cuda, bool start) {
+  auto& hooks = detail::cuda_hooks();
+  if (cuda && hooks.profiler_range) hooks.profiler_range(start);
 }
 
 ProfileScope::ProfileScope(Context& ctx, const char* op) : ctx_(ctx), active_(ctx.profiler() != nullptr) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -42,6 +43,16 @@ class OpProfiler {
   std::vector<Open> open_;
   std::vector<Closed> closed_;
 };
+
+/// The table `--profile` prints: the ops by device time over `iterations` profiled iterations of
+/// `wall_ms` in all (per iteration, share of the wall time, calls), the `top` largest, then the
+/// rest and the time between ops (launch gaps, host work, synchronisation).
+std::string format_op_table(const std::map<std::string, OpProfiler::Entry>& ops, double wall_ms, int64_t iterations,
+                            size_t top = 25);
+
+/// Starts or stops an external profiler's capture range on a CUDA device (cudaProfilerStart/Stop:
+/// `nsys profile --capture-range=cudaProfilerApi`); nothing on the CPU.
+void device_profiler_range(bool cuda, bool start);
 
 /// RAII bracket used by the op dispatch (no-op without a profiler).
 class ProfileScope {

@@ -269,6 +269,12 @@ struct Parser {
     flag(g, "--log-params-norm", a.log_params_norm, "Print the parameter norm");
     flag(g, "--log-num-zeros-in-grad", a.log_num_zeros_in_grad, "Print the number of zero gradients");
     opt(g, "--timing-log-level", a.timing_log_level, "0, 1 or 2")->check(CLI::Range(0, 2));
+    flag(g, "--profile", a.profile,
+         "Profile iterations [--profile-step-start, --profile-step-end): the CUDA profiler's range (nsys "
+         "--capture-range=cudaProfilerApi) and a table of where the time went, op by op");
+    opt(g, "--profile-step-start", a.profile_step_start, "First profiled iteration (0-based, as Megatron)");
+    opt(g, "--profile-step-end", a.profile_step_end, "Iteration at which profiling stops");
+    opt(g, "--profile-ranks", a.profile_ranks, "Global ranks to profile")->expected(1, 1 << 20);
 
     g = "Precision";
     flag(g, "--bf16", a.bf16, "bf16 parameters and activations, fp32 master weights and grads");

@@ -129,6 +129,10 @@ struct Arguments {
   bool log_params_norm = false;
   bool log_num_zeros_in_grad = false;
   int timing_log_level = 0;
+  bool profile = false;                        // --profile: the device profiler's range and our op table
+  int64_t profile_step_start = 10;
+  int64_t profile_step_end = 12;
+  std::vector<int64_t> profile_ranks = {0};
 
   // ---- precision
   bool bf16 = false;

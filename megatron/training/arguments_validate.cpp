@@ -262,6 +262,11 @@ void validate_args(Arguments& a) {
   MG_CHECK(a.eval_interval > 0, "--eval-interval must be positive");
   MG_CHECK(a.log_interval > 0, "--log-interval must be positive");
   MG_CHECK(a.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive");
+  if (a.profile) {
+    MG_CHECK(a.profile_step_start >= 0 && a.profile_step_end > a.profile_step_start,
+             "--profile needs 0 <= --profile-step-start < --profile-step-end (got {} and {})", a.profile_step_start,
+             a.profile_step_end);
+  }
   MG_CHECK(a.device == "auto" || a.device == "cpu" || a.device == "cuda", "--device must be auto, cpu or cuda");
 
   // ---- checkpoints: an unwritable --save fails now, not at the first save

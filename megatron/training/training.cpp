@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include "megatron/core/optimizer/optimizer_param_scheduler.h"
 #include "megatron/core/transformer/aux_loss_tracker.h"
 #include "megatron/kernels/ops.h"
+#include "megatron/runtime/profiler.h"
 #include "megatron/training/checkpointing.h"
 #include "megatron/training/num_microbatches.h"
 #include "megatron/training/signal_handler.h"
@@ -170,6 +172,9 @@ struct Trainer {
   int64_t interval_advanced = 0, interval_skipped = 0, interval_nan = 0;
   int64_t total_skipped = 0;
   Clock::time_point interval_start = Clock::now();
+  OpProfiler op_profiler;  // --profile
+  bool profile_started = false;
+  Clock::time_point profile_start;
   bool reported_memory = false;
 
   float loss_scale() const { return optimizer.loss_scale(); }
@@ -429,12 +434,48 @@ struct Trainer {
     return false;
   }
 
+  // --profile (Megatron's nsys path): iterations [--profile-step-start, --profile-step-end) of the
+  // ranks in --profile-ranks run inside cudaProfilerStart/Stop, so `nsys profile
+  // --capture-range=cudaProfilerApi` records just them; the op profiler (runtime/profiler.h)
+  // brackets every op meanwhile and the rank prints where the time went. A captured CUDA graph
+  // replays without the ops' brackets: then only the device range is set.
+  bool profiling_rank() const {
+    if (!args.profile) return false;
+    return args.profile_ranks.empty() ||
+           std::find(args.profile_ranks.begin(), args.profile_ranks.end(), int64_t(ps.rank())) !=
+               args.profile_ranks.end();
+  }
+  void begin_profile() {
+    ctx.synchronize();
+    device_profiler_range(ctx.is_cuda(), true);
+    if (!cuda_graph) ctx.set_profiler(&op_profiler);
+    profile_started = true;
+    profile_start = Clock::now();
+  }
+  void end_profile() {
+    ctx.synchronize();
+    const double wall_ms = seconds_since(profile_start) * 1000.0;
+    device_profiler_range(ctx.is_cuda(), false);
+    ctx.set_profiler(nullptr);
+    profile_started = false;
+    const int64_t n = args.profile_step_end - args.profile_step_start;
+    std::string out = fmt::format(" > profile of rank {}, iterations {} to {} ({:.1f} ms per iteration){}\n",
+                                  ps.rank(), args.profile_step_start + 1, args.profile_step_end,
+                                  wall_ms / double(n),
+                                  cuda_graph ? ": the steps replay a CUDA graph, so no op table (ops run unbracketed)"
+                                             : "");
+    if (!cuda_graph) out += format_op_table(op_profiler.collect(ctx), wall_ms, n);
+    std::fputs(out.c_str(), stdout);
+    std::fflush(stdout);
+  }
+
   // Returns true when an exit condition stopped training.
   bool train(int64_t train_iters) {
     bool first = true;
     while (args.train_iters > 0 ? progress.iteration < args.train_iters
                                 : progress.consumed_train_samples < args.train_samples) {
       microbatches.update(progress.consumed_train_samples);
+      if (profiling_rank() && progress.iteration == args.profile_step_start) begin_profile();
       double lm_loss = 0;
       OptimizerStepResult r = train_step(lm_loss);
       if (first) {
@@ -444,6 +485,7 @@ struct Trainer {
       }
       progress.iteration += 1;
       progress.consumed_train_samples += microbatches.current_global_batch_size();
+      if (profile_started && progress.iteration == args.profile_step_end) end_profile();
       maybe_kill_rank(ps.rank(), progress.iteration);
       if (loss_log) {  // MEGATRON_LOSS_LOG: every iteration's loss in full precision (tests)
         std::string aux;  // the step's aux losses (track_moe_metrics' values)

@@ -2,6 +2,8 @@
 // condition, TensorBoard files that TensorBoard reads, and bad input.
 #include <nlohmann/json.hpp>
 
+#include <sstream>
+
 #include "tests/functional/run_util.h"
 
 namespace megatron::testing {
@@ -273,6 +275,39 @@ TEST(Train, EvalItersZeroTurnsEvaluationOff) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(field_values(r.output, "lm loss").size(), 3u) << r.output;
   EXPECT_EQ(r.output.find("validation loss"), std::string::npos) << r.output;
+}
+
+// --profile: iterations [start, end) bracketed; the op table names the model's ops and its shares
+// add up to the profiled wall time (the ops' times plus the gaps between them).
+TEST(Train, ProfilePrintsWhereTheTimeWent) {
+  ScratchDir dir("profile");
+  RunResult r = run(concat({bin("pretrain_gpt")},
+                           concat(tiny_gpt_flags(5), {"--profile", "--profile-step-start", "1", "--profile-step-end", "3"})),
+                    dir.path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const size_t at = r.output.find(" > profile of rank 0, iterations 2 to 3 (");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  std::istringstream table(r.output.substr(at));
+  std::string line;
+  std::getline(table, line);  // the heading
+  std::getline(table, line);  // the columns
+  double share = 0;
+  bool linear = false, adam = false;
+  while (std::getline(table, line) && line.rfind("(iteration, wall)", 0) != 0) {
+    linear |= line.rfind("linear_forward ", 0) == 0;
+    adam |= line.rfind("adamw_step ", 0) == 0;
+    const size_t pct = line.find('%');
+    ASSERT_NE(pct, std::string::npos) << line;
+    share += std::stod(line.substr(line.rfind(' ', pct - 1) + 1, pct));
+  }
+  EXPECT_TRUE(linear && adam) << r.output.substr(at);
+  EXPECT_NEAR(share, 100.0, 1.0) << r.output.substr(at);
+  RunResult bad = run(concat({bin("pretrain_gpt")},
+                             concat(tiny_gpt_flags(2), {"--profile", "--profile-step-start", "3", "--profile-step-end", "3"})),
+                      dir.path);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("--profile needs 0 <= --profile-step-start < --profile-step-end"), std::string::npos)
+      << bad.output;
 }
 
 TEST(Cli, BadInputGivesOneClearLine) {

@@ -5,6 +5,7 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #include <cudnn.h>
 
@@ -430,6 +431,8 @@ int compute_capability(int device) {
   return major * 10 + minor;
 }
 
+void profiler_range(bool start) { CUDA_CHECK(start ? cudaProfilerStart() : cudaProfilerStop()); }
+
 void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
   alloc.allocate = cuda_allocate;
   alloc.stats = cuda_stats;
@@ -443,6 +446,7 @@ void install_cuda_runtime(CudaAllocatorHooks& alloc, CudaContextHooks& ctx) {
   alloc.event_record = event_record;
   alloc.event_elapsed_ms = event_elapsed_ms;
   alloc.event_destroy = event_destroy;
+  alloc.profiler_range = profiler_range;
   ctx.create = context_create;
   ctx.destroy = context_destroy;
   ctx.synchronize = context_synchronize;
