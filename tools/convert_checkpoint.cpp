@@ -220,7 +220,7 @@ void export_tokenizer_files(const TokenizerArgs& t, const fs::path& save, int64_
 int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divisible_by) {
   HFFolder folder(load.string());
   const nlohmann::json& hf_config = folder.config();
-  HFModelInfo info = config_from_hf(hf_config, divisible_by);
+  HFModelInfo info = config_from_hf(folder, divisible_by);  // Note [HF DeepSeek-V3 MTP]: MTP when the folder has it
   Progress progress("reading HF tensors", folder.tensor_names().size());
   std::set<std::string> read;
   TensorMap state = hf_to_megatron(info, [&](const std::string& n) {
@@ -284,6 +284,14 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
   if (meta.contains("hf_config")) {
     hf_config = meta["hf_config"];
     info = config_from_hf(hf_config, config.make_vocab_size_divisible_by);
+    // The checkpoint says whether the model has MTP layers (an import from a folder without their
+    // weights has none, whatever num_nextn_predict_layers says: Note [HF DeepSeek-V3 MTP]).
+    MG_CHECK(config.mtp_num_layers == 0 || info.family == HFFamily::DeepSeek,
+             "--mtp-num-layers {} has no HuggingFace export to {} (only deepseek_v3 stores MTP layers): export a "
+             "checkpoint trained without MTP",
+             config.mtp_num_layers, info.model_type);
+    info.config.mtp_num_layers = config.mtp_num_layers;
+    if (config.mtp_num_layers > 0) hf_config["num_nextn_predict_layers"] = config.mtp_num_layers;
   } else {
     hf_config = hf_config_from_megatron(config);
     info = config_from_hf(hf_config, config.make_vocab_size_divisible_by);

@@ -206,7 +206,7 @@ struct FolderGolden {
   std::string io_name;
   FolderGolden(const std::string& dir, const std::string& name) {
     folder = std::make_unique<HFFolder>(dir + "/" + name);
-    HFModelInfo info = config_from_hf(folder->config(), /*make_vocab_size_divisible_by=*/1);  // logits as HF's
+    HFModelInfo info = config_from_hf(*folder, /*make_vocab_size_divisible_by=*/1);  // logits as HF's
     TransformerConfig c = info.config;
     c.hidden_dropout = c.attention_dropout = 0.0f;
     c.moe_aux_loss_coeff.assign(c.moe_router_load_balancing_type.size(), 0.0f);

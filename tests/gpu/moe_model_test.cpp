@@ -45,7 +45,7 @@ double scaled_error(const std::vector<float>& x, const std::vector<float>& y) {
 Result run(const std::string& dir, const std::string& name, Device device, bool bf16, bool grouped) {
   HFFolder folder(dir + "/" + name);
   safetensors::File io(dir + "/" + name + "_io.safetensors");
-  HFModelInfo info = config_from_hf(folder.config(), 1);
+  HFModelInfo info = config_from_hf(folder, 1);  // the folder says whether MTP weights are there
   TransformerConfig c = info.config;
   c.hidden_dropout = c.attention_dropout = 0.0f;
   c.moe_router_load_balancing_type = {"aux_loss"};

@@ -41,10 +41,6 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
   if (multi_rank(pg.cp)) {
     cp_.emplace(pg.cp, cp_comm_type_from_string(config.cp_comm_type), pg.hcp_a2a, pg.hcp_p2p, window_left_);
   }
-  MG_CHECK(!cp_ || !config.has_attention_sinks() || cp_sinks_supported(config.cp_comm_type),
-           "--softmax-type {} with context parallelism needs --cp-comm-type p2p or all_gather (a2a splits the heads "
-           "inside the exchange), got {}",
-           config.softmax_type, config.cp_comm_type);
   if (config.softmax_type == "learnable") {  // Note [Attention sinks]
     softmax_offset_ = params.add(prefix + ".core_attention.softmax_offset",
                                  tp_shard({config.num_attention_heads}, 0, pg.tp), /*no_weight_decay=*/true,
@@ -55,9 +51,8 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const MixerSpec& s
 }
 
 void SelfAttention::apply_sinks(Context& ctx, Saved& saved) const {
-  Tensor& lse = saved_lse(saved);
   if (const Tensor sinks = sinks_tensor(); sinks.defined())
-    ops::attention_sink_forward(ctx, saved.context, lse, sinks, saved.context, lse);
+    ops::attention_sink_forward(ctx, saved.context, saved.lse, sinks, saved.context, saved.lse);
 }
 
 AttnMask SelfAttention::mask_of(const AttentionInputs& in) const {
@@ -109,9 +104,9 @@ void SelfAttention::core_forward(Context& ctx, const AttentionInputs& in, Saved&
     ops::rope_forward(ctx, k, freqs, rope_interleaved_, rope_scale_, k);
   }
   if (cp_) {
-    cp_->forward(ctx, q, k, v, in.packed.get(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.context,
-                 saved.cp);
-    apply_sinks(ctx, saved);  // p2p, all_gather: the merged rows of this rank (Note [Attention sinks])
+    // The sinks fold in inside the exchange (Note [Context-parallel attention sinks]).
+    cp_->forward(ctx, q, k, v, in.packed.get(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, sinks_tensor(),
+                 saved.context, saved.cp);
   } else {
     ops::attention_forward(ctx, q, k, v, mask_of(in), softmax_scale_, dropout_p_, seed, saved.dropout_offset,
                            saved.context, saved.lse);
@@ -151,12 +146,10 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Atten
   Tensor grad_context = linear_proj_.backward(ctx, grad_out.view({-1, h}), saved.context.view({s * b, nq_ * d_}));
   const DType dt = saved.x.dtype();
   const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
-  if (const Tensor sinks = sinks_tensor(); sinks.defined()) {  // Note [Attention sinks]
-    Tensor none, &sinks_grad = softmax_offset_ ? softmax_offset_->main_grad : none;
-    ops::attention_sink_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.context, saved_lse(saved), sinks,
-                                 sinks_grad);
-    notify_grad_accumulated(ctx, softmax_offset_);
-  }
+  const Tensor sinks = sinks_tensor();
+  Tensor none, &sinks_grad = softmax_offset_ ? softmax_offset_->main_grad : none;
+  if (sinks.defined() && !cp_)  // Note [Attention sinks]; under CP inside the exchange's backward
+    ops::attention_sink_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.context, saved.lse, sinks, sinks_grad);
   Tensor grad_qkv;
   if (fused_qkv(in)) {
     grad_qkv = Tensor::empty(saved.qkv.shape(), dt, ctx.device());
@@ -168,7 +161,8 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Atten
     Tensor gv = Tensor::empty(saved.v.shape(), dt, ctx.device());
     if (cp_) {
       cp_->backward(ctx, grad_context.view({s, b, nq_, d_}), saved.q, saved.k, saved.v, saved.context,
-                    in.packed.get(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, saved.cp, gq, gk, gv);
+                    in.packed.get(), softmax_scale_, dropout_p_, seed, saved.dropout_offset, sinks, sinks_grad,
+                    saved.cp, gq, gk, gv);
     } else {
       ops::attention_backward(ctx, grad_context.view({s, b, nq_, d_}), saved.q, saved.k, saved.v, saved.context,
                               saved.lse, mask_of(in), softmax_scale_, dropout_p_, seed, saved.dropout_offset, gq, gk,
@@ -185,6 +179,7 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Atten
     grad_qkv = Tensor::empty({s, b, (nq_ + 2 * ng_) * d_}, dt, ctx.device());
     ops::qkv_split_backward(ctx, gq, gk, gv, grad_qkv);
   }
+  notify_grad_accumulated(ctx, softmax_offset_);
   return linear_qkv_.backward(ctx, grad_qkv.view({s * b, -1}), saved.x.view({-1, h})).view({-1, b, h});
 }
 

@@ -32,10 +32,10 @@
 // (ops::attention_sink_backward) and then runs the core attention's backward on the adjusted output
 // and log-sum-exp, which gives the exact q/k/v gradients. learnable: the parameter
 // "<prefix>.core_attention.softmax_offset" [heads] (Megatron's name), split with the heads under
-// tensor parallelism; off-by-one: a fixed 0 per head. Under context parallelism with p2p or
-// all_gather the sinks fold into the merged output and log-sum-exp of this rank's rows, and each key
-// block's backward with those is exact as without CP (Note [Context-parallel attention]); a2a and
-// a2a+p2p (the heads split inside the exchange) are refused.
+// tensor parallelism; off-by-one: a fixed 0 per head. Under context parallelism the exchange folds
+// them in (Note [Context-parallel attention sinks] in context_parallel.cpp): p2p and all_gather into
+// the merged rows of this rank, a2a and a2a+p2p into the head-split whole rows before the output's
+// all-to-all; each key block's backward with those is exact as without CP.
 //
 // Sliding-window attention (--window-size, --window-attn-skip-freq): the layer spec's window
 // (MixerSpec::window_left) goes into every mask this layer builds (Note [Sliding-window attention]),
@@ -102,10 +102,8 @@ class SelfAttention {
                                const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
   /// The sink logits [nq_] (learnable or off-by-one), undefined for the vanilla softmax.
   Tensor sinks_tensor() const { return softmax_offset_ ? softmax_offset_->data : fixed_sinks_; }
-  /// Folds the sinks into saved.context and the saved log-sum-exp in place (Note [Attention sinks]).
+  /// Folds the sinks into saved.context and saved.lse in place (Note [Attention sinks]; without CP).
   void apply_sinks(Context& ctx, Saved& saved) const;
-  /// The core attention's log-sum-exp of this rank's rows: saved.lse, or context parallelism's.
-  Tensor& saved_lse(Saved& saved) const { return cp_ ? saved.cp.lse : saved.lse; }
   /// Note [Fused QKV attention]: whether the core attention reads the QKV projection directly.
   bool fused_qkv(const AttentionInputs& in) const {
     return nq_ == ng_ && !in.freqs.defined() && !q_layernorm_ && !cp_;

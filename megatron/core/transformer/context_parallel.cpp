@@ -142,28 +142,37 @@ Block block_of(int64_t gq, int64_t gk, const Params& p) {
   return bl;
 }
 
-// One key/value chunk of a buffer: its global chunk index and where its keys and values start.
-struct KvChunk {
-  int64_t id, k_row, v_row;
+// Note [Keys and values of two widths]: keys [R, b, ng, dk] and values [R, b, ng, dv] travel as two
+// tensors of the same rows (MLA's keys are qk + pe wide, its values dv), every exchange moving both:
+// the ring sends each to the same peer in the same order (so the receives match them under MPI's
+// ordering), all_gather and reduce_scatter run once per tensor. Row i of one is row i of the other.
+struct Kv {
+  Tensor k, v;
 };
 
-// kv [2R, b, ng, d]: k's rows, then v's.
-Tensor pack_kv(Context& ctx, const Tensor& k, const Tensor& v) {
-  const int64_t R = k.size(0);
-  Shape shape = k.shape();
-  shape[0] = 2 * R;
-  Tensor kv = Tensor::empty(shape, k.dtype(), k.device());
-  ops::copy_rows(ctx, k, 0, kv, 0, R);
-  ops::copy_rows(ctx, v, 0, kv, R, R);
-  return kv;
+// One key/value chunk of a buffer: its global chunk index and its first row in k and v.
+struct KvChunk {
+  int64_t id, row;
+};
+
+// The chunks of a buffer whose rows hold `ids`, from row `base`.
+std::vector<KvChunk> kv_chunks(const std::vector<int64_t>& ids, int64_t c, int64_t base = 0) {
+  std::vector<KvChunk> out;
+  for (size_t j = 0; j < ids.size(); ++j) out.push_back({ids[j], base + int64_t(j) * c});
+  return out;
 }
 
-// The chunks of a packed buffer whose rows hold `ids` (k rows first, then v rows).
-std::vector<KvChunk> kv_chunks(const std::vector<int64_t>& ids, int64_t c, int64_t base = 0) {
-  const int64_t R = int64_t(ids.size()) * c;
-  std::vector<KvChunk> out;
-  for (size_t j = 0; j < ids.size(); ++j) out.push_back({ids[j], base + int64_t(j) * c, base + R + int64_t(j) * c});
-  return out;
+Kv empty_like(const Kv& x) {
+  return {Tensor::empty(x.k.shape(), x.k.dtype(), x.k.device()), Tensor::empty(x.v.shape(), x.v.dtype(), x.v.device())};
+}
+Kv zeros_like(const Kv& x) {
+  return {Tensor::zeros(x.k.shape(), x.k.dtype(), x.k.device()), Tensor::zeros(x.v.shape(), x.v.dtype(), x.v.device())};
+}
+
+// Sends `out` to rank `to` while receiving `in` from rank `from` (Note [Keys and values of two widths]).
+std::unique_ptr<CommWork> exchange(Context& ctx, Communicator* g, const Kv& out, int to, Kv& in, int from) {
+  return g->batch_isend_irecv(
+      ctx, {{P2POp::Send, out.k, to}, {P2POp::Send, out.v, to}, {P2POp::Recv, in.k, from}, {P2POp::Recv, in.v, from}});
 }
 
 Tensor empty_like_rows(const Tensor& x, int64_t rows) {
@@ -177,14 +186,13 @@ void copy_into(Context& ctx, const Tensor& src, Tensor& dst) { ops::copy_rows(ct
 
 // ---- one block, forward and backward ----
 
-// Query chunk `a` (rows a·c.. of q) against the key chunk `kc` of kvbuf: writes the block's
-// rows of out/lse directly (`first`: the chunk's diagonal, which covers every row of it), or
-// merges them in.
-void block_forward(Context& ctx, const Tensor& q, int64_t a, int64_t gq, const Tensor& kvbuf, const KvChunk& kc,
+// Query chunk `a` (rows a·c.. of q) against the key chunk `kc` of kv: writes the block's rows of
+// out/lse directly (`first`: the chunk's diagonal, which covers every row of it), or merges them in.
+void block_forward(Context& ctx, const Tensor& q, int64_t a, int64_t gq, const Kv& kv, const KvChunk& kc,
                    const Block& bl, const Params& p, bool first, Tensor& out, Tensor& lse) {
   const int64_t row0 = a * p.c + bl.q0, rows = bl.q1 - bl.q0;
   Tensor qb = q.slice(row0, row0 + rows);
-  Tensor kb = kvbuf.slice(kc.k_row + bl.k0, kc.k_row + bl.k1), vb = kvbuf.slice(kc.v_row + bl.k0, kc.v_row + bl.k1);
+  Tensor kb = kv.k.slice(kc.row + bl.k0, kc.row + bl.k1), vb = kv.v.slice(kc.row + bl.k0, kc.row + bl.k1);
   Tensor lse_b = Tensor::empty({q.size(1), q.size(2), rows}, DType::Float32, q.device());
   const uint64_t seed = block_seed(p.seed, gq, kc.id);
   if (first) {
@@ -192,58 +200,59 @@ void block_forward(Context& ctx, const Tensor& q, int64_t a, int64_t gq, const T
     ops::attention_forward(ctx, qb, kb, vb, bl.mask, p.scale, p.dropout_p, seed, p.offset, ob, lse_b);
     ops::lse_copy_rows(ctx, lse_b, 0, lse, row0, rows);
   } else {
-    Tensor ob = empty_like_rows(q, rows);
+    Tensor ob = empty_like_rows(out, rows);
     ops::attention_forward(ctx, qb, kb, vb, bl.mask, p.scale, p.dropout_p, seed, p.offset, ob, lse_b);
     ops::attention_merge(ctx, ob, lse_b, row0, out, lse);
   }
 }
 
 // The block's share of the gradients with the merged out/lse, added into dq (rows of q) and dkv
-// (the layout of kvbuf).
+// (the rows of kv).
 void block_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& out, const Tensor& lse,
-                    int64_t a, int64_t qid, const Tensor& kvbuf, const KvChunk& kc, const Block& bl, const Params& p,
-                    Tensor& dq, Tensor& dkv) {
-  const int64_t row0 = a * p.c + bl.q0, rows = bl.q1 - bl.q0, krows = bl.k1 - bl.k0;
+                    int64_t a, int64_t qid, const Kv& kv, const KvChunk& kc, const Block& bl, const Params& p,
+                    Tensor& dq, Kv& dkv) {
+  const int64_t row0 = a * p.c + bl.q0, rows = bl.q1 - bl.q0, k0 = kc.row + bl.k0, k1 = kc.row + bl.k1;
   Tensor qb = q.slice(row0, row0 + rows), ob = out.slice(row0, row0 + rows), gob = grad_out.slice(row0, row0 + rows);
-  Tensor kb = kvbuf.slice(kc.k_row + bl.k0, kc.k_row + bl.k1), vb = kvbuf.slice(kc.v_row + bl.k0, kc.v_row + bl.k1);
+  Tensor kb = kv.k.slice(k0, k1), vb = kv.v.slice(k0, k1);
   Tensor lse_b = Tensor::empty({q.size(1), q.size(2), rows}, DType::Float32, q.device());
   ops::lse_copy_rows(ctx, lse, row0, lse_b, 0, rows);
-  Tensor gq = empty_like_rows(q, rows), gk = empty_like_rows(kb, krows), gv = empty_like_rows(vb, krows);
+  Tensor gq = empty_like_rows(q, rows), gk = empty_like_rows(kb, k1 - k0), gv = empty_like_rows(vb, k1 - k0);
   ops::attention_backward(ctx, gob, qb, kb, vb, ob, lse_b, bl.mask, p.scale, p.dropout_p,
                           block_seed(p.seed, qid, kc.id), p.offset, gq, gk, gv);
   Tensor dqs = dq.slice(row0, row0 + rows);
   ops::add(ctx, dqs, gq, dqs);
-  Tensor dks = dkv.slice(kc.k_row + bl.k0, kc.k_row + bl.k1), dvs = dkv.slice(kc.v_row + bl.k0, kc.v_row + bl.k1);
+  Tensor dks = dkv.k.slice(k0, k1), dvs = dkv.v.slice(k0, k1);
   ops::add(ctx, dks, gk, dks);
   ops::add(ctx, dvs, gv, dvs);
 }
 
-// All blocks of the query chunks `mine` (rows of q, in order) against the key chunks `kv` of
-// kvbuf. diagonals_first: the diagonal of each query chunk is among `kv` and written first.
-void blocks_forward(Context& ctx, const Tensor& q, const std::vector<int64_t>& mine, const Tensor& kvbuf,
-                    const std::vector<KvChunk>& kv, const Params& p, bool diagonals_first, Tensor& out, Tensor& lse) {
+// All blocks of the query chunks `mine` (rows of q, in order) against the key chunks `chunks` of
+// kv. diagonals_first: the diagonal of each query chunk is among `chunks` and written first.
+void blocks_forward(Context& ctx, const Tensor& q, const std::vector<int64_t>& mine, const Kv& kv,
+                    const std::vector<KvChunk>& chunks, const Params& p, bool diagonals_first, Tensor& out,
+                    Tensor& lse) {
   if (diagonals_first) {
     for (size_t a = 0; a < mine.size(); ++a) {
-      auto it = std::find_if(kv.begin(), kv.end(), [&](const KvChunk& k) { return k.id == mine[a]; });
-      MG_ASSERT(it != kv.end(), "query chunk {} has no diagonal block here", mine[a]);
-      block_forward(ctx, q, int64_t(a), mine[a], kvbuf, *it, block_of(mine[a], mine[a], p), p, true, out, lse);
+      auto it = std::find_if(chunks.begin(), chunks.end(), [&](const KvChunk& k) { return k.id == mine[a]; });
+      MG_ASSERT(it != chunks.end(), "query chunk {} has no diagonal block here", mine[a]);
+      block_forward(ctx, q, int64_t(a), mine[a], kv, *it, block_of(mine[a], mine[a], p), p, true, out, lse);
     }
   }
   for (size_t a = 0; a < mine.size(); ++a)
-    for (const KvChunk& k : kv) {
+    for (const KvChunk& k : chunks) {
       if (diagonals_first && k.id == mine[a]) continue;
       const Block bl = block_of(mine[a], k.id, p);
-      if (bl.visible) block_forward(ctx, q, int64_t(a), mine[a], kvbuf, k, bl, p, false, out, lse);
+      if (bl.visible) block_forward(ctx, q, int64_t(a), mine[a], kv, k, bl, p, false, out, lse);
     }
 }
 
 void blocks_backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& out, const Tensor& lse,
-                     const std::vector<int64_t>& mine, const Tensor& kvbuf, const std::vector<KvChunk>& kv,
-                     const Params& p, Tensor& dq, Tensor& dkv) {
+                     const std::vector<int64_t>& mine, const Kv& kv, const std::vector<KvChunk>& chunks,
+                     const Params& p, Tensor& dq, Kv& dkv) {
   for (size_t a = 0; a < mine.size(); ++a)
-    for (const KvChunk& k : kv) {
+    for (const KvChunk& k : chunks) {
       const Block bl = block_of(mine[a], k.id, p);
-      if (bl.visible) block_backward(ctx, grad_out, q, out, lse, int64_t(a), mine[a], kvbuf, k, bl, p, dq, dkv);
+      if (bl.visible) block_backward(ctx, grad_out, q, out, lse, int64_t(a), mine[a], kv, k, bl, p, dq, dkv);
     }
 }
 
@@ -255,13 +264,13 @@ void ring_forward(Context& ctx, Communicator* ring, const ChunksOf& chunks_of, c
                   const Tensor& v, const Params& p, Tensor& out, Tensor& lse) {
   const int P = group_size(ring), me = group_rank(ring);
   const std::vector<int64_t> mine = chunks_of(me);
-  Tensor cur = pack_kv(ctx, k, v);
+  Kv cur{k, v};  // only read: the sends and the blocks share it
   for (int t = 0; t < P; ++t) {
     std::unique_ptr<CommWork> work;
-    Tensor next;
+    Kv next;
     if (t + 1 < P) {  // the next step's keys/values travel while this step computes
-      next = Tensor::empty(cur.shape(), cur.dtype(), cur.device());
-      work = ring->batch_isend_irecv(ctx, {{P2POp::Send, cur, (me + 1) % P}, {P2POp::Recv, next, (me + P - 1) % P}});
+      next = empty_like(cur);
+      work = exchange(ctx, ring, cur, (me + 1) % P, next, (me + P - 1) % P);
     }
     const int owner = (me - t + P) % P;
     blocks_forward(ctx, q, mine, cur, kv_chunks(chunks_of(owner), p.c), p, /*diagonals_first=*/t == 0, out, lse);
@@ -272,37 +281,38 @@ void ring_forward(Context& ctx, Communicator* ring, const ChunksOf& chunks_of, c
   }
 }
 
+// dq, dk, dv (shapes of q, k, v) are overwritten.
 void ring_backward(Context& ctx, Communicator* ring, const ChunksOf& chunks_of, const Tensor& grad_out,
                    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                    const Params& p, Tensor& dq, Tensor& dk, Tensor& dv) {
   const int P = group_size(ring), me = group_rank(ring);
   const int next_rank = (me + 1) % P, prev_rank = (me + P - 1) % P;
   const std::vector<int64_t> mine = chunks_of(me);
-  const int64_t R = k.size(0);
-  dq = Tensor::zeros(q.shape(), q.dtype(), q.device());
-  Tensor cur = pack_kv(ctx, k, v);
-  Tensor dkv = Tensor::zeros(cur.shape(), cur.dtype(), cur.device());  // the gradient of `cur`'s owner
+  Tensor dq_acc = Tensor::zeros(q.shape(), q.dtype(), q.device());
+  Kv cur{k, v};
+  Kv dkv = zeros_like(cur);  // the gradient of `cur`'s owner
   std::unique_ptr<CommWork> dkv_work;
-  Tensor dkv_in;  // arriving: the accumulated gradient of the next step's owner
+  Kv dkv_in;  // arriving: the accumulated gradient of the next step's owner
   for (int t = 0; t < P; ++t) {
     std::unique_ptr<CommWork> kv_work;
-    Tensor next;
+    Kv next;
     if (t + 1 < P) {
-      next = Tensor::empty(cur.shape(), cur.dtype(), cur.device());
-      kv_work = ring->batch_isend_irecv(ctx, {{P2POp::Send, cur, next_rank}, {P2POp::Recv, next, prev_rank}});
+      next = empty_like(cur);
+      kv_work = exchange(ctx, ring, cur, next_rank, next, prev_rank);
     }
     const int owner = (me - t + P) % P;
     // This step's share, computed while the owner's gradient so far is still arriving.
-    Tensor local = t == 0 ? dkv : Tensor::zeros(cur.shape(), cur.dtype(), cur.device());
-    blocks_backward(ctx, grad_out, q, out, lse, mine, cur, kv_chunks(chunks_of(owner), p.c), p, dq, local);
+    Kv local = t == 0 ? dkv : zeros_like(cur);
+    blocks_backward(ctx, grad_out, q, out, lse, mine, cur, kv_chunks(chunks_of(owner), p.c), p, dq_acc, local);
     if (t > 0) {
       dkv_work->wait();
-      ops::add(ctx, dkv_in, local, dkv_in);
+      ops::add(ctx, dkv_in.k, local.k, dkv_in.k);
+      ops::add(ctx, dkv_in.v, local.v, dkv_in.v);
       dkv = dkv_in;
     }
     if (P > 1) {  // on to the next rank; after the last step each gradient arrives at its owner
-      dkv_in = Tensor::empty(cur.shape(), cur.dtype(), cur.device());
-      dkv_work = ring->batch_isend_irecv(ctx, {{P2POp::Send, dkv, next_rank}, {P2POp::Recv, dkv_in, prev_rank}});
+      dkv_in = empty_like(cur);
+      dkv_work = exchange(ctx, ring, dkv, next_rank, dkv_in, prev_rank);
     }
     if (kv_work) {
       kv_work->wait();
@@ -313,8 +323,9 @@ void ring_backward(Context& ctx, Communicator* ring, const ChunksOf& chunks_of, 
     dkv_work->wait();
     dkv = dkv_in;
   }
-  ops::copy_rows(ctx, dkv, 0, dk, 0, R);
-  ops::copy_rows(ctx, dkv, R, dv, 0, R);
+  copy_into(ctx, dq_acc, dq);
+  copy_into(ctx, dkv.k, dk);
+  copy_into(ctx, dkv.v, dv);
 }
 
 // ---- Ulysses all-to-all over heads ----
@@ -360,6 +371,37 @@ Tensor to_rank_order(Context& ctx, const Tensor& x, int64_t n, int64_t c) {
   return out;
 }
 
+// The rows of t [H, ...] for the heads this rank of g attends after heads_to_sequence (rank i takes
+// the i-th of g.size() blocks); undefined stays undefined.
+Tensor head_block(const Tensor& t, const Communicator& g) {
+  if (!t.defined()) return t;
+  const int64_t n = t.size(0) / g.size();
+  return t.slice(g.rank() * n, (g.rank() + 1) * n);
+}
+
+// Rank-major gathered rows of every rank's two chunks (rank i's at i·2c) as KvChunks.
+std::vector<KvChunk> gathered_chunks(int64_t n, int64_t c) {
+  std::vector<KvChunk> chunks;
+  for (int64_t i = 0; i < n; ++i)
+    for (const KvChunk& kc : kv_chunks(rank_chunks(i, n), c, i * 2 * c)) chunks.push_back(kc);
+  return chunks;
+}
+
+// Ring member j of a2a+p2p holds the chunks of level-0 group j: CP ranks j·A .. j·A + A - 1.
+ChunksOf level0_chunks(int64_t A, int64_t n) {
+  return [A, n](int j) {
+    std::vector<int64_t> ids;
+    for (int64_t i = 0; i < A; ++i)
+      for (int64_t c : rank_chunks(int64_t(j) * A + i, n)) ids.push_back(c);
+    return ids;
+  };
+}
+
+// [rows, b, heads of q, width of v]: the attention output of q's rows and heads.
+Tensor empty_out(const Tensor& q, const Tensor& v) {
+  return Tensor::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.dtype(), q.device());
+}
+
 }  // namespace
 
 ContextParallelAttention::ContextParallelAttention(Communicator* cp, CpCommType type, Communicator* a2a,
@@ -379,11 +421,20 @@ ContextParallelAttention::ContextParallelAttention(Communicator* cp, CpCommType 
   }
 }
 
+// Note [Context-parallel attention sinks]: the sinks fold into whole attention rows (Note [Attention
+// sinks]), so each comm type applies them where it holds rows merged over every key: p2p and
+// all_gather to this rank's merged rows (all heads); a2a and a2a+p2p to the head-split rows before
+// the output's all-to-all, with the sinks of the heads this rank attends (head_block). The backward
+// takes the sinks' gradient in the same place, before the blocks' backward; each (row, head) is
+// counted on one CP rank, and the data × context gradient reduction sums them.
 void ContextParallelAttention::forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                        const PackedSeqParams* packed, float softmax_scale, float dropout_p,
-                                       uint64_t seed, uint64_t offset, Tensor& out, Saved& saved) const {
+                                       uint64_t seed, uint64_t offset, const Tensor& sinks, Tensor& out,
+                                       Saved& saved) const {
   const int64_t R = q.size(0), b = q.size(1), nq = q.size(2);
   MG_ASSERT(R % 2 == 0, "a context-parallel rank holds two chunks, got {} rows", R);
+  MG_ASSERT(k.size(0) == R && v.size(0) == R && k.size(3) == q.size(3) && out.size(3) == v.size(3),
+            "context-parallel attention of q {}, k {}, v {} into out {}", q.str(), k.str(), v.str(), out.str());
   MG_CHECK(!packed || b == 1, "packed sequences (--reset-attention-mask) with context parallelism need "
                               "--micro-batch-size 1 (Megatron's THD format), got {}", b);
   Params p{softmax_scale, dropout_p, seed, offset, R / 2, packed, window_left_};
@@ -393,32 +444,22 @@ void ContextParallelAttention::forward(Context& ctx, const Tensor& q, const Tens
       saved.lse = Tensor::empty({b, nq, R}, DType::Float32, q.device());
       const int64_t n = n_;
       ring_forward(ctx, ring_, [n](int r) { return rank_chunks(r, n); }, q, k, v, p, out, saved.lse);
-      return;
+      break;
     }
     case CpCommType::AllGather: {
       saved.lse = Tensor::empty({b, nq, R}, DType::Float32, q.device());
-      Tensor kv = pack_kv(ctx, k, v);
-      Tensor all = empty_like_rows(kv, n_ * 2 * R);
-      cp_->all_gather(ctx, kv, all)->wait();
+      Kv all{empty_like_rows(k, n_ * R), empty_like_rows(v, n_ * R)};
+      cp_->all_gather(ctx, k, all.k)->wait();
+      cp_->all_gather(ctx, v, all.v)->wait();
       const std::vector<int64_t> mine = rank_chunks(r_, n_);
       if (packed) {  // block by block (Note [Context-parallel attention])
-        std::vector<KvChunk> chunks;
-        for (int i = 0; i < n_; ++i)
-          for (const KvChunk& c : kv_chunks(rank_chunks(i, n_), p.c, int64_t(i) * 2 * R)) chunks.push_back(c);
-        blocks_forward(ctx, q, mine, all, chunks, p, true, out, saved.lse);
-        saved.k_all = all;
-        return;
+        blocks_forward(ctx, q, mine, all, gathered_chunks(n_, p.c), p, true, out, saved.lse);
+        saved.k_all = all.k, saved.v_all = all.v;
+        break;
       }
       // The keys/values in the global order; each query chunk attends to the prefix it sees.
-      saved.k_all = empty_like_rows(k, n_ * R);
-      saved.v_all = empty_like_rows(v, n_ * R);
-      for (int64_t i = 0; i < n_; ++i) {
-        const std::vector<int64_t> ch = rank_chunks(i, n_);
-        for (size_t j = 0; j < 2; ++j) {
-          ops::copy_rows(ctx, all, i * 2 * R + int64_t(j) * p.c, saved.k_all, ch[j] * p.c, p.c);
-          ops::copy_rows(ctx, all, i * 2 * R + R + int64_t(j) * p.c, saved.v_all, ch[j] * p.c, p.c);
-        }
-      }
+      saved.k_all = to_global_order(ctx, all.k, n_, p.c);
+      saved.v_all = to_global_order(ctx, all.v, n_, p.c);
       for (size_t a = 0; a < 2; ++a) {
         const int64_t g = mine[a], keys = (g + 1) * p.c;
         Tensor qa = q.slice(int64_t(a) * p.c, int64_t(a + 1) * p.c), oa = out.slice(int64_t(a) * p.c, int64_t(a + 1) * p.c);
@@ -428,67 +469,64 @@ void ContextParallelAttention::forward(Context& ctx, const Tensor& q, const Tens
                                dropout_p, block_seed(seed, g, -1), offset, oa, lse_a);
         ops::lse_copy_rows(ctx, lse_a, 0, saved.lse, int64_t(a) * p.c, p.c);
       }
-      return;
+      break;
     }
     case CpCommType::A2A: {
       saved.q = to_global_order(ctx, heads_to_sequence(ctx, *a2a_, q), n_, p.c);
       saved.k = to_global_order(ctx, heads_to_sequence(ctx, *a2a_, k), n_, p.c);
       saved.v = to_global_order(ctx, heads_to_sequence(ctx, *a2a_, v), n_, p.c);
-      saved.out = empty_like_rows(saved.q, saved.q.size(0));
+      saved.out = empty_out(saved.q, saved.v);
       saved.lse = Tensor::empty({b, saved.q.size(2), saved.q.size(0)}, DType::Float32, q.device());
       ops::attention_forward(ctx, saved.q, saved.k, saved.v,
                              (packed ? packed->mask() : AttnMask::causal()).with_window(p.window), softmax_scale,
                              dropout_p, block_seed(seed, a2a_->rank(), -1), offset, saved.out, saved.lse);
+      if (sinks.defined())  // Note [Context-parallel attention sinks]
+        ops::attention_sink_forward(ctx, saved.out, saved.lse, head_block(sinks, *a2a_), saved.out, saved.lse);
       copy_into(ctx, sequence_to_heads(ctx, *a2a_, to_rank_order(ctx, saved.out, n_, p.c)), out);
       return;
     }
     case CpCommType::A2AP2P: {
-      const int64_t A = a2a_->size(), n = n_;
       saved.q = heads_to_sequence(ctx, *a2a_, q);
       saved.k = heads_to_sequence(ctx, *a2a_, k);
       saved.v = heads_to_sequence(ctx, *a2a_, v);
-      saved.out = empty_like_rows(saved.q, saved.q.size(0));
+      saved.out = empty_out(saved.q, saved.v);
       saved.lse = Tensor::empty({b, saved.q.size(2), saved.q.size(0)}, DType::Float32, q.device());
-      // Ring member j holds the chunks of level-0 group j: CP ranks j·A .. j·A + A - 1.
-      auto chunks_of = [A, n](int j) {
-        std::vector<int64_t> ids;
-        for (int64_t i = 0; i < A; ++i)
-          for (int64_t c : rank_chunks(int64_t(j) * A + i, n)) ids.push_back(c);
-        return ids;
-      };
-      ring_forward(ctx, ring_, chunks_of, saved.q, saved.k, saved.v, p, saved.out, saved.lse);
+      ring_forward(ctx, ring_, level0_chunks(a2a_->size(), n_), saved.q, saved.k, saved.v, p, saved.out, saved.lse);
+      if (sinks.defined())
+        ops::attention_sink_forward(ctx, saved.out, saved.lse, head_block(sinks, *a2a_), saved.out, saved.lse);
       copy_into(ctx, sequence_to_heads(ctx, *a2a_, saved.out), out);
       return;
     }
   }
+  // p2p, all_gather: this rank's rows, merged over every key.
+  if (sinks.defined()) ops::attention_sink_forward(ctx, out, saved.lse, sinks, out, saved.lse);
 }
 
 void ContextParallelAttention::backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                         const Tensor& v, const Tensor& out, const PackedSeqParams* packed,
                                         float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset,
-                                        Saved& saved, Tensor& grad_q, Tensor& grad_k, Tensor& grad_v) const {
+                                        const Tensor& sinks, Tensor& sinks_grad, Saved& saved, Tensor& grad_q,
+                                        Tensor& grad_k, Tensor& grad_v) const {
   const int64_t R = q.size(0), b = q.size(1), nq = q.size(2);
   Params p{softmax_scale, dropout_p, seed, offset, R / 2, packed, window_left_};
+  if (sinks.defined() && (type_ == CpCommType::P2P || type_ == CpCommType::AllGather))
+    ops::attention_sink_backward(ctx, grad_out, out, saved.lse, sinks, sinks_grad);
   switch (type_) {
     case CpCommType::P2P: {
       const int64_t n = n_;
-      Tensor dq;
-      ring_backward(ctx, ring_, [n](int r) { return rank_chunks(r, n); }, grad_out, q, k, v, out, saved.lse, p, dq,
+      ring_backward(ctx, ring_, [n](int r) { return rank_chunks(r, n); }, grad_out, q, k, v, out, saved.lse, p, grad_q,
                     grad_k, grad_v);
-      ops::copy_rows(ctx, dq, 0, grad_q, 0, R);
       return;
     }
     case CpCommType::AllGather: {
       const std::vector<int64_t> mine = rank_chunks(r_, n_);
-      Tensor dkv_all;  // the gathered layout (rank-major, k rows then v rows per rank)
+      Kv dkv_all;  // the gathered layout (rank-major)
       if (packed) {
-        std::vector<KvChunk> chunks;
-        for (int i = 0; i < n_; ++i)
-          for (const KvChunk& c : kv_chunks(rank_chunks(i, n_), p.c, int64_t(i) * 2 * R)) chunks.push_back(c);
+        const Kv all{saved.k_all, saved.v_all};
         Tensor dq = Tensor::zeros(q.shape(), q.dtype(), q.device());
-        dkv_all = Tensor::zeros(saved.k_all.shape(), saved.k_all.dtype(), saved.k_all.device());
-        blocks_backward(ctx, grad_out, q, out, saved.lse, mine, saved.k_all, chunks, p, dq, dkv_all);
-        ops::copy_rows(ctx, dq, 0, grad_q, 0, R);
+        dkv_all = zeros_like(all);
+        blocks_backward(ctx, grad_out, q, out, saved.lse, mine, all, gathered_chunks(n_, p.c), p, dq, dkv_all);
+        copy_into(ctx, dq, grad_q);
       } else {
         Tensor dk_all = Tensor::zeros(saved.k_all.shape(), k.dtype(), k.device());
         Tensor dv_all = Tensor::zeros(saved.v_all.shape(), v.dtype(), v.device());
@@ -506,23 +544,18 @@ void ContextParallelAttention::backward(Context& ctx, const Tensor& grad_out, co
           ops::add(ctx, dks, gk, dks);
           ops::add(ctx, dvs, gv, dvs);
         }
-        dkv_all = empty_like_rows(k, n_ * 2 * R);
-        for (int64_t i = 0; i < n_; ++i) {
-          const std::vector<int64_t> ch = rank_chunks(i, n_);
-          for (size_t j = 0; j < 2; ++j) {
-            ops::copy_rows(ctx, dk_all, ch[j] * p.c, dkv_all, i * 2 * R + int64_t(j) * p.c, p.c);
-            ops::copy_rows(ctx, dv_all, ch[j] * p.c, dkv_all, i * 2 * R + R + int64_t(j) * p.c, p.c);
-          }
-        }
+        dkv_all = {to_rank_order(ctx, dk_all, n_, p.c), to_rank_order(ctx, dv_all, n_, p.c)};
       }
-      Tensor dkv = empty_like_rows(k, 2 * R);
-      cp_->reduce_scatter(ctx, dkv_all, dkv)->wait();
-      ops::copy_rows(ctx, dkv, 0, grad_k, 0, R);
-      ops::copy_rows(ctx, dkv, R, grad_v, 0, R);
+      cp_->reduce_scatter(ctx, dkv_all.k, grad_k)->wait();
+      cp_->reduce_scatter(ctx, dkv_all.v, grad_v)->wait();
       return;
     }
     case CpCommType::A2A: {
       Tensor go = to_global_order(ctx, heads_to_sequence(ctx, *a2a_, grad_out), n_, p.c);
+      if (sinks.defined()) {  // Note [Context-parallel attention sinks]
+        Tensor g = head_block(sinks_grad, *a2a_);
+        ops::attention_sink_backward(ctx, go, saved.out, saved.lse, head_block(sinks, *a2a_), g);
+      }
       Tensor gq = empty_like_rows(saved.q, saved.q.size(0)), gk = empty_like_rows(saved.k, saved.k.size(0)),
              gv = empty_like_rows(saved.v, saved.v.size(0));
       ops::attention_backward(ctx, go, saved.q, saved.k, saved.v, saved.out, saved.lse,
@@ -534,16 +567,15 @@ void ContextParallelAttention::backward(Context& ctx, const Tensor& grad_out, co
       return;
     }
     case CpCommType::A2AP2P: {
-      const int64_t A = a2a_->size(), n = n_;
-      auto chunks_of = [A, n](int j) {
-        std::vector<int64_t> ids;
-        for (int64_t i = 0; i < A; ++i)
-          for (int64_t c : rank_chunks(int64_t(j) * A + i, n)) ids.push_back(c);
-        return ids;
-      };
       Tensor go = heads_to_sequence(ctx, *a2a_, grad_out);
-      Tensor dq, dk = empty_like_rows(saved.k, saved.k.size(0)), dv = empty_like_rows(saved.v, saved.v.size(0));
-      ring_backward(ctx, ring_, chunks_of, go, saved.q, saved.k, saved.v, saved.out, saved.lse, p, dq, dk, dv);
+      if (sinks.defined()) {
+        Tensor g = head_block(sinks_grad, *a2a_);
+        ops::attention_sink_backward(ctx, go, saved.out, saved.lse, head_block(sinks, *a2a_), g);
+      }
+      Tensor dq = empty_like_rows(saved.q, saved.q.size(0)), dk = empty_like_rows(saved.k, saved.k.size(0)),
+             dv = empty_like_rows(saved.v, saved.v.size(0));
+      ring_backward(ctx, ring_, level0_chunks(a2a_->size(), n_), go, saved.q, saved.k, saved.v, saved.out, saved.lse,
+                    p, dq, dk, dv);
       copy_into(ctx, sequence_to_heads(ctx, *a2a_, dq), grad_q);
       copy_into(ctx, sequence_to_heads(ctx, *a2a_, dk), grad_k);
       copy_into(ctx, sequence_to_heads(ctx, *a2a_, dv), grad_v);

@@ -34,6 +34,8 @@
 //              A consecutive CP ranks of each level-0 group, then the p2p ring over the P ranks of
 //              each level-1 group (same position in their level-0 groups), whose chunks are the 2A
 //              chunks the a2a gathered.
+// Keys and values may differ in width (MLA: keys of qk + pe channels, values of dv); every comm type
+// moves them as two tensors. Attention sinks (--softmax-type) work with every comm type.
 // In bf16 the merged output and the summed gradients are rounded once per block (the arithmetic is
 // fp32). Attention dropout draws its mask per block from a seed of the block's chunk pair, so it
 // is replayable (recomputation, backward) but not the single-process mask.
@@ -79,17 +81,23 @@ class ContextParallelAttention {
   struct Saved {
     Tensor lse;            // p2p, all_gather: [b, nq, s] of this rank's rows; a2a: of the gathered sequence
     Tensor q, k, v, out;   // a2a, a2a+p2p: the head-split tensors the local attention ran on
-    Tensor k_all, v_all;   // all_gather: the gathered keys/values in the global order (non-packed)
+    Tensor k_all, v_all;   // all_gather: the gathered keys/values, in the global order (packed: rank-major)
   };
 
-  /// q [s, b, nq, d], k/v [s, b, ng, d]: this rank's rows (Note [Load-balanced chunks]) after RoPE.
-  /// out [s, b, nq, d] is written. packed: the documents (micro-batch 1), or null (causal).
+  /// q [s, b, nq, d], k [s, b, ng, d], v [s, b, ng, dv] (dv may differ from d: MLA; Note [Keys and
+  /// values of two widths] in the .cpp): this rank's rows (Note [Load-balanced chunks]) after RoPE.
+  /// out [s, b, nq, dv] is written. packed: the documents (micro-batch 1), or null (causal).
+  /// sinks [nq]: the attention sinks of this rank's heads (Note [Attention sinks]), folded in here
+  /// (Note [Context-parallel attention sinks] in the .cpp); undefined: none.
   void forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const PackedSeqParams* packed,
-               float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, Tensor& out, Saved& saved) const;
-  /// grad_q/grad_k/grad_v (shapes of q/k/v) are overwritten.
+               float softmax_scale, float dropout_p, uint64_t seed, uint64_t offset, const Tensor& sinks, Tensor& out,
+               Saved& saved) const;
+  /// grad_q/grad_k/grad_v (shapes of q/k/v) are overwritten; sinks_grad [nq] fp32 (undefined for
+  /// fixed sinks) is added to.
   void backward(Context& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
                 const Tensor& out, const PackedSeqParams* packed, float softmax_scale, float dropout_p, uint64_t seed,
-                uint64_t offset, Saved& saved, Tensor& grad_q, Tensor& grad_k, Tensor& grad_v) const;
+                uint64_t offset, const Tensor& sinks, Tensor& sinks_grad, Saved& saved, Tensor& grad_q, Tensor& grad_k,
+                Tensor& grad_v) const;
 
   CpCommType type() const { return type_; }
   int size() const { return n_; }

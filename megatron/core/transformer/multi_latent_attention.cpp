@@ -61,9 +61,8 @@ MLASelfAttention::MLASelfAttention(const TransformerConfig& config, const MixerS
                    config.sequence_parallel) {
   MG_ASSERT(spec.kind == MixerKind::MLA, "MLASelfAttention built from a {} spec", mixer_kind_name(spec.kind));
   MG_ASSERT(config.multi_latent_attention, "MLASelfAttention without --multi-latent-attention");
-  MG_CHECK(!multi_rank(pg.cp),
-           "--context-parallel-size > 1 with --multi-latent-attention is not supported: the context-parallel exchange "
-           "packs keys and values of one head width");
+  if (multi_rank(pg.cp))  // Note [MLA context parallelism]
+    cp_.emplace(pg.cp, cp_comm_type_from_string(config.cp_comm_type), pg.hcp_a2a, pg.hcp_p2p, spec.window_left);
   const int64_t q_out = int64_t(config.num_attention_heads) * (qk_ + pe_);
   if (q_lora_rank_ > 0) {
     linear_q_down_proj_.emplace(
@@ -123,8 +122,13 @@ void MLASelfAttention::core_forward(Context& ctx, const AttentionInputs& in, Sav
   saved.K = K.view({s, b, n_, dqk});
   saved.V = V.view({s, b, n_, dv_});
   saved.context = Tensor::empty({s, b, n_, dv_}, dt, dev);
-  saved.lse = Tensor::empty({b, n_, s}, DType::Float32, dev);
   const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
+  if (cp_) {
+    cp_->forward(ctx, saved.Q, saved.K, saved.V, in.packed.get(), softmax_scale_, dropout_p_, seed,
+                 saved.dropout_offset, /*sinks=*/Tensor(), saved.context, saved.cp);
+    return;
+  }
+  saved.lse = Tensor::empty({b, n_, s}, DType::Float32, dev);
   ops::attention_forward(ctx, saved.Q, saved.K, saved.V, mask_of(in), softmax_scale_, dropout_p_, seed,
                          saved.dropout_offset, saved.context, saved.lse);
 }
@@ -161,6 +165,7 @@ Tensor MLASelfAttention::forward(Context& ctx, const Tensor& x, const AttentionI
     saved.q = saved.kv = saved.k_pe = Tensor();  // Q/K/V hold what backward needs
   } else {
     saved.Q = saved.K = saved.V = saved.context = saved.lse = Tensor();
+    saved.cp = ContextParallelAttention::Saved();
   }
   return out;
 }
@@ -177,9 +182,17 @@ Tensor MLASelfAttention::backward(Context& ctx, const Tensor& grad_out, const At
   Tensor gQ = Tensor::empty(saved.Q.shape(), dt, dev), gK = Tensor::empty(saved.K.shape(), dt, dev),
          gV = Tensor::empty(saved.V.shape(), dt, dev);
   const uint64_t seed = tensor_parallel::region_seed(ctx, tp_, true);
-  ops::attention_backward(ctx, grad_context.view({s, b, n_, dv_}), saved.Q, saved.K, saved.V, saved.context,
-                          saved.lse, mask_of(in), softmax_scale_, dropout_p_, seed, saved.dropout_offset, gQ, gK, gV);
+  if (cp_) {
+    Tensor no_sinks_grad;
+    cp_->backward(ctx, grad_context.view({s, b, n_, dv_}), saved.Q, saved.K, saved.V, saved.context, in.packed.get(),
+                  softmax_scale_, dropout_p_, seed, saved.dropout_offset, /*sinks=*/Tensor(), no_sinks_grad, saved.cp,
+                  gQ, gK, gV);
+  } else {
+    ops::attention_backward(ctx, grad_context.view({s, b, n_, dv_}), saved.Q, saved.K, saved.V, saved.context,
+                            saved.lse, mask_of(in), softmax_scale_, dropout_p_, seed, saved.dropout_offset, gQ, gK, gV);
+  }
   saved.Q = saved.K = saved.V = saved.context = saved.lse = Tensor();
+  saved.cp = ContextParallelAttention::Saved();
   // Q -> q: the rope channels rotated back, in place.
   Tensor g_q = gQ.view({rows, dqk});
   Tensor g_q_pe = Tensor::empty({rows, pe_}, dt, dev);

@@ -37,8 +37,16 @@
 //
 // Selective recomputation (--recompute-granularity selective) drops Q, K, V, the context and the
 // log-sum-exp after forward and rebuilds them in backward from the kept projections, as
-// SelfAttention does (Note [Selective recomputation] in attention.h). Context parallelism is refused
-// at start with one line.
+// SelfAttention does (Note [Selective recomputation] in attention.h).
+//
+// Note [MLA context parallelism]: under --context-parallel-size N, x holds this rank's rows of the
+// sequence (Note [Load-balanced chunks]); every projection, norm and the tensor-parallel exchanges
+// above work on those rows alone, the rope channels of the queries and of the shared rope key turn by
+// the angles of the rows' global positions (the model gathers them: AttentionInputs::freqs), and the
+// core attention is ContextParallelAttention's with every --cp-comm-type, which carries keys of
+// qk + pe channels and values of dv (Note [Keys and values of two widths] in context_parallel.cpp).
+// The rope key is broadcast over the heads before the exchange, as Megatron hands TE's CP attention
+// whole per-head keys. Sinks and sliding windows are refused with MLA at all (TransformerConfig).
 //
 // Note [MLA KV cache]: inference caches what DeepSeek's inference caches — per position the
 // compressed latent after kv_layernorm [kv_lora_rank] and the rope key after RoPE [pe], not the
@@ -56,6 +64,7 @@
 
 #include "megatron/core/packed_seq_params.h"
 #include "megatron/core/tensor_parallel/layers.h"
+#include "megatron/core/transformer/context_parallel.h"
 #include "megatron/core/transformer/norm.h"
 #include "megatron/core/transformer/transformer_config.h"
 #include "megatron/core/transformer/transformer_layer_spec.h"
@@ -80,7 +89,9 @@ class MLASelfAttention {
     Tensor kv_latent;          // linear_kv_up_proj's input [s·b, kv_lora_rank] (local rows)
     Tensor q, kv, k_pe;        // up projections [S·b, n·(qk+pe)], [S·b, n·(qk+dv)], rope key [S·b, pe]
                                // (S the whole sequence); dropped once Q/K/V are built unless recomputing
-    Tensor Q, K, V, context, lse;  // core attention (dropped under selective recomputation)
+    Tensor Q, K, V, context, lse;  // core attention (dropped under selective recomputation); lse
+                                   // without context parallelism, else in cp
+    ContextParallelAttention::Saved cp;  // context parallelism: what its backward needs (core tensors)
     uint64_t dropout_offset = 0;
   };
   Tensor forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t dropout_offset, bool keep_core,
@@ -115,6 +126,7 @@ class MLASelfAttention {
   std::optional<Norm> kv_layernorm_;
   Linear linear_kv_up_proj_;
   Linear linear_proj_;
+  std::optional<ContextParallelAttention> cp_;  // Note [MLA context parallelism] (pg.cp has more than one rank)
 };
 
 }  // namespace megatron

@@ -133,9 +133,6 @@ void TransformerConfig::finalize_mtp() {
 void TransformerConfig::finalize_gpt_oss() {
   MG_CHECK(softmax_type == "vanilla" || softmax_type == "off-by-one" || softmax_type == "learnable",
            "--softmax-type must be vanilla, off-by-one or learnable (got '{}')", softmax_type);
-  MG_CHECK(!has_attention_sinks() || context_parallel_size == 1 || cp_sinks_supported(cp_comm_type),
-           "--softmax-type {} with context parallelism needs --cp-comm-type p2p or all_gather (got {})", softmax_type,
-           cp_comm_type);
   MG_CHECK(window_size_left >= -1, "--window-size's left window must be >= 0 (got {})", window_size_left);
   MG_CHECK(window_size_left >= 0 || window_attn_skip_freq.empty(),
            "--window-attn-skip-freq '{}' needs --window-size", window_attn_skip_freq);
@@ -171,6 +168,10 @@ void TransformerConfig::finalize_mla() {
            "channels",
            rotary_percent);
   MG_CHECK(!add_qkv_bias, "--add-qkv-bias does not apply to --multi-latent-attention (its projections have no bias)");
+  MG_CHECK(!has_attention_sinks(),
+           "--softmax-type {} (attention sinks) is not supported with --multi-latent-attention: use vanilla",
+           softmax_type);
+  MG_CHECK(window_size_left < 0, "--window-size is not supported with --multi-latent-attention (its attention is full)");
 }
 
 // The RoPE scaling rules (rotary_pos_embedding.h), one line each.

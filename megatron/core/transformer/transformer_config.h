@@ -196,11 +196,6 @@ std::vector<int> moe_layer_pattern(const std::string& freq, int num_layers);
 /// a pattern as --moe-layer-freq's (1: window, 0: full) must have num_layers entries.
 std::vector<int> window_attn_pattern(const std::string& freq, int num_layers);
 
-/// Whether attention sinks combine with this --cp-comm-type (Note [Attention sinks] in attention.h).
-inline bool cp_sinks_supported(const std::string& cp_comm_type) {
-  return cp_comm_type == "p2p" || cp_comm_type == "all_gather";
-}
-
 /// Megatron's _vocab_size_with_padding: the smallest multiple of divisible_by * tp >= vocab_size.
 int padded_vocab_size(int vocab_size, int make_vocab_size_divisible_by, int tensor_model_parallel_size);
 

@@ -5,7 +5,8 @@
 // recomputation, learned positions (GPT) and RoPE with GQA (Llama; and with YaRN's scaling, whose
 // angle rows each rank takes for its chunks and whose factor scales cos/sin), an MoE model with EP, and
 // packed documents (--reset-attention-mask --reset-position-ids --eod-mask-loss) with each comm
-// type; learned attention sinks with p2p and all_gather; a CP checkpoint resumes without CP (and the
+// type; learned attention sinks with every comm type; multi-latent attention (keys of qk + pe channels,
+// values of dv; YaRN on the rope channels) with every comm type and CP × TP × SP; a CP checkpoint resumes without CP (and the
 // reverse) with the single run's losses.
 // Sequences of 32 positions: CP 2 cuts them into 4 chunks of 8, CP 4 into 8 chunks of 4.
 #include <gtest/gtest.h>
@@ -16,7 +17,7 @@ namespace megatron::testing {
 namespace {
 
 struct CpLayout {
-  std::string model;  // llama | gpt | packed | moe | yarn
+  std::string model;  // a key of model_flags
   std::string name;
   int np;
   std::vector<std::string> flags;
@@ -42,8 +43,21 @@ const std::vector<std::string> kSinks = concat(kLlama, {"--softmax-type", "learn
 const std::vector<std::string> kWindow = concat(kLlama, {"--window-size", "5,0", "--window-attn-skip-freq", "2"});
 const std::vector<std::string> kPackedWindow = concat(kPacked, {"--window-size", "5,0"});
 
+// Multi-latent attention (Note [MLA context parallelism]): DeepSeek-V3's shape in small, dense.
+const std::vector<std::string> kMla = {
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96", "--swiglu",
+    "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "20", "--qk-head-dim", "12",
+    "--qk-pos-emb-head-dim", "8", "--v-head-dim", "10", "--qk-layernorm", "--rope-type", "yarn",
+    "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "8", "--mscale", "1",
+    "--mscale-all-dim", "1", "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+    "--global-batch-size", "16", "--lr", "1e-3", "--vocab-size", "1000", "--mock-data", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--device", "cpu",
+    "--split", "100,0,0", "--adam-eps", "1e-4"};
+
 const std::vector<std::string>& model_flags(const std::string& m) {
   if (m == "gpt") return kGpt;
+  if (m == "mla") return kMla;
   if (m == "sinks") return kSinks;
   if (m == "window") return kWindow;
   if (m == "packed_window") return kPackedWindow;
@@ -63,7 +77,7 @@ class ContextParallel : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new ScratchDir("context_parallel");
-    for (const char* m : {"llama", "gpt", "packed", "moe", "yarn", "sinks", "window", "packed_window"}) {
+    for (const char* m : {"llama", "gpt", "packed", "moe", "yarn", "sinks", "window", "packed_window", "mla"}) {
       singles_[m] = train(dir_->path, std::string(m) + "_single", 1,
                           concat(model_flags(m), {"--train-iters", "5", "--save", (dir_->path / (std::string(m) + "_single")).string()}));
     }
@@ -81,7 +95,15 @@ std::map<std::string, TrainRun> ContextParallel::singles_;
 std::vector<CpLayout> layouts() {
   std::vector<CpLayout> out;
   for (const char* t : {"p2p", "all_gather", "a2a"}) out.push_back({"llama", std::string("cp2_") + t, 2, cp(2, t)});
-  for (const char* t : {"p2p", "all_gather"}) out.push_back({"sinks", std::string("cp2_sinks_") + t, 2, cp(2, t)});
+  for (const char* t : {"p2p", "all_gather", "a2a"}) out.push_back({"sinks", std::string("cp2_sinks_") + t, 2, cp(2, t)});
+  out.push_back({"sinks", "cp4_sinks_a2a+p2p", 4, cp(4, "a2a+p2p")});
+  for (const char* t : {"p2p", "all_gather", "a2a"}) out.push_back({"mla", std::string("cp2_") + t, 2, cp(2, t)});
+  out.push_back({"mla", "cp4_a2a+p2p", 4, cp(4, "a2a+p2p")});
+  out.push_back({"mla", "cp2_tp2_sp", 4, concat(cp(2, "p2p"), {"--tensor-model-parallel-size", "2", "--sequence-parallel"})});
+  out.push_back({"mla", "cp2_a2a_tp2_sp", 4,
+                 concat(cp(2, "a2a"), {"--tensor-model-parallel-size", "2", "--sequence-parallel"})});
+  out.push_back({"mla", "cp2_all_gather_recompute_selective", 2,
+                 concat(cp(2, "all_gather"), {"--recompute-granularity", "selective"})});
   for (const char* t : {"p2p", "all_gather", "a2a"}) out.push_back({"window", std::string("cp2_") + t, 2, cp(2, t)});
   out.push_back({"window", "cp4_a2a+p2p", 4, cp(4, "a2a+p2p")});
   out.push_back({"window", "cp4_p2p", 4, cp(4, "p2p")});

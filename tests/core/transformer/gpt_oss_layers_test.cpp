@@ -92,22 +92,12 @@ TEST(GptOssConfig, UnsupportedCombinationsAreRefused) {
     edit(c);
     EXPECT_THROW(c.finalize(), Error);
   };
-  refused([](TransformerConfig& c) {  // sinks with a2a CP
-    c.context_parallel_size = 2;
-    c.cp_comm_type = "a2a";
-  });
   refused([](TransformerConfig& c) { c.softmax_type = "sigmoid"; });
   refused([](TransformerConfig& c) { c.window_size_left = -1; });                     // skip freq without a window
   refused([](TransformerConfig& c) { c.activation = "swiglu"; });                     // offset/clamp need quick-GeGLU
   refused([](TransformerConfig& c) { c.activation_func_clamp_value = -1.0f; });
   refused([](TransformerConfig& c) { c.window_attn_skip_freq = "[1,0,1]"; });         // 3 entries for 2 layers
-  refused([](TransformerConfig& c) {  // sinks under CP: a2a splits the heads inside the exchange
-    c.window_attn_skip_freq.clear();
-    c.window_size_left = -1;
-    c.context_parallel_size = 2;
-    c.cp_comm_type = "a2a";
-  });
-  for (const char* type : {"p2p", "all_gather"}) {
+  for (const char* type : {"p2p", "all_gather", "a2a", "a2a+p2p"}) {  // sinks with every CP comm type
     TransformerConfig c = gpt_oss_config();
     c.window_attn_skip_freq.clear();
     c.window_size_left = -1;

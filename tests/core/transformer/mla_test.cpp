@@ -2,7 +2,8 @@
 // parameter names and shapes, finite-difference gradients of every MLA parameter (with and without
 // the low-rank query, YaRN and plain RoPE), selective recomputation giving the same gradients,
 // tensor parallelism with and without sequence parallelism giving the single-process loss and
-// gradients (Note [MLA tensor parallelism]), the latent KV cache equal to the full forward (Note [MLA
+// gradients (Note [MLA tensor parallelism]), context parallelism with every --cp-comm-type and with
+// TP x SP likewise (Note [MLA context parallelism]), the latent KV cache equal to the full forward (Note [MLA
 // KV cache]), and the one-line refusals of shapes that do not fit.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -16,6 +17,7 @@
 #include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/core/parallel_state.h"
+#include "megatron/core/transformer/context_parallel.h"
 #include "megatron/core/transformer/kv_cache.h"
 #include "megatron/runtime/philox.h"
 #include "tests/kernels/gradcheck.h"
@@ -168,40 +170,65 @@ TEST_P(MLA, SelectiveRecomputationGivesTheSameGradients) {
 
 INSTANTIATE_TEST_SUITE_P(Styles, MLA, ::testing::ValuesIn(kStyles), [](const auto& info) { return info.param.name; });
 
-// ---- tensor parallelism ----------------------------------------------------------------------------
+// ---- tensor and context parallelism ------------------------------------------------------------
 struct RankResult {
   std::vector<float> losses;
   std::map<std::string, Tensor> grads;  // this rank's shards
   std::map<std::string, ShardSpec> shards;
+  int cp_rank = 0;
 };
 
-// One forward and backward on every rank of a tensor-parallel group (threads over a local
-// communicator), then finalize_model_grads as a training step ends.
-std::vector<RankResult> tp_run(const Style& st, int tp, bool sp) {
-  std::vector<RankResult> out(static_cast<size_t>(tp));
-  auto comms = make_local_group(tp);
+struct MlaLayout {
+  int tp = 1;
+  bool sp = false;
+  int cp = 1;
+  std::string cp_type = "p2p";
+  std::string name() const {
+    std::string n = fmt::format("tp{}{}", tp, sp ? " sp" : "");
+    if (cp > 1) n += fmt::format(" cp{} {}", cp, cp_type);
+    return n;
+  }
+};
+
+// One forward and backward on every rank of the layout (threads over a local communicator; Megatron's
+// rank order, tensor-parallel fastest), then finalize_model_grads as a training step ends. Sequences
+// of 8: under CP each rank takes its chunks of the tokens, labels and the upstream gradient, the
+// latter scaled by CP as the loss does (Note [Loss under context parallelism]), since the gradients
+// are averaged over the data × context ranks.
+std::vector<RankResult> layout_run(const Style& st, const MlaLayout& l) {
+  const int world = l.tp * l.cp;
+  std::vector<RankResult> out(static_cast<size_t>(world));
+  auto comms = make_local_group(world);
   std::vector<std::thread> threads;
-  std::vector<std::string> errors(static_cast<size_t>(tp));
-  for (int r = 0; r < tp; ++r) {
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
         ParallelConfig pc;
-        pc.tensor_model_parallel_size = tp;
-        pc.sequence_parallel = sp;
+        pc.tensor_model_parallel_size = l.tp;
+        pc.sequence_parallel = l.sp;
+        pc.context_parallel_size = l.cp;
+        if (l.cp_type == "a2a+p2p") pc.hierarchical_context_parallel_sizes = {2, l.cp / 2};
         ParallelState ps(std::move(comms[size_t(r)]), pc);
         TransformerConfig c = mla_config(st, 2);
-        c.tensor_model_parallel_size = tp;
-        c.sequence_parallel = sp;
+        c.tensor_model_parallel_size = l.tp;
+        c.sequence_parallel = l.sp;
+        c.context_parallel_size = l.cp;
+        c.cp_comm_type = l.cp_type;
         GPTModel model(c, Device::cpu(), &ps);
         init(model);
         Context ctx(Device::cpu(), 1234);
         DistributedDataParallel ddp(ps, {&model.params()}, DDPConfig{});
         ddp.zero_grad(ctx);
+        const int cp_rank = ps.context().rank();
         GPTModel::Stash stash;
-        Tensor losses = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash);
-        model.backward(ctx, testing::random_tensor(losses.shape(), 5, 1.0f, DType::Float32), stash);
+        Tensor losses = model.forward(ctx, cp_split_rows(random_ids(2, 8, 40, 1), cp_rank, l.cp), Tensor(),
+                                      cp_split_rows(random_ids(2, 8, 40, 2), cp_rank, l.cp), stash);
+        Tensor grad = cp_split_rows(testing::random_tensor({2, 8}, 5, float(l.cp), DType::Float32), cp_rank, l.cp);
+        model.backward(ctx, grad, stash);
         finalize_model_grads(ctx, ddp);
         out[size_t(r)].losses = losses.to_floats();
+        out[size_t(r)].cp_rank = cp_rank;
         for (Parameter* p : model.params().parameters()) {
           out[size_t(r)].grads[p->name] = p->main_grad.clone();
           out[size_t(r)].shards[p->name] = p->shard;
@@ -212,7 +239,7 @@ std::vector<RankResult> tp_run(const Style& st, int tp, bool sp) {
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < tp; ++r) EXPECT_TRUE(errors[size_t(r)].empty()) << "rank " << r << ": " << errors[size_t(r)];
+  for (int r = 0; r < world; ++r) EXPECT_TRUE(errors[size_t(r)].empty()) << "rank " << r << ": " << errors[size_t(r)];
   return out;
 }
 
@@ -237,24 +264,42 @@ std::vector<float> shard_of(const Tensor& full, const ShardSpec& s) {
   return out;
 }
 
+// Every rank's losses (its rows) and gradients (its shards) against the single process's.
+void expect_equals_single(const Style& st, const RankResult& single, const MlaLayout& l) {
+  const std::vector<RankResult> ranks = layout_run(st, l);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const std::string what = fmt::format("{} {} rank {}", st.name, l.name(), r);
+    ASSERT_EQ(ranks[r].grads.size(), single.grads.size()) << what;
+    const Tensor single_losses = Tensor::from_floats(single.losses, {2, 8});
+    const std::vector<float> want_losses = cp_split_rows(single_losses, ranks[r].cp_rank, l.cp).to_floats();
+    EXPECT_LE(testing::max_abs_error(ranks[r].losses, want_losses), 1e-5) << what << " losses";
+    for (const auto& [name, g] : single.grads) {
+      const std::vector<float> want = shard_of(g, ranks[r].shards.at(name));
+      double scale = 1e-3;
+      for (float x : want) scale = std::max(scale, double(std::fabs(x)));
+      EXPECT_LE(testing::max_abs_error(ranks[r].grads.at(name).to_floats(), want), 1e-5 * scale)
+          << what << " " << name;
+    }
+  }
+}
+
 TEST(MLATensorParallel, EqualsSingleProcess) {
   for (const Style& st : kStyles) {
-    const RankResult single = tp_run(st, 1, false).at(0);
-    for (bool sp : {false, true}) {
-      const std::vector<RankResult> ranks = tp_run(st, 2, sp);
-      for (size_t r = 0; r < ranks.size(); ++r) {
-        const std::string what = fmt::format("{} tp2{} rank {}", st.name, sp ? " sp" : "", r);
-        ASSERT_EQ(ranks[r].grads.size(), single.grads.size()) << what;
-        EXPECT_LE(testing::max_abs_error(ranks[r].losses, single.losses), 1e-5) << what << " losses";
-        for (const auto& [name, g] : single.grads) {
-          const std::vector<float> want = shard_of(g, ranks[r].shards.at(name));
-          double scale = 1e-3;
-          for (float x : want) scale = std::max(scale, double(std::fabs(x)));
-          EXPECT_LE(testing::max_abs_error(ranks[r].grads.at(name).to_floats(), want), 1e-5 * scale)
-              << what << " " << name;
-        }
-      }
-    }
+    const RankResult single = layout_run(st, {}).at(0);
+    for (bool sp : {false, true}) expect_equals_single(st, single, {2, sp});
+  }
+}
+
+// Note [MLA context parallelism]: keys of qk + pe channels and values of dv through every
+// --cp-comm-type (the rope channels turned at the global positions), CP x TP with sequence
+// parallelism, and a2a+p2p over 2 x 2 ranks: the single process's losses and gradients.
+TEST(MLAContextParallel, EqualsSingleProcess) {
+  for (const Style& st : kStyles) {
+    const RankResult single = layout_run(st, {}).at(0);
+    for (const char* type : {"p2p", "all_gather", "a2a"}) expect_equals_single(st, single, {1, false, 2, type});
+    expect_equals_single(st, single, {1, false, 4, "a2a+p2p"});
+    expect_equals_single(st, single, {2, true, 2, "p2p"});
+    expect_equals_single(st, single, {2, true, 2, "a2a"});
   }
 }
 
@@ -319,6 +364,8 @@ TEST(MLAConfig, BadShapesAreRefusedInOneLine) {
          c.rotary_interleaved = true;
        },
        "--rotary-interleaved"},
+      {[](TransformerConfig& c) { c.softmax_type = "learnable"; }, "--softmax-type"},
+      {[](TransformerConfig& c) { c.window_size_left = 3; }, "--window-size"},
   };
   for (const auto& [change, flag] : cases) {
     const std::string e = finalize_error(change);
@@ -326,6 +373,14 @@ TEST(MLAConfig, BadShapesAreRefusedInOneLine) {
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   }
   EXPECT_EQ(finalize_error([](TransformerConfig&) {}), "");
+  for (const char* type : {"p2p", "all_gather", "a2a", "a2a+p2p"}) {  // context parallelism is no longer refused
+    EXPECT_EQ(finalize_error([type](TransformerConfig& c) {
+                c.context_parallel_size = 4;
+                c.cp_comm_type = type;
+              }),
+              "")
+        << type;
+  }
 }
 
 // Note [MLA KV cache]: cached inference (prefill, then decode steps, two sequences at different

@@ -15,6 +15,18 @@ using namespace hf_detail;
 bool is_hf_deepseek(const std::string& model_type) { return model_type == "deepseek_v3"; }
 
 // ---- config ----------------------------------------------------------------------------------------
+namespace {
+// HF runs a layer of index >= first_k_dense_replace as MoE, the MTP layers included; Megatron builds
+// the MTP layers from the decoder's last layer (get_gpt_mtp_block_spec). They agree when that is MoE.
+void check_mtp_layers(const TransformerConfig& c) {
+  MG_CHECK(c.mtp_num_layers == 0 || (c.num_layers > 0 && c.is_moe_layer(c.num_layers - 1)),
+           "DeepSeek-V3 multi-token prediction ({} layers) with a dense last decoder layer is not supported: HF makes "
+           "the MTP layers MoE, Megatron copies the last decoder layer",
+           c.mtp_num_layers);
+}
+
+}  // namespace
+
 void deepseek_config_from_hf(const nlohmann::json& j, TransformerConfig& c) {
   auto num = [&](const char* key, auto fallback) {
     return j.contains(key) && !j[key].is_null() ? j[key].get<decltype(fallback)>() : fallback;
@@ -114,6 +126,8 @@ void deepseek_config_from_hf(const nlohmann::json& j, TransformerConfig& c) {
   c.hidden_dropout = 0.0f;
   c.attention_dropout = num("attention_dropout", 0.0f);
   c.init_method_std = num("initializer_range", 0.02f);
+  c.mtp_num_layers = num("num_nextn_predict_layers", 0);  // Note [HF DeepSeek-V3 MTP]
+  MG_CHECK(c.mtp_num_layers >= 0, "deepseek_v3 num_nextn_predict_layers {} must not be negative", c.mtp_num_layers);
 }
 
 nlohmann::json deepseek_config_to_hf(const TransformerConfig& c) {
@@ -183,7 +197,8 @@ nlohmann::json deepseek_config_to_hf(const TransformerConfig& c) {
   j["topk_group"] = c.moe_router_num_groups > 0 ? c.moe_router_group_topk : 1;
   j["norm_topk_prob"] = true;
   j["routed_scaling_factor"] = c.moe_router_topk_scaling_factor > 0.0f ? shortest(c.moe_router_topk_scaling_factor) : 1.0;
-  j["num_nextn_predict_layers"] = 0;
+  check_mtp_layers(c);
+  j["num_nextn_predict_layers"] = c.mtp_num_layers;  // Note [HF DeepSeek-V3 MTP]
   return j;
 }
 
@@ -226,12 +241,31 @@ struct Dims {
         sf(c.moe_shared_expert_intermediate_size) {}
 };
 
-std::string hf_layer(int i, const char* rest) { return fmt::format("model.layers.{}.{}", i, rest); }
+// The HF and Megatron names of one transformer layer: decoder layer i is model.layers.i.* and
+// decoder.layers.i.*; MTP depth k (Note [HF DeepSeek-V3 MTP]) is model.layers.{L + k}.* and
+// mtp.layers.k.transformer_layer.*.
+struct LayerNames {
+  std::string hf, ours;  // prefixes, ending in '.'
+  bool moe;
+  std::string theirs(const char* rest) const { return hf + rest; }
+  std::string mine(const std::string& rest) const { return ours + rest; }
+};
+
+std::vector<LayerNames> layer_names(const TransformerConfig& c) {
+  std::vector<LayerNames> out;
+  for (int i = 0; i < c.num_layers; ++i)
+    out.push_back({fmt::format("model.layers.{}.", i), fmt::format("decoder.layers.{}.", i), c.is_moe_layer(i)});
+  for (int k = 0; k < c.mtp_num_layers; ++k)
+    out.push_back({fmt::format("model.layers.{}.", c.num_layers + k), fmt::format("mtp.layers.{}.transformer_layer.", k),
+                   true});
+  return out;
+}
 
 }  // namespace
 
 TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf) {
   const TransformerConfig& c = info.config;
+  check_mtp_layers(c);
   const Dims d(c);
   const int64_t dqk = d.qk + d.pe;
   HFReader hf{get_hf};
@@ -239,55 +273,75 @@ TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tens
     return info.rope_interleave ? permute_rope_rows(t, heads, block, offset, d.pe, true) : t;
   };
   TensorMap out;
-  out["embedding.word_embeddings.weight"] = resize_rows(hf("model.embed_tokens.weight", {d.v, d.h}), d.vp);
-  for (int i = 0; i < c.num_layers; ++i) {
-    auto p = [&](const char* rest) { return hf_layer(i, rest); };
-    out[layer(i, "input_layernorm.weight")] = hf(p("input_layernorm.weight"), {d.h});
+  const Tensor embed = hf("model.embed_tokens.weight", {d.v, d.h});
+  out["embedding.word_embeddings.weight"] = resize_rows(embed, d.vp);
+  for (const LayerNames& l : layer_names(c)) {
+    auto p = [&](const char* rest) { return l.theirs(rest); };
+    auto set = [&](const std::string& rest, Tensor t) { out[l.mine(rest)] = std::move(t); };
+    set("input_layernorm.weight", hf(p("input_layernorm.weight"), {d.h}));
     if (d.qr > 0) {
-      out[layer(i, "self_attention.linear_q_down_proj.weight")] = hf(p("self_attn.q_a_proj.weight"), {d.qr, d.h});
-      out[layer(i, "self_attention.q_layernorm.weight")] = hf(p("self_attn.q_a_layernorm.weight"), {d.qr});
-      out[layer(i, "self_attention.linear_q_up_proj.weight")] =
-          rope_rows(hf(p("self_attn.q_b_proj.weight"), {d.n * dqk, d.qr}), d.n, dqk, d.qk);
+      set("self_attention.linear_q_down_proj.weight", hf(p("self_attn.q_a_proj.weight"), {d.qr, d.h}));
+      set("self_attention.q_layernorm.weight", hf(p("self_attn.q_a_layernorm.weight"), {d.qr}));
+      set("self_attention.linear_q_up_proj.weight",
+          rope_rows(hf(p("self_attn.q_b_proj.weight"), {d.n * dqk, d.qr}), d.n, dqk, d.qk));
     } else {
-      out[layer(i, "self_attention.linear_q_proj.weight")] =
-          rope_rows(hf(p("self_attn.q_proj.weight"), {d.n * dqk, d.h}), d.n, dqk, d.qk);
+      set("self_attention.linear_q_proj.weight",
+          rope_rows(hf(p("self_attn.q_proj.weight"), {d.n * dqk, d.h}), d.n, dqk, d.qk));
     }
-    out[layer(i, "self_attention.linear_kv_down_proj.weight")] =
-        rope_rows(hf(p("self_attn.kv_a_proj_with_mqa.weight"), {d.kvr + d.pe, d.h}), 1, d.kvr + d.pe, d.kvr);
-    out[layer(i, "self_attention.kv_layernorm.weight")] = hf(p("self_attn.kv_a_layernorm.weight"), {d.kvr});
-    out[layer(i, "self_attention.linear_kv_up_proj.weight")] =
-        hf(p("self_attn.kv_b_proj.weight"), {d.n * (d.qk + d.dv), d.kvr});
-    out[layer(i, "self_attention.linear_proj.weight")] = hf(p("self_attn.o_proj.weight"), {d.h, d.n * d.dv});
-    out[layer(i, "pre_mlp_layernorm.weight")] = hf(p("post_attention_layernorm.weight"), {d.h});
+    set("self_attention.linear_kv_down_proj.weight",
+        rope_rows(hf(p("self_attn.kv_a_proj_with_mqa.weight"), {d.kvr + d.pe, d.h}), 1, d.kvr + d.pe, d.kvr));
+    set("self_attention.kv_layernorm.weight", hf(p("self_attn.kv_a_layernorm.weight"), {d.kvr}));
+    set("self_attention.linear_kv_up_proj.weight", hf(p("self_attn.kv_b_proj.weight"), {d.n * (d.qk + d.dv), d.kvr}));
+    set("self_attention.linear_proj.weight", hf(p("self_attn.o_proj.weight"), {d.h, d.n * d.dv}));
+    set("pre_mlp_layernorm.weight", hf(p("post_attention_layernorm.weight"), {d.h}));
     auto fc1 = [&](const std::string& base, int64_t rows) {
       return concat_rows({hf(base + "gate_proj.weight", {rows, d.h}), hf(base + "up_proj.weight", {rows, d.h})});
     };
-    if (!c.is_moe_layer(i)) {
-      out[layer(i, "mlp.linear_fc1.weight")] = fc1(p("mlp."), d.f);
-      out[layer(i, "mlp.linear_fc2.weight")] = hf(p("mlp.down_proj.weight"), {d.h, d.f});
+    if (!l.moe) {
+      set("mlp.linear_fc1.weight", fc1(p("mlp."), d.f));
+      set("mlp.linear_fc2.weight", hf(p("mlp.down_proj.weight"), {d.h, d.f}));
       continue;
     }
-    out[layer(i, "mlp.router.weight")] = hf(p("mlp.gate.weight"), {c.num_moe_experts, d.h});
-    out[layer(i, "mlp.router.expert_bias")] = hf(p("mlp.gate.e_score_correction_bias"), {c.num_moe_experts});
+    set("mlp.router.weight", hf(p("mlp.gate.weight"), {c.num_moe_experts, d.h}));
+    set("mlp.router.expert_bias", hf(p("mlp.gate.e_score_correction_bias"), {c.num_moe_experts}));
     for (int e = 0; e < c.num_moe_experts; ++e) {
-      const std::string ours = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.", i, e);
+      const std::string ours = fmt::format("mlp.experts.local_experts.{}.", e);
       const std::string theirs = p("mlp.experts.") + std::to_string(e) + ".";
-      out[ours + "linear_fc1.weight"] = fc1(theirs, d.ef);
-      out[ours + "linear_fc2.weight"] = hf(theirs + "down_proj.weight", {d.h, d.ef});
+      set(ours + "linear_fc1.weight", fc1(theirs, d.ef));
+      set(ours + "linear_fc2.weight", hf(theirs + "down_proj.weight", {d.h, d.ef}));
     }
     if (d.sf > 0) {
-      out[layer(i, "mlp.shared_experts.linear_fc1.weight")] = fc1(p("mlp.shared_experts."), d.sf);
-      out[layer(i, "mlp.shared_experts.linear_fc2.weight")] = hf(p("mlp.shared_experts.down_proj.weight"), {d.h, d.sf});
+      set("mlp.shared_experts.linear_fc1.weight", fc1(p("mlp.shared_experts."), d.sf));
+      set("mlp.shared_experts.linear_fc2.weight", hf(p("mlp.shared_experts.down_proj.weight"), {d.h, d.sf}));
     }
   }
   out["decoder.final_layernorm.weight"] = hf("model.norm.weight", {d.h});
-  if (!c.share_embeddings_and_output_weights)
-    out["output_layer.weight"] = resize_rows(hf("lm_head.weight", {d.v, d.h}), d.vp);
+  const char* head_name = c.share_embeddings_and_output_weights ? "model.embed_tokens.weight" : "lm_head.weight";
+  const Tensor head = c.share_embeddings_and_output_weights ? embed : hf("lm_head.weight", {d.v, d.h});
+  if (!c.share_embeddings_and_output_weights) out["output_layer.weight"] = resize_rows(head, d.vp);
+  // Note [HF DeepSeek-V3 MTP]: each depth's own tensors, and its copies of the shared embedding and
+  // output head, which must equal the model's.
+  auto same_as = [&](const std::string& name, const Tensor& shared, const char* shared_name) {
+    const Tensor t = hf(name, {d.v, d.h});
+    MG_CHECK(t.dtype() == shared.dtype() && std::memcmp(t.raw_data(), shared.raw_data(), t.nbytes()) == 0,
+             "{} differs from {}: Megatron's MTP layers share the model's embedding and output layer", name,
+             shared_name);
+  };
+  for (int k = 0; k < c.mtp_num_layers; ++k) {
+    const std::string p = fmt::format("model.layers.{}.", c.num_layers + k), ours = fmt::format("mtp.layers.{}.", k);
+    out[ours + "enorm.weight"] = hf(p + "enorm.weight", {d.h});
+    out[ours + "hnorm.weight"] = hf(p + "hnorm.weight", {d.h});
+    out[ours + "eh_proj.weight"] = hf(p + "eh_proj.weight", {d.h, 2 * d.h});
+    out[ours + "final_layernorm.weight"] = hf(p + "shared_head.norm.weight", {d.h});
+    same_as(p + "embed_tokens.weight", embed, "model.embed_tokens.weight");
+    same_as(p + "shared_head.head.weight", head, head_name);
+  }
   return out;
 }
 
 TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
   const TransformerConfig& c = info.config;
+  check_mtp_layers(c);
   const Dims d(c);
   const int64_t dqk = d.qk + d.pe;
   auto get = [&](const std::string& name) -> Tensor {
@@ -300,51 +354,63 @@ TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
   };
   TensorMap out;
   out["model.embed_tokens.weight"] = resize_rows(get("embedding.word_embeddings.weight"), d.v);
-  for (int i = 0; i < c.num_layers; ++i) {
-    auto p = [&](const char* rest) { return hf_layer(i, rest); };
-    out[p("input_layernorm.weight")] = get(layer(i, "input_layernorm.weight"));
+  for (const LayerNames& l : layer_names(c)) {
+    auto p = [&](const char* rest) { return l.theirs(rest); };
+    auto mine = [&](const std::string& rest) { return get(l.mine(rest)); };
+    out[p("input_layernorm.weight")] = mine("input_layernorm.weight");
     if (d.qr > 0) {
-      out[p("self_attn.q_a_proj.weight")] = get(layer(i, "self_attention.linear_q_down_proj.weight"));
-      out[p("self_attn.q_a_layernorm.weight")] = get(layer(i, "self_attention.q_layernorm.weight"));
-      out[p("self_attn.q_b_proj.weight")] = rope_rows(get(layer(i, "self_attention.linear_q_up_proj.weight")), d.n, dqk, d.qk);
+      out[p("self_attn.q_a_proj.weight")] = mine("self_attention.linear_q_down_proj.weight");
+      out[p("self_attn.q_a_layernorm.weight")] = mine("self_attention.q_layernorm.weight");
+      out[p("self_attn.q_b_proj.weight")] = rope_rows(mine("self_attention.linear_q_up_proj.weight"), d.n, dqk, d.qk);
     } else {
-      out[p("self_attn.q_proj.weight")] = rope_rows(get(layer(i, "self_attention.linear_q_proj.weight")), d.n, dqk, d.qk);
+      out[p("self_attn.q_proj.weight")] = rope_rows(mine("self_attention.linear_q_proj.weight"), d.n, dqk, d.qk);
     }
     out[p("self_attn.kv_a_proj_with_mqa.weight")] =
-        rope_rows(get(layer(i, "self_attention.linear_kv_down_proj.weight")), 1, d.kvr + d.pe, d.kvr);
-    out[p("self_attn.kv_a_layernorm.weight")] = get(layer(i, "self_attention.kv_layernorm.weight"));
-    out[p("self_attn.kv_b_proj.weight")] = get(layer(i, "self_attention.linear_kv_up_proj.weight"));
-    out[p("self_attn.o_proj.weight")] = get(layer(i, "self_attention.linear_proj.weight"));
-    out[p("post_attention_layernorm.weight")] = get(layer(i, "pre_mlp_layernorm.weight"));
-    auto split_fc1 = [&](const std::string& fc1_name, const std::string& base) {
-      Tensor fc1 = get(fc1_name);
+        rope_rows(mine("self_attention.linear_kv_down_proj.weight"), 1, d.kvr + d.pe, d.kvr);
+    out[p("self_attn.kv_a_layernorm.weight")] = mine("self_attention.kv_layernorm.weight");
+    out[p("self_attn.kv_b_proj.weight")] = mine("self_attention.linear_kv_up_proj.weight");
+    out[p("self_attn.o_proj.weight")] = mine("self_attention.linear_proj.weight");
+    out[p("post_attention_layernorm.weight")] = mine("pre_mlp_layernorm.weight");
+    auto split_fc1 = [&](const std::string& fc1_rest, const std::string& base) {
+      Tensor fc1 = mine(fc1_rest);
       const int64_t half = fc1.size(0) / 2;
       out[base + "gate_proj.weight"] = fc1.slice(0, half).clone();
       out[base + "up_proj.weight"] = fc1.slice(half, 2 * half).clone();
     };
-    if (!c.is_moe_layer(i)) {
-      split_fc1(layer(i, "mlp.linear_fc1.weight"), p("mlp."));
-      out[p("mlp.down_proj.weight")] = get(layer(i, "mlp.linear_fc2.weight"));
+    if (!l.moe) {
+      split_fc1("mlp.linear_fc1.weight", p("mlp."));
+      out[p("mlp.down_proj.weight")] = mine("mlp.linear_fc2.weight");
       continue;
     }
-    out[p("mlp.gate.weight")] = get(layer(i, "mlp.router.weight"));
+    out[p("mlp.gate.weight")] = mine("mlp.router.weight");
     // The expert bias is a model buffer, not a parameter: exported when the state holds it
     // (checkpoints and model_buffer_dict do; gradients do not).
-    if (m.count(layer(i, "mlp.router.expert_bias")))
-      out[p("mlp.gate.e_score_correction_bias")] = get(layer(i, "mlp.router.expert_bias"));
+    if (m.count(l.mine("mlp.router.expert_bias")))
+      out[p("mlp.gate.e_score_correction_bias")] = mine("mlp.router.expert_bias");
     for (int e = 0; e < c.num_moe_experts; ++e) {
-      const std::string ours = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.", i, e);
+      const std::string ours = fmt::format("mlp.experts.local_experts.{}.", e);
       const std::string theirs = p("mlp.experts.") + std::to_string(e) + ".";
       split_fc1(ours + "linear_fc1.weight", theirs);
-      out[theirs + "down_proj.weight"] = get(ours + "linear_fc2.weight");
+      out[theirs + "down_proj.weight"] = mine(ours + "linear_fc2.weight");
     }
     if (d.sf > 0) {
-      split_fc1(layer(i, "mlp.shared_experts.linear_fc1.weight"), p("mlp.shared_experts."));
-      out[p("mlp.shared_experts.down_proj.weight")] = get(layer(i, "mlp.shared_experts.linear_fc2.weight"));
+      split_fc1("mlp.shared_experts.linear_fc1.weight", p("mlp.shared_experts."));
+      out[p("mlp.shared_experts.down_proj.weight")] = mine("mlp.shared_experts.linear_fc2.weight");
     }
   }
   out["model.norm.weight"] = get("decoder.final_layernorm.weight");
   if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), d.v);
+  // Note [HF DeepSeek-V3 MTP]
+  for (int k = 0; k < c.mtp_num_layers; ++k) {
+    const std::string p = fmt::format("model.layers.{}.", c.num_layers + k), ours = fmt::format("mtp.layers.{}.", k);
+    out[p + "enorm.weight"] = get(ours + "enorm.weight");
+    out[p + "hnorm.weight"] = get(ours + "hnorm.weight");
+    out[p + "eh_proj.weight"] = get(ours + "eh_proj.weight");
+    out[p + "shared_head.norm.weight"] = get(ours + "final_layernorm.weight");
+    out[p + "embed_tokens.weight"] = out.at("model.embed_tokens.weight").clone();
+    out[p + "shared_head.head.weight"] =
+        out.at(c.share_embeddings_and_output_weights ? "model.embed_tokens.weight" : "lm_head.weight").clone();
+  }
   return out;
 }
 

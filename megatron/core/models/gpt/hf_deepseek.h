@@ -16,14 +16,27 @@
 //     --moe-router-enable-expert-bias), n_group / topk_group -> --moe-router-num-groups /
 //     --moe-router-group-topk, routed_scaling_factor -> --moe-router-topk-scaling-factor.
 //     norm_topk_prob must be true (Megatron renormalises sigmoid top-k scores); attention_bias must
-//     be false; rms_norm_eps must be 1e-6 (HF's latent norms always use 1e-6, Megatron's --norm-epsilon). num_nextn_predict_layers (multi-token prediction) is not read: HF checkpoints of
-//     DeepSeek-V3 keep those layers outside the model's layers and HF does not run them.
+//     be false; rms_norm_eps must be 1e-6 (HF's latent norms always use 1e-6, Megatron's --norm-epsilon);
+//     num_nextn_predict_layers <-> --mtp-num-layers (Note [HF DeepSeek-V3 MTP]).
 //   tensors: self_attn.q_a_proj / q_a_layernorm / q_b_proj (or q_proj) / kv_a_proj_with_mqa /
 //     kv_a_layernorm / kv_b_proj / o_proj -> self_attention.linear_q_down_proj / q_layernorm /
 //     linear_q_up_proj (linear_q_proj) / linear_kv_down_proj / kv_layernorm / linear_kv_up_proj /
 //     linear_proj; mlp.gate.weight -> mlp.router.weight; mlp.gate.e_score_correction_bias (a buffer)
 //     -> mlp.router.expert_bias (a model buffer); mlp.experts.E.* and mlp.shared_experts.* as the
 //     other MoE families.
+//
+// Note [HF DeepSeek-V3 MTP]: DeepSeek-V3 stores multi-token-prediction depth k (0-based) as the
+// layer after the decoder's, L = num_hidden_layers + k: model.layers.{L}.enorm / hnorm / eh_proj
+// [h, 2h] (the embedding half first, as Megatron's concatenation) -> mtp.layers.{k}.enorm / hnorm /
+// eh_proj; shared_head.norm -> mtp.layers.{k}.final_layernorm; its decoder layer (self_attn.*, mlp.*,
+// the norms) -> mtp.layers.{k}.transformer_layer.* exactly as a decoder layer's. Its embed_tokens and
+// shared_head.head are copies of the model's embedding and output head, which Megatron's MTP layers
+// share: the import requires them bit-equal to model.embed_tokens / lm_head (one line otherwise), the
+// export writes the copies. HF makes every layer from first_k_dense_replace on MoE, the MTP layers
+// included, and Megatron builds them from the decoder's last layer, so a model whose last decoder layer
+// is dense is refused with MTP. transformers' DeepseekV3ForCausalLM neither loads nor saves these
+// layers, so folders it wrote keep num_nextn_predict_layers without their weights: the folder form of
+// config_from_hf imports those without MTP (hf_mapping.h).
 //
 // Note [Importing DeepSeek's interleaved RoPE]: with rope_interleave true (DeepSeek's checkpoints)
 // HF rotates the rope channels of q and of the shared key in pairs (2j, 2j+1); Megatron's MLA rotates

@@ -701,6 +701,23 @@ HFFolder::HFFolder(const std::string& dir) : dir_(dir) {
   }
 }
 
+HFModelInfo config_from_hf(const HFFolder& folder, int make_vocab_size_divisible_by) {
+  HFModelInfo info = config_from_hf(folder.config(), make_vocab_size_divisible_by);
+  TransformerConfig& c = info.config;
+  if (info.family != HFFamily::DeepSeek || c.mtp_num_layers == 0) return info;
+  int present = 0;  // Note [HF DeepSeek-V3 MTP]: the depths whose eh_proj the folder holds
+  for (int k = 0; k < c.mtp_num_layers; ++k)
+    present += folder.has(fmt::format("model.layers.{}.eh_proj.weight", c.num_layers + k));
+  MG_CHECK(present == 0 || present == c.mtp_num_layers,
+           "the HF checkpoint {} holds the eh_proj of {} of its num_nextn_predict_layers {} MTP layers (model.layers.{} "
+           "on): give all of them or none",
+           folder.dir(), present, c.mtp_num_layers, c.num_layers);
+  if (present == 0) c.mtp_num_layers = 0;
+  return info;
+}
+
+bool HFFolder::has(const std::string& name) const { return by_tensor_.count(name) > 0; }
+
 std::vector<std::string> HFFolder::tensor_names() const {
   std::vector<std::string> out;
   for (const auto& [name, shard] : by_tensor_) out.push_back(name);

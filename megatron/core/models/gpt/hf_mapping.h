@@ -73,6 +73,7 @@ class HFFolder {
   const std::string& dir() const { return dir_; }
   const nlohmann::json& config() const { return config_; }
   std::vector<std::string> tensor_names() const;
+  bool has(const std::string& name) const;
   /// The tensor as fp32, or one line naming it when the folder has none.
   Tensor get(const std::string& name) const;
 
@@ -82,6 +83,12 @@ class HFFolder {
   nlohmann::json config_;
   std::map<std::string, std::shared_ptr<const Shard>> by_tensor_;
 };
+
+/// config_from_hf of the folder's config.json, where the folder also settles what the config alone
+/// cannot: a deepseek_v3 folder without the tensors of its num_nextn_predict_layers MTP layers (as
+/// transformers writes them) imports without MTP; one with some but not all of them is one line
+/// (Note [HF DeepSeek-V3 MTP] in hf_deepseek.h).
+HFModelInfo config_from_hf(const HFFolder& folder, int make_vocab_size_divisible_by = 128);
 
 /// HF tensors -> Megatron-Core tensors (fp32 host). get_hf(name) returns the HF tensor or throws.
 /// Shapes are checked against the config; a mismatch names the tensor and both shapes.
