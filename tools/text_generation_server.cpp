@@ -3,15 +3,18 @@
 //   build/bin/text_generation_server --load ckpt --tokenizer-type GPT2BPETokenizer --vocab-file v.json \
 //       --merge-file m.txt --host 0.0.0.0 --port 5000 --max-batch-size 8
 //
-//   PUT  /api             Megatron's text generation API (megatron/core/inference/text_generation_api.h)
-//   POST /v1/completions  OpenAI completions; "stream": true sends server-sent events
-//   GET  /health          liveness: {"status": "ok", "prompts_in_flight": n, "connections": m}
+//   PUT  /api                   Megatron's text generation API (megatron/core/inference/text_generation_api.h)
+//   POST /v1/completions        OpenAI completions; "stream": true sends server-sent events
+//   POST /v1/chat/completions   OpenAI chat, formatted with the tokenizer's chat template (HuggingFace
+//                               tokenizer_config.json "chat_template"); streams as completions do
+//   GET  /v1/models             the one model served (its id: --load)
+//   GET  /health                liveness: {"status": "ok", "prompts_in_flight": n, "connections": m}
 //
 // The HTTP side is megatron/core/inference/http_server.h: requests are read whole by a reactor
 // thread (bounded by --max-request-bytes and --http-timeout) before a thread answers them, and
 // /health runs on a thread of its own, so slow or many clients cannot lock the server out.
-// Handlers validate a request (400 + {"error": ...} on any problem; at most
-// --max-prompts-per-request prompts on either endpoint) and queue one job per prompt, the
+// Handlers validate a request (400 on any problem, Note [Error shapes]; at most
+// --max-prompts-per-request prompts on any endpoint) and queue one job per prompt, the
 // request's prompts sharing one engine group; a single engine thread owns the model and the
 // InferenceEngine, moves queued jobs into it and steps it (continuous batching, slots handed out
 // round-robin between requests: Note [Fair admission]). Tokens flow back through each request's
@@ -32,6 +35,7 @@
 #include <mutex>
 #include <thread>
 
+#include "megatron/core/inference/chat_template.h"
 #include "megatron/core/inference/http_server.h"
 #include "megatron/core/inference/text_generation_api.h"
 #include "megatron/training/checkpointing.h"
@@ -61,6 +65,7 @@ struct Pending {
     size_t index;
     std::string text;
     std::optional<std::pair<int64_t, double>> token;
+    TopLogprobs top;
   };
   std::mutex m;
   std::condition_variable cv;
@@ -75,8 +80,14 @@ struct Pending {
 
 class Server {
  public:
-  Server(InferenceEngine& engine, const Tokenizer& tokenizer, std::string model_name, size_t max_prompts)
-      : engine_(engine), tokenizer_(tokenizer), model_name_(std::move(model_name)), max_prompts_(max_prompts) {}
+  Server(InferenceEngine& engine, const Tokenizer& tokenizer, const ChatTemplate* chat_template,
+         std::string model_name, size_t max_prompts, bool log_requests)
+      : engine_(engine),
+        tokenizer_(tokenizer),
+        chat_template_(chat_template),
+        model_name_(std::move(model_name)),
+        max_prompts_(max_prompts),
+        log_requests_(log_requests) {}
 
   void run_engine() {
     while (true) {
@@ -116,26 +127,53 @@ class Server {
         },
         /*blocking=*/false);
     http.route(
+        "GET", "/v1/models",
+        [this](const httplib::Request&, httplib::Response& res) {
+          json model = {{"id", model_name_}, {"object", "model"}, {"created", started_}, {"owned_by", "megatron.cpp"}};
+          res.set_content(dump(json{{"object", "list"}, {"data", json::array({model})}}), "application/json");
+        },
+        /*blocking=*/false);
+    http.route(
         "PUT", "/api",
-        [this](const httplib::Request& req, httplib::Response& res) { guarded(res, [&] { handle_api(req, res); }); },
+        [this](const httplib::Request& req, httplib::Response& res) {
+          guarded(res, megatron_error, [&] { handle_api(req, res); });
+        },
         /*blocking=*/true);
     http.route(
         "POST", "/v1/completions",
         [this](const httplib::Request& req, httplib::Response& res) {
-          guarded(res, [&] { handle_completions(req, res); });
+          guarded(res, openai_error, [&] { handle_completions(req, res, /*chat=*/false); });
+        },
+        /*blocking=*/true);
+    http.route(
+        "POST", "/v1/chat/completions",
+        [this](const httplib::Request& req, httplib::Response& res) {
+          guarded(res, openai_error, [&] { handle_completions(req, res, /*chat=*/true); });
         },
         /*blocking=*/true);
   }
 
  private:
-  static void error(httplib::Response& res, int status, const std::string& message) {
+  // Note [Error shapes]: /v1/* answers OpenAI's {"error": {"message", "type", "code"}}, which the
+  // openai client reads. /api answers as Megatron's Flask server: its message strings, status 400,
+  // in the {"message": ...} object that Flask-RESTful gives its errors and that Megatron's
+  // tools/text_generation_cli.py reads (response.json()['message']). The HTTP layer's own errors
+  // (404, 405, 408, 413) stay {"error": "<line>"}.
+  using ErrorWriter = void (*)(httplib::Response&, int, const std::string&);
+  static void openai_error(httplib::Response& res, int status, const std::string& message) {
     res.status = status;
-    res.set_content(dump(json{{"error", message}}), "application/json");
+    const char* type = status == 400 ? "invalid_request_error" : status == 499 ? "client_gone" : "server_error";
+    res.set_content(dump(json{{"error", {{"message", message}, {"type", type}, {"code", nullptr}}}}),
+                    "application/json");
+  }
+  static void megatron_error(httplib::Response& res, int status, const std::string& message) {
+    res.status = status;
+    res.set_content(dump(json{{"message", message}}), "application/json");
   }
 
   // Every problem with the request is a 400; anything else a 500. Nothing escapes to httplib.
   template <typename F>
-  static void guarded(httplib::Response& res, F&& f) {
+  static void guarded(httplib::Response& res, ErrorWriter error, F&& f) {
     try {
       f();
     } catch (const json::exception& e) {
@@ -175,12 +213,12 @@ class Server {
 
   // On the engine thread.
   void submit(const std::shared_ptr<Pending>& p, size_t i) {
-    auto on_token = [p, i](int64_t token, double logprob) {
+    auto on_token = [p, i](int64_t token, double logprob, const TopLogprobs& top) {
       std::lock_guard lock(p->m);
       Pending::Choice& c = p->choices[i];
       if (c.text) {
         std::string piece = c.text->add(token);
-        if (p->stream) p->pieces.push_back({i, std::move(piece), std::make_pair(token, logprob)});
+        if (p->stream) p->pieces.push_back({i, std::move(piece), std::make_pair(token, logprob), top});
       }
       p->cv.notify_all();
       return !*p->cancelled && !(c.text && c.text->stopped());
@@ -192,7 +230,7 @@ class Server {
       c.done = true;
       if (c.text) {
         std::string rest = c.text->finish();
-        if (p->stream && !rest.empty()) p->pieces.push_back({i, std::move(rest), std::nullopt});
+        if (p->stream && !rest.empty()) p->pieces.push_back({i, std::move(rest), std::nullopt, {}});
       }
       --p->remaining;
       --in_flight_;
@@ -221,95 +259,165 @@ class Server {
   }
 
   void handle_api(const httplib::Request& req, httplib::Response& res) {
-    MegatronApiRequest api = parse_megatron_api_request(parse_body(req), tokenizer_, max_prompts_);
+    const json body = parse_body(req);
+    MegatronApiRequest api = parse_megatron_api_request(body, tokenizer_, max_prompts_);
+    if (log_requests_ && !api.no_log) {  // Megatron's --inference-flask-server-logging lines
+      const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+      char stamp[32];
+      std::strftime(stamp, sizeof(stamp), "%Y-%m-%d %H:%M:%S", std::localtime(&now));
+      std::printf("request IP: %s\n%s\nstart time: %s\n", req.remote_addr.c_str(), dump(body).c_str(), stamp);
+      std::fflush(stdout);
+    }
     auto p = enqueue(api.requests, nullptr);
-    if (!wait_all(*p, req)) return error(res, 499, "the client went away");
-    if (auto f = failure(*p)) return error(res, 500, *f);
+    if (!wait_all(*p, req)) return megatron_error(res, 499, "the client went away");
+    if (auto f = failure(*p)) return megatron_error(res, 500, *f);
     std::vector<GenerationResult> results;
     for (const auto& c : p->choices) results.push_back(c.result);
     res.set_content(dump(megatron_api_response(api, results, tokenizer_)), "application/json");
   }
 
-  void handle_completions(const httplib::Request& req, httplib::Response& res) {
-    auto completion =
-        std::make_shared<CompletionRequest>(parse_completion_request(parse_body(req), tokenizer_, max_prompts_));
+  // The kept tokens' total logprob: best_of's ranking.
+  static double score(const Pending::Choice& c) {
+    double sum = 0;
+    for (size_t t = 0; t < c.text->tokens().size(); ++t) sum += c.result.logprobs[t];
+    return sum;
+  }
+
+  void handle_completions(const httplib::Request& req, httplib::Response& res, bool chat) {
+    const json body = parse_body(req);
+    auto completion = std::make_shared<CompletionRequest>(
+        chat ? parse_chat_request(body, tokenizer_, chat_template_, max_prompts_)
+             : parse_completion_request(body, tokenizer_, max_prompts_));
     if (completion->model.empty()) completion->model = model_name_;
     auto p = enqueue(completion->requests, completion.get());
-    const std::string id = fmt::format("cmpl-{}", next_id_++);
+    const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id_++);
     if (completion->stream) return stream_completion(res, p, completion, id);
-    if (!wait_all(*p, req)) return error(res, 499, "the client went away");
-    if (auto f = failure(*p)) return error(res, 500, *f);
+    if (!wait_all(*p, req)) return openai_error(res, 499, "the client went away");
+    if (auto f = failure(*p)) return openai_error(res, 500, *f);
     json choices = json::array();
     int64_t prompt_tokens = 0, completion_tokens = 0;
-    for (size_t i = 0; i < p->choices.size(); ++i) {
-      const Pending::Choice& c = p->choices[i];
-      const std::vector<int64_t>& kept = c.text->tokens();
-      std::vector<double> lps(c.result.logprobs.begin(), c.result.logprobs.begin() + int64_t(kept.size()));
-      json lp = completion->logprobs ? completion_logprobs(kept, lps, tokenizer_) : json(nullptr);
-      std::string text = (completion->echo ? completion->prompt_texts[i] : "") + c.text->text();
-      choices.push_back(completion_choice(i, text, completion_finish_reason(c.result, c.text->stopped()), lp));
-      prompt_tokens += int64_t(c.request.prompt.size());
-      completion_tokens += int64_t(c.result.tokens.size());
+    const size_t best_of = completion->best_of, n = completion->n;
+    for (size_t i = 0; i < completion->prompt_texts.size(); ++i) {
+      std::vector<size_t> order(best_of);
+      for (size_t j = 0; j < best_of; ++j) order[j] = i * best_of + j;
+      if (best_of > n)
+        std::stable_sort(order.begin(), order.end(),
+                         [&](size_t a, size_t b) { return score(p->choices[a]) > score(p->choices[b]); });
+      for (size_t k = 0; k < n; ++k) {
+        const Pending::Choice& c = p->choices[order[k]];
+        const size_t index = i * n + k;
+        const std::string finish = completion_finish_reason(c.result, c.text->stopped());
+        const bool with_lp = completion->logprobs;
+        if (chat) {
+          json lp = with_lp ? chat_logprobs(choice_logprobs(c.request, c.result, c.text->tokens().size(), false),
+                                            tokenizer_)
+                            : json(nullptr);
+          choices.push_back(chat_choice(index, c.text->text(), finish, lp));
+        } else {
+          const std::string echo = completion->echo ? completion->prompt_texts[i] : "";
+          json lp = with_lp ? completion_logprobs(
+                                  choice_logprobs(c.request, c.result, c.text->tokens().size(), completion->echo),
+                                  tokenizer_)
+                            : json(nullptr);
+          choices.push_back(completion_choice(index, echo + c.text->text(), finish, lp));
+        }
+      }
+      prompt_tokens += int64_t(p->choices[i * best_of].request.prompt.size());
+      for (size_t j = 0; j < best_of; ++j) completion_tokens += int64_t(p->choices[i * best_of + j].result.tokens.size());
     }
     json usage = {{"prompt_tokens", prompt_tokens},
                   {"completion_tokens", completion_tokens},
                   {"total_tokens", prompt_tokens + completion_tokens}};
-    res.set_content(dump(completion_object(id, completion->model, choices, usage)), "application/json");
+    res.set_content(dump(completion_object(id, chat ? "chat.completion" : "text_completion", completion->model,
+                                           choices, usage)),
+                    "application/json");
   }
 
-  // Server-sent events: a chunk per released piece of text, a final chunk per choice with its
-  // finish_reason, then [DONE]. A failed write cancels the request (the client went away).
+  // Server-sent events: a chunk per released piece of text (chat: a first chunk per choice with the
+  // assistant role), a final chunk per choice with its finish_reason, with stream_options.include_usage
+  // a chunk with the usage and no choices, then [DONE]. Streaming needs best_of == n, so request
+  // position q is choice index q. A failed write cancels the request (the client went away).
   void stream_completion(httplib::Response& res, std::shared_ptr<Pending> p,
                          std::shared_ptr<CompletionRequest> completion, std::string id) {
     auto finished = std::make_shared<std::vector<bool>>(p->choices.size(), false);
-    auto echoed = std::make_shared<bool>(!completion->echo);
+    auto opened = std::make_shared<bool>(false);
+    const bool chat = completion->chat;
+    const std::string object = chat ? "chat.completion.chunk" : "text_completion";
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, p, completion, id, finished, echoed](size_t, httplib::DataSink& sink) {
-          auto send = [&](const json& choice) {
-            std::string event =
-                "data: " + dump(completion_object(id, completion->model, json::array({choice}))) + "\n\n";
+        [this, p, completion, id, finished, opened, chat, object](size_t, httplib::DataSink& sink) {
+          const json usage_field = completion->include_usage ? json(nullptr) : json();
+          auto write = [&](const json& chunk) {
+            std::string event = "data: " + dump(chunk) + "\n\n";
             if (!sink.write(event.data(), event.size())) {
               *p->cancelled = true;
               return false;
             }
             return true;
           };
-          if (!*echoed) {
-            *echoed = true;
-            for (size_t i = 0; i < p->choices.size(); ++i)
-              if (!send(completion_choice(i, completion->prompt_texts[i], std::nullopt, nullptr))) return false;
+          auto send = [&](const json& choice) {
+            json chunk = completion_object(id, object, completion->model, json::array({choice}));
+            if (completion->include_usage) chunk["usage"] = nullptr;
+            return write(chunk);
+          };
+          if (!*opened) {
+            *opened = true;
+            for (size_t i = 0; i < p->choices.size(); ++i) {
+              const size_t prompt = i / completion->best_of;
+              if (chat && !send(chat_delta_choice(i, "assistant", "", std::nullopt, nullptr))) return false;
+              if (!chat && completion->echo &&
+                  !send(completion_choice(i, completion->prompt_texts[prompt], std::nullopt, nullptr)))
+                return false;
+            }
           }
           std::unique_lock lock(p->m);
           p->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return !p->pieces.empty() || p->all_done(); });
           std::deque<Pending::Piece> pieces;
           pieces.swap(p->pieces);
-          std::vector<std::pair<size_t, json>> ends;
+          std::vector<json> ends;
           for (size_t i = 0; i < p->choices.size(); ++i) {
             const Pending::Choice& c = p->choices[i];
             if (c.done && !(*finished)[i]) {
               (*finished)[i] = true;
-              ends.emplace_back(
-                  i, completion_choice(i, "", completion_finish_reason(c.result, c.text->stopped()), nullptr));
+              const std::string reason = completion_finish_reason(c.result, c.text->stopped());
+              ends.push_back(chat ? chat_delta_choice(i, std::nullopt, std::nullopt, reason, nullptr)
+                                  : completion_choice(i, "", reason, nullptr));
             }
           }
           const bool done = p->all_done();
           const std::optional<std::string> failed = done ? failure(*p) : std::nullopt;
+          json usage;
+          if (done && completion->include_usage) {
+            int64_t prompt_tokens = 0, completion_tokens = 0;
+            for (size_t i = 0; i < p->choices.size(); ++i) {
+              if (i % completion->best_of == 0) prompt_tokens += int64_t(p->choices[i].request.prompt.size());
+              completion_tokens += int64_t(p->choices[i].result.tokens.size());
+            }
+            usage = {{"prompt_tokens", prompt_tokens},
+                     {"completion_tokens", completion_tokens},
+                     {"total_tokens", prompt_tokens + completion_tokens}};
+          }
           lock.unlock();
           for (const Pending::Piece& piece : pieces) {
             if (piece.text.empty()) continue;
-            json lp = completion->logprobs && piece.token
-                          ? completion_logprobs({piece.token->first}, {piece.token->second}, tokenizer_)
-                          : json(nullptr);
-            if (!send(completion_choice(piece.index, piece.text, std::nullopt, lp))) return false;
+            json lp = nullptr;
+            if (completion->logprobs && piece.token) {
+              TokenLogprobs one{{piece.token->first}, {piece.token->second}, {}};
+              if (completion->top_logprobs > 0) one.top.push_back(piece.top);
+              lp = chat ? chat_logprobs(one, tokenizer_) : completion_logprobs(one, tokenizer_);
+            }
+            json choice = chat ? chat_delta_choice(piece.index, std::nullopt, piece.text, std::nullopt, lp)
+                               : completion_choice(piece.index, piece.text, std::nullopt, lp);
+            if (!send(choice)) return false;
           }
           if (failed) {
-            std::string event = "data: " + dump(json{{"error", *failed}}) + "\n\n";
-            sink.write(event.data(), event.size());
+            openai_stream_error(sink, *failed);
           } else {
-            for (const auto& [i, choice] : ends)
+            for (const json& choice : ends)
               if (!send(choice)) return false;
+            if (!usage.is_null() && !write(completion_object(id, object, completion->model, json::array(), usage)))
+              return false;
           }
           if (done) {
             static const std::string kDone = "data: [DONE]\n\n";
@@ -323,10 +431,21 @@ class Server {
         });
   }
 
+  static void openai_stream_error(httplib::DataSink& sink, const std::string& message) {
+    std::string event =
+        "data: " + dump(json{{"error", {{"message", message}, {"type", "server_error"}, {"code", nullptr}}}}) + "\n\n";
+    sink.write(event.data(), event.size());
+  }
+
   InferenceEngine& engine_;
   const Tokenizer& tokenizer_;
+  const ChatTemplate* chat_template_;  // null: the tokenizer has none
   std::string model_name_;
   size_t max_prompts_;
+  bool log_requests_;
+  int64_t started_ = std::chrono::duration_cast<std::chrono::seconds>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
   std::atomic<int64_t> next_id_{0};
   std::atomic<uint64_t> next_group_{1};
   std::atomic<int64_t> in_flight_{0};  // prompts queued or generating
@@ -347,6 +466,7 @@ int main(int argc, char** argv) {
     HttpServerOptions http_options;
     size_t max_prompts = kDefaultMaxPrompts;
     double http_timeout = 30;
+    bool log_requests = false;
     CLI::App app("Serve a megatron.cpp checkpoint over HTTP (Megatron's /api and OpenAI's /v1/completions)");
     app.add_option("--load", args.load, "Checkpoint directory")->required();
     app.add_option("--tokenizer-type", args.tokenizer_type, "Tokenizer type (as pretrain_gpt)")->required();
@@ -384,6 +504,8 @@ int main(int argc, char** argv) {
         ->capture_default_str()
         ->check(CLI::Range(size_t(1), size_t(900)));
     app.add_option("--device", args.device, "auto, cpu or cuda")->capture_default_str();
+    app.add_flag("--inference-flask-server-logging", log_requests,
+                 "Log every /api request (its JSON and start time) unless it sets no_log (Megatron's flag)");
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -408,16 +530,19 @@ int main(int argc, char** argv) {
     Checkpointer checkpointer(args);
     MG_CHECK(checkpointer.load(ctx, args.load, model, nullptr, nullptr).has_value(), "no checkpoint in {}", args.load);
     InferenceEngine engine(model, ctx, tokenizer->vocab_size(), options);
+    std::optional<ChatTemplate> chat_template;
+    if (args.tokenizer_type == "HuggingFaceTokenizer") chat_template = ChatTemplate::from_tokenizer_folder(args.tokenizer_model);
 
     std::signal(SIGPIPE, SIG_IGN);  // a client that hangs up is a failed write, not a fatal signal
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    Server server(engine, *tokenizer, args.load, max_prompts);
+    Server server(engine, *tokenizer, chat_template ? &*chat_template : nullptr, args.load, max_prompts, log_requests);
     server.routes(http);
     std::thread engine_thread([&] { server.run_engine(); });
     std::thread http_thread([&] { http.serve(); });
-    std::printf("serving %s on http://%s:%d (max batch %lld, max sequence %lld)\n", args.load.c_str(), host.c_str(),
-                port, (long long)engine.max_batch_size(), (long long)engine.max_sequence_length());
+    std::printf("serving %s on http://%s:%d (max batch %lld, max sequence %lld, %s)\n", args.load.c_str(), host.c_str(),
+                port, (long long)engine.max_batch_size(), (long long)engine.max_sequence_length(),
+                chat_template ? "chat template" : "no chat template");
     std::fflush(stdout);
     while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::printf("shutting down\n");
