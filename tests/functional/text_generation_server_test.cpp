@@ -144,7 +144,9 @@ TEST_F(TextGenerationServer, BadRequestsGet400AndTheServerStaysUp) {
       {"/v1/completions", R"({"prompt": "", "max_tokens": 4})"},          // empty prompt
       {"/v1/completions", R"({"prompt": "1 2", "max_tokens": 64})"},      // too many tokens
       {"/v1/completions", R"({"prompt": "1 2", "temperature": -1})"},     // negative temperature
-      {"/v1/completions", R"({"prompt": "1 2", "best_of": 3})"},          // unknown field
+      {"/v1/completions", R"({"prompt": "1 2", "logit_bias": {}})"},      // unknown field
+      {"/v1/completions", R"({"prompt": "1 2", "suffix": "3"})"},         // no fill-in-the-middle
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "1"}]})"},  // no chat template
       {"/v1/completions", R"({"prompt": "1 2", "max_tokens": "many"})"},  // wrong type
       {"/v1/completions", R"({"max_tokens": 4})"},                        // no prompt
       {"/v1/completions", "not json at all"},
@@ -153,9 +155,17 @@ TEST_F(TextGenerationServer, BadRequestsGet400AndTheServerStaysUp) {
     auto r =
         path == "/api" ? client().Put(path, body, "application/json") : client().Post(path, body, "application/json");
     ASSERT_TRUE(r) << "no response to " << body;
+    if (path == "/v1/chat/completions")
+      EXPECT_NE(error_message(r->body).find("has no chat template"), std::string::npos) << r->body;
     EXPECT_EQ(r->status, 400) << body << " -> " << r->body;
     json err = json::parse(r->body, nullptr, false);
-    EXPECT_TRUE(err.is_object() && err.contains("error") && err["error"].is_string()) << r->body;
+    if (path == "/api") {  // Megatron's: {"message": ...}; OpenAI's: {"error": {"message", "type", "code"}}
+      EXPECT_TRUE(err.is_object() && err.size() == 1 && err["message"].is_string()) << r->body;
+    } else {
+      EXPECT_TRUE(err.is_object() && err["error"]["message"].is_string() &&
+                  err["error"]["type"] == "invalid_request_error" && err["error"].contains("code"))
+          << r->body;
+    }
   }
   auto h = client().Get("/health");
   ASSERT_TRUE(h && h->status == 200);

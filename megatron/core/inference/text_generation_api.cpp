@@ -12,10 +12,16 @@ namespace {
 
 using nlohmann::json;
 
+// A client's string in a message: JSON-escaped, so the message stays one line.
+std::string quoted(const std::string& s) {
+  const std::string j = json(s).dump(-1, ' ', false, json::error_handler_t::replace);
+  return "'" + j.substr(1, j.size() - 2) + "'";
+}
+
 void check_fields(const json& body, const std::set<std::string>& known) {
   if (!body.is_object()) throw ApiError("the request body must be a JSON object");
   for (const auto& [key, value] : body.items()) {
-    if (!known.count(key)) throw ApiError(fmt::format("unknown field '{}'", key));
+    if (!known.count(key)) throw ApiError(fmt::format("unknown field {}", quoted(key)));
   }
 }
 
@@ -120,8 +126,8 @@ MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer&
   int64_t tokens_to_generate = 64;
   if (body.contains("tokens_to_generate")) {
     const json& v = body.at("tokens_to_generate");
-    if (!v.is_number_integer() || v.get<int64_t>() < 0)
-      throw ApiError("tokens_to_generate must be an integer greater than or equal to 0");
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > (1 << 30))
+      throw ApiError("tokens_to_generate must be an integer greater than or equal to 0 (and at most 2^30)");
     tokens_to_generate = v.get<int64_t>();
   }
   out.logprobs = api_bool(body, "logprobs", false);
@@ -374,11 +380,11 @@ CompletionRequest parse_chat_request(const json& body, const Tokenizer& tokenize
     if (!m.is_object()) throw ApiError(fmt::format("message {} must be an object", i));
     for (const auto& [key, value] : m.items())
       if (key != "role" && key != "content" && key != "name")
-        throw ApiError(fmt::format("message {}: unknown field '{}'", i, key));
+        throw ApiError(fmt::format("message {}: unknown field {}", i, quoted(key)));
     if (!m.contains("role") || !m.at("role").is_string()) throw ApiError(fmt::format("message {} needs a role", i));
     const std::string role = m.at("role").get<std::string>();
     if (role != "system" && role != "user" && role != "assistant")
-      throw ApiError(fmt::format("message {}: role '{}' is not one of system, user, assistant", i, role));
+      throw ApiError(fmt::format("message {}: role {} is not one of system, user, assistant", i, quoted(role)));
     if (!m.contains("content") || !m.at("content").is_string())
       throw ApiError(fmt::format("message {}: 'content' must be a string", i));
     nlohmann::ordered_json msg = {{"role", role}, {"content", m.at("content").get<std::string>()}};
