@@ -81,13 +81,14 @@ struct Pending {
 class Server {
  public:
   Server(InferenceEngine& engine, const Tokenizer& tokenizer, const ChatTemplate* chat_template,
-         std::string model_name, size_t max_prompts, bool log_requests)
+         std::string model_name, size_t max_prompts, bool log_requests, SamplingDefaults sampling)
       : engine_(engine),
         tokenizer_(tokenizer),
         chat_template_(chat_template),
         model_name_(std::move(model_name)),
         max_prompts_(max_prompts),
-        log_requests_(log_requests) {}
+        log_requests_(log_requests),
+        sampling_(sampling) {}
 
   void run_engine() {
     while (true) {
@@ -260,7 +261,7 @@ class Server {
 
   void handle_api(const httplib::Request& req, httplib::Response& res) {
     const json body = parse_body(req);
-    MegatronApiRequest api = parse_megatron_api_request(body, tokenizer_, max_prompts_);
+    MegatronApiRequest api = parse_megatron_api_request(body, tokenizer_, max_prompts_, sampling_);
     if (log_requests_ && !api.no_log) {  // Megatron's --inference-flask-server-logging lines
       const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
       char stamp[32];
@@ -286,8 +287,8 @@ class Server {
   void handle_completions(const httplib::Request& req, httplib::Response& res, bool chat) {
     const json body = parse_body(req);
     auto completion = std::make_shared<CompletionRequest>(
-        chat ? parse_chat_request(body, tokenizer_, chat_template_, max_prompts_)
-             : parse_completion_request(body, tokenizer_, max_prompts_));
+        chat ? parse_chat_request(body, tokenizer_, chat_template_, max_prompts_, sampling_)
+             : parse_completion_request(body, tokenizer_, max_prompts_, sampling_));
     if (completion->model.empty()) completion->model = model_name_;
     auto p = enqueue(completion->requests, completion.get());
     const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id_++);
@@ -347,7 +348,6 @@ class Server {
     res.set_chunked_content_provider(
         "text/event-stream",
         [this, p, completion, id, finished, opened, chat, object](size_t, httplib::DataSink& sink) {
-          const json usage_field = completion->include_usage ? json(nullptr) : json();
           auto write = [&](const json& chunk) {
             std::string event = "data: " + dump(chunk) + "\n\n";
             if (!sink.write(event.data(), event.size())) {
@@ -443,6 +443,7 @@ class Server {
   std::string model_name_;
   size_t max_prompts_;
   bool log_requests_;
+  SamplingDefaults sampling_;
   int64_t started_ = std::chrono::duration_cast<std::chrono::seconds>(
                          std::chrono::system_clock::now().time_since_epoch())
                          .count();
@@ -457,9 +458,15 @@ class Server {
 
 }  // namespace
 
+// Note [Server arguments]: as Megatron's tools/run_text_generation_server.py, the server takes
+// pretrain_gpt's arguments (model flags, --load, tokenizer flags, --micro-batch-size, ...; parsed by
+// megatron/training/arguments.h, so a misspelt flag is named) plus its own: the HTTP options here
+// and Megatron's text generation flags --temperature, --top_k, --top_p as request defaults. The
+// model comes from the checkpoint: a model flag given with another value than the checkpoint's is
+// one line and exit 1; flags without a meaning for inference (learning rate, data, batch sizes)
+// are accepted. One process: tensor, pipeline, context and expert parallel sizes above 1 are refused.
 int main(int argc, char** argv) {
   try {
-    Arguments args;
     std::string host = "127.0.0.1";
     int port = 5000;
     EngineOptions options;
@@ -467,13 +474,12 @@ int main(int argc, char** argv) {
     size_t max_prompts = kDefaultMaxPrompts;
     double http_timeout = 30;
     bool log_requests = false;
-    CLI::App app("Serve a megatron.cpp checkpoint over HTTP (Megatron's /api and OpenAI's /v1/completions)");
-    app.add_option("--load", args.load, "Checkpoint directory")->required();
-    app.add_option("--tokenizer-type", args.tokenizer_type, "Tokenizer type (as pretrain_gpt)")->required();
-    app.add_option("--vocab-file", args.vocab_file, "Vocabulary file");
-    app.add_option("--merge-file", args.merge_file, "Merges file");
-    app.add_option("--tokenizer-model", args.tokenizer_model, "Tokenizer model");
-    app.add_option("--vocab-size", args.vocab_size, "NullTokenizer vocabulary size");
+    SamplingDefaults sampling;
+    CLI::App app(
+        "Serve a megatron.cpp checkpoint over HTTP (Megatron's /api, OpenAI's /v1/completions, /v1/chat/completions "
+        "and /v1/models). Also takes pretrain_gpt's flags: --load (required), the tokenizer flags, model flags "
+        "(checked against the checkpoint's), --device; see pretrain_gpt --help.");
+    app.allow_extras();
     app.add_option("--host", host, "Address to listen on")->capture_default_str();
     app.add_option("--port", port, "Port to listen on (0: any free port, printed in the serving line)")
         ->capture_default_str()
@@ -485,7 +491,7 @@ int main(int argc, char** argv) {
                    "Longest prompt + generation (0: the model's position limit)")
         ->capture_default_str();
     app.add_option("--max-prompts-per-request", max_prompts,
-                   "Most prompts one request may carry, on /api and /v1/completions alike (Megatron's /api: 128)")
+                   "Most prompts one request may carry, on every endpoint (Megatron's /api: 128)")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
     app.add_option("--max-request-bytes", http_options.max_request_bytes,
@@ -503,14 +509,49 @@ int main(int argc, char** argv) {
                    "Open connections at most; more are refused with 503")
         ->capture_default_str()
         ->check(CLI::Range(size_t(1), size_t(900)));
-    app.add_option("--device", args.device, "auto, cpu or cuda")->capture_default_str();
     app.add_flag("--inference-flask-server-logging", log_requests,
                  "Log every /api request (its JSON and start time) unless it sets no_log (Megatron's flag)");
+    app.add_option("--temperature", sampling.temperature,
+                   "Sampling temperature of requests that give none (0: greedy; Megatron's flag)")
+        ->capture_default_str()
+        ->check(CLI::Range(0.0, 100.0));
+    app.add_option("--top_k", sampling.top_k, "Top-k of requests that give neither top_k nor top_p (0: off)")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(0), int64_t(1000)));
+    app.add_option("--top_p", sampling.top_p, "Top-p of requests that give neither top_k nor top_p (0: off)")
+        ->capture_default_str()
+        ->check(CLI::Range(0.0, 1.0));
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
       return app.exit(e);
     }
+    MG_CHECK(!(sampling.top_k > 0 && sampling.top_p > 0.0), "set --top_k or --top_p, not both (as Megatron)");
+    // Everything CLI11 did not take is pretrain_gpt's (Note [Server arguments]).
+    std::vector<std::string> rest = app.remaining();
+    std::vector<const char*> megatron_argv = {argv[0]};
+    for (const std::string& r : rest) megatron_argv.push_back(r.c_str());
+    std::optional<Arguments> parsed =
+        parse_args(int(megatron_argv.size()), megatron_argv.data(), "text_generation_server's pretrain_gpt flags");
+    if (!parsed) return 0;
+    Arguments args = *parsed;
+    MG_CHECK(!args.load.empty(), "--load is required: the checkpoint directory to serve");
+    MG_CHECK(!args.tokenizer_type.empty(), "--tokenizer-type is required (as for pretrain_gpt)");
+    for (const auto& [flag, size] : {std::pair{"--tensor-model-parallel-size", args.tensor_model_parallel_size},
+                                     {"--pipeline-model-parallel-size", args.pipeline_model_parallel_size},
+                                     {"--context-parallel-size", args.context_parallel_size},
+                                     {"--expert-model-parallel-size", args.expert_model_parallel_size}}) {
+      MG_CHECK(size <= 1,
+               "{} {}: the text generation server runs the model in one process (no model-parallel inference); "
+               "drop the flag: it loads a checkpoint saved with any parallel layout",
+               flag, size);
+    }
+    std::vector<std::string> given;
+    for (const std::string& r : rest)
+      if (r.rfind("--", 0) == 0) given.push_back(r.substr(0, r.find('=')));
+    std::string checkpoint_dir;
+    const json meta = read_checkpoint_metadata(args.load, &checkpoint_dir);
+    check_given_model_args(meta, args, given, checkpoint_dir);
     http_options.request_timeout_s = http_options.write_timeout_s = http_timeout;
     // Bind first: a port in use is one line at once, not after loading the model.
     HttpServer http(http_options);
@@ -536,7 +577,8 @@ int main(int argc, char** argv) {
     std::signal(SIGPIPE, SIG_IGN);  // a client that hangs up is a failed write, not a fatal signal
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    Server server(engine, *tokenizer, chat_template ? &*chat_template : nullptr, args.load, max_prompts, log_requests);
+    Server server(engine, *tokenizer, chat_template ? &*chat_template : nullptr, args.load, max_prompts, log_requests,
+                  sampling);
     server.routes(http);
     std::thread engine_thread([&] { server.run_engine(); });
     std::thread http_thread([&] { http.serve(); });

@@ -188,5 +188,39 @@ TEST_F(TextGenerationServer, ClientHangingUpMidStreamFreesItsSlot) {
   }
 }
 
+// Note [Server arguments]: pretrain_gpt's flags are taken; the model's must match the checkpoint's.
+TEST(TextGenerationServerArguments, TrainingFlagsAreAcceptedAndModelFlagsChecked) {
+  ScratchDir dir("text_generation_server_args");
+  const std::string ckpt = gpt2_checkpoint(dir.path);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"--num-layers", "3"}, "error: --num-layers 3 does not match the checkpoint's 2"},
+      {{"--hidden-size=32"}, "error: --hidden-size 32 does not match the checkpoint's 64"},
+      {{"--tensor-model-parallel-size", "2"},
+       "error: --tensor-model-parallel-size 2: the text generation server runs the model in one process"},
+      {{"--num-layrs", "2"}, "error: unknown flag --num-layrs (did you mean --num-layers?)"},
+      {{"--top_k", "5", "--top_p", "0.5"}, "error: set --top_k or --top_p, not both"},
+  };
+  for (const auto& [extra, message] : refused) {
+    ServerProcess s;
+    s.start(ckpt, 0, dir.path / "refused.log", extra);
+    EXPECT_EQ(s.wait_exit(60), 1) << s.output();
+    const std::string out = s.output();
+    EXPECT_NE(out.find(message), std::string::npos) << out;
+    EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << "one line: " << out;
+  }
+  // Matching model flags, flags that mean nothing for inference, and --temperature 0 as the default.
+  const json cases = json::parse(read_file(fs::absolute(fixtures_dir()) / "generation.json")).at("models").at("gpt2");
+  ServerProcess s;
+  s.start(ckpt, 0, dir.path / "server.log",
+          {"--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "4",
+           "--global-batch-size", "8", "--lr", "0.1", "--train-iters", "10", "--temperature", "0"});
+  ASSERT_TRUE(s.wait_healthy()) << s.output();
+  const std::string prompt = ids_text(cases[0].at("prompt").get<std::vector<int64_t>>());
+  auto r = s.client().Put("/api", json{{"prompts", {prompt}}, {"tokens_to_generate", 16}}.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no response");
+  EXPECT_EQ(json::parse(r->body)["text"][0], prompt + " " + ids_text(cases[0].at("greedy").get<std::vector<int64_t>>()));
+  EXPECT_EQ(s.stop(), 0) << s.output();
+}
+
 }  // namespace
 }  // namespace megatron::testing

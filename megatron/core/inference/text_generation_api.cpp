@@ -105,7 +105,8 @@ std::optional<int64_t> single_token(const Tokenizer& tokenizer, const std::strin
 
 }  // namespace
 
-MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer& tokenizer, size_t max_prompts) {
+MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer& tokenizer, size_t max_prompts,
+                                              const SamplingDefaults& defaults) {
   if (!body.is_object()) throw ApiError("the request body must be a JSON object");
   if (!body.contains("prompts")) throw ApiError("prompts argument required");
   if (body.contains("max_len")) throw ApiError("max_len is no longer used.  Replace with tokens_to_generate");
@@ -132,14 +133,15 @@ MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer&
   }
   out.logprobs = api_bool(body, "logprobs", false);
   if (tokens_to_generate == 0 && !out.logprobs) throw ApiError("tokens_to_generate=0 implies logprobs should be True");
-  double temperature = 1.0;
+  double temperature = defaults.temperature;
   if (body.contains("temperature")) {
     const json& v = body.at("temperature");
     if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 100.0))
       throw ApiError("temperature must be a number in [0, 100] (0: greedy)");
     temperature = v.get<double>();
   }
-  int64_t top_k = 0;
+  const bool sets_filter = body.contains("top_k") || body.contains("top_p");
+  int64_t top_k = sets_filter ? 0 : defaults.top_k;
   if (body.contains("top_k")) {
     const json& v = body.at("top_k");
     if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 1000)
@@ -151,7 +153,7 @@ MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer&
     if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) throw ApiError(message);
     return v.get<double>();
   };
-  double top_p = 0.0, top_p_decay = 0.0, top_p_bound = 0.0;
+  double top_p = sets_filter ? 0.0 : defaults.top_p, top_p_decay = 0.0, top_p_bound = 0.0;
   if (body.contains("top_p")) {
     top_p = unit_float("top_p", "top_p must be a positive float less than or equal to 1.0");
     if (top_p > 0.0 && top_k > 0) throw ApiError("cannot set both top-k and top-p samplings.");
@@ -251,8 +253,9 @@ namespace {
 
 // The fields both OpenAI endpoints share: sampling, n / best_of, streaming, stop strings. Builds
 // best_of requests per prompt of `ids`.
-void parse_openai_common(const json& body, const Tokenizer& tokenizer, size_t max_prompts, int64_t max_tokens,
-                         std::vector<std::vector<int64_t>> ids, CompletionRequest& out) {
+void parse_openai_common(const json& body, const Tokenizer& tokenizer, size_t max_prompts,
+                         const SamplingDefaults& defaults, int64_t max_tokens, std::vector<std::vector<int64_t>> ids,
+                         CompletionRequest& out) {
   if (has(body, "model")) {
     if (!body.at("model").is_string()) throw ApiError("'model' must be a string");
     out.model = body.at("model").get<std::string>();
@@ -262,9 +265,11 @@ void parse_openai_common(const json& body, const Tokenizer& tokenizer, size_t ma
   if (out.best_of < out.n)
     throw ApiError(fmt::format("best_of ({}) must be at least n ({})", out.best_of, out.n));
   check_prompt_count(ids.size() * out.best_of, max_prompts);
-  const double temperature = get_number(body, "temperature", 1.0, 0.0, 100.0);
-  const double top_p = get_number(body, "top_p", 1.0, 0.0, 1.0);
-  const int64_t top_k = get_int(body, "top_k", 0, 0, 1 << 30);
+  const bool sets_filter = has(body, "top_k") || has(body, "top_p");
+  const double temperature = get_number(body, "temperature", defaults.temperature, 0.0, 100.0);
+  const double top_p =
+      get_number(body, "top_p", !sets_filter && defaults.top_p > 0.0 ? defaults.top_p : 1.0, 0.0, 1.0);
+  const int64_t top_k = get_int(body, "top_k", sets_filter ? 0 : defaults.top_k, 0, 1 << 30);
   const uint64_t seed = uint64_t(get_int(body, "seed", 1234, 0, INT64_MAX));
   const double frequency_penalty = get_number(body, "frequency_penalty", 0.0, -2.0, 2.0);
   const double presence_penalty = get_number(body, "presence_penalty", 0.0, -2.0, 2.0);
@@ -306,7 +311,8 @@ void parse_openai_common(const json& body, const Tokenizer& tokenizer, size_t ma
 
 }  // namespace
 
-CompletionRequest parse_completion_request(const json& body, const Tokenizer& tokenizer, size_t max_prompts) {
+CompletionRequest parse_completion_request(const json& body, const Tokenizer& tokenizer, size_t max_prompts,
+                                           const SamplingDefaults& defaults) {
   check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "logprobs", "stream",
                       "stream_options", "stop", "seed", "n", "best_of", "echo", "user", "frequency_penalty",
                       "presence_penalty", "suffix"});
@@ -356,13 +362,13 @@ CompletionRequest parse_completion_request(const json& body, const Tokenizer& to
   out.echo = get_bool(body, "echo", false);
   if (out.echo && out.logprobs && get_bool(body, "stream", false))
     throw ApiError("echo with logprobs cannot be streamed; ask without \"stream\"");
-  parse_openai_common(body, tokenizer, max_prompts, max_tokens, std::move(ids), out);
+  parse_openai_common(body, tokenizer, max_prompts, defaults, max_tokens, std::move(ids), out);
   for (GenerationRequest& r : out.requests) r.prompt_logprobs = out.echo && out.logprobs;
   return out;
 }
 
 CompletionRequest parse_chat_request(const json& body, const Tokenizer& tokenizer, const ChatTemplate* chat_template,
-                                     size_t max_prompts) {
+                                     size_t max_prompts, const SamplingDefaults& defaults) {
   check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                       "logprobs", "top_logprobs", "stream", "stream_options", "stop", "seed", "n", "user",
                       "frequency_penalty", "presence_penalty"});
@@ -415,7 +421,7 @@ CompletionRequest parse_chat_request(const json& body, const Tokenizer& tokenize
     if (!out.logprobs) throw ApiError("top_logprobs needs logprobs: true");
     out.top_logprobs = int(get_int(body, "top_logprobs", 0, 0, 20));
   }
-  parse_openai_common(body, tokenizer, max_prompts, max_tokens, {std::move(ids)}, out);
+  parse_openai_common(body, tokenizer, max_prompts, defaults, max_tokens, {std::move(ids)}, out);
   return out;
 }
 

@@ -34,6 +34,15 @@ struct ApiError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The server's sampling defaults for requests that leave a field out (Megatron's text generation
+/// flags --temperature, --top_k, --top_p; 0 means off for top_k and top_p). A request that sets
+/// top_k or top_p replaces both defaults (Megatron: not both at once).
+struct SamplingDefaults {
+  double temperature = 1.0;
+  int64_t top_k = 0;
+  double top_p = 0.0;
+};
+
 /// PUT /api, parsed: one GenerationRequest per prompt.
 struct MegatronApiRequest {
   std::vector<GenerationRequest> requests;
@@ -44,7 +53,8 @@ struct MegatronApiRequest {
 inline constexpr size_t kDefaultMaxPrompts = 128;
 
 MegatronApiRequest parse_megatron_api_request(const nlohmann::json& body, const Tokenizer& tokenizer,
-                                              size_t max_prompts = kDefaultMaxPrompts);
+                                              size_t max_prompts = kDefaultMaxPrompts,
+                                              const SamplingDefaults& defaults = {});
 /// {"text": prompt + generation per prompt, "segments": per-token strings, "logprobs": per-token
 /// log-probabilities after the first token (prompt and generation), or null}.
 nlohmann::json megatron_api_response(const MegatronApiRequest& request, const std::vector<GenerationResult>& results,
@@ -67,10 +77,11 @@ struct CompletionRequest {
   bool echo = false;     // completions: the prompt (and with logprobs its tokens) precede the text
 };
 CompletionRequest parse_completion_request(const nlohmann::json& body, const Tokenizer& tokenizer,
-                                           size_t max_prompts = kDefaultMaxPrompts);
+                                           size_t max_prompts = kDefaultMaxPrompts, const SamplingDefaults& defaults = {});
 /// `chat_template` null: the tokenizer has none, and the request is refused saying so.
 CompletionRequest parse_chat_request(const nlohmann::json& body, const Tokenizer& tokenizer,
-                                     const ChatTemplate* chat_template, size_t max_prompts = kDefaultMaxPrompts);
+                                     const ChatTemplate* chat_template, size_t max_prompts = kDefaultMaxPrompts,
+                                     const SamplingDefaults& defaults = {});
 
 /// The text of one completion as tokens arrive: the generated ids detokenized (a final stop
 /// token left out), cut at the first stop string. add() releases only text that can no longer

@@ -98,6 +98,30 @@ TEST(TextGenerationApi, MegatronApiSpeaksMegatronsWords) {
   EXPECT_TRUE(r.no_log);
 }
 
+// The server's --temperature / --top_k / --top_p fill what a request leaves out; a request that
+// sets top_k or top_p replaces both.
+TEST(TextGenerationApi, ServerSamplingDefaults) {
+  NullTokenizer tok(64);
+  const SamplingDefaults d{.temperature = 0.5, .top_k = 7, .top_p = 0.0};
+  auto api = parse_megatron_api_request({{"prompts", {"1"}}}, tok, 128, d).requests[0].sampling;
+  EXPECT_FLOAT_EQ(api.temperature, 0.5f);
+  EXPECT_EQ(api.top_k, 7);
+  api = parse_megatron_api_request({{"prompts", {"1"}}, {"top_p", 0.9}, {"temperature", 1.0}}, tok, 128, d)
+            .requests[0]
+            .sampling;
+  EXPECT_EQ(api.top_k, 0);
+  EXPECT_FLOAT_EQ(api.top_p, 0.9f);
+  EXPECT_FLOAT_EQ(api.temperature, 1.0f);
+  auto v1 = parse_completion_request({{"prompt", "1"}}, tok, 128, {.temperature = 0.0, .top_k = 0, .top_p = 0.8})
+                .requests[0]
+                .sampling;
+  EXPECT_TRUE(v1.greedy);
+  EXPECT_FLOAT_EQ(v1.top_p, 0.8f);
+  v1 = parse_completion_request({{"prompt", "1"}, {"top_k", 3}}, tok, 128, {.top_p = 0.8}).requests[0].sampling;
+  EXPECT_EQ(v1.top_k, 3);
+  EXPECT_FLOAT_EQ(v1.top_p, 0.0f) << "top_p 1 (off) once the request sets a filter";
+}
+
 TEST(TextGenerationApi, MegatronNewlineRulesUseTheTokenizersNewlines) {
   HuggingFaceTokenizer tok(testing::data_fixtures_dir() + "/tok-gpt2");  // "\n" 198, "\n\n" 628, ":" 25
   auto r = parse_megatron_api_request({{"prompts", {"a"}}, {"stop_on_eol", true}}, tok);
