@@ -21,6 +21,8 @@
 // mutex and condition variable. A client that goes away cancels its request's jobs: a streaming
 // one at the next failed write, a waiting one through HttpServer::client_gone (Note [Hang-up
 // probe]); cancelled jobs leave the engine at its next step, queued or running.
+// An /api request with beam_width is one BeamJob, searched whole on the engine thread between
+// steps (InferenceEngine::beam_search, a cache of its own), as Megatron's server holds its lock.
 // SIGINT/SIGTERM stop the listener, then the engine thread (remaining jobs end with an error).
 #include <fmt/format.h>
 #include <httplib.h>
@@ -78,6 +80,16 @@ struct Pending {
   bool all_done() const { return remaining == 0; }
 };
 
+// One /api beam search, run whole on the engine thread.
+struct BeamJob {
+  BeamSearchRequest request;
+  std::vector<BeamHypothesis> beams;
+  std::optional<std::string> error;
+  bool done = false;
+  std::mutex m;
+  std::condition_variable cv;
+};
+
 class Server {
  public:
   Server(InferenceEngine& engine, const Tokenizer& tokenizer, const ChatTemplate* chat_template,
@@ -93,13 +105,16 @@ class Server {
   void run_engine() {
     while (true) {
       std::vector<std::pair<std::shared_ptr<Pending>, size_t>> incoming;
+      std::vector<std::shared_ptr<BeamJob>> beams;
       {
         std::unique_lock lock(queue_m_);
-        queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !engine_.idle(); });
+        queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !beam_queue_.empty() || !engine_.idle(); });
         if (stopping_) break;
         incoming.swap(queue_);
+        beams.swap(beam_queue_);
       }
       for (auto& [p, i] : incoming) submit(p, i);
+      for (const auto& job : beams) run_beam_search(*job);
       try {
         engine_.step();
       } catch (const std::exception& e) {
@@ -109,6 +124,7 @@ class Server {
     }
     for (auto& [p, i] : queue_) submit(p, i);
     engine_.abort_all("the server is shutting down");
+    for (const auto& job : beam_queue_) finish_beam(*job, {}, "the server is shutting down");
   }
 
   void stop_engine() {
@@ -190,6 +206,48 @@ class Server {
 
   static json parse_body(const httplib::Request& req) { return json::parse(req.body); }
 
+  // On the engine thread.
+  void run_beam_search(BeamJob& job) {
+    try {
+      finish_beam(job, engine_.beam_search(job.request), std::nullopt);
+    } catch (const std::exception& e) {
+      finish_beam(job, {}, e.what());
+    }
+  }
+
+  static void finish_beam(BeamJob& job, std::vector<BeamHypothesis> beams, std::optional<std::string> error) {
+    std::lock_guard lock(job.m);
+    job.beams = std::move(beams);
+    job.error = std::move(error);
+    job.done = true;
+    job.cv.notify_all();
+  }
+
+  void handle_beam_search(const httplib::Request& req, httplib::Response& res, BeamSearchRequest request) {
+    MG_CHECK(int64_t(request.prompt.size()) + request.max_new_tokens <= engine_.max_sequence_length(),
+             "too many tokens: a prompt of {} tokens plus {} to generate exceeds the maximum sequence length {}",
+             request.prompt.size(), request.max_new_tokens, engine_.max_sequence_length());
+    auto cancelled = std::make_shared<std::atomic<bool>>(false);
+    request.cancelled = cancelled;
+    auto job = std::make_shared<BeamJob>();
+    job->request = std::move(request);
+    {
+      std::lock_guard lock(queue_m_);
+      if (stopping_) throw std::runtime_error("the server is shutting down");
+      beam_queue_.push_back(job);
+      queue_cv_.notify_all();
+    }
+    std::unique_lock lock(job->m);
+    while (!job->cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return job->done; })) {
+      if (HttpServer::client_gone(req)) {
+        *cancelled = true;
+        return;
+      }
+    }
+    if (job->error) return megatron_error(res, 500, *job->error);
+    res.set_content(dump(megatron_beam_response(job->beams, tokenizer_)), "application/json");
+  }
+
   // Validates every request, then queues them all for the engine thread.
   std::shared_ptr<Pending> enqueue(std::vector<GenerationRequest> requests, const CompletionRequest* completion) {
     for (const GenerationRequest& r : requests) engine_.validate(r);
@@ -269,6 +327,7 @@ class Server {
       std::printf("request IP: %s\n%s\nstart time: %s\n", req.remote_addr.c_str(), dump(body).c_str(), stamp);
       std::fflush(stdout);
     }
+    if (api.beam) return handle_beam_search(req, res, std::move(*api.beam));
     auto p = enqueue(api.requests, nullptr);
     if (!wait_all(*p, req)) return megatron_error(res, 499, "the client went away");
     if (auto f = failure(*p)) return megatron_error(res, 500, *f);
@@ -453,6 +512,7 @@ class Server {
   std::mutex queue_m_;
   std::condition_variable queue_cv_;
   std::vector<std::pair<std::shared_ptr<Pending>, size_t>> queue_;
+  std::vector<std::shared_ptr<BeamJob>> beam_queue_;
   bool stopping_ = false;
 };
 

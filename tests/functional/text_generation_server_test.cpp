@@ -1,8 +1,9 @@
 // tools/text_generation_server end to end: the gpt2 fixture converted with convert_checkpoint,
 // served with a NullTokenizer (prompts are space-separated ids, so the fixture prompts are exact),
 // queried over HTTP: Megatron's PUT /api and OpenAI's /v1/completions (plain and streamed) give the
-// fixture's greedy continuations, concurrent clients all get theirs, bad requests get a 400 with a
-// JSON error, and a client that hangs up mid-stream leaves the server serving.
+// fixture's greedy continuations (beam search of width 1 too), concurrent clients all get theirs,
+// bad requests get a 400 with a JSON error, and a client that hangs up mid-stream leaves the
+// server serving; the server's pretrain_gpt flags are checked against the checkpoint.
 #include <nlohmann/json.hpp>
 
 #include "tests/functional/server_util.h"
@@ -60,6 +61,34 @@ TEST_F(TextGenerationServer, MegatronApiGivesTheFixtureGreedyContinuation) {
     ASSERT_EQ(lp.size(), n - 1 + 16);
     for (size_t t = 0; t < 16; ++t) EXPECT_NEAR(lp[n - 1 + t], ref[t], 1e-4);
   }
+}
+
+// Megatron's beam_width: width 1 is the greedy continuation; wider, the beams best first.
+TEST_F(TextGenerationServer, MegatronBeamSearch) {
+  auto one = client().Put("/api", json{{"prompts", {prompt(0)}}, {"tokens_to_generate", 8}, {"beam_width", 1}}.dump(),
+                          "application/json");
+  ASSERT_TRUE(one && one->status == 200) << (one ? one->body : "no response");
+  json out = json::parse(one->body);
+  std::vector<int64_t> greedy8(cases[0]["greedy"].begin(), cases[0]["greedy"].begin() + 8);
+  EXPECT_EQ(out["text"], json({prompt(0) + " " + ids_text(greedy8)}));
+  double sum = 0;
+  for (size_t t = 0; t < 8; ++t) sum += cases[0]["logprobs"][t].get<double>();
+  EXPECT_NEAR(out["scores"][0].get<double>(), sum / 8, 1e-4);
+  auto three = client().Put(
+      "/api", json{{"prompts", {prompt(1)}}, {"tokens_to_generate", 6}, {"beam_width", 3}, {"length_penalty", 0.5}}.dump(),
+      "application/json");
+  ASSERT_TRUE(three && three->status == 200) << (three ? three->body : "no response");
+  out = json::parse(three->body);
+  ASSERT_EQ(out["text"].size(), 3u);
+  ASSERT_EQ(out["segments"].size(), 3u);
+  EXPECT_GE(out["scores"][0].get<double>(), out["scores"][1].get<double>());
+  EXPECT_GE(out["scores"][1].get<double>(), out["scores"][2].get<double>());
+  EXPECT_NE(out["text"][0], out["text"][1]);
+  auto bad = client().Put("/api", json{{"prompts", {prompt(0)}}, {"beam_width", 2}, {"temperature", 0}}.dump(),
+                          "application/json");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400);
+  EXPECT_EQ(error_message(bad->body), "temperature does not apply to beam search (beam_width): drop it");
 }
 
 TEST_F(TextGenerationServer, CompletionsStreamedEqualsPlain) {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "megatron/core/transformer/kv_cache.h"
+#include "megatron/core/inference/beam_search.h"
 #include "megatron/core/inference/sampling.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 
@@ -87,6 +88,11 @@ class InferenceEngine {
 
   /// Runs the requests to completion; results in request order.
   std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests);
+  /// Beam search for one prompt (beam_search.h), run at once in a cache of its own; the queued and
+  /// active requests wait meanwhile.
+  std::vector<BeamHypothesis> beam_search(const BeamSearchRequest& request) {
+    return megatron::beam_search(model_, ctx_, vocab_size_, max_length_, request);
+  }
 
   int64_t max_sequence_length() const { return max_length_; }
   int64_t max_batch_size() const { return cache_.num_slots(); }

@@ -111,10 +111,9 @@ MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer&
   if (!body.contains("prompts")) throw ApiError("prompts argument required");
   if (body.contains("max_len")) throw ApiError("max_len is no longer used.  Replace with tokens_to_generate");
   if (body.contains("sentences")) throw ApiError("sentences is no longer used.  Replace with prompts");
-  if (body.contains("beam_width")) throw ApiError("Beam search is no longer supported.");
   check_fields(body, {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "top_p_decay", "top_p_bound",
                       "logprobs", "add_BOS", "random_seed", "stop_token", "stop_on_eol", "stop_on_double_eol",
-                      "prevent_newline_after_colon", "length_penalty", "no_log"});
+                      "prevent_newline_after_colon", "length_penalty", "no_log", "beam_width"});
   const json& prompts = body.at("prompts");
   if (!prompts.is_array()) throw ApiError("prompts is not a list of strings");
   if (prompts.empty()) throw ApiError("prompts is empty");
@@ -124,6 +123,20 @@ MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer&
   for (const json& p : prompts)
     if (!p.is_string()) throw ApiError("prompts is not a list of strings");
   MegatronApiRequest out;
+  std::optional<int> beam_width;
+  if (body.contains("beam_width")) {
+    const json& v = body.at("beam_width");
+    if (!v.is_number_integer()) throw ApiError("beam_width must be integer");
+    if (v.get<int64_t>() < 1) throw ApiError("beam_width must be an integer > 1");
+    if (v.get<int64_t>() > int64_t(max_prompts))
+      throw ApiError(fmt::format("beam_width must be at most {} (the server's --max-prompts-per-request)", max_prompts));
+    if (prompts.size() > 1) throw ApiError("When doing beam_search, batch size must be 1");
+    // Megatron's beam search reads none of the sampling fields: refused rather than ignored.
+    for (const char* field : {"temperature", "top_k", "top_p", "top_p_decay", "top_p_bound", "logprobs", "random_seed",
+                              "stop_on_eol", "stop_on_double_eol"})
+      if (body.contains(field)) throw ApiError(fmt::format("{} does not apply to beam search (beam_width): drop it", field));
+    beam_width = int(v.get<int64_t>());
+  }
   int64_t tokens_to_generate = 64;
   if (body.contains("tokens_to_generate")) {
     const json& v = body.at("tokens_to_generate");
@@ -186,11 +199,12 @@ MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer&
     if (!v.is_number_integer()) throw ApiError("stop_token must be an integer");
     stop_token = v.get<int64_t>();
   }
+  double length_penalty = 1.0;
   if (body.contains("length_penalty")) {
     const json& v = body.at("length_penalty");
     if (!v.is_number()) throw ApiError("length_penalty must be a float");
-    if (v.get<double>() != 1.0)
-      throw ApiError("length_penalty only scores beam search, which is not supported (as in Megatron's server)");
+    length_penalty = v.get<double>();
+    if (length_penalty != 1.0 && !beam_width) throw ApiError("length_penalty only scores beam search: give beam_width");
   }
   // Megatron's end-of-line rules, on the tokenizer's newline tokens ("\n", and "\n\n" if it is one).
   const std::optional<int64_t> eol = single_token(tokenizer, "\n"), double_eol = single_token(tokenizer, "\n\n");
@@ -227,7 +241,30 @@ MegatronApiRequest parse_megatron_api_request(const json& body, const Tokenizer&
     r.prompt_logprobs = out.logprobs;
     out.requests.push_back(std::move(r));
   }
+  if (beam_width) {
+    if (tokens_to_generate == 0) throw ApiError("beam search needs tokens_to_generate > 0");
+    BeamSearchRequest b;
+    b.prompt = out.requests[0].prompt;
+    b.max_new_tokens = tokens_to_generate;
+    b.beam_size = *beam_width;
+    b.stop_token = stop_token;
+    b.length_penalty = length_penalty;
+    b.banned_after = banned_after;
+    out.beam = std::move(b);
+  }
   return out;
+}
+
+json megatron_beam_response(const std::vector<BeamHypothesis>& beams, const Tokenizer& tokenizer) {
+  json text = json::array(), segments = json::array(), scores = json::array();
+  for (const BeamHypothesis& b : beams) {
+    text.push_back(tokenizer.detokenize(b.tokens));
+    json seg = json::array();
+    for (int64_t id : b.tokens) seg.push_back(tokenizer.token_text(id));
+    segments.push_back(std::move(seg));
+    scores.push_back(b.score);
+  }
+  return {{"text", text}, {"segments", segments}, {"scores", scores}};
 }
 
 json megatron_api_response(const MegatronApiRequest& request, const std::vector<GenerationResult>& results,

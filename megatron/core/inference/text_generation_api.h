@@ -3,9 +3,9 @@
 //   PUT /api                   Megatron's text_generation_server fields (prompts, tokens_to_generate,
 //                              temperature, top_k, top_p, top_p_decay, top_p_bound, logprobs,
 //                              add_BOS, random_seed, stop_token, stop_on_eol, stop_on_double_eol,
-//                              prevent_newline_after_colon, no_log; length_penalty only at 1 and
-//                              beam_width refused, as Megatron's own server refuses beam search)
-//                              -> {"text": [...], "segments": [...], "logprobs": [...] | null}
+//                              prevent_newline_after_colon, no_log, beam_width with length_penalty)
+//                              -> {"text": [...], "segments": [...], "logprobs": [...] | null}, or
+//                              with beam_width {"text", "segments", "scores"}: the beams, best first
 //   POST /v1/completions       OpenAI's completion request (model, prompt, max_tokens, temperature,
 //                              top_p, top_k (extension), frequency_penalty, presence_penalty,
 //                              logprobs, echo, stream, stream_options, stop, seed, n, best_of,
@@ -48,6 +48,7 @@ struct MegatronApiRequest {
   std::vector<GenerationRequest> requests;
   bool logprobs = false;
   bool no_log = false;  // the request asks not to be logged (--inference-flask-server-logging)
+  std::optional<BeamSearchRequest> beam;  // beam_width given: one prompt, searched instead of sampled
 };
 /// The default cap on prompts per request (--max-prompts-per-request), Megatron's /api limit.
 inline constexpr size_t kDefaultMaxPrompts = 128;
@@ -59,6 +60,9 @@ MegatronApiRequest parse_megatron_api_request(const nlohmann::json& body, const 
 /// log-probabilities after the first token (prompt and generation), or null}.
 nlohmann::json megatron_api_response(const MegatronApiRequest& request, const std::vector<GenerationResult>& results,
                                      const Tokenizer& tokenizer);
+
+/// Megatron's beam search answer: {"text": prompt + generation per beam, "segments", "scores"}.
+nlohmann::json megatron_beam_response(const std::vector<BeamHypothesis>& beams, const Tokenizer& tokenizer);
 
 /// POST /v1/completions or /v1/chat/completions, parsed: best_of GenerationRequests per prompt,
 /// prompt-major; sample j of a prompt draws with seed + j. A prompt's answer is its n samples

@@ -203,6 +203,71 @@ TEST(InferenceEngine, StopSequencesBannedPairsPenaltiesAndTopLogprobs) {
   EXPECT_THROW(engine.validate(bad), Error);
 }
 
+// Beam search (beam_search.h) against a search written here over the engine's own next-token
+// distributions (a fresh prefill per sequence, no cache copies): same beams, same scores.
+TEST(BeamSearch, MatchesANaiveSearchAndGreedyAtWidthOne) {
+  Tiny t;
+  InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 4});
+  auto next_logprobs = [&](const std::vector<int64_t>& seq) {
+    GenerationRequest r;
+    r.prompt = seq;
+    r.max_new_tokens = 1;
+    r.sampling.greedy = true;
+    r.top_logprobs = 50;
+    const GenerationResult result = engine.generate({r})[0];
+    std::vector<double> lp(50);
+    for (const auto& [tok, v] : result.top_logprobs[0]) lp[size_t(tok)] = v;
+    return lp;
+  };
+  const std::vector<int64_t> prompt = {3, 1, 4, 1, 5};
+  // Width 1 is greedy; the score is the mean logprob (length_penalty 1).
+  GenerationRequest g;
+  g.prompt = prompt;
+  g.max_new_tokens = 6;
+  g.sampling.greedy = true;
+  GenerationResult greedy = engine.generate({g})[0];
+  auto one = engine.beam_search({.prompt = prompt, .max_new_tokens = 6, .beam_size = 1});
+  ASSERT_EQ(one.size(), 1u);
+  std::vector<int64_t> expect = prompt;
+  expect.insert(expect.end(), greedy.tokens.begin(), greedy.tokens.end());
+  EXPECT_EQ(one[0].tokens, expect);
+  double sum = 0;
+  for (double x : greedy.logprobs) sum += x;
+  EXPECT_NEAR(one[0].score, sum / 6, 1e-6);
+
+  // Width 3, 4 steps, no stop token, length_penalty 2: the 3 best extensions of all beams each step.
+  const int beams = 3, steps = 4;
+  std::vector<std::pair<std::vector<int64_t>, double>> live = {{prompt, 0.0}};
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::pair<std::vector<int64_t>, double>> cand;
+    for (const auto& [seq, score] : live) {
+      const std::vector<double> lp = next_logprobs(seq);
+      for (int64_t v = 0; v < 50; ++v) {
+        cand.push_back({seq, score + lp[size_t(v)]});
+        cand.back().first.push_back(v);
+      }
+    }
+    std::stable_sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    cand.resize(beams);
+    live = cand;
+  }
+  auto got = engine.beam_search({.prompt = prompt, .max_new_tokens = steps, .beam_size = beams, .length_penalty = 2.0});
+  ASSERT_EQ(got.size(), size_t(beams));
+  for (int k = 0; k < beams; ++k) {
+    EXPECT_EQ(got[size_t(k)].tokens, live[size_t(k)].first) << "beam " << k;
+    EXPECT_NEAR(got[size_t(k)].score, live[size_t(k)].second / (steps * steps), 1e-6) << "beam " << k;
+  }
+
+  // A stop token ranked first at the first step finishes the prompt alone (length 1), and nothing
+  // can beat it: the search ends there.
+  auto stopped = engine.beam_search({.prompt = prompt, .max_new_tokens = 6, .beam_size = 1, .stop_token = greedy.tokens[0]});
+  ASSERT_EQ(stopped.size(), 1u);
+  EXPECT_EQ(stopped[0].tokens, prompt);
+  EXPECT_NEAR(stopped[0].score, greedy.logprobs[0], 1e-6);
+  EXPECT_THROW(engine.beam_search({.prompt = prompt, .max_new_tokens = 0, .beam_size = 2}), Error);
+  EXPECT_THROW(engine.beam_search({.prompt = prompt, .max_new_tokens = 40, .beam_size = 2}), Error);
+}
+
 // Note [Fair admission]: a group of six requests submitted first and a one-request group after
 // it, two slots: the late group gets the second slot at once instead of waiting for four others.
 TEST(InferenceEngine, GroupsAreAdmittedRoundRobin) {

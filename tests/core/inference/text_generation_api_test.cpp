@@ -59,7 +59,12 @@ TEST(TextGenerationApi, MegatronApiSpeaksMegatronsWords) {
       {{{"tokens_to_generate", 1}}, "prompts argument required"},
       {{{"prompts", {"1"}}, {"max_len", 4}}, "max_len is no longer used.  Replace with tokens_to_generate"},
       {{{"prompts", {"1"}}, {"sentences", {"1"}}}, "sentences is no longer used.  Replace with prompts"},
-      {{{"prompts", {"1"}}, {"beam_width", 2}}, "Beam search is no longer supported."},
+      {{{"prompts", {"1", "2"}}, {"beam_width", 2}}, "When doing beam_search, batch size must be 1"},
+      {{{"prompts", {"1"}}, {"beam_width", 0}}, "beam_width must be an integer > 1"},
+      {{{"prompts", {"1"}}, {"beam_width", "2"}}, "beam_width must be integer"},
+      {{{"prompts", {"1"}}, {"beam_width", 2}, {"top_k", 2}}, "top_k does not apply to beam search (beam_width)"},
+      {{{"prompts", {"1"}}, {"beam_width", 2}, {"tokens_to_generate", 0}, {"logprobs", true}},
+       "logprobs does not apply to beam search"},
       {{{"prompts", "1 2"}}, "prompts is not a list of strings"},
       {{{"prompts", {1, 2}}}, "prompts is not a list of strings"},
       {{{"prompts", json::array()}}, "prompts is empty"},
@@ -76,7 +81,7 @@ TEST(TextGenerationApi, MegatronApiSpeaksMegatronsWords) {
       {{{"prompts", {"1"}}, {"random_seed", -3}}, "random_seed must be a positive integer"},
       {{{"prompts", {"1"}}, {"stop_token", "eod"}}, "stop_token must be an integer"},
       {{{"prompts", {"1"}}, {"length_penalty", "long"}}, "length_penalty must be a float"},
-      {{{"prompts", {"1"}}, {"length_penalty", 1.5}}, "length_penalty only scores beam search"},
+      {{{"prompts", {"1"}}, {"length_penalty", 1.5}}, "length_penalty only scores beam search: give beam_width"},
       {{{"prompts", {"1"}}, {"stop_on_eol", true}}, "stop_on_eol needs a tokenizer that encodes \"\\n\" as one token"},
       {{{"prompts", {"1"}}, {"prevent_newline_after_colon", true}}, "prevent_newline_after_colon needs a tokenizer"},
       {{{"prompts", {"1"}}, {"colour", "red"}}, "unknown field 'colour'"},
@@ -96,6 +101,16 @@ TEST(TextGenerationApi, MegatronApiSpeaksMegatronsWords) {
   EXPECT_FLOAT_EQ(r.requests[0].sampling.top_p_decay, 0.5f);
   EXPECT_FLOAT_EQ(r.requests[0].sampling.top_p_bound, 0.2f);
   EXPECT_TRUE(r.no_log);
+  EXPECT_FALSE(r.beam.has_value());
+  r = parse_megatron_api_request({{"prompts", {"4 5"}}, {"beam_width", 3}, {"length_penalty", 0.5},
+                                  {"tokens_to_generate", 7}, {"stop_token", 9}, {"add_BOS", true}},
+                                 tok);
+  ASSERT_TRUE(r.beam.has_value());
+  EXPECT_EQ(r.beam->prompt, (std::vector<int64_t>{tok.eod(), 4, 5}));
+  EXPECT_EQ(r.beam->beam_size, 3);
+  EXPECT_EQ(r.beam->max_new_tokens, 7);
+  EXPECT_EQ(r.beam->stop_token, 9);
+  EXPECT_DOUBLE_EQ(r.beam->length_penalty, 0.5);
 }
 
 // The server's --temperature / --top_k / --top_p fill what a request leaves out; a request that
