@@ -219,6 +219,27 @@ TEST_F(OpenAIServer, MegatronStopOnEolAndNoLog) {
   EXPECT_NE(log.find("\"tokens_to_generate\":40}"), std::string::npos) << log;
   EXPECT_EQ(log.find("\"stop_on_eol\":true"), std::string::npos) << log;
   EXPECT_NE(log.find("start time: "), std::string::npos) << log;
+  // An empty prompt with add_BOS is Megatron's BOS (the eod token) alone.
+  auto bos = server.client().Put(
+      "/api", json{{"prompts", {""}}, {"add_BOS", true}, {"tokens_to_generate", 3}, {"temperature", 0}}.dump(),
+      "application/json");
+  ASSERT_TRUE(bos && bos->status == 200) << (bos ? bos->body : "");
+  EXPECT_EQ(json::parse(bos->body)["segments"][0][0], "<|endoftext|>");
+  EXPECT_GE(json::parse(bos->body)["segments"][0].size(), 2u);  // then 1 to 3 generated (eod stops)
+  // prevent_newline_after_colon: sampled text never has ":\n" after the prompt.
+  for (int seed = 0; seed < 8; ++seed) {
+    auto colon = server.client().Put("/api",
+                                     json{{"prompts", {"a:b:c:"}},
+                                          {"tokens_to_generate", 24},
+                                          {"temperature", 1.0},
+                                          {"random_seed", seed},
+                                          {"prevent_newline_after_colon", true}}
+                                         .dump(),
+                                     "application/json");
+    ASSERT_TRUE(colon && colon->status == 200) << (colon ? colon->body : "");
+    const std::string text = json::parse(colon->body)["text"][0];
+    EXPECT_EQ(text.find(":\n", 5), std::string::npos) << text;
+  }
   // Megatron's error shape: status 400, {"message": ...}.
   auto bad = server.client().Put("/api", R"({"prompts": "hi"})", "application/json");
   ASSERT_TRUE(bad);
