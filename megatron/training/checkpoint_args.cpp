@@ -2,6 +2,7 @@
 // check a load makes against them; the checkpoint files themselves are checkpointing.cpp's.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <string_view>
 #include <type_traits>
@@ -58,6 +59,34 @@ void check_model_identity(const nlohmann::json& meta, const Arguments& a, const 
 #define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help) \
   if constexpr (ModelArgCheckpoint::checkpoint == ModelArgCheckpoint::identity) {         \
     check_identity<type>(saved, #field, flag, default_value, a.field, dir);               \
+  }
+#include "megatron/training/model_arguments.inc"
+#undef MG_MODEL_ARG
+}
+
+void check_given_model_args(const nlohmann::json& meta, const Arguments& a, const std::vector<std::string>& given,
+                            const fs::path& dir) {
+  if (!meta.contains("args")) return;
+  const nlohmann::json& saved = meta.at("args");
+  auto was_given = [&](const char* flags) {
+    std::string_view rest(flags);
+    while (!rest.empty()) {
+      const size_t comma = rest.find(',');
+      const std::string_view name = rest.substr(0, comma);
+      if (std::find(given.begin(), given.end(), name) != given.end()) return true;
+      rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    }
+    return false;
+  };
+#define MG_MODEL_ARG(flag, field, type, default_value, choices, config, checkpoint, help)                          \
+  if constexpr (ModelArgCheckpoint::checkpoint == ModelArgCheckpoint::saved ||                                     \
+                ModelArgCheckpoint::checkpoint == ModelArgCheckpoint::identity) {                                  \
+    if (was_given(flag) && saved.contains(#field)) {                                                               \
+      const type theirs = saved.at(#field).get<type>();                                                            \
+      MG_CHECK(identity_value(#field, theirs) == identity_value(#field, a.field),                                  \
+               "{} {} does not match the checkpoint's {} ({}): drop the flag, or pass the checkpoint's value",     \
+               first_name(flag), nlohmann::json(a.field).dump(), nlohmann::json(theirs).dump(), dir.string());   \
+    }                                                                                                              \
   }
 #include "megatron/training/model_arguments.inc"
 #undef MG_MODEL_ARG

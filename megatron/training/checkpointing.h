@@ -101,6 +101,13 @@ void apply_checkpoint_args(Arguments& args, const std::string& load_dir, bool wi
 /// whose identity rows of model_arguments.inc differ from this run's (checkpoint_args.cpp).
 void check_model_identity(const nlohmann::json& meta, const Arguments& args, const std::filesystem::path& dir);
 
+/// Refuses, in one line naming the flag, a model flag given on the command line (`given_flags`: the
+/// flag spellings the user typed, e.g. "--num-layers") whose value in `args` differs from the value
+/// the checkpoint (metadata.json in `meta`, read from `dir`) saved: a tool that takes its model from
+/// the checkpoint (the text generation server) says so instead of ignoring the flag.
+void check_given_model_args(const nlohmann::json& meta, const Arguments& args,
+                            const std::vector<std::string>& given_flags, const std::filesystem::path& dir);
+
 class Checkpointer {
  public:
   /// `parallel`: the run's process groups; null (or a world of one rank) for a single process.

@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
@@ -37,6 +38,49 @@ inline std::string gpt2_checkpoint(const fs::path& dir) {
   return (dir / "ckpt").string();
 }
 
+/// A HuggingFace GPT-2 style tokenizer folder in `dir` that fits the gpt2 fixture's 512 rows: the 256
+/// byte tokens (GPT-2's byte-to-unicode map), one merge ("\n\n", id 256), <|endoftext|> (257, the
+/// eos and bos) and unreachable fillers up to 512, with `chat_template` in tokenizer_config.json
+/// (none when empty). Returns the folder.
+inline std::string byte_level_tokenizer(const fs::path& dir, const std::string& chat_template) {
+  auto utf8 = [](int cp) {
+    std::string s;
+    if (cp < 0x80) {
+      s.push_back(char(cp));
+    } else {
+      s.push_back(char(0xC0 | (cp >> 6)));
+      s.push_back(char(0x80 | (cp & 0x3F)));
+    }
+    return s;
+  };
+  std::vector<int> printable;
+  for (int b = '!'; b <= '~'; ++b) printable.push_back(b);
+  for (int b = 0xA1; b <= 0xAC; ++b) printable.push_back(b);
+  for (int b = 0xAE; b <= 0xFF; ++b) printable.push_back(b);
+  std::map<int, std::string> byte_char;
+  for (int b : printable) byte_char[b] = utf8(b);
+  int extra = 0;
+  for (int b = 0; b < 256; ++b)
+    if (!byte_char.count(b)) byte_char[b] = utf8(256 + extra++);
+  nlohmann::ordered_json vocab = nlohmann::ordered_json::object();
+  for (int b = 0; b < 256; ++b) vocab[byte_char[b]] = b;
+  const std::string nl = byte_char['\n'];
+  vocab[nl + nl] = 256;
+  vocab["<|endoftext|>"] = 257;
+  for (int i = 258; i < 512; ++i) vocab["<unused_" + std::to_string(i) + ">"] = i;
+  fs::create_directories(dir);
+  std::ofstream(dir / "vocab.json") << vocab.dump();
+  std::ofstream(dir / "merges.txt") << "#version: 0.2\n" << nl << " " << nl << "\n";
+  nlohmann::json config = {{"tokenizer_class", "GPT2Tokenizer"},
+                           {"bos_token", "<|endoftext|>"},
+                           {"eos_token", "<|endoftext|>"},
+                           {"unk_token", "<|endoftext|>"},
+                           {"model_max_length", 64}};
+  if (!chat_template.empty()) config["chat_template"] = chat_template;
+  std::ofstream(dir / "tokenizer_config.json") << config.dump();
+  return dir.string();
+}
+
 /// tools/text_generation_server started in the background, its output in `log`.
 struct ServerProcess {
   pid_t pid = -1;
@@ -46,11 +90,13 @@ struct ServerProcess {
   /// Starts the server on `port` with the fixture flags plus `extra`; does not wait for it. Port 0:
   /// the server binds a free port itself (no window between choosing a port and binding it, in
   /// which a parallel test could take it); wait_healthy reads it from the serving line.
-  void start(const std::string& ckpt, int port_, const fs::path& log_, const std::vector<std::string>& extra = {}) {
+  void start(const std::string& ckpt, int port_, const fs::path& log_, const std::vector<std::string>& extra = {},
+             const std::vector<std::string>& tokenizer = {"--tokenizer-type", "NullTokenizer", "--vocab-size", "512"}) {
     port = port_;
     log = log_;
-    std::vector<std::string> argv = {bin("text_generation_server"), "--load", ckpt, "--tokenizer-type", "NullTokenizer",
-                                     "--vocab-size", "512", "--port", std::to_string(port), "--device", "cpu"};
+    std::vector<std::string> argv = {bin("text_generation_server"), "--load", ckpt, "--port", std::to_string(port),
+                                     "--device", "cpu"};
+    argv.insert(argv.end(), tokenizer.begin(), tokenizer.end());
     argv.insert(argv.end(), extra.begin(), extra.end());
     pid = ::fork();
     if (pid == 0) {
@@ -189,10 +235,22 @@ inline std::string http_request(const std::string& method, const std::string& pa
          "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
 }
 
-/// {"error": "<one line>"}: what every 4xx and 5xx of the server carries.
-inline bool is_json_error(const std::string& body) {
+/// The one-line message of an error body, in any of the server's shapes (Note [Error shapes] in
+/// tools/text_generation_server.cpp): {"error": "<line>"} (the HTTP layer), {"error": {"message":
+/// "<line>", "type", "code"}} (/v1, OpenAI's), {"message": "<line>"} (/api, Megatron's); "" if none.
+inline std::string error_message(const std::string& body) {
   nlohmann::json j = nlohmann::json::parse(body, nullptr, false);
-  return j.is_object() && j.contains("error") && j["error"].is_string() && !j["error"].get<std::string>().empty();
+  if (!j.is_object()) return "";
+  const nlohmann::json* m = nullptr;
+  if (j.contains("error") && j["error"].is_string()) m = &j["error"];
+  if (j.contains("error") && j["error"].is_object() && j["error"].contains("message") && j["error"].contains("type") &&
+      j["error"].contains("code"))
+    m = &j["error"]["message"];
+  if (j.size() == 1 && j.contains("message")) m = &j["message"];
+  return m && m->is_string() && m->get<std::string>().find('\n') == std::string::npos ? m->get<std::string>() : "";
 }
+
+/// Every 4xx and 5xx of the server carries a one-line message in one of those shapes.
+inline bool is_json_error(const std::string& body) { return !error_message(body).empty(); }
 
 }  // namespace megatron::testing

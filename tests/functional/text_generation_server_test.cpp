@@ -1,8 +1,9 @@
 // tools/text_generation_server end to end: the gpt2 fixture converted with convert_checkpoint,
 // served with a NullTokenizer (prompts are space-separated ids, so the fixture prompts are exact),
 // queried over HTTP: Megatron's PUT /api and OpenAI's /v1/completions (plain and streamed) give the
-// fixture's greedy continuations, concurrent clients all get theirs, bad requests get a 400 with a
-// JSON error, and a client that hangs up mid-stream leaves the server serving.
+// fixture's greedy continuations (beam search of width 1 too), concurrent clients all get theirs,
+// bad requests get a 400 with a JSON error, and a client that hangs up mid-stream leaves the
+// server serving; the server's pretrain_gpt flags are checked against the checkpoint.
 #include <nlohmann/json.hpp>
 
 #include "tests/functional/server_util.h"
@@ -60,6 +61,34 @@ TEST_F(TextGenerationServer, MegatronApiGivesTheFixtureGreedyContinuation) {
     ASSERT_EQ(lp.size(), n - 1 + 16);
     for (size_t t = 0; t < 16; ++t) EXPECT_NEAR(lp[n - 1 + t], ref[t], 1e-4);
   }
+}
+
+// Megatron's beam_width: width 1 is the greedy continuation; wider, the beams best first.
+TEST_F(TextGenerationServer, MegatronBeamSearch) {
+  auto one = client().Put("/api", json{{"prompts", {prompt(0)}}, {"tokens_to_generate", 8}, {"beam_width", 1}}.dump(),
+                          "application/json");
+  ASSERT_TRUE(one && one->status == 200) << (one ? one->body : "no response");
+  json out = json::parse(one->body);
+  std::vector<int64_t> greedy8(cases[0]["greedy"].begin(), cases[0]["greedy"].begin() + 8);
+  EXPECT_EQ(out["text"], json({prompt(0) + " " + ids_text(greedy8)}));
+  double sum = 0;
+  for (size_t t = 0; t < 8; ++t) sum += cases[0]["logprobs"][t].get<double>();
+  EXPECT_NEAR(out["scores"][0].get<double>(), sum / 8, 1e-4);
+  auto three = client().Put(
+      "/api", json{{"prompts", {prompt(1)}}, {"tokens_to_generate", 6}, {"beam_width", 3}, {"length_penalty", 0.5}}.dump(),
+      "application/json");
+  ASSERT_TRUE(three && three->status == 200) << (three ? three->body : "no response");
+  out = json::parse(three->body);
+  ASSERT_EQ(out["text"].size(), 3u);
+  ASSERT_EQ(out["segments"].size(), 3u);
+  EXPECT_GE(out["scores"][0].get<double>(), out["scores"][1].get<double>());
+  EXPECT_GE(out["scores"][1].get<double>(), out["scores"][2].get<double>());
+  EXPECT_NE(out["text"][0], out["text"][1]);
+  auto bad = client().Put("/api", json{{"prompts", {prompt(0)}}, {"beam_width", 2}, {"temperature", 0}}.dump(),
+                          "application/json");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400);
+  EXPECT_EQ(error_message(bad->body), "temperature does not apply to beam search (beam_width): drop it");
 }
 
 TEST_F(TextGenerationServer, CompletionsStreamedEqualsPlain) {
@@ -144,7 +173,9 @@ TEST_F(TextGenerationServer, BadRequestsGet400AndTheServerStaysUp) {
       {"/v1/completions", R"({"prompt": "", "max_tokens": 4})"},          // empty prompt
       {"/v1/completions", R"({"prompt": "1 2", "max_tokens": 64})"},      // too many tokens
       {"/v1/completions", R"({"prompt": "1 2", "temperature": -1})"},     // negative temperature
-      {"/v1/completions", R"({"prompt": "1 2", "best_of": 3})"},          // unknown field
+      {"/v1/completions", R"({"prompt": "1 2", "logit_bias": {}})"},      // unknown field
+      {"/v1/completions", R"({"prompt": "1 2", "suffix": "3"})"},         // no fill-in-the-middle
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "1"}]})"},  // no chat template
       {"/v1/completions", R"({"prompt": "1 2", "max_tokens": "many"})"},  // wrong type
       {"/v1/completions", R"({"max_tokens": 4})"},                        // no prompt
       {"/v1/completions", "not json at all"},
@@ -153,9 +184,17 @@ TEST_F(TextGenerationServer, BadRequestsGet400AndTheServerStaysUp) {
     auto r =
         path == "/api" ? client().Put(path, body, "application/json") : client().Post(path, body, "application/json");
     ASSERT_TRUE(r) << "no response to " << body;
+    if (path == "/v1/chat/completions")
+      EXPECT_NE(error_message(r->body).find("has no chat template"), std::string::npos) << r->body;
     EXPECT_EQ(r->status, 400) << body << " -> " << r->body;
     json err = json::parse(r->body, nullptr, false);
-    EXPECT_TRUE(err.is_object() && err.contains("error") && err["error"].is_string()) << r->body;
+    if (path == "/api") {  // Megatron's: {"message": ...}; OpenAI's: {"error": {"message", "type", "code"}}
+      EXPECT_TRUE(err.is_object() && err.size() == 1 && err["message"].is_string()) << r->body;
+    } else {
+      EXPECT_TRUE(err.is_object() && err["error"]["message"].is_string() &&
+                  err["error"]["type"] == "invalid_request_error" && err["error"].contains("code"))
+          << r->body;
+    }
   }
   auto h = client().Get("/health");
   ASSERT_TRUE(h && h->status == 200);
@@ -176,6 +215,40 @@ TEST_F(TextGenerationServer, ClientHangingUpMidStreamFreesItsSlot) {
     EXPECT_EQ(complete({{"prompt", prompt(i)}, {"max_tokens", 16}, {"temperature", 0}})["choices"][0]["text"],
               greedy(i));
   }
+}
+
+// Note [Server arguments]: pretrain_gpt's flags are taken; the model's must match the checkpoint's.
+TEST(TextGenerationServerArguments, TrainingFlagsAreAcceptedAndModelFlagsChecked) {
+  ScratchDir dir("text_generation_server_args");
+  const std::string ckpt = gpt2_checkpoint(dir.path);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"--num-layers", "3"}, "error: --num-layers 3 does not match the checkpoint's 2"},
+      {{"--hidden-size=32"}, "error: --hidden-size 32 does not match the checkpoint's 64"},
+      {{"--tensor-model-parallel-size", "2"},
+       "error: --tensor-model-parallel-size 2: the text generation server runs the model in one process"},
+      {{"--num-layrs", "2"}, "error: unknown flag --num-layrs (did you mean --num-layers?)"},
+      {{"--top_k", "5", "--top_p", "0.5"}, "error: set --top_k or --top_p, not both"},
+  };
+  for (const auto& [extra, message] : refused) {
+    ServerProcess s;
+    s.start(ckpt, 0, dir.path / "refused.log", extra);
+    EXPECT_EQ(s.wait_exit(60), 1) << s.output();
+    const std::string out = s.output();
+    EXPECT_NE(out.find(message), std::string::npos) << out;
+    EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << "one line: " << out;
+  }
+  // Matching model flags, flags that mean nothing for inference, and --temperature 0 as the default.
+  const json cases = json::parse(read_file(fs::absolute(fixtures_dir()) / "generation.json")).at("models").at("gpt2");
+  ServerProcess s;
+  s.start(ckpt, 0, dir.path / "server.log",
+          {"--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "4",
+           "--global-batch-size", "8", "--lr", "0.1", "--train-iters", "10", "--temperature", "0"});
+  ASSERT_TRUE(s.wait_healthy()) << s.output();
+  const std::string prompt = ids_text(cases[0].at("prompt").get<std::vector<int64_t>>());
+  auto r = s.client().Put("/api", json{{"prompts", {prompt}}, {"tokens_to_generate", 16}}.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no response");
+  EXPECT_EQ(json::parse(r->body)["text"][0], prompt + " " + ids_text(cases[0].at("greedy").get<std::vector<int64_t>>()));
+  EXPECT_EQ(s.stop(), 0) << s.output();
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "megatron/core/inference/generation.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "megatron/runtime/check.h"
 
@@ -44,6 +45,9 @@ void InferenceEngine::validate(const GenerationRequest& r) const {
            "too many tokens: a prompt of {} tokens plus {} to generate exceeds the maximum sequence length {}",
            r.prompt.size(), r.max_new_tokens, max_length_);
   check_sampling_params(r.sampling);
+  MG_CHECK(r.top_logprobs >= 0 && r.top_logprobs <= vocab_size_, "top_logprobs must be in [0, {}] (got {})",
+           vocab_size_, r.top_logprobs);
+  for (const auto& s : r.stop_sequences) MG_CHECK(!s.empty(), "a stop sequence is empty");
 }
 
 void InferenceEngine::submit(GenerationRequest request, TokenCallback on_token, DoneCallback on_done) {
@@ -143,8 +147,11 @@ void InferenceEngine::prefill(const std::vector<int64_t>& slots) {
     Sequence& seq = *slots_[size_t(slots[size_t(i)])];
     const int64_t n = int64_t(seq.request.prompt.size());
     if (seq.request.prompt_logprobs) {
-      for (int64_t j = 0; j + 1 < n; ++j)
+      for (int64_t j = 0; j + 1 < n; ++j) {
         seq.result.prompt_logprobs.push_back(token_logprob(row(j, i), vocab_size_, seq.request.prompt[size_t(j + 1)]));
+        if (seq.request.top_logprobs > 0)
+          seq.result.prompt_top_logprobs.push_back(top_logprobs(row(j, i), vocab_size_, seq.request.top_logprobs));
+      }
     }
     if (seq.request.max_new_tokens == 0) {
       finish(slots[size_t(i)], "length");
@@ -169,17 +176,38 @@ void InferenceEngine::decode() {
   for (int64_t i = 0; i < b; ++i) emit(slots[size_t(i)], logits.data() + i * v);
 }
 
+namespace {
+bool ends_with_any(const std::vector<int64_t>& ids, const std::vector<std::vector<int64_t>>& sequences) {
+  for (const std::vector<int64_t>& s : sequences)
+    if (s.size() <= ids.size() && std::equal(s.rbegin(), s.rend(), ids.rbegin())) return true;
+  return false;
+}
+}  // namespace
+
 void InferenceEngine::emit(int64_t slot, const float* logits) {
   Sequence& seq = *slots_[size_t(slot)];
   const GenerationRequest& r = seq.request;
-  const int64_t token = sample_token(logits, vocab_size_, r.sampling, uint64_t(seq.result.tokens.size()));
+  const float* sampled = logits;
+  std::vector<float> adjusted;
+  if (r.sampling.frequency_penalty != 0.0f || r.sampling.presence_penalty != 0.0f || !r.banned_after.empty()) {
+    adjusted.assign(logits, logits + vocab_size_);
+    apply_penalties(adjusted.data(), vocab_size_, seq.result.tokens, r.sampling);
+    for (const auto& [after, banned] : r.banned_after)
+      if (seq.ids.back() == after && banned >= 0 && banned < vocab_size_)
+        adjusted[size_t(banned)] = -std::numeric_limits<float>::infinity();
+    sampled = adjusted.data();
+  }
+  const int64_t token = sample_token(sampled, vocab_size_, r.sampling, uint64_t(seq.result.tokens.size()));
   const double logprob = token_logprob(logits, vocab_size_, token);
   seq.ids.push_back(token);
   seq.result.tokens.push_back(token);
   seq.result.logprobs.push_back(logprob);
-  if (seq.on_token && !seq.on_token(token, logprob)) {
+  static const TopLogprobs kNone;
+  if (r.top_logprobs > 0) seq.result.top_logprobs.push_back(top_logprobs(logits, vocab_size_, r.top_logprobs));
+  if (seq.on_token && !seq.on_token(token, logprob, r.top_logprobs > 0 ? seq.result.top_logprobs.back() : kNone)) {
     finish(slot, "cancelled");
-  } else if (std::find(r.stop_tokens.begin(), r.stop_tokens.end(), token) != r.stop_tokens.end()) {
+  } else if (std::find(r.stop_tokens.begin(), r.stop_tokens.end(), token) != r.stop_tokens.end() ||
+             ends_with_any(seq.ids, r.stop_sequences)) {
     finish(slot, "stop");
   } else if (int64_t(seq.result.tokens.size()) >= r.max_new_tokens) {
     finish(slot, "length");

@@ -4,13 +4,14 @@
 // Requests queue up; each step() first admits waiting requests into free cache slots and runs
 // their prompts through the model in one right-padded prefill forward, then runs one decode
 // forward for every active sequence, each at its own position. A sequence ends on a stop token
-// (emitted, then "stop"), after max_new_tokens ("length"), or when its token callback returns
+// or stop sequence (emitted, then "stop"), after max_new_tokens ("length"), or when its token callback returns
 // false or its cancellation flag is set ("cancelled"); its slot is free for the next step at once.
 // Waiting requests are admitted round-robin over their groups (Note [Fair admission]).
 //
 // Sampling draws for token t of a request come from Philox(seed, t), so a seeded request gives
-// the same tokens whatever it was batched with. Log-probabilities are fp64 log-softmax over the
-// unpadded vocabulary of the model's logits.
+// the same tokens whatever it was batched with. Penalties and banned tokens change the logits that
+// are sampled from; log-probabilities are always the model's: fp64 log-softmax over the unpadded
+// vocabulary of the model's logits.
 //
 // Not thread-safe: one thread owns the engine (the text generation server's engine thread).
 #pragma once
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "megatron/core/transformer/kv_cache.h"
+#include "megatron/core/inference/beam_search.h"
 #include "megatron/core/inference/sampling.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 
@@ -34,7 +36,14 @@ struct GenerationRequest {
   int64_t max_new_tokens = 16;  // prompt + max_new_tokens <= the engine's max_sequence_length
   SamplingParams sampling;
   std::vector<int64_t> stop_tokens;  // end the sequence after emitting one (e.g. the eod id)
+  // End the sequence ("stop") once prompt + generated ids end with one of these after a generated
+  // token (Megatron's stop_on_eol / stop_on_double_eol: the newline tokens).
+  std::vector<std::vector<int64_t>> stop_sequences;
+  // {a, b}: right after token a (prompt or generated), token b is never sampled (Megatron's
+  // prevent_newline_after_colon).
+  std::vector<std::pair<int64_t, int64_t>> banned_after;
   bool prompt_logprobs = false;      // also the log-probability of every prompt token after the first
+  int top_logprobs = 0;              // also the k most likely tokens at every logprob position
   uint64_t group = 0;                // requests of one group (one HTTP request) take turns with other groups'
   std::shared_ptr<const std::atomic<bool>> cancelled;  // once set, the request ends "cancelled" at the next step
 };
@@ -43,11 +52,15 @@ struct GenerationResult {
   std::vector<int64_t> tokens;          // generated ids (a final stop token included)
   std::vector<double> logprobs;         // one per generated id
   std::vector<double> prompt_logprobs;  // prompt.size() - 1 values when requested
+  // With top_logprobs = k: the k most likely (token, logprob) at each generated / prompt position.
+  std::vector<std::vector<std::pair<int64_t, double>>> top_logprobs, prompt_top_logprobs;
   std::string finish_reason;            // "stop" | "length" | "cancelled" | "error: ..."
 };
 
-/// Called (on the engine's thread) for every generated token; returning false cancels the request.
-using TokenCallback = std::function<bool(int64_t token, double logprob)>;
+/// Called (on the engine's thread) for every generated token, with its top_logprobs (empty unless
+/// asked for); returning false cancels the request.
+using TopLogprobs = std::vector<std::pair<int64_t, double>>;
+using TokenCallback = std::function<bool(int64_t token, double logprob, const TopLogprobs& top)>;
 /// Called once when a request ends, with everything it generated.
 using DoneCallback = std::function<void(const GenerationResult&)>;
 
@@ -75,6 +88,11 @@ class InferenceEngine {
 
   /// Runs the requests to completion; results in request order.
   std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests);
+  /// Beam search for one prompt (beam_search.h), run at once in a cache of its own; the queued and
+  /// active requests wait meanwhile.
+  std::vector<BeamHypothesis> beam_search(const BeamSearchRequest& request) {
+    return megatron::beam_search(model_, ctx_, vocab_size_, max_length_, request);
+  }
 
   int64_t max_sequence_length() const { return max_length_; }
   int64_t max_batch_size() const { return cache_.num_slots(); }

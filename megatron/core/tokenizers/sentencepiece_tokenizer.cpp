@@ -47,6 +47,15 @@ std::string SentencePieceTokenizer::detokenize(const std::vector<int64_t>& ids) 
   return text;
 }
 
+// Decoding a text strips the space of its first piece's "\u2581" (the dummy prefix); inside a text
+// the piece keeps it.
+std::string SentencePieceTokenizer::token_text(int64_t id) const {
+  std::string text = detokenize({id});
+  static const std::string kSpace = "\xE2\x96\x81";  // U+2581
+  if (sp_->IdToPiece(int(id)).rfind(kSpace, 0) == 0 && text.rfind(' ', 0) != 0) text.insert(0, " ");
+  return text;
+}
+
 int64_t SentencePieceTokenizer::vocab_size() const { return sp_->GetPieceSize(); }
 int64_t SentencePieceTokenizer::eod() const { return sp_->eos_id(); }
 std::optional<int64_t> SentencePieceTokenizer::bos() const { return valid(sp_->bos_id()); }

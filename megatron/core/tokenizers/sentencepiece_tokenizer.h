@@ -22,6 +22,7 @@ class SentencePieceTokenizer : public Tokenizer {
 
   std::vector<int64_t> tokenize(std::string_view text) const override;
   std::string detokenize(const std::vector<int64_t>& ids) const override;
+  std::string token_text(int64_t id) const override;  // a leading "\u2581" reads as a space
   int64_t vocab_size() const override;
   int64_t eod() const override;
   std::optional<int64_t> bos() const override;

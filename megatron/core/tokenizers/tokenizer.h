@@ -28,6 +28,10 @@ class Tokenizer {
   virtual std::vector<int64_t> tokenize(std::string_view text) const = 0;
   /// Ids -> text.
   virtual std::string detokenize(const std::vector<int64_t>& ids) const = 0;
+  /// One token's text as it reads inside a sequence (the token strings of the server's logprobs,
+  /// which join to the text): detokenize({id}), except where decoding drops what a token carries at
+  /// the start of a text (SentencePiece's "\u2581the" reads " the", not "the").
+  virtual std::string token_text(int64_t id) const { return detokenize({id}); }
   /// The tokenizer's own vocabulary size (unpadded; the model pads it).
   virtual int64_t vocab_size() const = 0;
   /// Megatron's eod id (the id --append-eod appends and --eod-mask-loss masks).

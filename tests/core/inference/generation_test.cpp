@@ -125,12 +125,147 @@ TEST(InferenceEngine, StopTokensMaxLengthAndPromptLogprobs) {
   int seen = 0;
   std::string reason;
   engine.submit(
-      r, [&](int64_t, double) { return ++seen < 2; }, [&](const GenerationResult& g) { reason = g.finish_reason; });
+      r, [&](int64_t, double, const TopLogprobs&) { return ++seen < 2; }, [&](const GenerationResult& g) { reason = g.finish_reason; });
   while (engine.step()) {
   }
   EXPECT_EQ(seen, 2);
   EXPECT_EQ(reason, "cancelled");
   EXPECT_TRUE(engine.idle());
+}
+
+// Megatron's stop_on_eol rules (stop sequences), prevent_newline_after_colon (a banned pair) and
+// OpenAI's penalties, each checked against the unconstrained run's own log-probabilities.
+TEST(InferenceEngine, StopSequencesBannedPairsPenaltiesAndTopLogprobs) {
+  Tiny t;
+  InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 2});
+  GenerationRequest r;
+  r.prompt = {3, 1, 4, 1, 5};
+  r.max_new_tokens = 10;
+  r.sampling.greedy = true;
+  r.top_logprobs = 50;  // the whole vocabulary
+  r.prompt_logprobs = true;
+  GenerationResult full = engine.generate({r})[0];
+  ASSERT_EQ(full.top_logprobs.size(), 10u);
+  ASSERT_EQ(full.prompt_top_logprobs.size(), 4u);
+  for (size_t i = 0; i < 10; ++i) {
+    ASSERT_EQ(full.top_logprobs[i].size(), 50u);
+    EXPECT_EQ(full.top_logprobs[i][0].first, full.tokens[i]) << "greedy picks the most likely";
+    EXPECT_NEAR(full.top_logprobs[i][0].second, full.logprobs[i], 1e-9);
+    for (size_t k = 1; k < 50; ++k) EXPECT_LE(full.top_logprobs[i][k].second, full.top_logprobs[i][k - 1].second);
+  }
+
+  // A stop sequence ends the run at its first occurrence that ends on a generated token.
+  GenerationRequest s = r;
+  s.top_logprobs = 0;
+  s.stop_sequences = {{full.tokens[2], full.tokens[3]}};
+  std::vector<int64_t> ids = r.prompt;
+  size_t expect = 0;
+  for (size_t i = 0; i < full.tokens.size(); ++i) {
+    ids.push_back(full.tokens[i]);
+    if (ids[ids.size() - 2] == full.tokens[2] && ids.back() == full.tokens[3]) {
+      expect = i + 1;
+      break;
+    }
+  }
+  GenerationResult stopped = engine.generate({s})[0];
+  EXPECT_EQ(stopped.finish_reason, "stop");
+  EXPECT_EQ(stopped.tokens, std::vector<int64_t>(full.tokens.begin(), full.tokens.begin() + int64_t(expect)));
+
+  // Banning token b right after token a: the step after a takes the next most likely token.
+  ASSERT_NE(full.tokens[0], r.prompt.back());
+  GenerationRequest b = r;
+  b.banned_after = {{full.tokens[0], full.tokens[1]}};
+  GenerationResult banned = engine.generate({b})[0];
+  EXPECT_EQ(banned.tokens[0], full.tokens[0]);
+  EXPECT_EQ(banned.tokens[1], full.top_logprobs[1][1].first);
+  EXPECT_NEAR(banned.logprobs[1], full.top_logprobs[1][1].second, 1e-9) << "logprobs stay the model's";
+
+  // Penalties: every greedy step maximises logprob - count * frequency - [count > 0] * presence.
+  for (auto [frequency, presence] : {std::pair{1.5f, 0.0f}, std::pair{0.0f, 2.0f}, std::pair{-0.5f, 1.0f}}) {
+    GenerationRequest p = r;
+    p.sampling.frequency_penalty = frequency;
+    p.sampling.presence_penalty = presence;
+    GenerationResult g = engine.generate({p})[0];
+    std::map<int64_t, int> count;
+    for (size_t i = 0; i < g.tokens.size(); ++i) {
+      int64_t best = -1;
+      double best_score = -1e300;
+      for (const auto& [tok, lp] : g.top_logprobs[i]) {
+        const double score = lp - count[tok] * frequency - (count[tok] > 0 ? presence : 0.0f);
+        if (score > best_score) best = tok, best_score = score;
+      }
+      EXPECT_EQ(g.tokens[i], best) << "step " << i << " frequency " << frequency << " presence " << presence;
+      ++count[g.tokens[i]];
+    }
+  }
+  GenerationRequest bad = r;
+  bad.sampling.presence_penalty = 2.5f;
+  EXPECT_THROW(engine.validate(bad), Error);
+}
+
+// Beam search (beam_search.h) against a search written here over the engine's own next-token
+// distributions (a fresh prefill per sequence, no cache copies): same beams, same scores.
+TEST(BeamSearch, MatchesANaiveSearchAndGreedyAtWidthOne) {
+  Tiny t;
+  InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 4});
+  auto next_logprobs = [&](const std::vector<int64_t>& seq) {
+    GenerationRequest r;
+    r.prompt = seq;
+    r.max_new_tokens = 1;
+    r.sampling.greedy = true;
+    r.top_logprobs = 50;
+    const GenerationResult result = engine.generate({r})[0];
+    std::vector<double> lp(50);
+    for (const auto& [tok, v] : result.top_logprobs[0]) lp[size_t(tok)] = v;
+    return lp;
+  };
+  const std::vector<int64_t> prompt = {3, 1, 4, 1, 5};
+  // Width 1 is greedy; the score is the mean logprob (length_penalty 1).
+  GenerationRequest g;
+  g.prompt = prompt;
+  g.max_new_tokens = 6;
+  g.sampling.greedy = true;
+  GenerationResult greedy = engine.generate({g})[0];
+  auto one = engine.beam_search({.prompt = prompt, .max_new_tokens = 6, .beam_size = 1});
+  ASSERT_EQ(one.size(), 1u);
+  std::vector<int64_t> expect = prompt;
+  expect.insert(expect.end(), greedy.tokens.begin(), greedy.tokens.end());
+  EXPECT_EQ(one[0].tokens, expect);
+  double sum = 0;
+  for (double x : greedy.logprobs) sum += x;
+  EXPECT_NEAR(one[0].score, sum / 6, 1e-6);
+
+  // Width 3, 4 steps, no stop token, length_penalty 2: the 3 best extensions of all beams each step.
+  const int beams = 3, steps = 4;
+  std::vector<std::pair<std::vector<int64_t>, double>> live = {{prompt, 0.0}};
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::pair<std::vector<int64_t>, double>> cand;
+    for (const auto& [seq, score] : live) {
+      const std::vector<double> lp = next_logprobs(seq);
+      for (int64_t v = 0; v < 50; ++v) {
+        cand.push_back({seq, score + lp[size_t(v)]});
+        cand.back().first.push_back(v);
+      }
+    }
+    std::stable_sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    cand.resize(beams);
+    live = cand;
+  }
+  auto got = engine.beam_search({.prompt = prompt, .max_new_tokens = steps, .beam_size = beams, .length_penalty = 2.0});
+  ASSERT_EQ(got.size(), size_t(beams));
+  for (int k = 0; k < beams; ++k) {
+    EXPECT_EQ(got[size_t(k)].tokens, live[size_t(k)].first) << "beam " << k;
+    EXPECT_NEAR(got[size_t(k)].score, live[size_t(k)].second / (steps * steps), 1e-6) << "beam " << k;
+  }
+
+  // A stop token ranked first at the first step finishes the prompt alone (length 1), and nothing
+  // can beat it: the search ends there.
+  auto stopped = engine.beam_search({.prompt = prompt, .max_new_tokens = 6, .beam_size = 1, .stop_token = greedy.tokens[0]});
+  ASSERT_EQ(stopped.size(), 1u);
+  EXPECT_EQ(stopped[0].tokens, prompt);
+  EXPECT_NEAR(stopped[0].score, greedy.logprobs[0], 1e-6);
+  EXPECT_THROW(engine.beam_search({.prompt = prompt, .max_new_tokens = 0, .beam_size = 2}), Error);
+  EXPECT_THROW(engine.beam_search({.prompt = prompt, .max_new_tokens = 40, .beam_size = 2}), Error);
 }
 
 // Note [Fair admission]: a group of six requests submitted first and a one-request group after
@@ -143,7 +278,7 @@ TEST(InferenceEngine, GroupsAreAdmittedRoundRobin) {
     GenerationRequest r = sampled({1, 2, 3}, 7);
     r.max_new_tokens = len;
     r.group = group;
-    engine.submit(r, [&, name, n = 0](int64_t, double) mutable {
+    engine.submit(r, [&, name, n = 0](int64_t, double, const TopLogprobs&) mutable {
       if (n++ == 0) first_token.push_back(name);
       return true;
     });
@@ -175,7 +310,7 @@ TEST(InferenceEngine, ACancelledFlagEndsWaitingAndActiveRequests) {
     r.max_new_tokens = 20;
     if (i < 2) r.cancelled = flag;  // the first (active) and the second (waiting)
     engine.submit(
-        r, [&, i](int64_t, double) { return ++tokens[i] > 0; }, [&, i](const GenerationResult& g) { done[i] = g; });
+        r, [&, i](int64_t, double, const TopLogprobs&) { return ++tokens[i] > 0; }, [&, i](const GenerationResult& g) { done[i] = g; });
   }
   engine.step();
   engine.step();
@@ -226,6 +361,31 @@ TEST(Sampling, TopKAndTopPRestrictTheSupport) {
   EXPECT_EQ(sample_token(logits.data(), 5, {.greedy = true}, 0), 3);
   EXPECT_EQ(sample_token(logits.data(), 5, {.top_k = 1}, 0), 3);
   EXPECT_EQ(sample_token(logits.data(), 5, {.seed = 4}, 17), sample_token(logits.data(), 5, {.seed = 4}, 17));
+}
+
+TEST(Sampling, TopPDecaysToItsBoundAndPenaltiesShiftLogits) {
+  const SamplingParams p{.top_p = 0.9f, .top_p_decay = 0.5f, .top_p_bound = 0.3f};
+  EXPECT_FLOAT_EQ(top_p_at(p, 0), 0.9f);
+  EXPECT_FLOAT_EQ(top_p_at(p, 1), 0.45f);
+  EXPECT_FLOAT_EQ(top_p_at(p, 2), 0.3f);
+  EXPECT_FLOAT_EQ(top_p_at(SamplingParams{.top_p = 0.9f, .top_p_decay = 0.5f}, 3), 0.9f * 0.125f);
+  // Decayed to 0.3 at step 2: only the most likely token (p = 0.49) is left.
+  const std::vector<float> logits = {0.5f, 2.0f, 0.1f, 2.5f, 1.0f};
+  for (uint64_t seed = 0; seed < 50; ++seed) {
+    SamplingParams q = p;
+    q.seed = seed;
+    EXPECT_EQ(sample_token(logits.data(), 5, q, 2), 3);
+  }
+  std::vector<float> l = {1.0f, 1.0f, 1.0f};
+  apply_penalties(l.data(), 3, {0, 0, 2}, {.frequency_penalty = 0.5f, .presence_penalty = 0.25f});
+  EXPECT_FLOAT_EQ(l[0], 1.0f - 2 * 0.5f - 0.25f);
+  EXPECT_FLOAT_EQ(l[1], 1.0f);
+  EXPECT_FLOAT_EQ(l[2], 1.0f - 0.5f - 0.25f);
+  auto top = top_logprobs(logits.data(), 5, 2);
+  ASSERT_EQ(top.size(), 2u);
+  EXPECT_EQ(top[0].first, 3);
+  EXPECT_EQ(top[1].first, 1);
+  EXPECT_NEAR(top[1].second, token_logprob(logits.data(), 5, 1), 1e-12);
 }
 
 TEST(Sampling, LogprobIsLogSoftmax) {

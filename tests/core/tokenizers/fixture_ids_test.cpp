@@ -83,6 +83,17 @@ TEST(FixtureIds, HuggingFaceGpt2Folder) {
   check_all(tok, &Doc::gpt2, true, "HuggingFaceTokenizer tok-gpt2");
 }
 
+// The server's logprob token strings: a piece with "\u2581" reads with its space, so a text's
+// token strings join to the text with the dummy-prefix space in front.
+TEST(FixtureIds, SentencePieceTokenTextKeepsTheLeadingSpace) {
+  SentencePieceTokenizer tok(fx("tok-spm.model"));
+  const std::string text = "the cat sat on the mat";
+  std::string joined;
+  for (int64_t id : tok.tokenize(text)) joined += tok.token_text(id);
+  EXPECT_EQ(joined, " " + text);
+  EXPECT_EQ(tok.detokenize(tok.tokenize(text)), text);
+}
+
 TEST(FixtureIds, SentencePiece) {
   SentencePieceTokenizer tok(fx("tok-spm.model"));
   check_all(tok, &Doc::spm, false, "SentencePieceTokenizer tok-spm.model");
