@@ -83,7 +83,9 @@ DataIterators train_valid_test_data_iterators(const Arguments& a, const Tokenize
   }
   // The tokenizer outlives the iterators (pretrain owns it); a non-owning shared_ptr hands it over.
   std::shared_ptr<const Tokenizer> tok(tokenizer, [](const Tokenizer*) {});
+  print_rank_last("> building train, validation, and test datasets for GPT ...");
   SplitDatasets ds = build_train_valid_test_datasets(data_args(a), tok);
+  print_rank_last("> finished creating GPT datasets ...");
   DataIterators it;
   it.train = make_iterator(ds[0], a, consumed_train, "training");
   // --eval-iters 0 turns evaluation off (Megatron's do_valid/do_test need eval_iters > 0): no loaders
@@ -98,6 +100,7 @@ DataIterators train_valid_test_data_iterators(const Arguments& a, const Tokenize
 // Megatron's model_provider: the GPT decoder's layer specs from the config, this rank's chunk.
 std::unique_ptr<ModelChunk> model_provider(const TransformerConfig& config, Device device, const ParallelState& ps,
                                            int vp_stage) {
+  print_rank_last("building GPT model ...");
   TransformerConfig c = config;
   c.finalize();
   return std::make_unique<GPTModel>(c, device, &ps, vp_stage, get_gpt_decoder_block_spec(c));
@@ -105,7 +108,8 @@ std::unique_ptr<ModelChunk> model_provider(const TransformerConfig& config, Devi
 
 // Megatron's forward_step: one micro-batch through this rank's model chunk (the first stage reads
 // the tokens, the last the labels); its loss function is the masked mean of the per-token losses
-// (Megatron's loss_func with the loss mask).
+// (Megatron's loss_func with the loss mask), or their sum with --calculate-per-token-loss (Note
+// [Per-token loss] in core/pipeline_parallel/schedules.h).
 ForwardOutput forward_step(Context& ctx, const MicroBatch& b, const GPTModel& model, const Tensor& input,
                            GPTModel::Stash& stash) {
   const Device d = ctx.device();
@@ -118,7 +122,8 @@ ForwardOutput forward_step(Context& ctx, const MicroBatch& b, const GPTModel& mo
                                      inputs ? on_device(b.position_ids) : Tensor(), last ? on_device(b.labels) : Tensor(),
                                      input, stash, b.cu_seqlens, model.has_mtp() ? on_device(b.loss_mask) : Tensor());
   if (!last) return ForwardOutput{output, Tensor(), {}};
-  return ForwardOutput{output, Tensor(), masked_token_loss(on_device(b.loss_mask), model.cp_group())};
+  return ForwardOutput{output, Tensor(),
+                       masked_token_loss(on_device(b.loss_mask), model.cp_group(), model.config().calculate_per_token_loss)};
 }
 
 }  // namespace

@@ -88,6 +88,9 @@ struct Parameter {
   /// The word embeddings of the first stage when the output layer shares them on another stage:
   /// gradients all-reduced over the embedding group.
   bool in_embedding_group = false;
+  /// Megatron's is_embedding_or_output_parameter: the word embeddings (every stage's copy) and the
+  /// output layer's weight, which --decoupled-lr gives their own learning rate.
+  bool is_embedding_or_output_parameter = false;
   /// The group DistributedDataParallel reduces the gradient over (one buffer per group).
   GradReduceGroup reduce_group = GradReduceGroup::DataContext;
   /// Set by the data-parallel wrapper; modules call notify_grad_accumulated after accumulating.

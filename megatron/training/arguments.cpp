@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 #include <type_traits>
@@ -25,6 +26,7 @@
 #include "megatron/core/datasets/blended_megatron_dataset_builder.h"
 #include "megatron/core/fp8_utils.h"
 #include "megatron/runtime/check.h"
+#include "megatron/runtime/logging.h"
 
 namespace megatron {
 
@@ -81,6 +83,42 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
+// Python's str() of an argument's value, as Megatron's _print_args shows it: True/False, None for
+// an empty string or list, lists as ['a', 'b'] and [1, 2], floats always with a '.' or an exponent.
+std::string python_str(bool v) { return v ? "True" : "False"; }
+std::string python_str(const std::string& v) { return v.empty() ? "None" : v; }
+template <typename T>
+std::string python_str(const T& v) {
+  if constexpr (std::is_floating_point_v<T>) {
+    std::string s = fmt::format("{}", v);
+    if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // n: inf, nan
+    return s;
+  } else {
+    return fmt::format("{}", v);
+  }
+}
+template <typename T>
+std::string python_str(const std::vector<T>& v) {
+  if (v.empty()) return "None";
+  std::vector<std::string> items;
+  for (const T& x : v) {
+    if constexpr (std::is_same_v<T, std::string>) {
+      items.push_back("'" + x + "'");
+    } else {
+      items.push_back(python_str(x));
+    }
+  }
+  return fmt::format("[{}]", fmt::join(items, ", "));
+}
+
+// Megatron's argparse dest of a flag: its first spelling without the dashes, '-' as '_'.
+std::string dest_name(const std::string& names) {
+  std::string n = split(names, ',').front();
+  n = n.substr(n.find_first_not_of('-'));
+  std::replace(n.begin(), n.end(), '-', '_');
+  return n;
+}
+
 struct Parser {
   CLI::App app;
   Arguments& a;
@@ -89,6 +127,9 @@ struct Parser {
   std::vector<std::pair<std::string, std::string*>> no_effect_options;
   std::vector<std::unique_ptr<bool>> flag_storage;
   std::vector<std::unique_ptr<std::string>> option_storage;
+  // Each implemented flag's dest and its value now, for the arguments block (format_arguments).
+  std::vector<std::pair<std::string, std::function<std::string()>>> values;
+  bool record_values = true;
 
   Parser(Arguments& args, const std::string& description) : app(description), a(args) {
     app.set_help_flag("-h,--help", "Print this help and exit");
@@ -104,6 +145,7 @@ struct Parser {
   template <typename T>
   CLI::Option* opt(const char* group, const char* name, T& field, const char* help) {
     add_names(name);
+    if (record_values) values.emplace_back(dest_name(name), [&field] { return python_str(field); });
     // A repeated flag takes its last value, as argparse does (launch scripts append overrides).
     CLI::Option* o = app.add_option(name, field, help)->group(group)->capture_default_str();
     if constexpr (!std::is_same_v<T, std::vector<std::string>> && !std::is_same_v<T, std::vector<int64_t>>) {
@@ -113,6 +155,7 @@ struct Parser {
   }
   CLI::Option* flag(const char* group, const char* name, bool& field, const char* help) {
     add_names(name);
+    if (record_values) values.emplace_back(dest_name(name), [&field] { return python_str(field); });
     return app.add_flag(name, field, help)->group(group);
   }
   // A model_arguments.inc row: a switch for bool, else an option; `choices` "A|B" restricts it.
@@ -126,6 +169,7 @@ struct Parser {
     }
   }
   void no_effect() {
+    record_values = false;  // not ours: not in the arguments block
     for (const char* name : kNoEffectFlags) {
       flag_storage.push_back(std::make_unique<bool>(false));
       flag("Accepted for compatibility (no effect)", name, *flag_storage.back(), "");
@@ -182,6 +226,9 @@ struct Parser {
     opt(g, "--train-samples", a.train_samples, "Samples to train (instead of --train-iters)");
     opt(g, "--lr", a.lr, "Peak learning rate");
     opt(g, "--min-lr", a.min_lr, "Minimum learning rate");
+    opt(g, "--decoupled-lr", a.decoupled_lr, "Learning rate of the input embedding and output layer (default --lr)");
+    opt(g, "--decoupled-min-lr", a.decoupled_min_lr,
+        "Minimum learning rate of the input embedding and output layer with --decoupled-lr (default --min-lr)");
     opt(g, "--lr-decay-style", a.lr_decay_style, "constant, linear, cosine, inverse-square-root or WSD")
         ->check(CLI::IsMember({"constant", "linear", "cosine", "inverse-square-root", "WSD"}));
     opt(g, "--lr-decay-iters", a.lr_decay_iters, "Iterations to decay over (default --train-iters)");
@@ -210,6 +257,8 @@ struct Parser {
     flag(g, "--override-opt-param-scheduler", a.override_opt_param_scheduler, "Take scheduler values from the flags");
     flag(g, "--use-checkpoint-opt-param-scheduler", a.use_checkpoint_opt_param_scheduler,
          "Take them from the checkpoint");
+    flag(g, "--calculate-per-token-loss", a.calculate_per_token_loss,
+         "Divide the summed loss by the global batch's unmasked tokens (not each microbatch's mean over microbatches)");
 
     g = "Data";
     opt(g, "--data-path", a.data_path, "[weight] prefix ... : the training data blend")->expected(1, 1 << 20);
@@ -275,6 +324,8 @@ struct Parser {
     opt(g, "--profile-step-start", a.profile_step_start, "First profiled iteration (0-based, as Megatron)");
     opt(g, "--profile-step-end", a.profile_step_end, "Iteration at which profiling stops");
     opt(g, "--profile-ranks", a.profile_ranks, "Global ranks to profile")->expected(1, 1 << 20);
+    opt(g, "--logging-level", a.logging_level,
+        "Python logging level: 10 debug, 20 info, 30 warning, 40 error, 50 critical (default: MEGATRON_LOGGING_LEVEL, else info)");
 
     g = "Precision";
     flag(g, "--bf16", a.bf16, "bf16 parameters and activations, fp32 master weights and grads");
@@ -285,6 +336,8 @@ struct Parser {
     opt(g, "--loss-scale-window", a.loss_scale_window, "Iterations without overflow before growing the scale");
     opt(g, "--hysteresis", a.hysteresis, "Overflows tolerated before backing off");
     flag(g, "--accumulate-allreduce-grads-in-fp32", a.accumulate_allreduce_grads_in_fp32, "fp32 grads (always on)");
+    flag(g, "--grad-reduce-in-bf16", a.grad_reduce_in_bf16,
+         "Reduce gradients over data-parallel ranks in bf16 (the optimizer still updates fp32 masters)");
     opt(g, "--fp8-format", a.fp8_format, "FP8 GEMMs: e4m3, or hybrid (e4m3 forward, e5m2 gradients)")
         ->check(CLI::IsMember({"e4m3", "hybrid"}));
     opt(g, "--fp8-recipe", a.fp8_recipe, "delayed, tensorwise or blockwise (mxfp8: Blackwell only)");
@@ -491,6 +544,12 @@ void check_given_values(const CLI::App& app, const Arguments& a) {
   non_negative("--exit-interval", a.exit_interval);
   non_negative_real("--lr", a.lr);
   non_negative_real("--min-lr", a.min_lr);
+  non_negative_real("--decoupled-lr", a.decoupled_lr);
+  non_negative_real("--decoupled-min-lr", a.decoupled_min_lr);
+  MG_CHECK(!given("--logging-level") || a.logging_level >= 0,
+           "--logging-level must be a Python logging level >= 0 (10 debug, 20 info, 30 warning, 40 error, 50 "
+           "critical), got {}",
+           a.logging_level);
   non_negative_real("--lr-warmup-init", a.lr_warmup_init);
   non_negative_real("--weight-decay", a.weight_decay);
   non_negative_real("--clip-grad", a.clip_grad);
@@ -499,6 +558,39 @@ void check_given_values(const CLI::App& app, const Arguments& a) {
 }
 
 }  // namespace
+
+std::string format_arguments(const Arguments& args) {
+  Arguments a = args;
+  Parser p(a, "");
+  p.define();
+  std::vector<std::pair<std::string, std::string>> rows;
+  // Megatron's None defaults that are a negative value here.
+  static const std::set<std::string> negative_is_none = {"lr",           "decoupled_lr",       "decoupled_min_lr",
+                                                         "lr_warmup_fraction", "start_weight_decay", "end_weight_decay",
+                                                         "logging_level"};
+  for (const auto& [name, value] : p.values) {
+    std::string v = value();
+    if (negative_is_none.count(name) && v.starts_with('-')) v = "None";
+    rows.emplace_back(name, v);
+  }
+  // Derived values Megatron's Namespace holds too.
+  rows.emplace_back("world_size", python_str(a.world_size));
+  rows.emplace_back("data_parallel_size", python_str(a.data_parallel_size));
+  rows.emplace_back("virtual_pipeline_model_parallel_size", python_str(a.virtual_pipeline_model_parallel_size));
+  std::vector<std::string> lines;
+  for (const auto& [name, value] : rows) {
+    const size_t dots = name.size() < 48 ? 48 - name.size() : 0;
+    lines.push_back(fmt::format("  {} {} {}", name, std::string(dots, '.'), value));
+  }
+  auto lower = [](std::string s) {
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    return s;
+  };
+  std::stable_sort(lines.begin(), lines.end(), [&](const std::string& x, const std::string& y) { return lower(x) < lower(y); });
+  std::string out = "------------------------ arguments ------------------------\n";
+  for (const std::string& l : lines) out += l + "\n";
+  return out + "-------------------- end of arguments ---------------------";
+}
 
 std::vector<std::string> known_flags() {
   Arguments a;
@@ -535,11 +627,13 @@ std::optional<Arguments> parse_args(int argc, const char* const* argv, const std
     MG_CHECK(false, "bad command line: {} (see --help)", e.what());
   }
   check_given_values(p.app, a);
+  // --logging-level, else MEGATRON_LOGGING_LEVEL, else INFO (Megatron's setup_logging), before any warning.
+  logging::set_level(logging::level_from_flag_and_env(a.logging_level));
   for (const auto& [name, set] : p.no_effect_flags) {
-    if (*set) std::fprintf(stderr, "warning: %s has no effect in megatron.cpp\n", name.c_str());
+    if (*set) logging::warn(fmt::format("{} has no effect in megatron.cpp", name));
   }
   for (const auto& [name, value] : p.no_effect_options) {
-    if (!value->empty()) std::fprintf(stderr, "warning: %s has no effect in megatron.cpp\n", name.c_str());
+    if (!value->empty()) logging::warn(fmt::format("{} has no effect in megatron.cpp", name));
   }
   return a;
 }
@@ -629,6 +723,7 @@ TransformerConfig transformer_config_from_args(const Arguments& a, int64_t vocab
   c.vocab_size = int(vocab_size);
   c.bf16 = a.bf16;
   c.fp16 = a.fp16;
+  c.calculate_per_token_loss = a.calculate_per_token_loss;
   c.recompute_granularity = a.recompute_granularity;
   c.recompute_method = a.recompute_method;
   c.recompute_num_layers = a.recompute_num_layers;

@@ -61,6 +61,8 @@ struct Arguments {
   int64_t train_samples = 0;
   double lr = -1.0;  // unset: required unless --skip-train
   double min_lr = 0.0;
+  double decoupled_lr = -1.0;      // Megatron's None: the embedding and output layer follow --lr
+  double decoupled_min_lr = -1.0;  // None: --min-lr
   std::string lr_decay_style = "linear";
   int64_t lr_decay_iters = 0;
   int64_t lr_decay_samples = 0;
@@ -82,6 +84,7 @@ struct Arguments {
   std::string optimizer = "adam";
   bool override_opt_param_scheduler = false;
   bool use_checkpoint_opt_param_scheduler = false;
+  bool calculate_per_token_loss = false;
 
   // ---- data
   std::vector<std::string> data_path;
@@ -133,6 +136,7 @@ struct Arguments {
   int64_t profile_step_start = 10;
   int64_t profile_step_end = 12;
   std::vector<int64_t> profile_ranks = {0};
+  int logging_level = -1;  // Python logging level (10 DEBUG .. 50 CRITICAL); -1: Megatron's None
 
   // ---- precision
   bool bf16 = false;
@@ -143,6 +147,7 @@ struct Arguments {
   int64_t loss_scale_window = 1000;
   int64_t hysteresis = 2;
   bool accumulate_allreduce_grads_in_fp32 = false;
+  bool grad_reduce_in_bf16 = false;
   // FP8 (Megatron's names and defaults; megatron/core/fp8_utils.h)
   std::string fp8_format;  // e4m3 | hybrid; empty: off
   std::string fp8_recipe = "delayed";
@@ -198,6 +203,11 @@ TransformerConfig transformer_config_from_args(const Arguments& args, int64_t vo
 /// arguments). Only the model_arguments.inc fields are set.
 Arguments model_arguments_from_config(const TransformerConfig& config);
 TokenizerArgs tokenizer_args_from_args(const Arguments& args);
+
+/// Megatron's arguments block (_print_args): "------------------------ arguments ---...", then one
+/// "  name ...... value" line per argument (dots to column 48, values as Python prints them,
+/// sorted case-insensitively), then "-------------------- end of arguments ---...". No newline at the end.
+std::string format_arguments(const Arguments& args);
 
 /// Every flag name (for the nearest-flag suggestion and documentation), e.g. "--num-layers".
 std::vector<std::string> known_flags();

@@ -19,6 +19,7 @@
 #include "megatron/core/datasets/blended_megatron_dataset_builder.h"
 #include "megatron/core/fp8_utils.h"
 #include "megatron/runtime/check.h"
+#include "megatron/runtime/logging.h"
 #include "megatron/training/arguments.h"
 
 namespace megatron {
@@ -241,6 +242,14 @@ void validate_args(Arguments& a) {
 
   // ---- precision and recomputation
   MG_CHECK(!(a.bf16 && a.fp16), "--bf16 and --fp16 cannot both be given");
+  // Megatron reduces in the parameters' dtype when not in fp32 (grad_reduce_in_fp32 = not
+  // grad_reduce_in_bf16): only a bf16 model reduces in bf16.
+  MG_CHECK(!a.grad_reduce_in_bf16 || a.bf16,
+           "--grad-reduce-in-bf16 needs --bf16 (the gradients are reduced in the parameters' dtype, which is {} here)",
+           a.fp16 ? "fp16" : "fp32");
+  if (a.decoupled_min_lr >= 0 && a.decoupled_lr < 0) {
+    logging::warn("--decoupled-min-lr has no effect without --decoupled-lr (as in Megatron)");
+  }
   if (a.recompute_activations) a.recompute_granularity = "selective";
   if (a.recompute_granularity == "full") {
     MG_CHECK(!a.recompute_method.empty(), "--recompute-granularity full needs --recompute-method uniform or block");

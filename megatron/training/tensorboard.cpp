@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "megatron/runtime/check.h"
+#include "megatron/runtime/logging.h"
 #include "megatron/training/tensorboard_event.pb.h"
 
 namespace megatron {
@@ -92,7 +93,7 @@ TensorBoardWriter::~TensorBoardWriter() {
   try {
     flush();
   } catch (const Error& e) {
-    fmt::print(stderr, "warning: {}\n", e.what());
+    logging::warn(e.what());
   }
   std::fclose(file_);
 }

@@ -1,6 +1,7 @@
 #include "megatron/training/training.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <map>
 
 #include "megatron/core/comm/communicator.h"
+#include "megatron/core/datasets/blended_megatron_dataset_builder.h"
 #include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/full_cuda_graph.h"
 #include "megatron/core/optimizer/optimizer.h"
@@ -17,6 +19,7 @@
 #include "megatron/core/transformer/aux_loss_tracker.h"
 #include "megatron/kernels/ops.h"
 #include "megatron/runtime/profiler.h"
+#include "megatron/runtime/logging.h"
 #include "megatron/training/checkpointing.h"
 #include "megatron/training/num_microbatches.h"
 #include "megatron/training/signal_handler.h"
@@ -36,11 +39,20 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 // everything, the others stay quiet unless they have an error to report.
 bool g_printing_rank = true;
 
-void print_line(const std::string& s) {
-  if (!g_printing_rank) return;
-  std::fputs(s.c_str(), stdout);
-  std::fputc('\n', stdout);
-  std::fflush(stdout);
+void print_line(const std::string& s) { print_rank_last(s); }
+
+// Megatron's get_train_valid_test_num_samples, printed by build_train_valid_test_datasets.
+std::string dataset_target_sizes(const Arguments& a) {
+  GPTDataArgs d;
+  if (a.train_samples > 0) d.train_samples = a.train_samples;
+  d.train_iters = a.train_iters;
+  d.eval_interval = a.eval_interval;
+  d.eval_iters = a.eval_iters;
+  d.global_batch_size = a.global_batch_size;
+  const SplitSizes n = train_valid_test_num_samples(d);
+  auto str = [](const std::optional<int64_t>& v) { return v ? std::to_string(*v) : std::string("None"); };
+  return fmt::format(" > datasets target sizes (minimum size):\n    train:      {}\n    validation: {}\n    test:       {}",
+                     str(n[0]), str(n[1]), str(n[2]));
 }
 
 OptimizerConfig optimizer_config_from_args(const Arguments& a) {
@@ -105,6 +117,17 @@ OptimizerParamSchedulerConfig scheduler_config_from_args(const Arguments& a) {
   c.override_opt_param_scheduler = a.override_opt_param_scheduler;
   c.use_checkpoint_opt_param_scheduler = !a.override_opt_param_scheduler;
   return c;
+}
+
+// The scheduler's values for the next step into the optimizer: lr and weight decay, and with
+// --decoupled-lr the embedding and output layer's rate on the same schedule between
+// --decoupled-lr and --decoupled-min-lr (default --min-lr), as Megatron's param group overrides.
+void apply_scheduled_values(const Arguments& a, const OptimizerParamScheduler& scheduler, AdamOptimizer& optimizer) {
+  const ScheduledValues v = scheduler.values();
+  optimizer.set_lr(v.lr);
+  optimizer.set_weight_decay(v.wd);
+  if (a.decoupled_lr >= 0)
+    optimizer.set_decoupled_lr(scheduler.get_lr(a.decoupled_lr, a.decoupled_min_lr >= 0 ? a.decoupled_min_lr : a.min_lr));
 }
 
 std::string memory_report(Device device, int64_t iteration) {
@@ -191,6 +214,7 @@ struct Trainer {
     a.seq_length = args.seq_length;
     a.loss_scale = scale;
     a.forward_only = forward_only;
+    a.calculate_per_token_loss = args.calculate_per_token_loss;
     return a;
   }
   /// Whether `flag` is set on any rank (Megatron all-reduces its exit conditions).
@@ -201,11 +225,7 @@ struct Trainer {
     return t.to(Device::cpu()).data<int32_t>()[0] != 0;
   }
 
-  void apply_schedule() {
-    ScheduledValues v = scheduler.values();
-    optimizer.set_lr(v.lr);
-    optimizer.set_weight_decay(v.wd);
-  }
+  void apply_schedule() { apply_scheduled_values(args, scheduler, optimizer); }
 
   // One iteration: all microbatches of the global batch, then the optimizer.
   OptimizerStepResult train_step(double& lm_loss) {
@@ -215,16 +235,19 @@ struct Trainer {
     // Megatron's MoEAuxLossAutoScaler scale: the loss scale over the microbatches, times the CP size
     // (each CP rank's aux loss is its part of the sequence's; the gradient mean over data × context
     // would otherwise shrink it, as for the main loss: Note [Loss under context parallelism]).
+    // With a per-token loss (Note [Per-token loss]) the scale is the loss scale alone, as Megatron's.
     if (aux_losses) {
-      aux_losses->set_backward_scale(
-          float(loss_scale() * double(ps.cp_size()) / double(microbatches.num_microbatches())));
+      aux_losses->set_backward_scale(args.calculate_per_token_loss
+                                         ? loss_scale()
+                                         : float(loss_scale() * double(ps.cp_size()) /
+                                                 double(microbatches.num_microbatches())));
     }
     timers.start("forward-backward", 1);
     LossSums sums = cuda_graph ? cuda_graph->forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step,
                                                               data.train, fb_args(loss_scale(), false), &ddp)
                                : forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step, data.train,
                                                   fb_args(loss_scale(), false), &ddp);
-    finalize_model_grads(ctx, ddp);
+    finalize_model_grads(ctx, ddp, args.calculate_per_token_loss ? std::optional<double>(sums.num_tokens) : std::nullopt);
     for (auto& c : chunks) c->finish_router_step(ctx);
     for (auto& c : chunks) c->finish_fp8_step(ctx);
     timers.stop("forward-backward");
@@ -526,6 +549,13 @@ struct Trainer {
 
 }  // namespace
 
+void print_rank_last(const std::string& line) {
+  if (!g_printing_rank) return;
+  std::fputs(line.c_str(), stdout);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+}
+
 Device select_device(const std::string& requested, int local_rank) {
   const bool gpu = ops::has_cuda_kernels() && cuda_device_count() > 0;
   if (requested == "cpu") return Device::cpu();
@@ -572,8 +602,27 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   layout.sequence_parallel = args.sequence_parallel;
   ParallelState ps(init_world(launch, device, std::chrono::minutes(args.distributed_timeout_minutes)), layout);
   g_printing_rank = ps.rank() == ps.world_size() - 1;
+  logging::set_single_rank(g_printing_rank);
   args.data_parallel_rank = ps.dp_rank();
   args.context_parallel_rank = ps.cp_rank();
+  // Megatron's validate_args output: the layout, then every argument.
+  print_line(fmt::format(
+      "using world size: {}, data-parallel size: {}, context-parallel size: {}, hierarchical context-parallel sizes: "
+      "{}, tensor-model-parallel size: {}, pipeline-model-parallel size: {}",
+      args.world_size, args.data_parallel_size, args.context_parallel_size,
+      args.hierarchical_context_parallel_sizes.empty() ? std::string("None")
+                                                        : fmt::format("[{}]", fmt::join(args.hierarchical_context_parallel_sizes, ", ")),
+      args.tensor_model_parallel_size, args.pipeline_model_parallel_size));
+  print_line(format_arguments(args));
+  if (args.rampup_batch_size.empty()) {
+    logging::log_single_rank(logging::kInfo, "megatron.core.num_microbatches_calculator",
+                             fmt::format("setting number of microbatches to constant {}",
+                                         args.global_batch_size / (args.micro_batch_size * args.data_parallel_size)));
+  }
+  if (const char* env = std::getenv("MEGATRON_LOGGING_LEVEL"); args.logging_level >= 0 || (env && *env)) {
+    logging::log_single_rank(logging::kInfo, "megatron.training.initialize",
+                             fmt::format("Setting logging level to {}", logging::level()));
+  }
   Context ctx(device, uint64_t(args.seed));
   ctx.set_deterministic(args.deterministic_mode);
 
@@ -586,13 +635,19 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
   TransformerConfig config = transformer_config_from_args(args, tokenizer->vocab_size());
   print_line(fmt::format(" > padded vocab (size: {}) with {} dummy tokens (new size: {})", tokenizer->vocab_size(),
                          config.padded_vocab_size - tokenizer->vocab_size(), config.padded_vocab_size));
+  print_line(fmt::format("> initialized tensor model parallel with size {}", ps.tp_size()));
+  print_line(fmt::format("> initialized pipeline model parallel with size {}", ps.pp_size()));
+  print_line(fmt::format("> setting random seeds to {} ...", args.seed));
   // Megatron prints this once the distributed setup and the tokenizer are done, before the model.
   print_line(fmt::format("time to initialize megatron (seconds): {:.3f}", seconds_since(program_start)));
+  print_line(datetime_line("after megatron is initialized"));
   const Clock::time_point setup_start = Clock::now();
   DDPConfig ddp_config;
   ddp_config.overlap_grad_reduce = args.overlap_grad_reduce;
   ddp_config.use_distributed_optimizer = args.use_distributed_optimizer;
   ddp_config.overlap_param_gather = args.overlap_param_gather;
+  ddp_config.grad_reduce_in_fp32 = !args.grad_reduce_in_bf16;
+  ddp_config.calculate_per_token_loss = args.calculate_per_token_loss;
   if (args.ddp_bucket_size > 0) ddp_config.bucket_size = args.ddp_bucket_size;
   MG_CHECK(callbacks.model_provider, "pretrain needs a model provider");
   std::vector<std::unique_ptr<ModelChunk>> chunks;
@@ -639,11 +694,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
       print_line(fmt::format("WARNING: could not find a checkpoint in {}: training from scratch", args.load));
     }
   }
-  {
-    ScheduledValues v = scheduler.values();
-    optimizer.set_lr(v.lr);
-    optimizer.set_weight_decay(v.wd);
-  }
+  apply_scheduled_values(args, scheduler, optimizer);
 
   const double model_setup_ms = seconds_since(setup_start) * 1000.0;
   print_line(datetime_line("after model, optimizer, and learning rate scheduler are built"));
@@ -653,6 +704,8 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
                                          args.rampup_batch_size);
   microbatches.update(progress.consumed_train_samples);
   // Rank 0 builds (or finds) the dataset index caches first; the others then read them (Megatron).
+  print_line("> building train, validation, and test datasets ...");
+  print_line(dataset_target_sizes(args));
   DataIterators data;
   if (ps.rank() == 0) {
     data = callbacks.data_iterators(args, tokenizer.get(), progress.consumed_train_samples,
@@ -685,6 +738,7 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
     print_line("(min, max) time across ranks (ms):\n" + row("model-and-optimizer-setup", -v[2], v[0]) + "\n" +
                row("train/valid/test-data-iterators-setup", -v[3], v[1]));
   }
+  if (!args.skip_train) print_line("training ...");
   print_line(datetime_line("before the start of training step"));
 
   const int64_t train_iters = args.train_iters > 0 ? args.train_iters : args.train_samples / args.global_batch_size;

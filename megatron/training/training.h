@@ -38,6 +38,10 @@ struct PretrainCallbacks {
 /// the user's mistakes (the binary prints them as one line).
 int pretrain(Arguments args, const PretrainCallbacks& callbacks, std::chrono::steady_clock::time_point program_start);
 
+/// Prints one line on the rank that prints (Megatron's print_rank_0; here the last rank, which also
+/// prints the iteration lines). Before pretrain() has set up the ranks, every process prints.
+void print_rank_last(const std::string& line);
+
 /// Selects the device --device asks for ("auto": the GPU when this build and machine have one);
 /// with several processes per node, GPU local_rank (modulo the visible GPUs).
 Device select_device(const std::string& requested, int local_rank = 0);

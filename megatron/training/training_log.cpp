@@ -20,12 +20,9 @@ std::string timestamp_now() {
 }
 
 std::string datetime_line(const std::string& what) {
-  std::time_t t = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
-  std::tm tm{};
-  localtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S", &tm);
-  return fmt::format("[{}] datetime: {} ", what, buf);
+  // Megatron's print_datetime: strftime('%Y-%m-%d %H:%M:%S.%f'), the timestamp without its brackets.
+  const std::string stamp = timestamp_now();
+  return fmt::format("[{}] datetime: {} ", what, stamp.substr(1, stamp.size() - 2));
 }
 
 std::string format_iteration_line(const IterationLogFields& f) {

@@ -3,6 +3,8 @@
 #include "megatron/training/arguments.h"
 
 #include <gtest/gtest.h>
+
+#include <cstring>
 #include <unistd.h>
 
 #include <algorithm>
@@ -93,15 +95,16 @@ TEST(Arguments, UnknownFlagNamesTheNearest) {
 // the nearest flag, and a word close to no flag gets no suggestion.
 TEST(Arguments, UnknownFlagsAreReportedAllAtOnce) {
   auto f = base();
-  for (const char* x : {"--num-layer", "3", "--decoupled-min-lr", "1e-5", "--hiden-size=8", "--frobnicate-widgets", "2",
-                        "--decoupled-lr", "1e-4"})
+  for (const char* x : {"--num-layer", "3", "--apply-wd-to-qk-layernorm", "--hiden-size=8", "--frobnicate-widgets", "2",
+                        "--attention-output-gate"})
     f.push_back(x);
   const std::string e = error_of([&] { parse(f); });
   EXPECT_NE(e.find("5 unknown flags"), std::string::npos) << e;
   EXPECT_NE(e.find("--num-layer (did you mean --num-layers?)"), std::string::npos) << e;
   EXPECT_NE(e.find("--hiden-size (did you mean --hidden-size?)"), std::string::npos) << e;
-  EXPECT_NE(e.find("--decoupled-min-lr (a Megatron flag that megatron.cpp does not support)"), std::string::npos) << e;
-  EXPECT_NE(e.find("--decoupled-lr (a Megatron flag that megatron.cpp does not support)"), std::string::npos)
+  EXPECT_NE(e.find("--apply-wd-to-qk-layernorm (a Megatron flag that megatron.cpp does not support)"), std::string::npos)
+      << e;
+  EXPECT_NE(e.find("--attention-output-gate (a Megatron flag that megatron.cpp does not support)"), std::string::npos)
       << e;
   EXPECT_NE(e.find("--frobnicate-widgets (no similar flag)"), std::string::npos) << e;
   EXPECT_EQ(e.find("--overlap-param-gather"), std::string::npos) << "a misleading hint: " << e;
@@ -401,10 +404,14 @@ TEST(Arguments, MegatronFlagsAreOursOrRefused) {
   const size_t footer = out.find("Megatron-LM flags megatron.cpp does not implement (");
   ASSERT_NE(footer, std::string::npos) << out;
   const std::string refused = out.substr(footer);
-  for (const char* f : {"--use-torch-fsdp2", "--wandb-project", "--cache-mla-latents", "--decoupled-lr"})
+  for (const char* f : {"--use-torch-fsdp2", "--wandb-project", "--cache-mla-latents", "--attention-output-gate"})
     EXPECT_NE(refused.find(std::string(" ") + f), std::string::npos) << f;
-  for (const char* f : {" --num-layers ", " --moe-router-topk ", " --log-world-size-to-tensorboard "})
-    EXPECT_EQ(refused.find(f), std::string::npos) << f << " is ours";
+  for (const char* f : {" --num-layers ", " --moe-router-topk ", " --log-world-size-to-tensorboard ",
+                        " --calculate-per-token-loss ", " --decoupled-lr ", " --decoupled-min-lr ", " --grad-reduce-in-bf16 ",
+                        " --logging-level "})
+    EXPECT_TRUE(refused.find(f) == std::string::npos &&
+                refused.find(std::string(f).substr(0, std::strlen(f) - 1) + "\n") == std::string::npos)
+        << f << " is ours";
   auto refusal = [](const std::vector<std::string>& extra) {
     auto f = base();
     f.insert(f.end(), extra.begin(), extra.end());
@@ -420,6 +427,37 @@ TEST(Arguments, MegatronFlagsAreOursOrRefused) {
   e = refusal({"--cache-mla-latents"});
   EXPECT_NE(e.find("--cache-mla-latents (a Megatron flag that megatron.cpp does not support)"), std::string::npos) << e;
   EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
+
+// The flags of per-token loss, decoupled learning rates, bf16 reduction and the logging level:
+// parsed into their fields; impossible values and combinations are one line naming the flag.
+TEST(Arguments, PerTokenDecoupledBf16ReduceAndLoggingFlags) {
+  auto f = base();
+  for (const char* x : {"--calculate-per-token-loss", "--decoupled-lr", "3e-4", "--decoupled-min-lr", "3e-5",
+                        "--grad-reduce-in-bf16", "--bf16", "--logging-level", "30"})
+    f.push_back(x);
+  Arguments a = parse(f);
+  validate_args(a);
+  EXPECT_TRUE(a.calculate_per_token_loss);
+  EXPECT_EQ(a.decoupled_lr, 3e-4);
+  EXPECT_EQ(a.decoupled_min_lr, 3e-5);
+  EXPECT_TRUE(a.grad_reduce_in_bf16);
+  EXPECT_EQ(a.logging_level, 30);
+  EXPECT_TRUE(transformer_config_from_args(a, 1000).calculate_per_token_loss);
+  auto error = [](const std::vector<std::string>& extra) {
+    auto g = base();
+    g.insert(g.end(), extra.begin(), extra.end());
+    return error_of([&] {
+      Arguments b = parse(g);
+      validate_args(b);
+    });
+  };
+  EXPECT_NE(error({"--grad-reduce-in-bf16"}).find("--grad-reduce-in-bf16 needs --bf16"), std::string::npos);
+  EXPECT_NE(error({"--grad-reduce-in-bf16", "--fp16"}).find("which is fp16 here"), std::string::npos);
+  EXPECT_NE(error({"--decoupled-lr", "-1"}).find("--decoupled-lr must be a finite number >= 0, got -1"), std::string::npos);
+  EXPECT_NE(error({"--decoupled-min-lr", "nan"}).find("--decoupled-min-lr must be a finite number >= 0"), std::string::npos);
+  EXPECT_NE(error({"--logging-level", "-2"}).find("--logging-level must be a Python logging level >= 0"), std::string::npos);
+  EXPECT_NE(error({"--logging-level", "warning"}).find("--logging-level"), std::string::npos);
 }
 
 // Megatron's --empty-unused-memory-level (0..2), --no-position-embedding (rope only, as Megatron),

@@ -2,6 +2,7 @@
 #include "megatron/core/distributed/distributed_data_parallel.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "megatron/kernels/ops.h"
 
@@ -153,17 +154,44 @@ void DistributedDataParallel::launch_bucket(Context& ctx, int buffer, int bucket
   // Megatron's gradient_scaling_factor: the sum over the data × context ranks is their mean. Expert
   // gradients take the same factor (expert_gradient_scaling_factor = 1 / dp×cp, not 1 / expert-dp):
   // an expert's gradient already sums the tokens the dispatcher brought from every data rank.
+  // With a per-token loss the factor is 1: the ranks' gradients are summed, and
+  // finalize_model_grads divides by the global batch's tokens (Note [Per-token loss]).
   const int dense_dp = reduction_group(GradReduceGroup::DataContext).size();
   const Bucket& b = buffers_[size_t(buffer)].buffer->buckets()[size_t(bucket)];
   Tensor grad = b.grad_data;
-  if (dense_dp > 1) ops::scale_(ctx, grad, 1.0f / float(dense_dp));
+  if (dense_dp > 1 && !config_.calculate_per_token_loss) ops::scale_(ctx, grad, 1.0f / float(dense_dp));
   if (dp == 1) return;
+  // Note [Gradient reduction dtype]: a bf16 reduction rounds the scaled gradients into the reduce
+  // buffer; finish_grad_sync widens the result back.
+  Tensor reduced = b.reduce_data;
+  if (reduced.raw_data() != grad.raw_data()) reduced.copy_from(grad);
   if (config_.use_distributed_optimizer) {
     const int64_t n = b.numel() / dp;
-    Tensor shard = grad.flat_slice(n * group.rank(), n);
-    st.grad_work = group.reduce_scatter(ctx, grad, shard);
+    Tensor shard = reduced.flat_slice(n * group.rank(), n);
+    st.grad_work = group.reduce_scatter(ctx, reduced, shard);
   } else {
-    st.grad_work = group.all_reduce(ctx, grad);
+    st.grad_work = group.all_reduce(ctx, reduced);
+  }
+}
+
+void DistributedDataParallel::widen_reduced_grads(int buffer, int bucket) {
+  const Bucket& b = buffers_[size_t(buffer)].buffer->buckets()[size_t(bucket)];
+  if (b.reduce_data.raw_data() == b.grad_data.raw_data()) return;
+  if (config_.use_distributed_optimizer) {  // only the owned shard holds the reduced values
+    const Communicator& group = reduction_group(buffers_[size_t(buffer)].group);
+    const int64_t n = b.numel() / group.size();
+    Tensor own = b.grad_data.flat_slice(n * group.rank(), n);
+    own.copy_from(b.reduce_data.flat_slice(n * group.rank(), n));
+  } else {
+    Tensor all = b.grad_data;
+    all.copy_from(b.reduce_data);
+  }
+}
+
+void DistributedDataParallel::scale_gradients(Context& ctx, float factor) {
+  for (GradBuffer& buf : buffers_) {
+    Tensor g = buf.buffer->grad_buffer();
+    if (g.numel() > 0) ops::scale_(ctx, g, factor);
   }
 }
 
@@ -172,9 +200,13 @@ void DistributedDataParallel::finish_grad_sync(Context& ctx) {
     auto& bks = buckets_[size_t(i)];
     for (int& next = next_launch_[size_t(i)]; size_t(next) < bks.size(); ++next) launch_bucket(ctx, i, next);
   }
-  for (auto& buffer : buckets_)
-    for (BucketState& b : buffer)
-      if (b.grad_work) b.grad_work->wait();
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    for (size_t b = 0; b < buckets_[i].size(); ++b) {
+      if (!buckets_[i][b].grad_work) continue;
+      buckets_[i][b].grad_work->wait();
+      widen_reduced_grads(int(i), int(b));
+    }
+  }
   reset_grad_state();
 }
 
@@ -267,7 +299,7 @@ void all_reduce_main_grads(Context& ctx, Communicator& group, const std::vector<
 
 }  // namespace
 
-void finalize_model_grads(Context& ctx, DistributedDataParallel& ddp) {
+void finalize_model_grads(Context& ctx, DistributedDataParallel& ddp, std::optional<double> num_tokens) {
   ddp.finish_grad_sync(ctx);
   ParallelState& ps = ddp.parallel_state();
   std::vector<Parameter*> tp_partial, embedding;
@@ -282,6 +314,16 @@ void finalize_model_grads(Context& ctx, DistributedDataParallel& ddp) {
   if (ps.tp_size() > 1) all_reduce_main_grads(ctx, ps.tensor(), tp_partial);
   // Megatron's _allreduce_word_embedding_grads.
   if (ps.pp_size() > 1 && ps.embedding()) all_reduce_main_grads(ctx, *ps.embedding(), embedding);
+  // Note [Per-token loss]: the last stage knows the global batch's tokens; every stage divides by them.
+  if (num_tokens) {
+    double tokens = *num_tokens;
+    if (ps.pp_size() > 1) {
+      Tensor t = Tensor::from_ints({std::llround(tokens)}, {1}, DType::Int64, ctx.device());
+      ps.pipeline().broadcast(ctx, t, ps.pp_size() - 1)->wait();
+      tokens = double(t.to_ints()[0]);
+    }
+    if (tokens > 0) ddp.scale_gradients(ctx, float(1.0 / tokens));
+  }
 }
 
 }  // namespace megatron

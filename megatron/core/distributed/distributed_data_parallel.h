@@ -33,6 +33,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -95,6 +96,8 @@ class DistributedDataParallel : public GradHook {
   void grad_accumulated(Context& ctx, Parameter& param) override;
   /// Launches every bucket not launched yet, then waits for all (Megatron's finish_grad_sync).
   void finish_grad_sync(Context& ctx);
+  /// Multiplies every gradient buffer by `factor` (Megatron's scale_gradients).
+  void scale_gradients(Context& ctx, float factor);
 
   /// Distributed optimizer: all-gathers every bucket's parameters from their owners' shards (after
   /// the optimizer updated the shards). Waited for at once unless overlap_param_gather, in which case
@@ -137,6 +140,7 @@ class DistributedDataParallel : public GradHook {
   void build_buffers();
   void launch_ready_buckets(Context& ctx, int buffer);
   void launch_bucket(Context& ctx, int buffer, int bucket);
+  void widen_reduced_grads(int buffer, int bucket);
   void reset_grad_state();
 
   ParallelState& ps_;
@@ -157,6 +161,10 @@ class DistributedDataParallel : public GradHook {
 /// first and last stage). Every rank of those groups must hold the same such parameters in the same
 /// order. With the distributed optimizer the results are right on each rank's owned shard (the
 /// groups' ranks share the data-parallel rank, hence the bucket layout and shards).
-void finalize_model_grads(Context& ctx, DistributedDataParallel& ddp);
+/// `num_tokens` (Megatron's calculate_per_token_loss, Note [Per-token loss]): the global batch's
+/// unmasked tokens as the last pipeline stage counted them (LossSums::num_tokens, summed over the
+/// data and context ranks; other stages' values are ignored): broadcast over the pipeline, then
+/// every gradient is divided by it (when it is > 0).
+void finalize_model_grads(Context& ctx, DistributedDataParallel& ddp, std::optional<double> num_tokens = std::nullopt);
 
 }  // namespace megatron

@@ -68,7 +68,7 @@ void ParamAndGradBuffer::allocate(const DDPConfig& config, int dp_size) {
 }
 
 void ParamAndGradBuffer::release_storage() {
-  param_buffer_ = grad_buffer_ = Tensor();
+  param_buffer_ = grad_buffer_ = reduce_buffer_ = Tensor();
   buckets_.clear();
   released_ = true;
 }
@@ -76,6 +76,7 @@ void ParamAndGradBuffer::release_storage() {
 bool ParamAndGradBuffer::has_layout(const DDPConfig& config, int dp_size) const {
   return param_buffer_.defined() && dp_size_ == dp_size &&
          config_.use_distributed_optimizer == config.use_distributed_optimizer &&
+         config_.grad_reduce_in_fp32 == config.grad_reduce_in_fp32 &&
          effective_bucket_size(config_, dp_size) == effective_bucket_size(config, dp_size);
 }
 
@@ -121,6 +122,9 @@ void ParamAndGradBuffer::lay_out(const DDPConfig& config, int dp_size) {
 
   param_buffer_ = Tensor::zeros({total}, param_dtype_, device_);  // init_weights or a checkpoint fills it
   grad_buffer_ = Tensor::zeros({total}, DType::Float32, device_);
+  // Note [Gradient reduction dtype]: Megatron reduces in the parameters' dtype unless in fp32.
+  const bool low_precision_reduce = !config.grad_reduce_in_fp32 && param_dtype_ != DType::Float32;
+  reduce_buffer_ = low_precision_reduce ? Tensor::zeros({total}, param_dtype_, device_) : Tensor();
   buckets_.clear();
   for (size_t b = 0; b < cuts.size(); ++b) {
     Bucket bucket;
@@ -128,6 +132,7 @@ void ParamAndGradBuffer::lay_out(const DDPConfig& config, int dp_size) {
     bucket.end = b + 1 < cuts.size() ? cuts[b + 1].start : total;
     bucket.param_data = param_buffer_.flat_slice(bucket.start, bucket.numel());
     bucket.grad_data = grad_buffer_.flat_slice(bucket.start, bucket.numel());
+    bucket.reduce_data = low_precision_reduce ? reduce_buffer_.flat_slice(bucket.start, bucket.numel()) : bucket.grad_data;
     for (Entry* e : cuts[b].entries) {
       const int64_t n = shape_numel(e->shape);
       e->param->data = param_buffer_.flat_slice(e->location.offset, n).view(e->shape);

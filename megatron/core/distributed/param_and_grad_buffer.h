@@ -51,10 +51,27 @@ struct DDPConfig {
   /// else one bucket. Megatron ignores --ddp-bucket-size without --overlap-grad-reduce; map the flag
   /// only when it is set. A value is always honoured here (tests cut small buckets).
   std::optional<int64_t> bucket_size;
+  /// Reduce gradients in fp32 (default); false (--grad-reduce-in-bf16): in the parameters' dtype
+  /// (Note [Gradient reduction dtype]).
+  bool grad_reduce_in_fp32 = true;
+  /// Megatron's calculate_per_token_loss: the reduction sums over the data-parallel ranks instead
+  /// of averaging (Note [Per-token loss] in pipeline_parallel/schedules.h).
+  bool calculate_per_token_loss = false;
 };
 
 /// The bucket size allocate() uses: config.bucket_size, else Megatron's default (0: one bucket).
 int64_t effective_bucket_size(const DDPConfig& config, int dp_size);
+
+// Note [Gradient reduction dtype] (Megatron's grad_reduce_in_fp32 = not --grad-reduce-in-bf16):
+// with grad_reduce_in_fp32 false and parameters that are not fp32, each buffer also holds a reduce
+// buffer of the parameters' dtype (bf16). Gradients still accumulate over the microbatches in the
+// fp32 grad buffer — every kernel here accumulates parameter gradients in fp32 — and a bucket's
+// reduction rounds its fp32 gradients (already multiplied by the scaling factor) into its range of
+// the reduce buffer, reduces that in bf16 (all-reduce, or reduce-scatter in place) and widens the
+// result back into the fp32 grad buffer (the owned shard with the distributed optimizer), which the
+// optimizer then reads as before. Megatron keeps main_grad itself in bf16 (accumulation included)
+// and saves the fp32 buffer's memory; here the collective's traffic is halved and the reduce buffer
+// costs 2 bytes per parameter more.
 
 /// A contiguous range of both buffers whose gradients are reduced by one collective.
 struct Bucket {
@@ -62,6 +79,7 @@ struct Bucket {
   std::vector<Parameter*> params;  // in layout order (reverse registration order)
   Tensor param_data;               // views of the range, 1-D
   Tensor grad_data;
+  Tensor reduce_data;  // the range of the reduce buffer (Note [Gradient reduction dtype]); grad_data when fp32
   int64_t numel() const { return end - start; }
 };
 
@@ -106,6 +124,8 @@ class ParamAndGradBuffer {
   Parameter* find(const std::string& name) const;
   const Tensor& param_buffer() const { return param_buffer_; }
   const Tensor& grad_buffer() const { return grad_buffer_; }
+  /// The buffer gradients are reduced in (Note [Gradient reduction dtype]): grad_buffer() when fp32.
+  const Tensor& grad_reduce_buffer() const { return reduce_buffer_.defined() ? reduce_buffer_ : grad_buffer_; }
   /// Elements of all parameters (the buffers may be longer by the padding).
   int64_t numel() const { return numel_; }
 
@@ -140,6 +160,7 @@ class ParamAndGradBuffer {
   int dp_size_ = 1;
   Tensor param_buffer_;
   Tensor grad_buffer_;
+  Tensor reduce_buffer_;  // undefined when gradients are reduced in fp32
   int64_t numel_ = 0;
   bool released_ = false;
 };

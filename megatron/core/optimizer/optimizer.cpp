@@ -176,12 +176,14 @@ OptimizerStepResult AdamOptimizer::step(Context& ctx) {
   hp.step = step_count_;
   hp.bias_correction = true;
   hp.grad_scale = float(inv_scale * clip_coeff);
-  std::vector<AdamTensors> update;  // every parameter in few launches (Note [Multi-tensor AdamW])
+  // Every parameter in few launches (Note [Multi-tensor AdamW]), one call per learning rate.
+  std::vector<AdamTensors> update, decoupled;
   update.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = params_[i];
     AdamParamState& s = states_[i];
     if (shard_count_[i] == 0) continue;
+    const bool own_lr = decoupled_lr_ && p.is_embedding_or_output_parameter;
     AdamTensors t;
     t.main_param = s.master;
     t.grad = distributed_ ? p.main_grad.flat_slice(shard_start_[i], shard_count_[i]) : p.main_grad;
@@ -189,9 +191,14 @@ OptimizerStepResult AdamOptimizer::step(Context& ctx) {
     t.exp_avg_sq = s.exp_avg_sq;
     if (p.data.dtype() != DType::Float32) t.model_param = model_shard(i);
     t.weight_decay = p.no_weight_decay ? 0.0f : float(weight_decay_);
-    update.push_back(std::move(t));
+    (own_lr ? decoupled : update).push_back(std::move(t));
   }
   ops::adamw_step_multi(ctx, update, hp);
+  if (!decoupled.empty()) {
+    AdamHyperParams dhp = hp;
+    dhp.lr = float(*decoupled_lr_);
+    ops::adamw_step_multi(ctx, decoupled, dhp);
+  }
   if (distributed_) ddp_->start_param_sync(ctx);
   result.update_successful = true;
   return result;
@@ -295,6 +302,7 @@ double AdamOptimizer::params_norm(Context& ctx) const {
 nlohmann::json AdamOptimizer::state_dict() const {
   return {{"step", step_count_},
           {"lr", lr_},
+          {"decoupled_lr", decoupled_lr_ ? nlohmann::json(*decoupled_lr_) : nlohmann::json()},
           {"weight_decay", weight_decay_},
           {"grad_scaler", scaler_ ? scaler_->state_dict() : nlohmann::json()}};
 }
@@ -306,6 +314,8 @@ void AdamOptimizer::load_state_dict(const nlohmann::json& state) {
   if (scaler_ && state.contains("grad_scaler") && !state.at("grad_scaler").is_null())
     scaler_->load_state_dict(state.at("grad_scaler"));
   if (state.contains("lr")) lr_ = state.at("lr").get<double>();
+  if (state.contains("decoupled_lr") && !state.at("decoupled_lr").is_null())
+    decoupled_lr_ = state.at("decoupled_lr").get<double>();
   if (state.contains("weight_decay")) weight_decay_ = state.at("weight_decay").get<double>();
   step_count_ = step;
 }

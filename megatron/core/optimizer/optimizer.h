@@ -10,7 +10,9 @@
 //      fp32 master and copying it into the model's parameter.
 // The main grads are read, never modified (unscaling and clipping are folded into grad_scale);
 // zeroing them is the caller's job. Param groups: parameters with no_weight_decay get weight decay
-// 0 (Megatron's wd_mult 0), the others the scheduled weight decay.
+// 0 (Megatron's wd_mult 0), the others the scheduled weight decay; with a decoupled learning rate
+// (--decoupled-lr: set_decoupled_lr) the is_embedding_or_output_parameter parameters take it, the
+// others lr() (Megatron's param group with its own max_lr/min_lr).
 //
 // Parallel training (constructed over a DistributedDataParallel):
 //   - Note [Counting gradients once] (Megatron's param_is_not_shared and
@@ -96,6 +98,13 @@ class AdamOptimizer {
   void set_lr(double lr) { lr_ = lr; }
   void set_weight_decay(double wd) { weight_decay_ = wd; }
   double lr() const { return lr_; }
+  /// The learning rate of the is_embedding_or_output_parameter parameters (--decoupled-lr's
+  /// schedule: OptimizerParamScheduler::get_lr(decoupled_lr, decoupled_min_lr)); until set they follow lr().
+  void set_decoupled_lr(double lr) { decoupled_lr_ = lr; }
+  /// The learning rate a parameter is updated with.
+  double lr_of(const Parameter& p) const {
+    return p.is_embedding_or_output_parameter && decoupled_lr_ ? *decoupled_lr_ : lr_;
+  }
   double weight_decay() const { return weight_decay_; }
 
   /// The loss scale the training loop multiplies the loss by (1 without a grad scaler).
@@ -152,6 +161,7 @@ class AdamOptimizer {
   std::unordered_map<std::string, size_t> index_;
   std::unique_ptr<GradScaler> scaler_;
   double lr_;
+  std::optional<double> decoupled_lr_;
   double weight_decay_;
   int64_t step_count_ = 0;
   Tensor grad_buffer_;

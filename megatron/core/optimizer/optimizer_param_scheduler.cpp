@@ -151,22 +151,24 @@ double OptimizerParamScheduler::get_wd() const {
   return c.start_wd + coeff * delta_wd;
 }
 
-double OptimizerParamScheduler::get_lr() const {
+double OptimizerParamScheduler::get_lr() const { return get_lr(config_.max_lr, config_.min_lr); }
+
+double OptimizerParamScheduler::get_lr(double max_lr, double min_lr) const {
   const auto& c = config_;
   const double num_steps = double(num_steps_);
   // Linear warmup from init_lr.
   if (c.lr_warmup_steps > 0 && num_steps <= c.lr_warmup_steps)
-    return c.init_lr + (c.max_lr - c.init_lr) * num_steps / c.lr_warmup_steps;
-  if (c.lr_decay_style == LrDecayStyle::Constant) return c.max_lr;
-  if (num_steps_ > c.lr_decay_steps) return c.min_lr;
+    return c.init_lr + (max_lr - c.init_lr) * num_steps / c.lr_warmup_steps;
+  if (c.lr_decay_style == LrDecayStyle::Constant) return max_lr;
+  if (num_steps_ > c.lr_decay_steps) return min_lr;
   if (c.lr_decay_style == LrDecayStyle::InverseSquareRoot) {
     const double warmup = std::max(c.lr_warmup_steps, 1.0);
     const double steps = std::max(num_steps, 1.0);
-    const double lr = c.max_lr * std::pow(warmup, 0.5) / std::pow(steps, 0.5);
-    return std::max(c.min_lr, lr);
+    const double lr = max_lr * std::pow(warmup, 0.5) / std::pow(steps, 0.5);
+    return std::max(min_lr, lr);
   }
   const double decay_ratio = (num_steps - c.lr_warmup_steps) / (double(c.lr_decay_steps) - c.lr_warmup_steps);
-  const double delta_lr = c.max_lr - c.min_lr;
+  const double delta_lr = max_lr - min_lr;
   double coeff = 1.0;
   switch (c.lr_decay_style) {
     case LrDecayStyle::Linear:
@@ -199,7 +201,7 @@ double OptimizerParamScheduler::get_lr() const {
     case LrDecayStyle::InverseSquareRoot:
       MG_ASSERT(false, "handled above");
   }
-  return c.min_lr + coeff * delta_lr;
+  return min_lr + coeff * delta_lr;
 }
 
 nlohmann::json OptimizerParamScheduler::state_dict() const {

@@ -88,6 +88,9 @@ class OptimizerParamScheduler {
   ScheduledValues step(int64_t increment);
   /// The learning rate at the current num_steps.
   double get_lr() const;
+  /// The same schedule (warmup from init_lr, decay style and steps) between another max and min:
+  /// Megatron's get_lr(param_group) for a group with its own max_lr/min_lr (--decoupled-lr).
+  double get_lr(double max_lr, double min_lr) const;
   /// The weight decay at the current num_steps (multiply by the param group's wd_mult).
   double get_wd() const;
   ScheduledValues values() const { return {get_lr(), get_wd()}; }

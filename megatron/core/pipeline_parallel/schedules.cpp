@@ -32,17 +32,22 @@ Tensor on_device(const Tensor& t, Device device) { return t.defined() && t.devic
 bool on_host(const MicroBatch& b) { return b.tokens.defined() && b.tokens.device().is_host(); }
 }  // namespace
 
-LossFunc masked_token_loss(Tensor loss_mask, Communicator* cp) {
-  return [mask = std::move(loss_mask), cp](Context& c, const Tensor& output, Tensor& sums, const Tensor& loss_scale,
-                                           Tensor* grad) {
+LossFunc masked_token_loss(Tensor loss_mask, Communicator* cp, bool per_token) {
+  return [mask = std::move(loss_mask), cp, per_token](Context& c, const Tensor& output, Tensor& sums,
+                                                      const Tensor& loss_scale, Tensor* grad) {
     Tensor losses = output.view({-1});
     Tensor m = mask.defined() ? mask.view({-1}) : Tensor();
     ops::masked_loss_sums(c, losses, m, sums);
     if (cp && cp->size() > 1) cp->all_reduce(c, sums)->wait();  // Note [Loss under context parallelism]
     if (!grad) return;
     Tensor g = Tensor::empty({losses.numel()}, DType::Float32, c.device());
-    ops::masked_loss_backward_normalized(c, m, sums, loss_scale, g);
-    if (cp && cp->size() > 1) ops::scale_(c, g, float(cp->size()));
+    if (per_token) {  // Note [Per-token loss]: mask · loss_scale[0] / loss_scale[1] (= 1)
+      MG_ASSERT(loss_scale.numel() == 2, "a per-token loss takes the scale {{loss_scale, 1}}, got {}", loss_scale.str());
+      ops::masked_loss_backward_normalized(c, m, loss_scale, loss_scale.flat_slice(0, 1), g);
+    } else {
+      ops::masked_loss_backward_normalized(c, m, sums, loss_scale, g);
+      if (cp && cp->size() > 1) ops::scale_(c, g, float(cp->size()));
+    }
     *grad = g.view(output.shape());
   };
 }
@@ -79,7 +84,8 @@ void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vecto
     ForwardOutput out = forward_step(c, batches[size_t(mb)], model, input, *stash);
     if (args.forward_only) stash = model.make_stash();
     if (!model.post_process()) return out.output;
-    const LossFunc loss = out.loss_func ? out.loss_func : masked_token_loss(out.loss_mask);
+    const LossFunc loss =
+        out.loss_func ? out.loss_func : masked_token_loss(out.loss_mask, nullptr, args.calculate_per_token_loss);
     Tensor mb_sums = sums.flat_slice(2 * int64_t(mb), 2);
     loss(c, out.output, mb_sums, loss_scale, args.forward_only ? nullptr : &grad_losses[size_t(mb)]);
     return Tensor();
@@ -114,6 +120,7 @@ void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vecto
 }
 
 Tensor loss_scale_tensor(const ForwardBackwardArgs& args, Device device) {
+  if (args.calculate_per_token_loss) return Tensor::from_floats({args.loss_scale, 1.0f}, {2}, DType::Float32, device);
   return Tensor::from_floats({args.loss_scale / float(args.num_microbatches)}, {1}, DType::Float32, device);
 }
 

@@ -13,7 +13,16 @@
 // Losses: on the last stage each microbatch contributes its loss over its token count (the loss
 // function's Σ loss / Σ tokens), divided by the number of microbatches and multiplied by the loss
 // scale (Megatron with calculate_per_token_loss off); the data-parallel mean is the DDP's 1/dp
-// scaling.
+// scaling. With calculate_per_token_loss: Note [Per-token loss].
+//
+// Note [Per-token loss] (Megatron's --calculate-per-token-loss): each microbatch's gradient is that
+// of loss_scale · Σ loss (no division by its tokens, none by the number of microbatches, no CP
+// factor), the DDP sums over data × context ranks instead of averaging, and finalize_model_grads
+// divides every gradient by the global batch's unmasked tokens (LossSums::num_tokens of the last
+// stage, broadcast over the pipeline). The gradient is then that of Σ loss / Σ tokens over the
+// whole global batch, whatever the microbatches' masks. loss_scale_tensor is then [2] =
+// {loss_scale, 1}: the loss function's gradient is mask · scale[0] / scale[1] through the same
+// device op as the mean's, so nothing waits for the device either way.
 //
 // Random streams: microbatch j of data-parallel rank r is microbatch j·dp + r of the global batch
 // (Megatron's sampler), and it draws the random offsets that microbatch draws in the single-process
@@ -59,7 +68,9 @@ using LossFunc =
 /// Megatron divides each rank's sum by its own token count; the sum over the group makes every
 /// layout equal the single process also when the loss mask is uneven (--eod-mask-loss), and is
 /// the same when it is not. Every CP rank reports the microbatch's whole sums.
-LossFunc masked_token_loss(Tensor loss_mask, Communicator* cp = nullptr);
+/// `per_token`: the gradient of loss_scale · Σ loss over this rank's tokens, loss_scale being
+/// loss_scale_tensor's [2] (Note [Per-token loss]); the sums are reported as above.
+LossFunc masked_token_loss(Tensor loss_mask, Communicator* cp = nullptr, bool per_token = false);
 
 /// What forward_step returns (Megatron: the output tensor and the loss function).
 struct ForwardOutput {
@@ -98,6 +109,7 @@ struct ForwardBackwardArgs {
   int64_t seq_length = 0;
   float loss_scale = 1.0f;
   bool forward_only = false;
+  bool calculate_per_token_loss = false;  // Note [Per-token loss]
 };
 
 /// Checks a microbatch's ids on the host as the embedding and cross-entropy kernels do on the
@@ -127,7 +139,8 @@ void schedule_forward_backward(Context& ctx, ParallelState* ps, const std::vecto
                                const ForwardStepFunc& forward_step, const std::vector<MicroBatch>& batches,
                                const ForwardBackwardArgs& args, const Tensor& loss_scale, Tensor& sums,
                                DistributedDataParallel* ddp = nullptr);
-/// The scalar schedule_forward_backward scales the loss gradient by, loss_scale / M, on `device`.
+/// The scalar schedule_forward_backward scales the loss gradient by, loss_scale / M, on `device`;
+/// with calculate_per_token_loss {loss_scale, 1} (Note [Per-token loss]).
 Tensor loss_scale_tensor(const ForwardBackwardArgs& args, Device device);
 /// Reads sums [M, 2] back (the one wait of a step) and sums it over microbatches, then over the
 /// data-parallel ranks; zeros on a rank without the last stage.

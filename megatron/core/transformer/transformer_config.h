@@ -56,6 +56,7 @@ struct TransformerConfig {
   // ---- multi-token prediction (core/transformer/multi_token_prediction.h; Megatron's mtp_* fields)
   int mtp_num_layers = 0;                // --mtp-num-layers: MTP depths (0: none, Megatron's None)
   float mtp_loss_scaling_factor = 0.1f;  // --mtp-loss-scaling-factor
+  bool calculate_per_token_loss = false;  // --calculate-per-token-loss (Note [Per-token loss], schedules.h)
 
   // ---- GPT-OSS's pieces (Megatron's names; docs/architecture.md, GPT-OSS)
   // The gated MLP's activation with --quick-geglu (activation "quick_geglu"): quick_gelu(min(gate, c))

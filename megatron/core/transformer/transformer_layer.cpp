@@ -55,6 +55,7 @@ TransformerLayer::TransformerLayer(const TransformerConfig& config, const Transf
                                    const ProcessGroupCollection& pg, int layer_number)
     : hidden_dropout_(config.hidden_dropout),
       sequence_parallel_(group_size(pg.tp) > 1 && config.sequence_parallel),
+      per_token_loss_(config.calculate_per_token_loss),
       tp_(multi_rank(pg.tp)),
       input_layernorm_(config, spec.input_layernorm, params, prefix + ".input_layernorm", pg),
       mixer_(make_mixer(config, spec.mixer, params, prefix, pg)),
@@ -91,6 +92,10 @@ Tensor TransformerLayer::mlp_forward(Context& ctx, const Tensor& x, int64_t s, i
         auto& ms = fresh_saved<M>(saved);
         if constexpr (std::is_same_v<M, moe::MoELayer>) {
           ms.aux_loss_scale = aux_losses ? aux_losses->backward_scale() : 1.0f;
+          // Megatron's router with calculate_per_token_loss: the load-balancing and z losses enter
+          // the gradient times the router's tokens (this rank's), which finalize_model_grads' division
+          // by the global batch's tokens turns back into about 1 / (microbatches · dp).
+          if (per_token_loss_) ms.aux_loss_scale *= float(x.size(0));
           const bool reports = report && aux_losses && !aux_losses->evaluating();
           return m.forward(ctx, x, s, b, reports ? aux_losses : nullptr, ms, training, rng_base);
         } else {

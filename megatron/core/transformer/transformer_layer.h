@@ -70,6 +70,7 @@ class TransformerLayer {
 
   float hidden_dropout_;
   bool sequence_parallel_;
+  bool per_token_loss_;  // Note [Per-token loss]: the MoE losses' gradient times the layer's tokens
   Communicator* tp_;  // null: one rank
   Norm input_layernorm_;
   Mixer mixer_;

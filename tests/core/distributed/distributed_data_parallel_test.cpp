@@ -283,6 +283,97 @@ TEST(DistributedDataParallel, FinalizeReducesSequenceParallelAndEmbeddingGrads) 
   }
 }
 
+// --grad-reduce-in-bf16 (Note [Gradient reduction dtype]): a bf16 model's buckets reduce through a
+// bf16 buffer; the reduced fp32 gradients are bf16 values (every element exactly representable),
+// within bf16 rounding of the fp32 mean. An fp32 model keeps reducing in fp32.
+TEST(DistributedDataParallel, GradReduceInBf16ReducesThroughABf16Buffer) {
+  for (int dp : {2, 3}) {
+    for (bool dist_opt : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "dp " << dp << (dist_opt ? " distributed optimizer" : " all-reduce"));
+      run_dp(dp, [&](ParallelState& ps) {
+        Context ctx;
+        DDPConfig cfg = ddp_config(dist_opt);
+        cfg.grad_reduce_in_fp32 = false;
+        ToyModel m(DType::BFloat16, cfg, dp);
+        DistributedDataParallel ddp(ps, {&m.buf}, cfg);
+        ASSERT_EQ(ddp.num_buffers(), 1);
+        EXPECT_EQ(ddp.buffer(0).grad_reduce_buffer().dtype(), DType::BFloat16);
+        EXPECT_EQ(ddp.buffer(0).grad_buffer().dtype(), DType::Float32);  // accumulation stays fp32
+        for (const Bucket& b : ddp.buffer(0).buckets()) EXPECT_EQ(b.reduce_data.dtype(), DType::BFloat16);
+        ddp.zero_grad(ctx);
+        for (Parameter* p : m.buf.parameters()) set_grad(*p, local_grad(*p, ps.dp_rank(), 0));
+        ddp.finish_grad_sync(ctx);
+        int64_t inexact_in_fp32 = 0, owned = 0;
+        for (Parameter* p : m.buf.parameters()) {
+          const ParamShard own = ddp.owned_shard(p->name);
+          const std::vector<float> got = slice(p->main_grad.to_floats(), own);
+          const std::vector<float> want = slice(mean_grad(*p, dp, 0), own);
+          // Each rank's term and each partial sum rounds once to bf16 (relative 2^-9 each): at most
+          // dp + (dp - 1) roundings of values no larger than Σ_r |g_r| / dp.
+          std::vector<float> magnitude(size_t(p->data.numel()), 0.0f);
+          for (int r = 0; r < dp; ++r) {
+            const std::vector<float> g = local_grad(*p, r, 0);
+            for (size_t i = 0; i < g.size(); ++i) magnitude[i] += std::fabs(g[i]) / float(dp);
+          }
+          magnitude = slice(magnitude, own);
+          for (size_t i = 0; i < got.size(); ++i) {
+            EXPECT_EQ(to_float(to_bf16(got[i])), got[i]) << p->name << "[" << i << "] is not a bf16 value";
+            EXPECT_NEAR(got[i], want[i], double(2 * dp) * std::ldexp(double(magnitude[i]), -9)) << p->name << "[" << i << "]";
+            inexact_in_fp32 += to_float(to_bf16(want[i])) != want[i];
+          }
+          owned += int64_t(got.size());
+        }
+        if (owned > 0) EXPECT_GT(inexact_in_fp32, 0);  // the fp32 mean is not bf16: the test sees the rounding
+      });
+    }
+  }
+  run_dp(2, [&](ParallelState& ps) {
+    DDPConfig cfg = ddp_config(false);
+    cfg.grad_reduce_in_fp32 = false;
+    ToyModel m(DType::Float32, cfg, 2);
+    DistributedDataParallel ddp(ps, {&m.buf}, cfg);
+    EXPECT_EQ(ddp.buffer(0).grad_reduce_buffer().dtype(), DType::Float32);
+  });
+}
+
+// --calculate-per-token-loss (Note [Per-token loss]): the reduction sums over the data-parallel
+// ranks, and finalize_model_grads divides by the token count the last pipeline stage gives.
+TEST(DistributedDataParallel, PerTokenLossSumsThenDividesByTheTokens) {
+  for (bool dist_opt : {false, true}) {
+    run_dp(2, [&](ParallelState& ps) {
+      Context ctx;
+      DDPConfig cfg = ddp_config(dist_opt);
+      cfg.calculate_per_token_loss = true;
+      ToyModel m(DType::Float32, cfg, 2);
+      DistributedDataParallel ddp(ps, {&m.buf}, cfg);
+      ddp.zero_grad(ctx);
+      for (Parameter* p : m.buf.parameters()) set_grad(*p, local_grad(*p, ps.dp_rank(), 0));
+      finalize_model_grads(ctx, ddp, 5.0);
+      for (Parameter* p : m.buf.parameters()) {
+        std::vector<float> want = mean_grad(*p, 1, 0), other = local_grad(*p, 1, 0);
+        for (size_t i = 0; i < want.size(); ++i) want[i] = (want[i] + other[i]) / 5.0f;
+        const ParamShard own = ddp.owned_shard(p->name);
+        expect_near(slice(p->main_grad.to_floats(), own), slice(want, own), 1e-6, p->name);
+      }
+    });
+  }
+  ParallelConfig pp2;
+  pp2.pipeline_model_parallel_size = 2;
+  run_world(2, pp2, [&](ParallelState& ps) {  // only the last stage knows the tokens
+    Context ctx;
+    DDPConfig cfg = ddp_config(false);
+    cfg.calculate_per_token_loss = true;
+    ParamAndGradBuffer buf(DType::Float32, Device::cpu());
+    Parameter* w = buf.add(ps.pp_rank() == 0 ? "layer0.weight" : "layer1.weight", {4}, false, ParamInit::Normal);
+    buf.allocate(cfg, 1);
+    DistributedDataParallel ddp(ps, {&buf}, cfg);
+    ddp.zero_grad(ctx);
+    set_grad(*w, {8, 4, 2, 1});
+    finalize_model_grads(ctx, ddp, ps.pp_rank() == 1 ? 4.0 : 0.0);
+    expect_near(w->main_grad.to_floats(), {2, 1, 0.5f, 0.25f}, 1e-7, w->name);
+  });
+}
+
 // ---- the optimizer over DDP -------------------------------------------------------------------------
 
 OptimizerConfig adam_config(DType dtype) {

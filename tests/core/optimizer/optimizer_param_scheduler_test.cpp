@@ -103,6 +103,42 @@ OptimizerParamSchedulerConfig base_config() {
   return c;
 }
 
+// Megatron's get_lr(param_group) for --decoupled-lr: the same warmup (from --lr-warmup-init) and
+// decay, between the group's own max and min; get_lr() is that with --lr and --min-lr.
+TEST(OptimizerParamScheduler, GroupRatesFollowTheSameScheduleBetweenTheirOwnBounds) {
+  for (LrDecayStyle style : {LrDecayStyle::Cosine, LrDecayStyle::Linear, LrDecayStyle::Constant,
+                             LrDecayStyle::InverseSquareRoot}) {
+    SCOPED_TRACE(std::string(to_string(style)));
+    OptimizerParamSchedulerConfig c;
+    c.init_lr = 1e-5;
+    c.max_lr = 1e-3;
+    c.min_lr = 1e-4;
+    c.lr_warmup_steps = 40;
+    c.lr_decay_steps = 200;
+    c.lr_decay_style = style;
+    OptimizerParamScheduler s(c);
+    const double dmax = 5e-3, dmin = 2e-4;
+    for (int step = 0; step <= 240; step += 8) {
+      double want = 0;
+      if (step <= 40) {
+        want = 1e-5 + (dmax - 1e-5) * step / 40.0;
+      } else if (style == LrDecayStyle::Constant) {
+        want = dmax;
+      } else if (step > 200) {
+        want = dmin;
+      } else if (style == LrDecayStyle::InverseSquareRoot) {
+        want = std::max(dmin, dmax * std::sqrt(40.0) / std::sqrt(double(step)));
+      } else {
+        const double r = (step - 40) / 160.0;
+        want = dmin + (dmax - dmin) * (style == LrDecayStyle::Linear ? 1 - r : 0.5 * (std::cos(std::numbers::pi * r) + 1));
+      }
+      EXPECT_NEAR(s.get_lr(dmax, dmin), want, 1e-12) << "step " << step;
+      EXPECT_EQ(s.get_lr(), s.get_lr(1e-3, 1e-4)) << "step " << step;
+      s.step(8);
+    }
+  }
+}
+
 TEST(OptimizerParamScheduler, WeightDecayIncrement) {
   for (WdIncrStyle style : {WdIncrStyle::Linear, WdIncrStyle::Cosine}) {
     OptimizerParamSchedulerConfig c = base_config();

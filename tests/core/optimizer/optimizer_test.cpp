@@ -112,6 +112,38 @@ TEST(AdamOptimizer, WeightDecayFollowsParamGroupsAndSchedule) {
   EXPECT_EQ(opt.parameters()[1].data.to_floats(), (std::vector<float>{2.0f}));
 }
 
+// --decoupled-lr: the embedding and output parameters step with their own rate, the others with
+// lr(); until a decoupled rate is set they all follow lr(). Each against the hand computation.
+TEST(AdamOptimizer, DecoupledLearningRateForEmbeddingAndOutput) {
+  Context ctx;
+  OptimizerConfig cfg = adam_config();
+  const std::vector<float> e0 = {0.5f, -1.0f}, o0 = {2.0f, 0.25f}, w0 = {1.5f, -0.75f};
+  std::vector<Parameter> params = {param("embedding.word_embeddings.weight", e0, {1, 2}, DType::Float32),
+                                   param("output_layer.weight", o0, {1, 2}, DType::Float32),
+                                   param("decoder.fc.weight", w0, {1, 2}, DType::Float32)};
+  params[0].is_embedding_or_output_parameter = params[1].is_embedding_or_output_parameter = true;
+  AdamOptimizer opt(params, cfg);
+  EXPECT_EQ(opt.lr_of(params[0]), opt.lr());  // not set: the default rate
+  opt.set_lr(1e-2);
+  opt.set_decoupled_lr(3e-1);
+  EXPECT_EQ(opt.lr_of(params[0]), 3e-1);
+  EXPECT_EQ(opt.lr_of(params[2]), 1e-2);
+  const std::vector<float> g = {0.2f, -0.1f};
+  for (Parameter p : opt.parameters()) set_grad(p, g);  // copies share the gradient tensors
+  ASSERT_TRUE(opt.step(ctx).update_successful);
+  RefAdam e(e0), o(o0), w(w0);
+  e.step(g, 1.0, 1, 3e-1, 0.1, 0.9, 0.95, 1e-8);
+  o.step(g, 1.0, 1, 3e-1, 0.1, 0.9, 0.95, 1e-8);
+  w.step(g, 1.0, 1, 1e-2, 0.1, 0.9, 0.95, 1e-8);
+  expect_close(opt.parameters()[0].data.to_floats(), e.p, 1e-6, "embedding");
+  expect_close(opt.parameters()[1].data.to_floats(), o.p, 1e-6, "output layer");
+  expect_close(opt.parameters()[2].data.to_floats(), w.p, 1e-6, "decoder");
+  // The decoupled rate is part of the optimizer's state.
+  AdamOptimizer other(params, cfg);
+  other.load_state_dict(opt.state_dict());
+  EXPECT_EQ(other.lr_of(params[1]), 3e-1);
+}
+
 TEST(AdamOptimizer, ClippingScalesTheUpdate) {
   Context ctx;
   OptimizerConfig cfg = adam_config();

@@ -84,6 +84,13 @@ GPTModel::GPTModel(TransformerConfig config, Device device, const ParallelState*
   if (pre_process_ && !post_process_ && (config_.share_embeddings_and_output_weights || config_.mtp_num_layers > 0)) {
     embedding_->word_embeddings()->in_embedding_group = true;
   }
+  // Megatron's is_embedding_or_output_parameter (--decoupled-lr): the first stage's word embeddings
+  // and the last stage's output weight. Every copy of the word embeddings is marked (the MTP stage's
+  // too, which Megatron leaves out), so that copies kept equal by their all-reduced gradients also
+  // take the same steps.
+  for (const char* name : {"embedding.word_embeddings.weight", "output_layer.weight"}) {
+    if (Parameter* p = params_->find(name)) p->is_embedding_or_output_parameter = true;
+  }
   params_->allocate();
 }
 
@@ -358,6 +365,14 @@ void GPTModel::mtp_forward(Context& ctx, const Tensor& tokens, const Tensor& pos
   const bool training = !(tracker && tracker->evaluating());
   const int depths = int(mtp_layers_.size());
   const float scale = (tracker ? tracker->backward_scale() : 1.0f) * config_.mtp_loss_scaling_factor / float(depths);
+  // Megatron's MTP with calculate_per_token_loss: each depth's summed loss is normalised by its own
+  // (rolled) tokens and multiplied by the microbatch's tokens before rolling, which
+  // finalize_model_grads then divides by the global batch's (Note [Per-token loss]).
+  Tensor original;  // [2]; [1] = Σ mask before rolling (Megatron's original_num_tokens)
+  if (config_.calculate_per_token_loss) {
+    original = Tensor::empty({2}, DType::Float32, ctx.device());
+    ops::masked_loss_sums(ctx, mask.view({s * b}), mask.view({s * b}), original);
+  }
   stash.mtp.assign(size_t(depths), Stash::MtpDepth{});
   for (int k = 0; k < depths; ++k) {
     Stash::MtpDepth& d = stash.mtp[size_t(k)];
@@ -379,7 +394,8 @@ void GPTModel::mtp_forward(Context& ctx, const Tensor& tokens, const Tensor& pos
     Tensor sums = Tensor::empty({2}, DType::Float32, ctx.device());
     ops::masked_loss_sums(ctx, losses, mask.view({s * b}), sums);
     d.grad_losses = Tensor::empty({s * b}, DType::Float32, ctx.device());
-    ops::masked_loss_backward_normalized(ctx, mask.view({s * b}), sums, one_, d.grad_losses);
+    ops::masked_loss_backward_normalized(ctx, mask.view({s * b}), sums,
+                                         original.defined() ? original.flat_slice(1, 1) : one_, d.grad_losses);
     ops::scale_(ctx, d.grad_losses, scale);
     if (tracker && training) {
       Tensor mean = Tensor::empty({1}, DType::Float32, ctx.device());  // sums[0] / sums[1] (0 without tokens)
