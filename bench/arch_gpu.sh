@@ -4,7 +4,7 @@
 # shapes (tokens/s, peak memory), and short bf16 trainings on real text (Python docs + fortunes, GPT-2 BPE)
 # whose loss must fall. JSON lines to $OUT/arch_bench.jsonl, a summary last.
 #   here:            bench/arch_gpu.sh stage     (from a CUDA build in build/: binaries, libraries, corpus)
-#   the GPU machine: bench/arch_gpu.sh run [tests] [bench] [train]
+#   the GPU machine: bench/arch_gpu.sh run [tests] [bench] [train] [profile]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 D=.device/arch
@@ -95,6 +95,18 @@ PY
     tail -1 $J
     PYTHONUNBUFFERED=1 timeout 240 python3 $P/pytorch_arch_reference.py --preset $m-small --modes ${ARCH_TORCH_MODES:-compile} 2>&1 |
       tee -a $OUT/ref_$m.txt | grep '^{' >> $J
+  done
+fi
+
+if [[ " $parts " == *" profile "* ]]; then  # where our step's time goes (--profile's op table)
+  for m in ${ARCH_MODELS:-deepseek gptoss}; do
+    F=$DEEPSEEK; [[ $m == gptoss ]] && F=$GPTOSS
+    echo "== profile $m ($(left) s left)"
+    (cd /tmp && timeout 150 $P/bin/pretrain_gpt $F $COMMON --seq-length 4096 --max-position-embeddings 4096 \
+      --micro-batch-size 1 --global-batch-size 1 --train-iters 10 --log-interval 5 --profile --profile-step-start 6 \
+      --profile-step-end 8 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
+      --make-vocab-size-divisible-by 128) > $OUT/profile_$m.txt 2>&1
+    sed -n '/> profile of rank/,/(iteration, wall)/p' $OUT/profile_$m.txt
   done
 fi
 

@@ -230,6 +230,39 @@ TEST(MoeScaleRowsGpu, MatchesCpu) {
     }
 }
 
+// More experts than one launch takes (64), some without rows; bf16 and fp32.
+TEST(MoeGroupedBiasGpu, MatchesCpu) {
+  for (DType dt : {DType::Float32, DType::BFloat16}) {
+    SCOPED_TRACE(to_string(dt));
+    Context cpu_ctx, gpu_ctx(kGpu);
+    const int64_t c = 300;
+    std::vector<int64_t> rows;
+    int64_t n = 0;
+    for (int e = 0; e < 70; ++e) rows.push_back(e % 7 == 3 ? 0 : 1 + (e * 37) % 50), n += rows.back();
+    std::vector<Tensor> b, b_gpu, db, db_gpu;
+    for (size_t e = 0; e < rows.size(); ++e) {
+      b.push_back(random_tensor({c}, 10 + e, 1.0f, dt));
+      b_gpu.push_back(b.back().to(kGpu));
+      db.push_back(random_tensor({c}, 200 + e, 1.0f));
+      db_gpu.push_back(db.back().to(kGpu));
+    }
+    const Tensor y0 = random_tensor({n, c}, 1, 1.0f, dt), p = random_tensor({n}, 2, 1.0f),
+                 g = random_tensor({n, c}, 3, 1.0f, dt);
+    for (bool weighted : {false, true}) {
+      const Tensor probs = weighted ? p : Tensor(), probs_gpu = weighted ? p.to(kGpu) : Tensor();
+      Tensor y = y0.clone(), y_gpu = y0.to(kGpu);
+      cpu::moe_grouped_bias_forward(cpu_ctx, y, b, rows, probs);
+      cuda::moe_grouped_bias_forward(gpu_ctx, y_gpu, b_gpu, rows, probs_gpu);
+      EXPECT_EQ(y_gpu.to(Device::cpu()).to_floats(), y.to_floats());
+      Tensor gp = weighted ? random_tensor({n}, 5, 1.0f) : Tensor(), gp_gpu = weighted ? gp.to(kGpu) : Tensor();
+      cpu::moe_grouped_bias_backward(cpu_ctx, g, b, rows, probs, db, gp);
+      cuda::moe_grouped_bias_backward(gpu_ctx, g.to(kGpu), b_gpu, rows, probs_gpu, db_gpu, gp_gpu);
+      for (size_t e = 0; e < rows.size(); ++e) expect_close(db_gpu[e].to(Device::cpu()), db[e], 1e-5, "bias grad");
+      if (weighted) expect_close(gp_gpu.to(Device::cpu()), gp, 1e-5, "grad_probs");
+    }
+  }
+}
+
 TEST(MoeGroupedLinearGpu, MatchesCpu) {
   for (DType dt : {DType::Float32, DType::BFloat16}) {
     SCOPED_TRACE(to_string(dt));

@@ -272,6 +272,47 @@ TEST(MoeScaleRows, ForwardAndFiniteDifferences) {
   gc.check("probs", p, gp);
 }
 
+// The grouped experts' biases: y[r] += s[r] · b_e by hand (s = 1 or the probabilities), the
+// gradients of the biases and probabilities by finite differences, and the backward accumulating.
+TEST(MoeGroupedBias, ForwardByHandAndFiniteDifferences) {
+  Context ctx;
+  const int64_t c = 5, n = 8;
+  const std::vector<int64_t> rows = {3, 0, 4, 1};
+  std::vector<Tensor> b;
+  for (int e = 0; e < 4; ++e) b.push_back(random_tensor({c}, 10 + e, 1.0f));
+  const Tensor y0 = random_tensor({n, c}, 1, 1.0f);
+  Tensor p = random_tensor({n}, 2, 1.0f);
+  for (bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "weighted by the probabilities" : "plain");
+    const Tensor probs = weighted ? p : Tensor();
+    Tensor y = y0.clone();
+    cpu::moe_grouped_bias_forward(ctx, y, b, rows, probs);
+    const std::vector<float> yv = y.to_floats(), y0v = y0.to_floats(), pv = p.to_floats();
+    int64_t r = 0;
+    for (int e = 0; e < 4; ++e) {
+      const std::vector<float> bv = b[size_t(e)].to_floats();
+      for (int64_t k = 0; k < rows[size_t(e)]; ++k, ++r)
+        for (int64_t j = 0; j < c; ++j)
+          EXPECT_FLOAT_EQ(yv[size_t(r * c + j)], y0v[size_t(r * c + j)] + (weighted ? pv[size_t(r)] : 1.0f) * bv[size_t(j)]);
+    }
+    testing::GradCheck gc([&] {
+      Tensor o = y0.clone();
+      cpu::moe_grouped_bias_forward(ctx, o, b, rows, probs);
+      return std::vector<Tensor>{o};
+    });
+    std::vector<Tensor> db;
+    for (int e = 0; e < 4; ++e) db.push_back(Tensor::zeros({c}, DType::Float32));
+    Tensor gp = weighted ? Tensor::zeros({n}, DType::Float32) : Tensor();
+    cpu::moe_grouped_bias_backward(ctx, gc.upstream(0), b, rows, probs, db, gp);
+    for (int e = 0; e < 4; ++e) gc.check("bias " + std::to_string(e), b[size_t(e)], db[size_t(e)]);
+    if (weighted) gc.check("probs", p, gp);
+    const std::vector<float> once = db[0].to_floats();
+    cpu::moe_grouped_bias_backward(ctx, gc.upstream(0), b, rows, probs, db, gp);  // accumulates
+    const std::vector<float> twice = db[0].to_floats();
+    for (int64_t j = 0; j < c; ++j) EXPECT_FLOAT_EQ(twice[size_t(j)], 2 * once[size_t(j)]);
+  }
+}
+
 TEST(MoeGroupedLinear, MatchesOneLinearPerExpertAndFiniteDifferences) {
   Context ctx;
   const int64_t in = 5, out = 3;

@@ -426,4 +426,72 @@ void moe_scale_rows_backward(Context& ctx, const Tensor& grad_out, const Tensor&
   }
 }
 
+// ---- the grouped experts' biases ----------------------------------------------------------------------
+
+namespace {
+// Checks the shared arguments of moe_grouped_bias_*: rows of [N, c] in expert order, one [c] bias each.
+int64_t check_grouped_bias(const Tensor& y, const std::vector<Tensor>& biases, const std::vector<int64_t>& rows,
+                           const Tensor& probs) {
+  MG_ASSERT(y.dim() == 2 && biases.size() == rows.size(), "moe_grouped_bias: y {} with {} biases for {} experts",
+            y.str(), biases.size(), rows.size());
+  const int64_t c = y.size(1);
+  int64_t total = 0;
+  for (size_t e = 0; e < rows.size(); ++e) {
+    MG_ASSERT(rows[e] >= 0 && biases[e].defined() && biases[e].numel() == c && biases[e].dtype() == y.dtype(),
+              "moe_grouped_bias: expert {}'s bias {} for rows of {}", e, biases[e].defined() ? biases[e].str() : "-",
+              y.str());
+    total += rows[e];
+  }
+  MG_ASSERT(total == y.size(0), "moe_grouped_bias: {} rows over the experts for {}", total, y.str());
+  if (probs.defined()) check_host(probs, DType::Float32, total, "probs");
+  return c;
+}
+}  // namespace
+
+void moe_grouped_bias_forward(Context& ctx, Tensor& y, const std::vector<Tensor>& biases,
+                              const std::vector<int64_t>& rows_per_expert, const Tensor& probs) {
+  assert_float(y, "y");
+  const int64_t c = check_grouped_bias(y, biases, rows_per_expert, probs);
+  const float* p = probs.defined() ? probs.data<float>() : nullptr;
+  FloatOut o(y, /*load=*/true);
+  int64_t row = 0;
+  for (size_t e = 0; e < biases.size(); ++e) {
+    FloatIn b(biases[e]);
+    for (int64_t r = row; r < row + rows_per_expert[e]; ++r) {
+      const float s = p ? p[r] : 1.0f;
+      for (int64_t j = 0; j < c; ++j) o[r * c + j] += s * b[j];
+    }
+    row += rows_per_expert[e];
+  }
+}
+
+void moe_grouped_bias_backward(Context& ctx, const Tensor& grad_out, const std::vector<Tensor>& biases,
+                               const std::vector<int64_t>& rows_per_expert, const Tensor& probs,
+                               const std::vector<Tensor>& bias_grads, Tensor& grad_probs) {
+  assert_float(grad_out, "grad_out");
+  const int64_t c = check_grouped_bias(grad_out, biases, rows_per_expert, probs);
+  MG_ASSERT(bias_grads.size() == biases.size(), "moe_grouped_bias_backward: {} gradients for {} biases",
+            bias_grads.size(), biases.size());
+  MG_ASSERT(!grad_probs.defined() || probs.defined(), "moe_grouped_bias_backward: grad_probs without probs");
+  if (grad_probs.defined()) check_host(grad_probs, DType::Float32, grad_out.size(0), "grad_probs");
+  const float* p = probs.defined() ? probs.data<float>() : nullptr;
+  FloatIn g(grad_out);
+  int64_t row = 0;
+  for (size_t e = 0; e < biases.size(); ++e) {
+    check_host(bias_grads[e], DType::Float32, c, "bias_grads");
+    float* db = bias_grads[e].data<float>();
+    FloatIn b(biases[e]);
+    for (int64_t r = row; r < row + rows_per_expert[e]; ++r) {
+      const float s = p ? p[r] : 1.0f;
+      double dot = 0;
+      for (int64_t j = 0; j < c; ++j) {
+        db[j] += s * g[r * c + j];
+        dot += double(g[r * c + j]) * b[j];
+      }
+      if (grad_probs.defined()) grad_probs.data<float>()[r] += float(dot);
+    }
+    row += rows_per_expert[e];
+  }
+}
+
 }  // namespace megatron::cpu

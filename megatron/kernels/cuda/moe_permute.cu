@@ -453,4 +453,133 @@ void moe_scale_rows_backward(Context& ctx, const Tensor& grad_out, const Tensor&
   scaled_rows_and_dots(ctx, grad_out, nullptr, x, dev_ptr<const float>(probs), n, c, grad_x, grad_probs);
 }
 
+// ---- the grouped experts' biases ----------------------------------------------------------------------
+// Up to kBiasExperts experts per launch, their bias pointers and first rows passed by value (no
+// host-to-device copy: a CUDA graph captures the launch). Forward: blockIdx.y is the expert, the
+// blocks of x stride over its rows' elements. Backward: one thread per (expert, column) sums the
+// expert's rows in row order (the CPU's order, no atomics); one warp per row gives grad_probs.
+
+namespace {
+
+constexpr int kBiasExperts = 64;
+
+struct GroupedBias {
+  const void* bias[kBiasExperts];
+  float* grad[kBiasExperts];
+  int64_t first[kBiasExperts + 1];
+};
+
+template <typename T>
+__global__ void grouped_bias_forward_kernel(T* __restrict__ y, GroupedBias g, const float* __restrict__ probs,
+                                            int64_t c) {
+  const int e = blockIdx.y;
+  const T* b = static_cast<const T*>(g.bias[e]);
+  const int64_t begin = g.first[e] * c, end = g.first[e + 1] * c;
+  for (int64_t i = begin + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float s = probs ? probs[i / c] : 1.0f;
+    y[i] = store_float<T>(load_float(y[i]) + __fmul_rn(s, load_float(b[i % c])));  // no FMA: the CPU's rounding
+  }
+}
+
+template <typename T>
+__global__ void grouped_bias_grad_kernel(const T* __restrict__ g_out, GroupedBias g, const float* __restrict__ probs,
+                                         int64_t c) {
+  const int e = blockIdx.y;
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= c) return;
+  float sum = 0.0f;
+  for (int64_t r = g.first[e]; r < g.first[e + 1]; ++r) sum += (probs ? probs[r] : 1.0f) * load_float(g_out[r * c + j]);
+  g.grad[e][j] += sum;
+}
+
+template <typename T>
+__global__ void grouped_bias_dots_kernel(const T* __restrict__ g_out, GroupedBias g, int experts, int64_t c,
+                                         float* __restrict__ grad_probs) {
+  const int64_t row = g.first[0] + (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= g.first[experts]) return;  // whole warps leave together (a warp is one row)
+  int e = 0;
+  while (g.first[e + 1] <= row) ++e;
+  const T* b = static_cast<const T*>(g.bias[e]);
+  float dot = 0.0f;
+  for (int64_t j = lane; j < c; j += 32) dot += load_float(g_out[row * c + j]) * load_float(b[j]);
+  for (int o = 16; o > 0; o /= 2) dot += __shfl_down_sync(0xffffffffu, dot, o);
+  if (lane == 0) grad_probs[row] += dot;
+}
+
+// Checks the arguments of moe_grouped_bias_* and calls f(chunk, experts in it) per chunk of experts.
+template <typename F>
+void for_bias_chunks(const Tensor& y, const std::vector<Tensor>& biases, const std::vector<int64_t>& rows,
+                     const std::vector<Tensor>* grads, const Tensor& probs, F&& f) {
+  check_float_cuda(y, "y");
+  MG_ASSERT(y.dim() == 2 && biases.size() == rows.size() && (!grads || grads->size() == rows.size()),
+            "moe_grouped_bias: y {} with {} biases for {} experts", y.str(), biases.size(), rows.size());
+  const int64_t c = y.size(1);
+  int64_t row = 0;
+  for (size_t e0 = 0; e0 < rows.size(); e0 += kBiasExperts) {
+    GroupedBias g{};
+    const int n = int(std::min<size_t>(kBiasExperts, rows.size() - e0));
+    for (int k = 0; k < n; ++k) {
+      const Tensor& b = biases[e0 + k];
+      MG_ASSERT(b.defined() && b.numel() == c && b.dtype() == y.dtype() && b.device() == y.device(),
+                "moe_grouped_bias: expert {}'s bias {} for rows of {}", e0 + k, b.defined() ? b.str() : "-", y.str());
+      g.bias[k] = b.raw_data();
+      if (grads) {
+        check_fp32((*grads)[e0 + k], c, "bias_grads");
+        g.grad[k] = dev_ptr<float>((*grads)[e0 + k]);
+      }
+      g.first[k] = row;
+      row += rows[e0 + k];
+    }
+    g.first[n] = row;
+    f(g, n);
+  }
+  MG_ASSERT(row == y.size(0), "moe_grouped_bias: {} rows over the experts for {}", row, y.str());
+  if (probs.defined()) check_fp32(probs, row, "probs");
+}
+
+}  // namespace
+
+void moe_grouped_bias_forward(Context& ctx, Tensor& y, const std::vector<Tensor>& biases,
+                              const std::vector<int64_t>& rows_per_expert, const Tensor& probs) {
+  const int64_t c = y.dim() == 2 ? y.size(1) : 0;
+  const float* p = probs.defined() ? dev_ptr<const float>(probs) : nullptr;
+  for_bias_chunks(y, biases, rows_per_expert, nullptr, probs, [&](const GroupedBias& g, int n) {
+    int64_t most = 0;
+    for (int k = 0; k < n; ++k) most = std::max(most, (g.first[k + 1] - g.first[k]) * c);
+    if (most == 0) return;
+    const dim3 grid(unsigned(std::min<int64_t>((most + kBlockSize - 1) / kBlockSize, 1024)), unsigned(n));
+    dispatch_float(y.dtype(), [&]<typename T>() {
+      grouped_bias_forward_kernel<T><<<grid, kBlockSize, 0, stream_of(ctx)>>>(dev_ptr<T>(y), g, p, c);
+    });
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void moe_grouped_bias_backward(Context& ctx, const Tensor& grad_out, const std::vector<Tensor>& biases,
+                               const std::vector<int64_t>& rows_per_expert, const Tensor& probs,
+                               const std::vector<Tensor>& bias_grads, Tensor& grad_probs) {
+  const int64_t c = grad_out.dim() == 2 ? grad_out.size(1) : 0;
+  MG_ASSERT(!grad_probs.defined() || probs.defined(), "moe_grouped_bias_backward: grad_probs without probs");
+  const float* p = probs.defined() ? dev_ptr<const float>(probs) : nullptr;
+  if (grad_probs.defined()) check_fp32(grad_probs, grad_out.dim() == 2 ? grad_out.size(0) : 0, "grad_probs");
+  for_bias_chunks(grad_out, biases, rows_per_expert, &bias_grads, probs, [&](const GroupedBias& g, int n) {
+    if (c == 0) return;
+    const int64_t rows = g.first[n] - g.first[0];
+    dispatch_float(grad_out.dtype(), [&]<typename T>() {
+      const dim3 grid(unsigned((c + kBlockSize - 1) / kBlockSize), unsigned(n));
+      grouped_bias_grad_kernel<T><<<grid, kBlockSize, 0, stream_of(ctx)>>>(dev_ptr<const T>(grad_out), g, p, c);
+      CUDA_CHECK_LAUNCH();
+      if (grad_probs.defined() && rows > 0) {
+        // one warp per row of this chunk of experts, [first[0], first[n])
+        const int64_t warps = rows;
+        grouped_bias_dots_kernel<T><<<grid_for(warps * 32), kBlockSize, 0, stream_of(ctx)>>>(
+            dev_ptr<const T>(grad_out), g, n, c, dev_ptr<float>(grad_probs));
+        CUDA_CHECK_LAUNCH();
+      }
+    });
+  });
+}
+
 }  // namespace megatron::cuda

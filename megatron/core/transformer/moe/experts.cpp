@@ -7,13 +7,19 @@
 namespace megatron::moe {
 
 namespace {
-// A column of n ones [n, 1] in `dtype` on ctx's device (the left factor of a bias's rank-1 product),
-// written on the context's stream with no host copy (a CUDA graph can capture it):
-// masked_loss_backward without a mask fills its output with `scale`.
-Tensor ones_column(Context& ctx, int64_t n, DType dtype) {
-  Tensor ones = Tensor::empty({n}, DType::Float32, ctx.device());
-  ops::masked_loss_backward(ctx, Tensor(), 1.0f, ones);
-  return (dtype == DType::Float32 ? ones : ones.to(dtype)).view({n, 1});
+// The biases of the experts (all or none have one) and their gradient buffers, for the grouped
+// bias op (Note [Grouped experts with biases]); empty when the layer has none.
+std::vector<Tensor> bias_data(const std::vector<Parameter*>& b) {
+  std::vector<Tensor> out;
+  if (!b.empty() && b.front())
+    for (const Parameter* p : b) out.push_back(p->data);
+  return out;
+}
+std::vector<Tensor> bias_grads(const std::vector<Parameter*>& b) {
+  std::vector<Tensor> out;
+  if (!b.empty() && b.front())
+    for (const Parameter* p : b) out.push_back(p->main_grad);
+  return out;
 }
 }  // namespace
 
@@ -60,18 +66,7 @@ void SequentialMLP::linear_forward(Context& ctx, const std::vector<Parameter*>& 
     std::vector<Tensor> weights;
     for (const Parameter* p : w) weights.push_back(p->data);
     ops::moe_grouped_linear_forward(ctx, x, weights, rows, y);
-    // Note [Grouped experts with biases]: y_e += 1·b_eᵀ.
-    int64_t row = 0;
-    for (size_t e = 0; e < w.size(); ++e) {
-      const int64_t n = rows[e];
-      if (b[e] && n > 0) {
-        const int64_t out = y.size(1);
-        Tensor ye = y.slice(row, row + n), add = Tensor::empty({n, out}, y.dtype(), ctx.device());
-        ops::linear_forward(ctx, ones_column(ctx, n, y.dtype()), b[e]->data.view({out, 1}), Tensor(), add);
-        ops::add(ctx, ye, add, ye);
-      }
-      row += n;
-    }
+    if (const auto biases = bias_data(b); !biases.empty()) ops::moe_grouped_bias_forward(ctx, y, biases, rows, Tensor());
     return;
   }
   int64_t row = 0;
@@ -94,16 +89,9 @@ void SequentialMLP::linear_backward(Context& ctx, const std::vector<Parameter*>&
       grads.push_back(p->main_grad);
     }
     ops::moe_grouped_linear_backward(ctx, grad_out, x, weights, rows, grad_in, grads);
-    int64_t row = 0;
-    for (size_t e = 0; e < w.size(); ++e) {  // db_e += Σ_rows dy (Note [Grouped experts with biases])
-      const int64_t n = rows[e];
-      if (b[e] && n > 0) {
-        const int64_t out = grad_out.size(1);
-        Tensor none, db = b[e]->main_grad.view({out, 1});
-        ops::linear_backward(ctx, grad_out.slice(row, row + n), ones_column(ctx, n, grad_out.dtype()),
-                             b[e]->data.view({out, 1}), none, db, none);
-      }
-      row += n;
+    if (const auto biases = bias_data(b); !biases.empty()) {
+      Tensor none;
+      ops::moe_grouped_bias_backward(ctx, grad_out, biases, rows, Tensor(), bias_grads(b), none);
     }
   } else {
     int64_t row = 0;
@@ -143,17 +131,9 @@ Tensor SequentialMLP::forward(Context& ctx, const Tensor& x, const Tensor& probs
   Tensor out = Tensor::empty({n_rows, h}, x.dtype(), ctx.device());
   const std::vector<Parameter*> no_bias(fc2_.size(), nullptr);
   linear_forward(ctx, fc2_, no_bias, saved.scaled, tokens_per_expert, out);
-  int64_t row = 0;
-  for (size_t e = 0; e < fc2_bias_.size(); ++e) {  // + p · b2: the rank-1 product p_e b2ᵀ added
-    const int64_t n = tokens_per_expert[e];
-    if (fc2_bias_[e] && n > 0) {
-      Tensor y = out.slice(row, row + n), b = Tensor::empty({n, h}, x.dtype(), ctx.device());
-      ops::linear_forward(ctx, probs.slice(row, row + n).view({n, 1}).to(x.dtype()),
-                          fc2_bias_[e]->data.view({h, 1}), Tensor(), b);
-      ops::add(ctx, y, b, y);
-    }
-    row += n;
-  }
+  // + p · b2 (Note [Grouped experts with biases]), sequential or grouped
+  if (const auto b2 = bias_data(fc2_bias_); !b2.empty())
+    ops::moe_grouped_bias_forward(ctx, out, b2, tokens_per_expert, probs);
   return out;
 }
 
@@ -172,21 +152,9 @@ Tensor SequentialMLP::backward(Context& ctx, const Tensor& grad_out, Saved& save
   ops::moe_scale_rows_backward(ctx, grad_scaled, act, saved.probs, grad_act, grad_probs);
   act = Tensor();
   grad_scaled = Tensor();
-  int64_t row = 0;
-  for (size_t e = 0; e < fc2_bias_.size(); ++e) {  // dp += <dy, b2>; db2 += Σ_n p[n] · dy[n]
-    const int64_t n = rows[e];
-    if (Parameter* b2 = fc2_bias_[e]; b2 && n > 0) {
-      const Tensor g = grad_out.slice(row, row + n);
-      Tensor dots = Tensor::empty({n, 1}, DType::Float32, ctx.device()), none;
-      ops::linear_forward(ctx, g.to(DType::Float32), b2->data.to(DType::Float32).view({1, h}), Tensor(), dots);
-      Tensor gp = grad_probs.slice(row, row + n);
-      ops::add(ctx, gp, dots.view({n}), gp);
-      Tensor db = b2->main_grad.view({h, 1});
-      ops::linear_backward(ctx, g, saved.probs.slice(row, row + n).view({n, 1}).to(g.dtype()),
-                           b2->data.view({h, 1}), none, db, none);
-      notify_grad_accumulated(ctx, b2);
-    }
-    row += n;
+  if (const auto b2 = bias_data(fc2_bias_); !b2.empty()) {  // dp += <dy, b2>; db2 += Σ_n p[n] · dy[n]
+    ops::moe_grouped_bias_backward(ctx, grad_out, b2, rows, saved.probs, bias_grads(fc2_bias_), grad_probs);
+    for (Parameter* p : fc2_bias_) notify_grad_accumulated(ctx, p);
   }
   Tensor grad_fc1 = Tensor::empty(saved.fc1.shape(), saved.fc1.dtype(), ctx.device());
   act_.backward(ctx, grad_act, saved.fc1, grad_fc1);

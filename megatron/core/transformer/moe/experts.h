@@ -14,8 +14,11 @@
 // probabilities run once over all rows (ops::swiglu_* / gelu_*, ops::moe_scale_rows_*), on the
 // context's device. The activation is the model's (MlpActivation: GeLU, SwiGLU or GPT-OSS's clamped
 // quick-GeGLU). Note [Grouped experts with biases]: the grouped GEMM has no bias epilogue, so with
-// --add-bias-linear (GPT-OSS) each expert's fc1 bias is added to its rows as the rank-1 product
-// 1·b1ᵀ (one small GEMM per expert, as the p·b2 term below), and its gradient is Σ_rows dy.
+// --add-bias-linear (GPT-OSS) ops::moe_grouped_bias_forward adds each expert's fc1 bias to its rows
+// after it, and the p·b2 term of fc2 (sequential or grouped) the same way with the probabilities
+// as the rows' weights; its backward gives db = Σ_rows s·dy per expert and dp += <dy, b2>. One
+// launch per 64 experts, where a GEMM and an add per expert (the first design) cost GPT-OSS a
+// tenth of its step in launches.
 // The weights are "<prefix>.local_experts.<g>.linear_fc1.weight" / "...linear_fc2.weight" (and
 // biases) with g the GLOBAL expert index (ep_rank · local experts + local index), so checkpoints
 // name each expert once whatever the expert-parallel layout. Under expert tensor parallelism fc1
