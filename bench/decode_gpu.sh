@@ -68,12 +68,14 @@ for r in rows:
     if "error" in r:
         print(f"{r['system']:18} {r['model']:9} batch {r.get('batch', '-')}: error {r['error'][:200]}")
 ours = {(r["model"], r["batch"]): r for r in ok if r["system"] == "megatron.cpp"}
+num = lambda v: f"{v:.0f}" if v is not None else "-"
+def ratio(o, r, key):
+    return f"{o[key] / r[key]:.2f}" if o and o.get(key) and r.get(key) and r["system"] != "megatron.cpp" else ""
 print(f"{'system':18} {'model':9} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak GiB':>9}"
       f" {'ours/it prefill':>16} {'ours/it decode':>15}")
 for r in ok:
     o = ours.get((r["model"], r["batch"]))
-    rp = f"{o['prefill_tokens_per_s'] / r['prefill_tokens_per_s']:.2f}" if o and r["system"] != "megatron.cpp" else ""
-    rd = f"{o['decode_tokens_per_s'] / r['decode_tokens_per_s']:.2f}" if o and r["system"] != "megatron.cpp" else ""
-    print(f"{r['system']:18} {r['model']:9} {r['batch']:>5} {r['prefill_tokens_per_s']:>14.0f} "
-          f"{r['decode_tokens_per_s']:>13.0f} {r['peak_mem_GiB']:>9.2f} {rp:>16} {rd:>15}")
+    print(f"{r['system']:18} {r['model']:9} {r['batch']:>5} {num(r['prefill_tokens_per_s']):>14} "
+          f"{num(r['decode_tokens_per_s']):>13} {r['peak_mem_GiB']:>9.2f} {ratio(o, r, 'prefill_tokens_per_s'):>16} "
+          f"{ratio(o, r, 'decode_tokens_per_s'):>15}")
 PY

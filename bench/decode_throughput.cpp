@@ -130,15 +130,17 @@ int main(int argc, char** argv) {
       reset_peak_memory_stats(ctx.device());
       const double prefill_s = time_generate(1);
       const double total_s = time_generate(new_tokens);
-      const double decode_s = std::max(total_s - prefill_s, 1e-9);
+      // Not positive only when the timings are noise (a tiny smoke run): null.
+      const double decode_s = total_s - prefill_s;
+      const std::string decode_tps = decode_s > 0 ? fmt::format("{:.1f}", double(batch) * (new_tokens - 1) / decode_s) : "null";
       MemoryStats m = memory_stats(ctx.device());
       std::printf("%s\n",
                   fmt::format("{{\"system\": \"megatron.cpp\", \"model\": \"{}\", \"device\": \"{}\", \"dtype\": \"{}\", "
                               "\"batch\": {}, \"prompt\": {}, \"new_tokens\": {}, \"params\": {}, "
-                              "\"prefill_tokens_per_s\": {:.1f}, \"decode_tokens_per_s\": {:.1f}, "
+                              "\"prefill_tokens_per_s\": {:.1f}, \"decode_tokens_per_s\": {}, "
                               "\"prefill_s\": {:.4f}, \"generate_s\": {:.4f}, \"peak_mem_GiB\": {:.3f}}}",
                               preset, ctx.device().str(), dtype, batch, prompt, new_tokens, model.params().numel(),
-                              double(batch) * prompt / prefill_s, double(batch) * (new_tokens - 1) / decode_s,
+                              double(batch) * prompt / prefill_s, decode_tps,
                               prefill_s, total_s, double(m.peak_allocated) / double(1ull << 30))
                       .c_str());
       std::fflush(stdout);
