@@ -7,7 +7,10 @@
 #   here:            bench/decode_gpu.sh stage     (from a CUDA build: $GPU_BUILD_DIR, default build/)
 #   the GPU machine: bench/decode_gpu.sh run [ours] [hf]
 # Environment: DECODE_MODELS (default "gpt-1.3B llama-1B"), DECODE_BATCH (default 1,32), HF_SYSTEMS
-# (default compile,eager).
+# (default compile,eager). One call has 570 s; if torch.compile makes the HF part longer, split it over
+# calls on the same (warm) machine, e.g. `run ours`, then DECODE_MODELS=gpt-1.3B `run hf`, then
+# DECODE_MODELS=llama-1B `run hf`: the rows accumulate in the unpacked package's results.jsonl (the last
+# row of each system, model and batch counts), and every call copies them to $OUT and prints the summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 D=.device/decode
@@ -37,7 +40,7 @@ P=/tmp/decodecuda
 source $P/env.sh
 export LD_LIBRARY_PATH=$P/lib:$LD_LIBRARY_PATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-J=$OUT/decode_bench.jsonl; : > $J
+J=$P/results.jsonl; touch $J
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 MODELS=${DECODE_MODELS:-gpt-1.3B llama-1B}
 BATCH=${DECODE_BATCH:-1,32}
@@ -60,9 +63,15 @@ if [[ " $parts " == *" hf "* ]]; then
 fi
 
 echo "== summary"
+cp $J $OUT/decode_bench.jsonl
 python3 - $J <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+last = {}
+for l in open(sys.argv[1]):
+    if l.startswith("{"):
+        r = json.loads(l)
+        last[(r["system"], r["model"], r.get("batch"))] = r
+rows = list(last.values())
 ok = [r for r in rows if "error" not in r]
 for r in rows:
     if "error" in r:
