@@ -230,7 +230,8 @@ std::string hf_layer(int i, const char* rest) { return fmt::format("model.layers
 
 }  // namespace
 
-TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf) {
+void deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf,
+                          TensorSink& out) {
   const TransformerConfig& c = info.config;
   const Dims d(c);
   const int64_t dqk = d.qk + d.pe;
@@ -238,8 +239,7 @@ TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tens
   auto rope_rows = [&](Tensor t, int64_t heads, int64_t block, int64_t offset) {
     return info.rope_interleave ? permute_rope_rows(t, heads, block, offset, d.pe, true) : t;
   };
-  TensorMap out;
-  out["embedding.word_embeddings.weight"] = resize_rows(hf("model.embed_tokens.weight", {d.v, d.h}), d.vp);
+  out["embedding.word_embeddings.weight"] = pad_rows(hf("model.embed_tokens.weight", {d.v, d.h}), d.vp);
   for (int i = 0; i < c.num_layers; ++i) {
     auto p = [&](const char* rest) { return hf_layer(i, rest); };
     out[layer(i, "input_layernorm.weight")] = hf(p("input_layernorm.weight"), {d.h});
@@ -260,7 +260,7 @@ TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tens
     out[layer(i, "self_attention.linear_proj.weight")] = hf(p("self_attn.o_proj.weight"), {d.h, d.n * d.dv});
     out[layer(i, "pre_mlp_layernorm.weight")] = hf(p("post_attention_layernorm.weight"), {d.h});
     auto fc1 = [&](const std::string& base, int64_t rows) {
-      return concat_rows({hf(base + "gate_proj.weight", {rows, d.h}), hf(base + "up_proj.weight", {rows, d.h})});
+      return RowParts({hf(base + "gate_proj.weight", {rows, d.h}), hf(base + "up_proj.weight", {rows, d.h})});
     };
     if (!c.is_moe_layer(i)) {
       out[layer(i, "mlp.linear_fc1.weight")] = fc1(p("mlp."), d.f);
@@ -282,24 +282,18 @@ TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tens
   }
   out["decoder.final_layernorm.weight"] = hf("model.norm.weight", {d.h});
   if (!c.share_embeddings_and_output_weights)
-    out["output_layer.weight"] = resize_rows(hf("lm_head.weight", {d.v, d.h}), d.vp);
-  return out;
+    out["output_layer.weight"] = pad_rows(hf("lm_head.weight", {d.v, d.h}), d.vp);
 }
 
-TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
+void megatron_to_deepseek(const HFModelInfo& info, const TensorSource& m, TensorSink& out) {
   const TransformerConfig& c = info.config;
   const Dims d(c);
   const int64_t dqk = d.qk + d.pe;
-  auto get = [&](const std::string& name) -> Tensor {
-    auto it = m.find(name);
-    MG_CHECK(it != m.end(), "tensor '{}' is missing from the Megatron state", name);
-    return as_fp32(it->second);
-  };
+  auto get = [&](const std::string& name) -> Tensor { return as_fp32(m.get(name)); };
   auto rope_rows = [&](Tensor t, int64_t heads, int64_t block, int64_t offset) {
     return info.rope_interleave ? permute_rope_rows(t, heads, block, offset, d.pe, false) : t;
   };
-  TensorMap out;
-  out["model.embed_tokens.weight"] = resize_rows(get("embedding.word_embeddings.weight"), d.v);
+  out["model.embed_tokens.weight"] = pad_rows(get("embedding.word_embeddings.weight"), d.v);
   for (int i = 0; i < c.num_layers; ++i) {
     auto p = [&](const char* rest) { return hf_layer(i, rest); };
     out[p("input_layernorm.weight")] = get(layer(i, "input_layernorm.weight"));
@@ -319,8 +313,8 @@ TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
     auto split_fc1 = [&](const std::string& fc1_name, const std::string& base) {
       Tensor fc1 = get(fc1_name);
       const int64_t half = fc1.size(0) / 2;
-      out[base + "gate_proj.weight"] = fc1.slice(0, half).clone();
-      out[base + "up_proj.weight"] = fc1.slice(half, 2 * half).clone();
+      out[base + "gate_proj.weight"] = fc1.slice(0, half);
+      out[base + "up_proj.weight"] = fc1.slice(half, 2 * half);
     };
     if (!c.is_moe_layer(i)) {
       split_fc1(layer(i, "mlp.linear_fc1.weight"), p("mlp."));
@@ -330,7 +324,7 @@ TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
     out[p("mlp.gate.weight")] = get(layer(i, "mlp.router.weight"));
     // The expert bias is a model buffer, not a parameter: exported when the state holds it
     // (checkpoints and model_buffer_dict do; gradients do not).
-    if (m.count(layer(i, "mlp.router.expert_bias")))
+    if (m.has(layer(i, "mlp.router.expert_bias")))
       out[p("mlp.gate.e_score_correction_bias")] = get(layer(i, "mlp.router.expert_bias"));
     for (int e = 0; e < c.num_moe_experts; ++e) {
       const std::string ours = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.", i, e);
@@ -344,8 +338,7 @@ TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
     }
   }
   out["model.norm.weight"] = get("decoder.final_layernorm.weight");
-  if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), d.v);
-  return out;
+  if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = pad_rows(get("output_layer.weight"), d.v);
 }
 
 }  // namespace megatron

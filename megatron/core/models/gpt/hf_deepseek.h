@@ -44,8 +44,9 @@ namespace megatron {
 bool is_hf_deepseek(const std::string& model_type);
 /// The fields of a deepseek_v3 config.json (Note [HF DeepSeek-V3]); one line for what is not supported.
 void deepseek_config_from_hf(const nlohmann::json& hf_config, TransformerConfig& config);
-TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf);
-TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& megatron);
+void deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf,
+                          TensorSink& out);
+void megatron_to_deepseek(const HFModelInfo& info, const TensorSource& megatron, TensorSink& out);
 nlohmann::json deepseek_config_to_hf(const TransformerConfig& config);
 
 }  // namespace megatron
