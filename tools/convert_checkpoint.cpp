@@ -14,7 +14,22 @@
 // refused in one line naming the flag HF cannot express (Note [Which HF model a checkpoint exports
 // as] in hf_mapping.cpp); its weights keep the run's dtype (bf16 stays bf16), and the tokenizer
 // files the run used are copied in HF's layout, with generation_config.json giving its bos/eos ids.
+//
+// Note [Streaming conversion]
+// Neither direction holds a model: the memory is one output tensor and its sources. A mapping
+// (hf_to_megatron / megatron_to_hf) hands each output tensor to a TensorSink as soon as it is made;
+// sources are read from the memory-mapped files a chunk at a time, their pages dropped (Note
+// [Bounded reads] in safetensors.h); each tensor is written at its place in the output file
+// (safetensors::Writer, any order) and freed. A safetensors header lists every tensor before the
+// data, so the mapping runs twice: a planning pass over uninitialised source tensors of the right
+// shapes (slices and row pieces never touch them) records each output's name and shape and which
+// sources were read, then the writing pass. Fused and padded tensors (QKV, [gate; up], the padded
+// vocabulary) travel as row pieces (RowParts) and are converted to the file's dtype a chunk at a
+// time, so an embedding costs its fp32 copy alone; what export still assembles (split_qkv, GPT-2's
+// transposes, GPT-OSS's stacked experts) costs twice that tensor. Large blocks are mmapped by malloc so
+// that a freed tensor leaves the resident set at once. docs/architecture.md gives measured peaks.
 #include <fmt/format.h>
+#include <malloc.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
@@ -24,6 +39,8 @@
 #include <set>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/dist_checkpointing/sharded.h"
+#include "megatron/core/models/gpt/hf_deepseek.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/core/tokenizers/tokenizer.h"
 #include "megatron/training/checkpointing.h"
@@ -81,34 +98,38 @@ int64_t parse_size(const std::string& text) {
 }
 
 // model.safetensors when everything fits in one shard of max_shard_bytes, else
-// model-0000k-of-0000n.safetensors with model.safetensors.index.json (HF's save_pretrained layout).
-// Progress is reported as each file is written.
-void write_hf_weights(const fs::path& save, const TensorMap& hf, int64_t max_shard_bytes) {
-  std::vector<std::vector<std::pair<std::string, Tensor>>> shards(1);
+// model-0000k-of-0000n.safetensors with model.safetensors.index.json (HF's save_pretrained layout),
+// from the planned tensors (by name); `produce` runs the mapping, each tensor going to its shard's
+// writer (Note [Streaming conversion]). Progress is reported as tensors are written.
+void write_hf_weights(const fs::path& save, const std::vector<safetensors::Writer::Spec>& plan, int64_t max_shard_bytes,
+                      const std::function<void(TensorSink&)>& produce) {
+  std::vector<std::vector<safetensors::Writer::Spec>> shards(1);
   int64_t bytes = 0, total = 0;
-  for (const auto& [name, t] : hf) {
-    const int64_t n = int64_t(t.nbytes());
+  for (const safetensors::Writer::Spec& t : plan) {
+    const int64_t n = shape_numel(t.shape) * int64_t(size_of(t.dtype));
     if (!shards.back().empty() && bytes + n > max_shard_bytes) shards.emplace_back(), bytes = 0;
-    shards.back().emplace_back(name, t);
+    shards.back().push_back(t);
     bytes += n, total += n;
   }
-  Progress progress("writing HF tensors", hf.size());
-  auto write_shard = [&](const std::string& file, const std::vector<std::pair<std::string, Tensor>>& tensors) {
-    safetensors::write((save / file).string(), tensors, {{"format", "pt"}});
-    size_t shard_bytes = 0;
-    for (const auto& [name, t] : tensors) shard_bytes += t.nbytes();
-    progress.tick(shard_bytes, tensors.size());
-  };
-  if (shards.size() == 1) {
-    write_shard("model.safetensors", shards[0]);
-    return;
-  }
+  std::vector<std::string> files;
+  if (shards.size() == 1) files.push_back("model.safetensors");
+  for (size_t k = 0; shards.size() > 1 && k < shards.size(); ++k)
+    files.push_back(fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size()));
+  std::vector<std::unique_ptr<safetensors::Writer>> writers;
+  std::map<std::string, safetensors::Writer*> writer_of;
   nlohmann::json weight_map = nlohmann::json::object();
   for (size_t k = 0; k < shards.size(); ++k) {
-    const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
-    for (const auto& [name, t] : shards[k]) weight_map[name] = file;
-    write_shard(file, shards[k]);
+    writers.push_back(std::make_unique<safetensors::Writer>((save / files[k]).string(), shards[k],
+                                                            safetensors::Metadata{{"format", "pt"}}));
+    for (const safetensors::Writer::Spec& t : shards[k]) writer_of[t.name] = writers.back().get(), weight_map[t.name] = files[k];
   }
+  Progress progress("writing HF tensors", plan.size());
+  TensorSink sink([&](const std::string& name, RowParts t) {
+    progress.tick(writer_of.at(name)->put(name, t.parts, t.zero_rows));
+  });
+  produce(sink);
+  for (auto& w : writers) w->commit();
+  if (shards.size() == 1) return;
   std::ofstream out(save / "model.safetensors.index.json");
   out << nlohmann::json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) << "\n";
   MG_CHECK(out.good(), "cannot write {}", (save / "model.safetensors.index.json").string());
@@ -136,21 +157,29 @@ std::string hf_dtype_name(DType dtype) {
   }
 }
 
-// The HF tensors in the run's dtype (config.params_dtype: bf16 with --bf16, fp16 with --fp16, else
-// fp32), converted from the fp32 copies exactly: they hold values of that dtype. Note [Exporting
-// zero-centered norms]: with --apply-layernorm-1p the norm weights are 1 + w, which bf16/fp16 would
-// round (a stored w of 1e-3 becomes 1.0), so those stay fp32 in the file and load exactly in fp32.
-TensorMap in_export_dtype(const TensorMap& hf, const TransformerConfig& config) {
-  TensorMap out;
-  Progress progress(fmt::format("converting HF tensors to {}", hf_dtype_name(config.params_dtype)), hf.size());
-  for (const auto& [name, t] : hf) {
-    const bool norm = name.ends_with("norm.weight") || name.ends_with("ln_1.weight") || name.ends_with("ln_2.weight") ||
-                      name.ends_with("ln_f.weight");
-    const bool keep_fp32 = config.layernorm_zero_centered_gamma && norm;
-    out[name] = keep_fp32 || config.params_dtype == DType::Float32 ? t : t.to(config.params_dtype);
-    progress.tick(out[name].nbytes());
-  }
-  return out;
+// The dtype an HF tensor is written in: the run's (config.params_dtype: bf16 with --bf16, fp16 with
+// --fp16, else fp32), converted from the fp32 values exactly: they hold values of that dtype. Note
+// [Exporting zero-centered norms]: with --apply-layernorm-1p the norm weights are 1 + w, which
+// bf16/fp16 would round (a stored w of 1e-3 becomes 1.0), so those stay fp32 and load exactly in fp32.
+DType export_dtype(const std::string& name, const TransformerConfig& config) {
+  const bool norm = name.ends_with("norm.weight") || name.ends_with("ln_1.weight") || name.ends_with("ln_2.weight") ||
+                    name.ends_with("ln_f.weight");
+  return config.layernorm_zero_centered_gamma && norm ? DType::Float32 : config.params_dtype;
+}
+
+// Note [Streaming conversion]: the planning pass. Runs `map` with sources that are uninitialised fp32
+// tensors of the sources' shapes and returns each output's name and shape (dtype from `dtype_of`).
+std::vector<safetensors::Writer::Spec> plan_outputs(const std::function<void(TensorSink&)>& map,
+                                                    const std::function<DType(const std::string&)>& dtype_of) {
+  std::vector<safetensors::Writer::Spec> plan;
+  std::set<std::string> seen;
+  TensorSink sink([&](const std::string& name, RowParts t) {
+    MG_ASSERT(seen.insert(name).second, "the mapping produced '{}' twice", name);
+    plan.push_back({name, dtype_of(name), t.shape()});
+  });
+  map(sink);
+  std::sort(plan.begin(), plan.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  return plan;
 }
 
 // The tokenizer the run trained with: its type and files as the checkpoint recorded them, or null
@@ -221,14 +250,20 @@ int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divis
   HFFolder folder(load.string());
   const nlohmann::json& hf_config = folder.config();
   HFModelInfo info = config_from_hf(folder, divisible_by);  // Note [HF DeepSeek-V3 MTP]: MTP when the folder has it
-  Progress progress("reading HF tensors", folder.tensor_names().size());
+  if (info.family == HFFamily::DeepSeek) check_deepseek_mtp_copies(info, [&](const std::string& n) { return folder.get(n); });
+  // Planning pass (Note [Streaming conversion]): our tensors' shapes and the HF tensors they read.
   std::set<std::string> read;
-  TensorMap state = hf_to_megatron(info, [&](const std::string& n) {
-    Tensor t = folder.get(n);
-    read.insert(n);
-    progress.tick(t.nbytes());
-    return t;
-  });
+  const std::vector<safetensors::Writer::Spec> plan = plan_outputs(
+      [&](TensorSink& sink) {
+        hf_to_megatron(
+            info,
+            [&](const std::string& n) {
+              read.insert(n);
+              return Tensor::empty(folder.shape(n), DType::Float32);
+            },
+            sink);
+      },
+      [&](const std::string&) { return info.config.params_dtype; });
   // Nothing is dropped silently: a tensor the model does not read is an error (another model, or a
   // config that does not describe the weights), except the buffers older transformers versions
   // saved (rotary inverse frequencies, GPT-2's causal masks), which are named and skipped.
@@ -247,12 +282,27 @@ int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divis
     std::fprintf(stderr, "[convert] skipped %zu buffer tensor(s) the model recomputes (e.g. %s)\n", skipped.size(),
                  skipped.front().c_str());
   }
-  GPTModel model(info.config);
-  load_model_state_dict(model, state, load.string());
-  Arguments args = arguments_for(info.config);
-  save_model_checkpoint(save.string(), model, args, /*release=*/true, {{"hf_config", hf_config}});
-  std::fprintf(stderr, "[convert] wrote %s/release (%lld parameters, padded vocabulary %d)\n", save.c_str(),
-               (long long)model.params().numel(), info.config.padded_vocab_size);
+  int64_t values = 0;
+  for (const safetensors::Writer::Spec& t : plan) values += shape_numel(t.shape);
+  Progress reading("reading HF tensors", read.size()), writing("writing tensors", plan.size());
+  save_model_checkpoint(
+      save.string(), plan,
+      [&](safetensors::Writer& writer) {
+        TensorSink sink([&](const std::string& name, RowParts t) {
+          writing.tick(writer.put(name, t.parts, t.zero_rows));
+        });
+        hf_to_megatron(
+            info,
+            [&](const std::string& n) {
+              Tensor t = folder.get(n);
+              reading.tick(t.nbytes());
+              return t;
+            },
+            sink);
+      },
+      arguments_for(info.config), /*release=*/true, {{"hf_config", hf_config}});
+  std::fprintf(stderr, "[convert] wrote %s/release (%lld values in %zu tensors, padded vocabulary %d)\n", save.c_str(),
+               (long long)values, plan.size(), info.config.padded_vocab_size);
   return 0;
 }
 
@@ -298,17 +348,29 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
     info.config = config;
   }
 
-  GPTModel model(config);
-  Checkpointer checkpointer(args);
-  Context ctx;
-  checkpointer.load(ctx, load.string(), model, nullptr, nullptr);
-  std::fprintf(stderr, "[convert] read %s (%lld parameters, %s)\n", dir.c_str(), (long long)model.params().numel(),
-               std::string(to_string(config.params_dtype)).c_str());
-  TensorMap state = model_state_dict(model);
-  state.merge(model_buffer_dict(model));  // the MoE routers' expert biases (DeepSeek's e_score_correction_bias)
-  TensorMap hf = in_export_dtype(megatron_to_hf(info, state), config);
+  // Our tensors one at a time (the parameters and the MoE routers' expert biases, DeepSeek's
+  // e_score_correction_bias), from files of any parallel layout, each file's checksum verified.
+  const dist_checkpointing::ShardIndex index = open_model_weights(meta, dir);
+  Progress reading(fmt::format("reading {}", dir), index.names().size());
+  const TensorSource source{[&](const std::string& name) {
+                              MG_CHECK(index.contains(name), "checkpoint {} has no tensor '{}' that a {} model needs",
+                                       dir, name, info.model_type);
+                              Tensor t = Tensor::empty(index.tensor(name).shape, DType::Float32);
+                              reading.tick(index.load_into(name, ShardSpec{}, t));
+                              return t;
+                            },
+                            [&](const std::string& name) { return index.contains(name); }};
+  const TensorSource planning{[&](const std::string& name) {
+                                MG_CHECK(index.contains(name), "checkpoint {} has no tensor '{}' that a {} model needs",
+                                         dir, name, info.model_type);
+                                return Tensor::empty(index.tensor(name).shape, DType::Float32);
+                              },
+                              source.has};
+  // Note [Streaming conversion]: the HF tensors' shapes first, then each written as it is made.
+  const auto plan = plan_outputs([&](TensorSink& sink) { megatron_to_hf(info, planning, sink); },
+                                 [&](const std::string& name) { return export_dtype(name, config); });
   fs::create_directories(save);
-  write_hf_weights(save, hf, max_shard_bytes);
+  write_hf_weights(save, plan, max_shard_bytes, [&](TensorSink& sink) { megatron_to_hf(info, source, sink); });
 
   // config.json says the dtype of the weights written (an HF config that had no dtype and gets fp32
   // weights is left as it was, so an HF -> megatron.cpp -> HF round trip gives its config back).
@@ -342,6 +404,9 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Note [Streaming conversion]: blocks of 1 MiB and more are mmapped, so a freed tensor's memory
+  // leaves the process at once instead of staying in the heap.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   try {
     std::string from, load, save;
     int divisible_by = 128;

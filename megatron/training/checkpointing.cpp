@@ -148,6 +148,25 @@ nlohmann::json tensor_table(const ShardIndex& index) {
   return table;
 }
 
+// metadata.json's fields that every save writes (the rest: scheduler, optimizer, RNG, extra, tensors, checksums).
+nlohmann::json base_metadata(const Arguments& args, const ParallelState* ps, const TrainingProgress& progress) {
+  return {{"format", "megatron.cpp"},
+          {"version", kFormatVersion},
+          {"iteration", progress.iteration},
+          {"consumed_train_samples", progress.consumed_train_samples},
+          {"consumed_valid_samples", progress.consumed_valid_samples},
+          {"floating_point_operations_so_far", progress.floating_point_operations_so_far},
+          {"args", model_args_to_json(args)},
+          {"parallel",
+           {{"world_size", ps ? ps->world_size() : 1},
+            {"tensor_model_parallel_size", ps ? ps->tp_size() : 1},
+            {"pipeline_model_parallel_size", ps ? ps->pp_size() : 1},
+            {"context_parallel_size", ps ? ps->cp_size() : 1},
+            {"data_parallel_size", ps ? ps->dp_size() : 1},
+            {"virtual_pipeline_model_parallel_size", ps ? ps->vpp_size() : 1},
+            {"use_distributed_optimizer", args.use_distributed_optimizer}}}};
+}
+
 // This rank's files, into the temporary directory (any thread).
 void write_files(Checkpointer::SaveJob& job) {
   if (job.create_tmp_dir) {
@@ -491,22 +510,7 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
   }
 
   if (job->publish) {
-    const ParallelState* ps = distributed() ? parallel_ : nullptr;
-    nlohmann::json meta = {{"format", "megatron.cpp"},
-                           {"version", kFormatVersion},
-                           {"iteration", progress.iteration},
-                           {"consumed_train_samples", progress.consumed_train_samples},
-                           {"consumed_valid_samples", progress.consumed_valid_samples},
-                           {"floating_point_operations_so_far", progress.floating_point_operations_so_far},
-                           {"args", model_args_to_json(args_)},
-                           {"parallel",
-                            {{"world_size", ps ? ps->world_size() : 1},
-                             {"tensor_model_parallel_size", ps ? ps->tp_size() : 1},
-                             {"pipeline_model_parallel_size", ps ? ps->pp_size() : 1},
-                             {"context_parallel_size", ps ? ps->cp_size() : 1},
-                             {"data_parallel_size", ps ? ps->dp_size() : 1},
-                             {"virtual_pipeline_model_parallel_size", ps ? ps->vpp_size() : 1},
-                             {"use_distributed_optimizer", args_.use_distributed_optimizer}}}};
+    nlohmann::json meta = base_metadata(args_, distributed() ? parallel_ : nullptr, progress);
     if (scheduler) meta["opt_param_scheduler"] = scheduler->state_dict();
     if (save_optim) meta["optimizer"] = optimizer->state_dict();
     if (!args_.no_save_rng) meta["rng"] = {{"seed", ctx.rng().seed}, {"offset", ctx.rng().offset}};
@@ -726,6 +730,45 @@ void save_model_checkpoint(const std::string& save_dir, const ModelChunk& model,
   Checkpointer ck(a);
   Context ctx;
   ck.save(ctx, model, nullptr, nullptr, TrainingProgress{}, release, extra);
+}
+
+void save_model_checkpoint(const std::string& save_dir, const std::vector<safetensors::Writer::Spec>& tensors,
+                           const std::function<void(safetensors::Writer&)>& write, const Arguments& args, bool release,
+                           const nlohmann::json& extra) {
+  Checkpointer::SaveJob job;
+  job.save_dir = save_dir;
+  job.dir_name = checkpoint_dir_name(0, release);
+  job.tracker_value = release ? "release" : "0";
+  job.metadata = base_metadata(args, nullptr, TrainingProgress{});
+  for (const auto& [key, value] : extra.items()) job.metadata[key] = value;
+  job.tmp_dir = job.save_dir / fmt::format("{}.tmp-{}", job.dir_name, ::getpid());  // Note [Atomic checkpoints]
+  fs::create_directories(job.save_dir);
+  remove_stale_temporary_checkpoints(job.save_dir);
+  try {
+    fs::remove_all(job.tmp_dir);
+    fs::create_directories(job.tmp_dir);
+    std::vector<dist_checkpointing::ShardDecl> decls;
+    for (const safetensors::Writer::Spec& t : tensors) decls.push_back({t.name, t.shape, ShardSpec{}});
+    const std::string file = dist_checkpointing::shard_file_name(kModelStem, 0);
+    safetensors::Writer writer((job.tmp_dir / file).string(), tensors,
+                               dist_checkpointing::shard_metadata(decls, {{"format", "megatron.cpp"}}));
+    write(writer);
+    const uint64_t checksum = writer.commit();
+    job.written = {{file, fs::file_size(job.tmp_dir / file), checksum}};
+    job.checksums[file] = checksum;
+    publish(job);
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(job.tmp_dir, ignored);
+    throw;
+  }
+  report_save(job);
+}
+
+dist_checkpointing::ShardIndex open_model_weights(const nlohmann::json& meta, const std::string& dir) {
+  ShardIndex index(dir, kModelStem);
+  if (auto checksums = recorded_checksums(meta, dir)) index.expect_checksums(*checksums);
+  return index;
 }
 
 }  // namespace megatron

@@ -62,6 +62,7 @@
 #include <cstdint>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -69,6 +70,8 @@
 #include <string>
 #include <vector>
 
+#include "megatron/core/dist_checkpointing/safetensors.h"
+#include "megatron/core/dist_checkpointing/sharded.h"
 #include "megatron/core/parallel_state.h"
 #include "megatron/core/transformer/module.h"
 #include "megatron/core/optimizer/optimizer.h"
@@ -171,6 +174,16 @@ class Checkpointer {
 /// Writes a model alone as a checkpoint directory (used by tools/convert_checkpoint for "release").
 void save_model_checkpoint(const std::string& save_dir, const ModelChunk& model, const Arguments& args, bool release,
                            const nlohmann::json& extra = nlohmann::json::object());
+/// The same checkpoint written tensor by tensor, for a model never held in memory whole
+/// (tools/convert_checkpoint): `tensors` declares every tensor (whole, in its stored dtype) and
+/// `write` puts each into the writer (safetensors::Writer::put, any order). The files, metadata.json,
+/// checksums and the atomic publication are save_model_checkpoint's.
+void save_model_checkpoint(const std::string& save_dir, const std::vector<safetensors::Writer::Spec>& tensors,
+                           const std::function<void(safetensors::Writer&)>& write, const Arguments& args, bool release,
+                           const nlohmann::json& extra = nlohmann::json::object());
+/// The model weights (model_rank*.safetensors) of checkpoint directory `dir`, whose metadata.json is
+/// `meta`: each file is verified against its recorded checksum the first time it is read from.
+dist_checkpointing::ShardIndex open_model_weights(const nlohmann::json& meta, const std::string& dir);
 /// The metadata.json of the latest checkpoint under `load_dir` (and its directory).
 nlohmann::json read_checkpoint_metadata(const std::string& load_dir, std::string* checkpoint_dir = nullptr);
 

@@ -25,6 +25,9 @@ namespace {
 
 using nlohmann::json;
 
+/// Note [Bounded reads]: the unit in which files are copied, converted and checksummed.
+constexpr size_t kChunkBytes = size_t(16) << 20;
+
 /// The Python library refuses larger headers; a length above it means the file is not safetensors.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
@@ -173,18 +176,6 @@ std::string quoted(const std::string& path, const std::string& s) {
   return {};
 }
 
-void write_all(int fd, const void* data, size_t n, const std::string& tmp) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, std::min<size_t>(n, size_t(1) << 30));
-    if (w < 0 && errno == EINTR) continue;
-    MG_CHECK(w > 0, "cannot write '{}': {}; check free disk space and write permission", tmp,
-             errno_message(w < 0 ? errno : EIO));
-    p += w;
-    n -= size_t(w);
-  }
-}
-
 /// The temporary file of an atomic write: removed unless committed.
 struct TempFile {
   std::string path;
@@ -301,8 +292,23 @@ const Entry& File::entry(std::string_view name) const {
 Tensor File::read(std::string_view name, std::optional<DType> dtype) const {
   const Entry& e = entry(name);
   Tensor t = Tensor::empty(e.shape, dtype.value_or(e.dtype));
-  convert_elements(buffer_ + e.begin, e.dtype, t.raw_data(), t.dtype(), size_t(t.numel()));
+  // Note [Bounded reads]: a chunk at a time, its pages dropped once converted.
+  const size_t in = size_of(e.dtype), out = size_of(t.dtype()), n = size_t(t.numel());
+  const size_t step = std::max<size_t>(1, kChunkBytes / in);
+  auto* dst = static_cast<std::byte*>(t.raw_data());
+  for (size_t i = 0; i < n; i += step) {
+    const size_t count = std::min(step, n - i);
+    convert_elements(buffer_ + e.begin + i * in, e.dtype, dst + i * out, t.dtype(), count);
+    release(e.begin + i * in, e.begin + (i + count) * in);
+  }
   return t;
+}
+
+void File::release(uint64_t begin, uint64_t end) const {
+  static const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(buffer_ + begin) + page - 1) / page * page;
+  const uintptr_t hi = reinterpret_cast<uintptr_t>(buffer_ + end) / page * page;
+  if (lo < hi) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // advisory: an error changes nothing
 }
 
 MappedTensor File::view(std::string_view name) const {
@@ -321,29 +327,75 @@ MappedTensor File::view(std::string_view name) const {
   return m;
 }
 
-uint64_t File::checksum() const { return checksum_of(mapping_->addr, mapping_->size); }
+uint64_t File::checksum() const {
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash(XXH3_createState(), XXH3_freeState);
+  MG_CHECK(hash && XXH3_64bits_reset(hash.get()) == XXH_OK, "cannot checksum '{}': out of memory", path_);
+  const auto* base = static_cast<const std::byte*>(mapping_->addr);
+  for (size_t at = 0; at < mapping_->size; at += kChunkBytes) {  // Note [Bounded reads]
+    const size_t n = std::min(kChunkBytes, mapping_->size - at);
+    XXH3_64bits_update(hash.get(), base + at, n);
+    ::madvise(const_cast<std::byte*>(base + at), n, MADV_DONTNEED);  // chunks start on page boundaries
+  }
+  return XXH3_64bits_digest(hash.get());
+}
 
 uint64_t checksum_of(const void* data, size_t n) { return XXH3_64bits(data, n); }
 
 // ---- writer --------------------------------------------------------------------------------------
 
-uint64_t write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
-               const Metadata& metadata) {
-  std::set<std::string_view> seen;
-  for (const auto& [name, t] : tensors) {
-    MG_CHECK(name != "__metadata__",
-             "cannot write safetensors file '{}': '__metadata__' is reserved, rename the tensor", path);
-    MG_CHECK(t.defined(), "cannot write safetensors file '{}': tensor '{}' is undefined", path, name);
-    MG_CHECK(seen.insert(name).second, "cannot write safetensors file '{}': tensor name '{}' appears twice", path,
-             name);
-  }
+struct Writer::Impl {
+  struct Slot {
+    const Spec* spec = nullptr;
+    uint64_t begin = 0, end = 0;  // file offsets
+    bool written = false;
+  };
+  TempFile tmp;
+  std::string path;
+  int fd = -1;
+  std::map<std::string, Slot, std::less<>> slots;
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash{XXH3_createState(), XXH3_freeState};
+  uint64_t hashed_to = 0;  // the checksum covers the file's bytes [0, hashed_to)
+  bool in_order = true;
+  std::vector<std::byte> bounce;
 
+  ~Impl() {
+    if (fd >= 0) ::close(fd);
+  }
+  // Writes n bytes at file offset `at`, adding them to the checksum when they continue it.
+  void put_bytes(uint64_t at, const void* data, size_t n) {
+    if (in_order && at == hashed_to) {
+      XXH3_64bits_update(hash.get(), data, n);
+      hashed_to += n;
+    } else {
+      in_order = false;
+    }
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      ssize_t w = ::pwrite(fd, p, std::min<size_t>(n, size_t(1) << 30), off_t(at));
+      if (w < 0 && errno == EINTR) continue;
+      MG_CHECK(w > 0, "cannot write '{}': {}; check free disk space and write permission", tmp.path,
+               errno_message(w < 0 ? errno : EIO));
+      p += w, at += uint64_t(w), n -= size_t(w);
+    }
+  }
+};
+
+Writer::Writer(std::string path, const std::vector<Spec>& tensors, const Metadata& metadata)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->tmp.path = path + ".tmp";
+  impl_->path = path;
+  std::set<std::string_view> seen;
+  for (const Spec& t : tensors) {
+    MG_CHECK(t.name != "__metadata__",
+             "cannot write safetensors file '{}': '__metadata__' is reserved, rename the tensor", path);
+    MG_CHECK(seen.insert(t.name).second, "cannot write safetensors file '{}': tensor name '{}' appears twice", path,
+             t.name);
+  }
   // Note [Tensor order].
-  std::vector<const std::pair<std::string, Tensor>*> order;
-  for (const auto& item : tensors) order.push_back(&item);
-  std::sort(order.begin(), order.end(), [](const auto* a, const auto* b) {
-    int ra = python_dtype_rank(a->second.dtype()), rb = python_dtype_rank(b->second.dtype());
-    return ra != rb ? ra > rb : a->first < b->first;
+  order_ = tensors;
+  std::sort(order_.begin(), order_.end(), [](const Spec& a, const Spec& b) {
+    int ra = python_dtype_rank(a.dtype), rb = python_dtype_rank(b.dtype);
+    return ra != rb ? ra > rb : a.name < b.name;
   });
 
   // Compact JSON as the Python library writes it (serde_json): no spaces, fields in this order.
@@ -355,53 +407,133 @@ uint64_t write(const std::string& path, const std::vector<std::pair<std::string,
     fields.push_back(fmt::format("\"__metadata__\":{{{}}}", fmt::join(items, ",")));
   }
   uint64_t offset = 0;
-  for (const auto* item : order) {
-    const Tensor& t = item->second;
-    fields.push_back(fmt::format("{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
-                                 quoted(path, item->first), safetensors_name(t.dtype()), fmt::join(t.shape(), ","),
-                                 offset, offset + t.nbytes()));
-    offset += t.nbytes();
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const Spec& t : order_) {
+    const uint64_t n = uint64_t(shape_numel(t.shape)) * size_of(t.dtype);
+    fields.push_back(fmt::format("{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}", quoted(path, t.name),
+                                 safetensors_name(t.dtype), fmt::join(t.shape, ","), offset, offset + n));
+    ranges.emplace_back(offset, offset + n);
+    offset += n;
   }
   std::string header = fmt::format("{{{}}}", fmt::join(fields, ","));
   header.append((8 - header.size() % 8) % 8, ' ');
-
-  TempFile tmp{path + ".tmp"};
-  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash(XXH3_createState(), XXH3_freeState);
-  MG_CHECK(hash && XXH3_64bits_reset(hash.get()) == XXH_OK, "cannot write '{}': out of memory for its checksum", path);
-  auto put = [&](int fd, const void* data, size_t n) {
-    XXH3_64bits_update(hash.get(), data, n);
-    write_all(fd, data, n, tmp.path);
-  };
-  {
-    Fd fd(::open(tmp.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    MG_CHECK(fd.fd >= 0, "cannot create '{}': {}; check that the directory exists and is writable", tmp.path,
-             errno_message(errno));
-    uint8_t len_bytes[8];
-    for (int i = 0; i < 8; ++i) len_bytes[i] = uint8_t(uint64_t(header.size()) >> (8 * i));
-    put(fd.fd, len_bytes, 8);
-    put(fd.fd, header.data(), header.size());
-    for (const auto* item : order) {
-      const Tensor& t = item->second;
-      if (t.numel() == 0) continue;
-      Tensor host = t.device().is_host() ? t : t.to(Device::cpu());
-      put(fd.fd, host.raw_data(), host.nbytes());
-    }
-    MG_CHECK(::fsync(fd.fd) == 0, "cannot flush '{}' to disk: {}; check free disk space", tmp.path,
-             errno_message(errno));
-    const int closed = ::close(fd.fd);
-    fd.fd = -1;
-    MG_CHECK(closed == 0, "cannot close '{}': {}; check free disk space", tmp.path, errno_message(errno));
+  const uint64_t data_start = 8 + header.size();
+  for (size_t i = 0; i < order_.size(); ++i) {
+    impl_->slots[order_[i].name] = {&order_[i], data_start + ranges[i].first, data_start + ranges[i].second, false};
   }
-  MG_CHECK(::rename(tmp.path.c_str(), path.c_str()) == 0, "cannot rename '{}' to '{}': {}; check write permission",
-           tmp.path, path, errno_message(errno));
-  tmp.committed = true;
+
+  MG_CHECK(impl_->hash && XXH3_64bits_reset(impl_->hash.get()) == XXH_OK,
+           "cannot write '{}': out of memory for its checksum", path);
+  impl_->fd = ::open(impl_->tmp.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  MG_CHECK(impl_->fd >= 0, "cannot create '{}': {}; check that the directory exists and is writable", impl_->tmp.path,
+           errno_message(errno));
+  uint8_t len_bytes[8];
+  for (int i = 0; i < 8; ++i) len_bytes[i] = uint8_t(uint64_t(header.size()) >> (8 * i));
+  impl_->put_bytes(0, len_bytes, 8);
+  impl_->put_bytes(8, header.data(), header.size());
+}
+
+Writer::~Writer() = default;
+
+size_t Writer::put(const std::string& name, const std::vector<Tensor>& parts, int64_t zero_rows) {
+  Impl& w = *impl_;
+  auto it = w.slots.find(name);
+  MG_CHECK(it != w.slots.end(), "cannot write safetensors file '{}': tensor '{}' was not declared", w.path, name);
+  Impl::Slot& slot = it->second;
+  MG_ASSERT(!slot.written, "safetensors file '{}': tensor '{}' written twice", w.path, name);
+  const Spec& spec = *slot.spec;
+  const int64_t numel = shape_numel(spec.shape);
+  const int64_t row = spec.shape.empty() || spec.shape[0] == 0 ? numel : numel / spec.shape[0];
+  int64_t given = zero_rows * row;
+  for (const Tensor& p : parts) {
+    MG_CHECK(p.defined(), "cannot write safetensors file '{}': tensor '{}' is undefined", w.path, name);
+    given += p.numel();
+  }
+  MG_ASSERT(given == numel && zero_rows >= 0, "safetensors file '{}': tensor '{}' declared {} but given {} elements",
+            w.path, name, shape_str(spec.shape), given);
+  const size_t out = size_of(spec.dtype);
+  uint64_t at = slot.begin;
+  for (const Tensor& part : parts) {
+    if (part.numel() == 0) continue;
+    Tensor host = part.device().is_host() ? part : part.to(Device::cpu());
+    const auto* src = static_cast<const std::byte*>(host.raw_data());
+    const size_t in = size_of(host.dtype()), n = size_t(host.numel());
+    if (host.dtype() == spec.dtype) {
+      w.put_bytes(at, src, n * in);
+      at += n * in;
+      continue;
+    }
+    const size_t step = std::max<size_t>(1, kChunkBytes / out);
+    w.bounce.resize(std::min(n, step) * out);
+    for (size_t i = 0; i < n; i += step) {
+      const size_t count = std::min(step, n - i);
+      convert_elements(src + i * in, host.dtype(), w.bounce.data(), spec.dtype, count);
+      w.put_bytes(at, w.bounce.data(), count * out);
+      at += count * out;
+    }
+  }
+  for (uint64_t left = uint64_t(zero_rows * row) * out; left > 0;) {
+    const size_t n = size_t(std::min<uint64_t>(left, kChunkBytes));
+    w.bounce.assign(n, std::byte{0});
+    w.put_bytes(at, w.bounce.data(), n);
+    at += n, left -= n;
+  }
+  MG_ASSERT(at == slot.end, "safetensors file '{}': tensor '{}' wrote {} bytes of {}", w.path, name, at - slot.begin,
+            slot.end - slot.begin);
+  std::vector<std::byte>().swap(w.bounce);
+  slot.written = true;
+  return size_t(slot.end - slot.begin);
+}
+
+uint64_t Writer::commit() {
+  Impl& w = *impl_;
+  uint64_t size = 8;
+  for (const auto& [name, slot] : w.slots) {
+    MG_ASSERT(slot.written, "safetensors file '{}': tensor '{}' was declared but never written", w.path, name);
+    size = std::max(size, slot.end);
+  }
+  if (w.slots.empty()) size = w.hashed_to;
+  if (!w.in_order || w.hashed_to != size) {  // written out of order: checksum the file as it is on disk
+    MG_CHECK(XXH3_64bits_reset(w.hash.get()) == XXH_OK, "cannot checksum '{}'", w.tmp.path);
+    Fd in(::open(w.tmp.path.c_str(), O_RDONLY | O_CLOEXEC));
+    MG_CHECK(in.fd >= 0, "cannot read back '{}': {}", w.tmp.path, errno_message(errno));
+    std::vector<std::byte> buf(kChunkBytes);
+    for (uint64_t at = 0; at < size;) {
+      ssize_t r = ::pread(in.fd, buf.data(), size_t(std::min<uint64_t>(buf.size(), size - at)), off_t(at));
+      if (r < 0 && errno == EINTR) continue;
+      MG_CHECK(r > 0, "cannot read back '{}': {}", w.tmp.path, errno_message(r < 0 ? errno : EIO));
+      XXH3_64bits_update(w.hash.get(), buf.data(), size_t(r));
+      at += uint64_t(r);
+    }
+  }
+  MG_CHECK(::fsync(w.fd) == 0, "cannot flush '{}' to disk: {}; check free disk space", w.tmp.path, errno_message(errno));
+  const int closed = ::close(w.fd);
+  w.fd = -1;
+  MG_CHECK(closed == 0, "cannot close '{}': {}; check free disk space", w.tmp.path, errno_message(errno));
+  MG_CHECK(::rename(w.tmp.path.c_str(), w.path.c_str()) == 0, "cannot rename '{}' to '{}': {}; check write permission",
+           w.tmp.path, w.path, errno_message(errno));
+  w.tmp.committed = true;
 
   // Make the rename itself durable.
-  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  std::filesystem::path dir = std::filesystem::path(w.path).parent_path();
   Fd dir_fd(::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  MG_CHECK(dir_fd.fd >= 0 && ::fsync(dir_fd.fd) == 0, "wrote '{}' but cannot sync its directory: {}", path,
+  MG_CHECK(dir_fd.fd >= 0 && ::fsync(dir_fd.fd) == 0, "wrote '{}' but cannot sync its directory: {}", w.path,
            errno_message(errno));
-  return XXH3_64bits_digest(hash.get());
+  return XXH3_64bits_digest(w.hash.get());
+}
+
+uint64_t write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+               const Metadata& metadata) {
+  std::vector<Writer::Spec> specs;
+  std::map<std::string_view, const Tensor*> by_name;
+  for (const auto& [name, t] : tensors) {
+    MG_CHECK(t.defined(), "cannot write safetensors file '{}': tensor '{}' is undefined", path, name);
+    specs.push_back({name, t.dtype(), t.shape()});
+    by_name[name] = &t;
+  }
+  Writer writer(path, specs, metadata);
+  for (const Writer::Spec& s : writer.order()) writer.put(s.name, {*by_name.at(s.name)});
+  return writer.commit();
 }
 
 }  // namespace megatron::safetensors

@@ -8,6 +8,10 @@
 // checked entries; each problem is one megatron::Error line naming the file (and the tensor).
 // The writer orders tensors as the Python library does (Note [Tensor order] in the .cpp), so every
 // tensor it writes is aligned to its element size and a zero-copy view of it is a typed array.
+// Writer writes one tensor at a time in any order (the header comes from the declared tensors), so
+// a converter never holds more than the tensor in hand; write() is a Writer fed in file order.
+// Note [Bounded reads]: the reader copies and checksums in chunks and drops the mapped pages it has
+// read (madvise), so reading a tensor adds at most one chunk of file pages to the resident set.
 #pragma once
 
 #include <cstddef>
@@ -79,8 +83,11 @@ class File {
   MappedTensor view(std::string_view name) const;
 
   /// The XXH3-64 checksum of the whole file (every byte of the mapping; Note [Checkpoint checksums]
-  /// in training/checkpointing.h). Reads the file once.
+  /// in training/checkpointing.h). Reads the file once, in chunks (Note [Bounded reads]).
   uint64_t checksum() const;
+  /// Drops the resident pages of data-buffer bytes [begin, end) from this process (whole pages
+  /// inside the range; the file is untouched and a later read faults them back in).
+  void release(uint64_t begin, uint64_t end) const;
 
  private:
   struct Mapping;
@@ -98,6 +105,39 @@ class File {
 /// checksum of the bytes written (File::checksum() of the file), computed as they are written.
 uint64_t write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                const Metadata& metadata = {});
+
+/// A safetensors file written tensor by tensor: the constructor takes every tensor's name, dtype and
+/// shape, lays them out as write() does (Note [Tensor order]) and writes the header to `path + ".tmp"`;
+/// put() writes one tensor's bytes at its place, in any order; commit() checks that every tensor was
+/// written, fsyncs and renames into place. The checksum is computed while writing when the tensors
+/// come in file order, else by reading the file back once at commit. Destroyed uncommitted, it
+/// removes the temporary file.
+class Writer {
+ public:
+  struct Spec {
+    std::string name;
+    DType dtype = DType::Float32;
+    Shape shape;
+  };
+  Writer(std::string path, const std::vector<Spec>& tensors, const Metadata& metadata = {});
+  ~Writer();
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
+
+  /// Writes tensor `name` as the concatenation along dim 0 of `parts` (host or device, any dtype:
+  /// converted to the declared one in chunks) followed by `zero_rows` rows of zeros. The rows must
+  /// add up to the declared shape. Returns the bytes written.
+  size_t put(const std::string& name, const std::vector<Tensor>& parts, int64_t zero_rows = 0);
+  /// The tensors in file order (put() in this order checksums as it writes).
+  const std::vector<Spec>& order() const { return order_; }
+  /// Publishes the file; returns its XXH3-64 checksum.
+  uint64_t commit();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::vector<Spec> order_;
+};
 
 /// XXH3-64 of `n` bytes (the checksum File::checksum() and write() use).
 uint64_t checksum_of(const void* data, size_t n);

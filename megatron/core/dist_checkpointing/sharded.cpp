@@ -155,25 +155,33 @@ std::optional<ShardBox> uncovered_block(const Shape& shape, const std::vector<Sh
 
 std::string shard_file_name(const std::string& stem, int rank) { return fmt::format("{}_rank{:05d}.safetensors", stem, rank); }
 
-SavedShardFile save_shards(const std::string& dir, const std::string& stem, int rank,
-                           const std::vector<ShardedTensor>& tensors, const safetensors::Metadata& metadata) {
-  std::vector<std::pair<std::string, Tensor>> items;
+safetensors::Metadata shard_metadata(const std::vector<ShardDecl>& tensors, const safetensors::Metadata& metadata) {
   json shards = json::object();
-  for (const ShardedTensor& t : tensors) {
-    const ShardSpec spec = normalized(t.spec, t.local.shape());
-    MG_CHECK(local_shape(spec) == t.local.shape(),
+  for (const ShardDecl& t : tensors) {
+    const ShardSpec spec = normalized(t.spec, t.local_shape);
+    MG_CHECK(local_shape(spec) == t.local_shape,
              "cannot save '{}': its local shape {} is not the shard of global shape {} split on dimension {} into {}",
-             t.name, shape_str(t.local.shape()), shape_str(spec.global_shape), spec.partition_dim, spec.size);
+             t.name, shape_str(t.local_shape), shape_str(spec.global_shape), spec.partition_dim, spec.size);
     json boxes = json::array();
     for (const ShardBox& b : shard_boxes(spec))
       boxes.push_back({{"global_offset", b.global_offset}, {"local_offset", b.local_offset}, {"shape", b.shape}});
     shards[t.name] = {{"global_shape", spec.global_shape}, {"boxes", std::move(boxes)}};
-    items.emplace_back(t.name, t.local);
   }
   safetensors::Metadata meta = metadata;
   meta[kShardsKey] = shards.dump();
+  return meta;
+}
+
+SavedShardFile save_shards(const std::string& dir, const std::string& stem, int rank,
+                           const std::vector<ShardedTensor>& tensors, const safetensors::Metadata& metadata) {
+  std::vector<std::pair<std::string, Tensor>> items;
+  std::vector<ShardDecl> decls;
+  for (const ShardedTensor& t : tensors) {
+    decls.push_back({t.name, t.local.shape(), t.spec});
+    items.emplace_back(t.name, t.local);
+  }
   const fs::path path = fs::path(dir) / shard_file_name(stem, rank);
-  const uint64_t checksum = safetensors::write(path.string(), items, meta);
+  const uint64_t checksum = safetensors::write(path.string(), items, shard_metadata(decls, metadata));
   return {shard_file_name(stem, rank), fs::file_size(path), checksum};
 }
 
@@ -325,9 +333,14 @@ uint64_t ShardIndex::load_into(const std::string& name, const ShardSpec& spec_in
         src = static_cast<const std::byte*>(copied.raw_data());
       }
       const size_t in_size = size_of(e.dtype);
+      // Note [Bounded reads] (safetensors.h): long runs go a chunk at a time, their mapped pages dropped.
+      const size_t step = std::max<size_t>(1, (size_t(16) << 20) / in_size);
       for (const FlatRun& r : flat_runs(copy, e.shape, lshape)) {
-        convert_elements(src + size_t(r.global_start) * in_size, e.dtype, out + size_t(r.local_start) * out_size,
-                         dst.dtype(), size_t(r.count));
+        for (size_t i = 0; i < size_t(r.count); i += step) {
+          const size_t n = std::min(step, size_t(r.count) - i), at = size_t(r.global_start) + i;
+          convert_elements(src + at * in_size, e.dtype, out + (size_t(r.local_start) + i) * out_size, dst.dtype(), n);
+          if (!copied.defined()) f.release(e.begin + at * in_size, e.begin + (at + n) * in_size);
+        }
       }
     }
   }

@@ -50,6 +50,17 @@ struct SavedShardFile {
   uint64_t checksum = 0;
 };
 
+/// A tensor of a shard file as declared before its data exists (a streaming writer's layout).
+struct ShardDecl {
+  std::string name;
+  Shape local_shape;
+  ShardSpec spec;  // empty global_shape: whole
+};
+
+/// `metadata` with the shard table of Note [Sharded safetensors] for `tensors`: what save_shards
+/// writes, for a safetensors::Writer that writes the file tensor by tensor.
+safetensors::Metadata shard_metadata(const std::vector<ShardDecl>& tensors, const safetensors::Metadata& metadata = {});
+
 /// Writes `tensors` (names unique) as `dir`/shard_file_name(stem, rank), atomically (safetensors::write:
 /// temporary file, fsync, rename), with the shard metadata of Note [Sharded safetensors] and
 /// `metadata`.

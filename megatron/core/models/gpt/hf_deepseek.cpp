@@ -263,7 +263,29 @@ std::vector<LayerNames> layer_names(const TransformerConfig& c) {
 
 }  // namespace
 
-TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf) {
+void check_deepseek_mtp_copies(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf) {
+  const TransformerConfig& c = info.config;
+  if (c.mtp_num_layers == 0) return;
+  const Dims d(c);
+  HFReader hf{get_hf};
+  const Tensor embed = hf("model.embed_tokens.weight", {d.v, d.h});
+  const char* head_name = c.share_embeddings_and_output_weights ? "model.embed_tokens.weight" : "lm_head.weight";
+  const Tensor head = c.share_embeddings_and_output_weights ? embed : hf("lm_head.weight", {d.v, d.h});
+  auto same_as = [&](const std::string& name, const Tensor& shared, const char* shared_name) {
+    const Tensor t = hf(name, {d.v, d.h});
+    MG_CHECK(t.dtype() == shared.dtype() && std::memcmp(t.raw_data(), shared.raw_data(), t.nbytes()) == 0,
+             "{} differs from {}: Megatron's MTP layers share the model's embedding and output layer", name,
+             shared_name);
+  };
+  for (int k = 0; k < c.mtp_num_layers; ++k) {
+    const std::string p = fmt::format("model.layers.{}.", c.num_layers + k);
+    same_as(p + "embed_tokens.weight", embed, "model.embed_tokens.weight");
+    same_as(p + "shared_head.head.weight", head, head_name);
+  }
+}
+
+void deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf,
+                          TensorSink& out) {
   const TransformerConfig& c = info.config;
   check_mtp_layers(c);
   const Dims d(c);
@@ -272,12 +294,10 @@ TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tens
   auto rope_rows = [&](Tensor t, int64_t heads, int64_t block, int64_t offset) {
     return info.rope_interleave ? permute_rope_rows(t, heads, block, offset, d.pe, true) : t;
   };
-  TensorMap out;
-  const Tensor embed = hf("model.embed_tokens.weight", {d.v, d.h});
-  out["embedding.word_embeddings.weight"] = resize_rows(embed, d.vp);
+  out["embedding.word_embeddings.weight"] = pad_rows(hf("model.embed_tokens.weight", {d.v, d.h}), d.vp);
   for (const LayerNames& l : layer_names(c)) {
     auto p = [&](const char* rest) { return l.theirs(rest); };
-    auto set = [&](const std::string& rest, Tensor t) { out[l.mine(rest)] = std::move(t); };
+    auto set = [&](const std::string& rest, RowParts t) { out[l.mine(rest)] = std::move(t); };
     set("input_layernorm.weight", hf(p("input_layernorm.weight"), {d.h}));
     if (d.qr > 0) {
       set("self_attention.linear_q_down_proj.weight", hf(p("self_attn.q_a_proj.weight"), {d.qr, d.h}));
@@ -295,7 +315,7 @@ TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tens
     set("self_attention.linear_proj.weight", hf(p("self_attn.o_proj.weight"), {d.h, d.n * d.dv}));
     set("pre_mlp_layernorm.weight", hf(p("post_attention_layernorm.weight"), {d.h}));
     auto fc1 = [&](const std::string& base, int64_t rows) {
-      return concat_rows({hf(base + "gate_proj.weight", {rows, d.h}), hf(base + "up_proj.weight", {rows, d.h})});
+      return RowParts({hf(base + "gate_proj.weight", {rows, d.h}), hf(base + "up_proj.weight", {rows, d.h})});
     };
     if (!l.moe) {
       set("mlp.linear_fc1.weight", fc1(p("mlp."), d.f));
@@ -316,44 +336,33 @@ TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tens
     }
   }
   out["decoder.final_layernorm.weight"] = hf("model.norm.weight", {d.h});
-  const char* head_name = c.share_embeddings_and_output_weights ? "model.embed_tokens.weight" : "lm_head.weight";
-  const Tensor head = c.share_embeddings_and_output_weights ? embed : hf("lm_head.weight", {d.v, d.h});
-  if (!c.share_embeddings_and_output_weights) out["output_layer.weight"] = resize_rows(head, d.vp);
-  // Note [HF DeepSeek-V3 MTP]: each depth's own tensors, and its copies of the shared embedding and
-  // output head, which must equal the model's.
-  auto same_as = [&](const std::string& name, const Tensor& shared, const char* shared_name) {
-    const Tensor t = hf(name, {d.v, d.h});
-    MG_CHECK(t.dtype() == shared.dtype() && std::memcmp(t.raw_data(), shared.raw_data(), t.nbytes()) == 0,
-             "{} differs from {}: Megatron's MTP layers share the model's embedding and output layer", name,
-             shared_name);
-  };
+  if (!c.share_embeddings_and_output_weights)
+    out["output_layer.weight"] = pad_rows(hf("lm_head.weight", {d.v, d.h}), d.vp);
+  // Note [HF DeepSeek-V3 MTP]: each depth's own tensors; its copies of the shared embedding and
+  // output head are read here (so none is left unused) and checked equal to the model's by
+  // check_deepseek_mtp_copies (outside the mapping, which a streaming converter also runs over
+  // placeholders to plan its output).
   for (int k = 0; k < c.mtp_num_layers; ++k) {
     const std::string p = fmt::format("model.layers.{}.", c.num_layers + k), ours = fmt::format("mtp.layers.{}.", k);
     out[ours + "enorm.weight"] = hf(p + "enorm.weight", {d.h});
     out[ours + "hnorm.weight"] = hf(p + "hnorm.weight", {d.h});
     out[ours + "eh_proj.weight"] = hf(p + "eh_proj.weight", {d.h, 2 * d.h});
     out[ours + "final_layernorm.weight"] = hf(p + "shared_head.norm.weight", {d.h});
-    same_as(p + "embed_tokens.weight", embed, "model.embed_tokens.weight");
-    same_as(p + "shared_head.head.weight", head, head_name);
+    hf(p + "embed_tokens.weight", {d.v, d.h});
+    hf(p + "shared_head.head.weight", {d.v, d.h});
   }
-  return out;
 }
 
-TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
+void megatron_to_deepseek(const HFModelInfo& info, const TensorSource& m, TensorSink& out) {
   const TransformerConfig& c = info.config;
   check_mtp_layers(c);
   const Dims d(c);
   const int64_t dqk = d.qk + d.pe;
-  auto get = [&](const std::string& name) -> Tensor {
-    auto it = m.find(name);
-    MG_CHECK(it != m.end(), "tensor '{}' is missing from the Megatron state", name);
-    return as_fp32(it->second);
-  };
+  auto get = [&](const std::string& name) -> Tensor { return as_fp32(m.get(name)); };
   auto rope_rows = [&](Tensor t, int64_t heads, int64_t block, int64_t offset) {
     return info.rope_interleave ? permute_rope_rows(t, heads, block, offset, d.pe, false) : t;
   };
-  TensorMap out;
-  out["model.embed_tokens.weight"] = resize_rows(get("embedding.word_embeddings.weight"), d.v);
+  out["model.embed_tokens.weight"] = pad_rows(get("embedding.word_embeddings.weight"), d.v);
   for (const LayerNames& l : layer_names(c)) {
     auto p = [&](const char* rest) { return l.theirs(rest); };
     auto mine = [&](const std::string& rest) { return get(l.mine(rest)); };
@@ -374,8 +383,8 @@ TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
     auto split_fc1 = [&](const std::string& fc1_rest, const std::string& base) {
       Tensor fc1 = mine(fc1_rest);
       const int64_t half = fc1.size(0) / 2;
-      out[base + "gate_proj.weight"] = fc1.slice(0, half).clone();
-      out[base + "up_proj.weight"] = fc1.slice(half, 2 * half).clone();
+      out[base + "gate_proj.weight"] = fc1.slice(0, half);
+      out[base + "up_proj.weight"] = fc1.slice(half, 2 * half);
     };
     if (!l.moe) {
       split_fc1("mlp.linear_fc1.weight", p("mlp."));
@@ -385,7 +394,7 @@ TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
     out[p("mlp.gate.weight")] = mine("mlp.router.weight");
     // The expert bias is a model buffer, not a parameter: exported when the state holds it
     // (checkpoints and model_buffer_dict do; gradients do not).
-    if (m.count(l.mine("mlp.router.expert_bias")))
+    if (m.has(l.mine("mlp.router.expert_bias")))
       out[p("mlp.gate.e_score_correction_bias")] = mine("mlp.router.expert_bias");
     for (int e = 0; e < c.num_moe_experts; ++e) {
       const std::string ours = fmt::format("mlp.experts.local_experts.{}.", e);
@@ -399,19 +408,18 @@ TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& m) {
     }
   }
   out["model.norm.weight"] = get("decoder.final_layernorm.weight");
-  if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), d.v);
-  // Note [HF DeepSeek-V3 MTP]
+  if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = pad_rows(get("output_layer.weight"), d.v);
+  // Note [HF DeepSeek-V3 MTP]: the shared embedding and head written again as each depth's copies.
+  const char* head = c.share_embeddings_and_output_weights ? "embedding.word_embeddings.weight" : "output_layer.weight";
   for (int k = 0; k < c.mtp_num_layers; ++k) {
     const std::string p = fmt::format("model.layers.{}.", c.num_layers + k), ours = fmt::format("mtp.layers.{}.", k);
     out[p + "enorm.weight"] = get(ours + "enorm.weight");
     out[p + "hnorm.weight"] = get(ours + "hnorm.weight");
     out[p + "eh_proj.weight"] = get(ours + "eh_proj.weight");
     out[p + "shared_head.norm.weight"] = get(ours + "final_layernorm.weight");
-    out[p + "embed_tokens.weight"] = out.at("model.embed_tokens.weight").clone();
-    out[p + "shared_head.head.weight"] =
-        out.at(c.share_embeddings_and_output_weights ? "model.embed_tokens.weight" : "lm_head.weight").clone();
+    out[p + "embed_tokens.weight"] = pad_rows(get("embedding.word_embeddings.weight"), d.v);
+    out[p + "shared_head.head.weight"] = pad_rows(get(head), d.v);
   }
-  return out;
 }
 
 }  // namespace megatron

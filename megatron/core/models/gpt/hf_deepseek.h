@@ -57,8 +57,13 @@ namespace megatron {
 bool is_hf_deepseek(const std::string& model_type);
 /// The fields of a deepseek_v3 config.json (Note [HF DeepSeek-V3]); one line for what is not supported.
 void deepseek_config_from_hf(const nlohmann::json& hf_config, TransformerConfig& config);
-TensorMap deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf);
-TensorMap megatron_to_deepseek(const HFModelInfo& info, const TensorMap& megatron);
+void deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf,
+                          TensorSink& out);
+void megatron_to_deepseek(const HFModelInfo& info, const TensorSource& megatron, TensorSink& out);
+/// Note [HF DeepSeek-V3 MTP]: an MTP depth's copies of the embedding and output head must equal the
+/// model's (one line naming the tensor otherwise). hf_to_megatron's map form checks them; a
+/// streaming converter calls this before its passes.
+void check_deepseek_mtp_copies(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf);
 nlohmann::json deepseek_config_to_hf(const TransformerConfig& config);
 
 }  // namespace megatron

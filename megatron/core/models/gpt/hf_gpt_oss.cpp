@@ -211,7 +211,7 @@ nlohmann::json hf_gpt_oss_config(const TransformerConfig& c) {
 }
 
 void gpt_oss_to_megatron(const TransformerConfig& c, const std::function<Tensor(const std::string&)>& get_hf,
-                         std::map<std::string, Tensor>& out) {
+                         TensorSink& out) {
   const int64_t h = c.hidden_size, v = c.vocab_size, vp = c.padded_vocab_size, f = c.moe_ffn_hidden_size;
   const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels, e_count = c.num_moe_experts;
   auto hf = [&](const std::string& name, const Shape& expected) {
@@ -223,15 +223,15 @@ void gpt_oss_to_megatron(const TransformerConfig& c, const std::function<Tensor(
              name, shape_str(t.shape()), shape_str(expected));
     return as_fp32(t);
   };
-  out["embedding.word_embeddings.weight"] = resize_rows(hf("model.embed_tokens.weight", {v, h}), vp);
+  out["embedding.word_embeddings.weight"] = pad_rows(hf("model.embed_tokens.weight", {v, h}), vp);
   for (int i = 0; i < c.num_layers; ++i) {
     auto p = [&](const char* rest) { return hf_layer(i, rest); };
     out[layer(i, "input_layernorm.weight")] = hf(p("input_layernorm.weight"), {h});
     out[layer(i, "self_attention.linear_qkv.weight")] =
-        merge_qkv(hf(p("self_attn.q_proj.weight"), {nq * d, h}), hf(p("self_attn.k_proj.weight"), {ng * d, h}),
+        merge_qkv_rows(hf(p("self_attn.q_proj.weight"), {nq * d, h}), hf(p("self_attn.k_proj.weight"), {ng * d, h}),
                   hf(p("self_attn.v_proj.weight"), {ng * d, h}), nq, ng, d);
     out[layer(i, "self_attention.linear_qkv.bias")] =
-        merge_qkv(hf(p("self_attn.q_proj.bias"), {nq * d}), hf(p("self_attn.k_proj.bias"), {ng * d}),
+        merge_qkv_rows(hf(p("self_attn.q_proj.bias"), {nq * d}), hf(p("self_attn.k_proj.bias"), {ng * d}),
                   hf(p("self_attn.v_proj.bias"), {ng * d}), nq, ng, d);
     out[layer(i, "self_attention.linear_proj.weight")] = hf(p("self_attn.o_proj.weight"), {h, nq * d});
     out[layer(i, "self_attention.linear_proj.bias")] = hf(p("self_attn.o_proj.bias"), {h});
@@ -252,14 +252,14 @@ void gpt_oss_to_megatron(const TransformerConfig& c, const std::function<Tensor(
   }
   out["decoder.final_layernorm.weight"] = hf("model.norm.weight", {h});
   if (!c.share_embeddings_and_output_weights) {
-    out["output_layer.weight"] = resize_rows(hf("lm_head.weight", {v, h}), vp);
+    out["output_layer.weight"] = pad_rows(hf("lm_head.weight", {v, h}), vp);
   }
 }
 
 void megatron_to_gpt_oss(const TransformerConfig& c, const std::function<Tensor(const std::string&)>& get,
-                         std::map<std::string, Tensor>& out) {
+                         TensorSink& out) {
   const int64_t v = c.vocab_size, nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels;
-  out["model.embed_tokens.weight"] = resize_rows(get("embedding.word_embeddings.weight"), v);
+  out["model.embed_tokens.weight"] = pad_rows(get("embedding.word_embeddings.weight"), v);
   for (int i = 0; i < c.num_layers; ++i) {
     auto p = [&](const char* rest) { return hf_layer(i, rest); };
     out[p("input_layernorm.weight")] = as_fp32(get(layer(i, "input_layernorm.weight")));
@@ -287,7 +287,7 @@ void megatron_to_gpt_oss(const TransformerConfig& c, const std::function<Tensor(
     out[p("mlp.experts.down_proj_bias")] = stack_experts(down_bias);
   }
   out["model.norm.weight"] = as_fp32(get("decoder.final_layernorm.weight"));
-  if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), v);
+  if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = pad_rows(get("output_layer.weight"), v);
 }
 
 }  // namespace megatron

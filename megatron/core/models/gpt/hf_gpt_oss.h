@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/core/transformer/transformer_config.h"
 #include "megatron/runtime/tensor.h"
 
@@ -48,9 +49,9 @@ nlohmann::json hf_gpt_oss_config(const TransformerConfig& config);
 
 /// HF tensors (get_hf: by HF name, fp32 host) -> Megatron-Core tensors, into `out`.
 void gpt_oss_to_megatron(const TransformerConfig& config, const std::function<Tensor(const std::string&)>& get_hf,
-                         std::map<std::string, Tensor>& out);
+                         TensorSink& out);
 /// The inverse: Megatron-Core tensors (get: by our name) -> HF tensors, into `out`.
 void megatron_to_gpt_oss(const TransformerConfig& config, const std::function<Tensor(const std::string&)>& get,
-                         std::map<std::string, Tensor>& out);
+                         TensorSink& out);
 
 }  // namespace megatron

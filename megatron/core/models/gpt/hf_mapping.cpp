@@ -51,14 +51,7 @@ Tensor concat_rows(const std::vector<Tensor>& parts) {
 
 // q [nq·d, ...], k/v [ng·d, ...] -> grouped [ng·(nq/ng+2)·d, ...] (per group: its q heads, k, v).
 Tensor merge_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t nq, int64_t ng, int64_t d) {
-  const int64_t per = nq / ng;
-  std::vector<Tensor> parts;
-  for (int64_t g = 0; g < ng; ++g) {
-    parts.push_back(q.slice(g * per * d, (g + 1) * per * d));
-    parts.push_back(k.slice(g * d, (g + 1) * d));
-    parts.push_back(v.slice(g * d, (g + 1) * d));
-  }
-  return concat_rows(parts);
+  return merge_qkv_rows(q, k, v, nq, ng, d).materialize();
 }
 
 // The inverse of merge_qkv.
@@ -87,6 +80,23 @@ Tensor resize_rows(const Tensor& t, int64_t rows) {
   return out;
 }
 
+RowParts merge_qkv_rows(const Tensor& q, const Tensor& k, const Tensor& v, int64_t nq, int64_t ng, int64_t d) {
+  const int64_t per = nq / ng;
+  std::vector<Tensor> parts;
+  for (int64_t g = 0; g < ng; ++g) {
+    parts.push_back(q.slice(g * per * d, (g + 1) * per * d));
+    parts.push_back(k.slice(g * d, (g + 1) * d));
+    parts.push_back(v.slice(g * d, (g + 1) * d));
+  }
+  return RowParts(std::move(parts));
+}
+
+RowParts pad_rows(const Tensor& t, int64_t rows) {
+  Tensor src = as_fp32(t);
+  if (src.size(0) >= rows) return RowParts(src.slice(0, rows));
+  return RowParts({src}, rows - src.size(0));
+}
+
 Tensor HFReader::operator()(const std::string& name, const Shape& expected) const {
   Tensor t = get(name);
   MG_CHECK(is_floating(t.dtype()), "HF tensor '{}' has dtype {}, expected a floating-point type", name,
@@ -101,8 +111,34 @@ std::string layer(int i, const char* rest) { return fmt::format("decoder.layers.
 
 }  // namespace hf_detail
 
+Shape RowParts::shape() const {
+  MG_ASSERT(!parts.empty(), "RowParts without parts");
+  Shape shape = parts[0].shape();
+  if (shape.empty()) return shape;
+  shape[0] = zero_rows;
+  for (const Tensor& p : parts) shape[0] += p.size(0);
+  return shape;
+}
+
+Tensor RowParts::materialize() const {
+  if (parts.size() == 1 && zero_rows == 0) return hf_detail::as_fp32(parts[0]);
+  Tensor out = Tensor::zeros(shape(), DType::Float32);
+  int64_t row = 0;
+  for (const Tensor& p : parts) {
+    out.slice(row, row + p.size(0)).copy_from(p);
+    row += p.size(0);
+  }
+  return out;
+}
+
 namespace {
 using namespace hf_detail;
+
+// A sink that collects a mapping's tensors into a map (the non-streaming API).
+struct MapSink {
+  TensorMap map;
+  TensorSink sink{[this](const std::string& name, RowParts t) { map[name] = t.materialize(); }};
+};
 
 bool is_hf_moe(const std::string& model_type) {
   return model_type == "mixtral" || model_type == "qwen2_moe" || model_type == "qwen3_moe";
@@ -261,18 +297,21 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
 
 // ---- HF -> Megatron-Core -----------------------------------------------------------------------
 TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf) {
+  if (info.family == HFFamily::DeepSeek) check_deepseek_mtp_copies(info, get_hf);
+  MapSink out;
+  hf_to_megatron(info, get_hf, out.sink);
+  return std::move(out.map);
+}
+
+void hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf, TensorSink& out) {
   const TransformerConfig& c = info.config;
   const int64_t h = c.hidden_size, v = c.vocab_size, vp = c.padded_vocab_size, f = c.ffn_hidden_size;
   const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels;
-  if (info.family == HFFamily::DeepSeek) return deepseek_to_megatron(info, get_hf);
+  if (info.family == HFFamily::DeepSeek) return deepseek_to_megatron(info, get_hf, out);
   HFReader hf{get_hf};
-  TensorMap out;
-  if (info.family == HFFamily::GptOss) {
-    gpt_oss_to_megatron(c, get_hf, out);  // Note [HF GPT-OSS]
-    return out;
-  }
+  if (info.family == HFFamily::GptOss) return gpt_oss_to_megatron(c, get_hf, out);  // Note [HF GPT-OSS]
   if (info.family == HFFamily::GPT2) {
-    out["embedding.word_embeddings.weight"] = resize_rows(hf("transformer.wte.weight", {v, h}), vp);
+    out["embedding.word_embeddings.weight"] = pad_rows(hf("transformer.wte.weight", {v, h}), vp);
     out["embedding.position_embeddings.weight"] = hf("transformer.wpe.weight", {c.max_position_embeddings, h});
     for (int i = 0; i < c.num_layers; ++i) {
       auto p = [&](const char* rest) { return fmt::format("transformer.h.{}.{}", i, rest); };
@@ -280,10 +319,10 @@ TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(con
       out[layer(i, "input_layernorm.bias")] = hf(p("ln_1.bias"), {h});
       Tensor w = transpose2d(hf(p("attn.c_attn.weight"), {h, 3 * h}));  // [3h, h] = [q | k | v]
       out[layer(i, "self_attention.linear_qkv.weight")] =
-          merge_qkv(w.slice(0, h), w.slice(h, 2 * h), w.slice(2 * h, 3 * h), nq, ng, d);
+          merge_qkv_rows(w.slice(0, h), w.slice(h, 2 * h), w.slice(2 * h, 3 * h), nq, ng, d);
       Tensor b = hf(p("attn.c_attn.bias"), {3 * h});
       out[layer(i, "self_attention.linear_qkv.bias")] =
-          merge_qkv(b.slice(0, h), b.slice(h, 2 * h), b.slice(2 * h, 3 * h), nq, ng, d);
+          merge_qkv_rows(b.slice(0, h), b.slice(h, 2 * h), b.slice(2 * h, 3 * h), nq, ng, d);
       out[layer(i, "self_attention.linear_proj.weight")] = transpose2d(hf(p("attn.c_proj.weight"), {h, h}));
       out[layer(i, "self_attention.linear_proj.bias")] = hf(p("attn.c_proj.bias"), {h});
       out[layer(i, "pre_mlp_layernorm.weight")] = hf(p("ln_2.weight"), {h});
@@ -296,20 +335,20 @@ TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(con
     out["decoder.final_layernorm.weight"] = hf("transformer.ln_f.weight", {h});
     out["decoder.final_layernorm.bias"] = hf("transformer.ln_f.bias", {h});
     if (!c.share_embeddings_and_output_weights) {
-      out["output_layer.weight"] = resize_rows(hf("lm_head.weight", {v, h}), vp);
+      out["output_layer.weight"] = pad_rows(hf("lm_head.weight", {v, h}), vp);
     }
-    return out;
+    return;
   }
-  out["embedding.word_embeddings.weight"] = resize_rows(hf("model.embed_tokens.weight", {v, h}), vp);
+  out["embedding.word_embeddings.weight"] = pad_rows(hf("model.embed_tokens.weight", {v, h}), vp);
   for (int i = 0; i < c.num_layers; ++i) {
     auto p = [&](const char* rest) { return fmt::format("model.layers.{}.{}", i, rest); };
     out[layer(i, "input_layernorm.weight")] = hf(p("input_layernorm.weight"), {h});
     out[layer(i, "self_attention.linear_qkv.weight")] =
-        merge_qkv(hf(p("self_attn.q_proj.weight"), {nq * d, h}), hf(p("self_attn.k_proj.weight"), {ng * d, h}),
+        merge_qkv_rows(hf(p("self_attn.q_proj.weight"), {nq * d, h}), hf(p("self_attn.k_proj.weight"), {ng * d, h}),
                   hf(p("self_attn.v_proj.weight"), {ng * d, h}), nq, ng, d);
     if (c.add_qkv_bias) {
       out[layer(i, "self_attention.linear_qkv.bias")] =
-          merge_qkv(hf(p("self_attn.q_proj.bias"), {nq * d}), hf(p("self_attn.k_proj.bias"), {ng * d}),
+          merge_qkv_rows(hf(p("self_attn.q_proj.bias"), {nq * d}), hf(p("self_attn.k_proj.bias"), {ng * d}),
                     hf(p("self_attn.v_proj.bias"), {ng * d}), nq, ng, d);
     }
     if (c.qk_layernorm) {
@@ -320,7 +359,7 @@ TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(con
     out[layer(i, "pre_mlp_layernorm.weight")] = hf(p("post_attention_layernorm.weight"), {h});
     if (!c.is_moe_layer(i)) {
       out[layer(i, "mlp.linear_fc1.weight")] =
-          concat_rows({hf(p("mlp.gate_proj.weight"), {f, h}), hf(p("mlp.up_proj.weight"), {f, h})});
+          RowParts({hf(p("mlp.gate_proj.weight"), {f, h}), hf(p("mlp.up_proj.weight"), {f, h})});
       out[layer(i, "mlp.linear_fc2.weight")] = hf(p("mlp.down_proj.weight"), {h, f});
       continue;
     }
@@ -329,21 +368,20 @@ TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(con
     out[layer(i, "mlp.router.weight")] = hf(names.router, {c.num_moe_experts, h});
     for (int e = 0; e < c.num_moe_experts; ++e) {
       const std::string ours = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.", i, e);
-      out[ours + "linear_fc1.weight"] = concat_rows({hf(names.expert(e, 0), {ef, h}), hf(names.expert(e, 1), {ef, h})});
+      out[ours + "linear_fc1.weight"] = RowParts({hf(names.expert(e, 0), {ef, h}), hf(names.expert(e, 1), {ef, h})});
       out[ours + "linear_fc2.weight"] = hf(names.expert(e, 2), {h, ef});
     }
     if (sf > 0) {
       out[layer(i, "mlp.shared_experts.linear_fc1.weight")] =
-          concat_rows({hf(names.shared(0), {sf, h}), hf(names.shared(1), {sf, h})});
+          RowParts({hf(names.shared(0), {sf, h}), hf(names.shared(1), {sf, h})});
       out[layer(i, "mlp.shared_experts.linear_fc2.weight")] = hf(names.shared(2), {h, sf});
       if (c.moe_shared_expert_gate) out[layer(i, "mlp.shared_experts.gate_weight")] = hf(names.shared_gate, {1, h});
     }
   }
   out["decoder.final_layernorm.weight"] = hf("model.norm.weight", {h});
   if (!c.share_embeddings_and_output_weights) {
-    out["output_layer.weight"] = resize_rows(hf("lm_head.weight", {v, h}), vp);
+    out["output_layer.weight"] = pad_rows(hf("lm_head.weight", {v, h}), vp);
   }
-  return out;
 }
 
 // ---- Megatron-Core -> HF -------------------------------------------------------------------------
@@ -388,16 +426,24 @@ Tensor half_split_rows(const Tensor& t, int64_t heads, int64_t d, int64_t r) {
 }  // namespace
 
 TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
-  if (info.family == HFFamily::DeepSeek) return megatron_to_deepseek(info, m);
+  TensorSource source{[&](const std::string& name) -> Tensor {
+                        auto it = m.find(name);
+                        MG_CHECK(it != m.end(), "tensor '{}' is missing from the Megatron state", name);
+                        return as_fp32(it->second);
+                      },
+                      [&](const std::string& name) { return m.count(name) > 0; }};
+  MapSink out;
+  megatron_to_hf(info, source, out.sink);
+  return std::move(out.map);
+}
+
+void megatron_to_hf(const HFModelInfo& info, const TensorSource& source, TensorSink& out) {
+  if (info.family == HFFamily::DeepSeek) return megatron_to_deepseek(info, source, out);
   const TransformerConfig& c = info.config;
   const int64_t h = c.hidden_size, v = c.vocab_size, f = c.ffn_hidden_size;
   const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels;
   const int64_t rotary = c.use_rope() ? int64_t(float(d) * c.rotary_percent) : 0;
-  auto get = [&](const std::string& name) -> Tensor {
-    auto it = m.find(name);
-    MG_CHECK(it != m.end(), "tensor '{}' is missing from the Megatron state", name);
-    return as_fp32(it->second);
-  };
+  auto get = [&](const std::string& name) -> Tensor { return as_fp32(source.get(name)); };
   auto norm = [&](const std::string& name) { return norm_weight(c, get(name)); };
   // Note [Exporting interleaved RoPE]: q and k heads in HF's half-split channel order.
   auto rope_order = [&](Tensor t, int64_t heads) {
@@ -408,11 +454,7 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
     split_qkv(get(layer(i, what)), nq, ng, d, q, k, vv);
     q = rope_order(q, nq), k = rope_order(k, ng);
   };
-  TensorMap out;
-  if (info.family == HFFamily::GptOss) {
-    megatron_to_gpt_oss(c, get, out);  // Note [HF GPT-OSS]
-    return out;
-  }
+  if (info.family == HFFamily::GptOss) return megatron_to_gpt_oss(c, get, out);  // Note [HF GPT-OSS]
   if (info.family == HFFamily::GPT2) {
     // Note [GPT-2 export of biasless and position-free models]: HF GPT-2 always adds its biases and
     // its learned positions; a model trained with --disable-bias-linear (or without positions,
@@ -420,7 +462,7 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
     auto bias = [&](const std::string& name, int64_t n) {
       return c.add_bias_linear ? get(name) : Tensor::zeros({n}, DType::Float32);
     };
-    out["transformer.wte.weight"] = resize_rows(get("embedding.word_embeddings.weight"), v);
+    out["transformer.wte.weight"] = pad_rows(get("embedding.word_embeddings.weight"), v);
     out["transformer.wpe.weight"] = c.use_learned_positions()
                                         ? get("embedding.position_embeddings.weight")
                                         : Tensor::zeros({c.max_position_embeddings, h}, DType::Float32);
@@ -448,10 +490,10 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
     }
     out["transformer.ln_f.weight"] = norm("decoder.final_layernorm.weight");
     out["transformer.ln_f.bias"] = get("decoder.final_layernorm.bias");
-    if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), v);
-    return out;
+    if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = pad_rows(get("output_layer.weight"), v);
+    return;
   }
-  out["model.embed_tokens.weight"] = resize_rows(get("embedding.word_embeddings.weight"), v);
+  out["model.embed_tokens.weight"] = pad_rows(get("embedding.word_embeddings.weight"), v);
   for (int i = 0; i < c.num_layers; ++i) {
     auto p = [&](const char* rest) { return fmt::format("model.layers.{}.{}", i, rest); };
     out[p("input_layernorm.weight")] = norm(layer(i, "input_layernorm.weight"));
@@ -473,8 +515,8 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
     auto split_fc1 = [&](const std::string& fc1_name, const std::string& gate, const std::string& up) {
       Tensor fc1 = get(fc1_name);
       const int64_t half = fc1.size(0) / 2;
-      out[gate] = fc1.slice(0, half).clone();
-      out[up] = fc1.slice(half, 2 * half).clone();
+      out[gate] = fc1.slice(0, half);
+      out[up] = fc1.slice(half, 2 * half);
     };
     if (!c.is_moe_layer(i)) {
       split_fc1(layer(i, "mlp.linear_fc1.weight"), p("mlp.gate_proj.weight"), p("mlp.up_proj.weight"));
@@ -495,8 +537,7 @@ TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& m) {
     }
   }
   out["model.norm.weight"] = norm("decoder.final_layernorm.weight");
-  if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = resize_rows(get("output_layer.weight"), v);
-  return out;
+  if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = pad_rows(get("output_layer.weight"), v);
 }
 
 // ---- Megatron-Core config -> HF config -------------------------------------------------------------
@@ -728,6 +769,12 @@ Tensor HFFolder::get(const std::string& name) const {
   auto it = by_tensor_.find(name);
   MG_CHECK(it != by_tensor_.end(), "the HF checkpoint {} has no tensor '{}'", dir_, name);
   return it->second->file.read(name, DType::Float32);
+}
+
+Shape HFFolder::shape(const std::string& name) const {
+  auto it = by_tensor_.find(name);
+  MG_CHECK(it != by_tensor_.end(), "the HF checkpoint {} has no tensor '{}'", dir_, name);
+  return it->second->file.entry(name).shape;
 }
 
 // ---- model state -----------------------------------------------------------------------------------

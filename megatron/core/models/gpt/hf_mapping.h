@@ -39,6 +39,42 @@ namespace megatron {
 
 using TensorMap = std::map<std::string, Tensor>;
 
+/// One tensor a mapping hands on: `parts` concatenated along dim 0, then `zero_rows` rows of zeros.
+/// Fused and padded tensors (QKV, [gate; up], the padded vocabulary) travel as their pieces, so a
+/// streaming writer never assembles them (Note [Streaming conversion] in tools/convert_checkpoint.cpp).
+struct RowParts {
+  std::vector<Tensor> parts;
+  int64_t zero_rows = 0;
+  RowParts(Tensor t) : parts{std::move(t)} {}  // NOLINT: a whole tensor is one part
+  RowParts(std::vector<Tensor> p, int64_t zeros = 0) : parts(std::move(p)), zero_rows(zeros) {}
+  Shape shape() const;
+  /// The tensor itself (fp32, one copy unless it is a single part).
+  Tensor materialize() const;
+};
+
+/// Where a mapping puts its tensors, one at a time: out[name] = tensor calls put(name, tensor) at once.
+class TensorSink {
+ public:
+  using Put = std::function<void(const std::string&, RowParts)>;
+  explicit TensorSink(Put put) : put_(std::move(put)) {}
+  struct Slot {
+    const Put& put;
+    std::string name;
+    void operator=(RowParts t) const { put(name, std::move(t)); }
+  };
+  Slot operator[](std::string name) { return {put_, std::move(name)}; }
+
+ private:
+  Put put_;
+};
+
+/// A source of named tensors: get(name) returns it as host fp32 or throws one line naming it;
+/// has(name) says whether it exists (for optional tensors).
+struct TensorSource {
+  std::function<Tensor(const std::string&)> get;
+  std::function<bool(const std::string&)> has;
+};
+
 enum class HFFamily { GPT2, Llama, GptOss, DeepSeek };  // GptOss: hf_gpt_oss.h, DeepSeek: hf_deepseek.h
 
 struct HFModelInfo {
@@ -76,6 +112,8 @@ class HFFolder {
   bool has(const std::string& name) const;
   /// The tensor as fp32, or one line naming it when the folder has none.
   Tensor get(const std::string& name) const;
+  /// Its shape as stored (same error).
+  Shape shape(const std::string& name) const;
 
  private:
   struct Shard;
@@ -93,11 +131,16 @@ HFModelInfo config_from_hf(const HFFolder& folder, int make_vocab_size_divisible
 /// HF tensors -> Megatron-Core tensors (fp32 host). get_hf(name) returns the HF tensor or throws.
 /// Shapes are checked against the config; a mismatch names the tensor and both shapes.
 TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf);
+/// The same, each Megatron-Core tensor handed to `out` as soon as it is made (from its HF sources only).
+void hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf, TensorSink& out);
 /// Megatron-Core tensors -> HF tensors (fp32 host), the exact inverse of hf_to_megatron. For a model
 /// trained here (info.config its own config) it also folds what HF expresses otherwise into the
 /// weights: zero-centered norms (--apply-layernorm-1p) get their 1 back, interleaved RoPE's q/k rows
 /// go to HF's half-split order, GPT-2's missing biases and positions are zeros.
 TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& megatron);
+/// The same, reading each Megatron-Core tensor from `megatron` when needed and handing each HF
+/// tensor to `out` as soon as it is made.
+void megatron_to_hf(const HFModelInfo& info, const TensorSource& megatron, TensorSink& out);
 
 /// The model's parameters (or their fp32 gradients) by Megatron-Core name, as host fp32 copies.
 TensorMap model_state_dict(const GPTModel& model);

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/runtime/tensor.h"
 
 namespace megatron::hf_detail {
@@ -19,8 +20,12 @@ Tensor transpose2d(const Tensor& t);
 Tensor concat_rows(const std::vector<Tensor>& parts);
 /// q [nq·d, ...], k/v [ng·d, ...] -> grouped [ng·(nq/ng+2)·d, ...] (per group: its q heads, k, v).
 Tensor merge_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t nq, int64_t ng, int64_t d);
+/// merge_qkv as its row pieces (views of q, k, v), for a streaming writer.
+RowParts merge_qkv_rows(const Tensor& q, const Tensor& k, const Tensor& v, int64_t nq, int64_t ng, int64_t d);
 /// The inverse of merge_qkv.
 void split_qkv(const Tensor& qkv, int64_t nq, int64_t ng, int64_t d, Tensor& q, Tensor& k, Tensor& v);
+/// resize_rows without a copy: the table and zero rows, or a view of its first `rows` rows.
+RowParts pad_rows(const Tensor& t, int64_t rows);
 /// Pads the rows of a [V, ...] table to `rows` with zeros, or strips it back.
 Tensor resize_rows(const Tensor& t, int64_t rows);
 
