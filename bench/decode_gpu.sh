@@ -17,7 +17,7 @@ D=.device/decode
 if [[ ${1:-run} == stage ]]; then
   set -e
   BD=${GPU_BUILD_DIR:-build}
-  grep -q '^MEGATRON_CUDA:BOOL=ON' "$BD/CMakeCache.txt" ||
+  grep -q '^MEGATRON_CUDA:[A-Z]*=ON' "$BD/CMakeCache.txt" ||
     { echo "decode_gpu.sh stage: $BD is not a CUDA build; configure one with -DMEGATRON_CUDA=ON (or set GPU_BUILD_DIR)" >&2; exit 1; }
   ninja -C "$BD" bench_decode_throughput >/dev/null
   rm -rf $D && mkdir -p $D/pkg/bin $D/pkg/lib
