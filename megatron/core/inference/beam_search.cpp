@@ -80,9 +80,8 @@ std::vector<BeamHypothesis> beam_search(const GPTModel& model, Context& ctx, int
   std::vector<double> scores = {0.0};
   int64_t half = 0;
   Tensor prompt = Tensor::from_ints(r.prompt, {1, int64_t(r.prompt.size())}, DType::Int64, ctx.device());
-  std::vector<float> logits =
-      model.forward_inference(ctx, prompt, {0}, {0}, cache).to_floats();  // [n, 1, V]: the last row counts
-  std::vector<float> last(logits.end() - padded, logits.end());
+  const int64_t last_row = int64_t(r.prompt.size()) - 1;  // only the last prompt token's logits count
+  std::vector<float> last = model.forward_inference(ctx, prompt, {0}, {0}, cache, {last_row}).to_floats();  // [1, V]
   bool done = false;
   for (int64_t step = 0; step < r.max_new_tokens && !done; ++step) {
     MG_CHECK(!(r.cancelled && r.cancelled->load()), "cancelled");

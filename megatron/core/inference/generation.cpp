@@ -138,11 +138,24 @@ void InferenceEngine::prefill(const std::vector<int64_t>& slots) {
     const std::vector<int64_t>& ids = slots_[size_t(slots[size_t(i)])]->ids;
     std::copy(ids.begin(), ids.end(), tokens.begin() + i * len);
   }
+  // Note [Prefill output rows]: the output layer runs only on the rows whose logits are used: each
+  // sequence's last prompt token, and every prompt token of a sequence that asks for prompt
+  // log-probabilities. Row j·b + i is sequence i's token j; sorted, so runs of rows copy at once.
+  std::vector<int64_t> wanted;
+  for (int64_t i = 0; i < b; ++i) {
+    const Sequence& seq = *slots_[size_t(slots[size_t(i)])];
+    const int64_t n = int64_t(seq.request.prompt.size());
+    for (int64_t j = seq.request.prompt_logprobs ? 0 : n - 1; j < n; ++j) wanted.push_back(j * b + i);
+  }
+  std::sort(wanted.begin(), wanted.end());
   Tensor t = Tensor::from_ints(tokens, {b, len}, DType::Int64, ctx_.device());
   const std::vector<int64_t> starts(size_t(b), 0);
-  std::vector<float> logits = model_.forward_inference(ctx_, t, slots, starts, cache_).to_floats();  // [len, b, V]
+  std::vector<float> logits = model_.forward_inference(ctx_, t, slots, starts, cache_, wanted).to_floats();  // [wanted, V]
   const int64_t v = model_.config().padded_vocab_size;
-  auto row = [&](int64_t j, int64_t i) { return logits.data() + (j * b + i) * v; };
+  auto row = [&](int64_t j, int64_t i) {
+    const auto at = std::lower_bound(wanted.begin(), wanted.end(), j * b + i);
+    return logits.data() + (at - wanted.begin()) * v;
+  };
   for (int64_t i = 0; i < b; ++i) {
     Sequence& seq = *slots_[size_t(slots[size_t(i)])];
     const int64_t n = int64_t(seq.request.prompt.size());

@@ -133,6 +133,47 @@ TEST(InferenceEngine, StopTokensMaxLengthAndPromptLogprobs) {
   EXPECT_TRUE(engine.idle());
 }
 
+// Note [Prefill output rows]: a prefill that computes logits only for each prompt's last token
+// (no prompt log-probabilities asked) generates what one computing every prompt row does: the same
+// tokens, log-probabilities within rounding (BLAS may round a row differently in a GEMM of other M).
+TEST(InferenceEngine, PrefillOfLastRowsOnlyMatchesPrefillOfAllRows) {
+  Tiny t;
+  auto requests = [](bool prompt_logprobs) {
+    std::vector<GenerationRequest> rs = {sampled({7, 8, 9, 10, 11}, 5), sampled({1, 2, 3}, 9), sampled({4}, 1)};
+    rs[1].sampling.greedy = true;
+    for (GenerationRequest& r : rs) {
+      r.prompt_logprobs = prompt_logprobs;
+      r.top_logprobs = 3;
+    }
+    return rs;
+  };
+  InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 4});
+  std::vector<GenerationResult> last_rows = engine.generate(requests(false));
+  std::vector<GenerationResult> all_rows = engine.generate(requests(true));
+  std::vector<GenerationRequest> mixed = requests(false);
+  mixed[1].prompt_logprobs = true;
+  std::vector<GenerationResult> some_rows = engine.generate(mixed);
+  for (size_t i = 0; i < last_rows.size(); ++i) {
+    for (const GenerationResult* other : {&all_rows[i], &some_rows[i]}) {
+      EXPECT_EQ(last_rows[i].tokens, other->tokens) << i;
+      ASSERT_EQ(last_rows[i].logprobs.size(), other->logprobs.size());
+      ASSERT_EQ(last_rows[i].top_logprobs.size(), other->top_logprobs.size());
+      for (size_t k = 0; k < other->logprobs.size(); ++k) {
+        EXPECT_NEAR(last_rows[i].logprobs[k], other->logprobs[k], 1e-6) << i << " " << k;
+        for (size_t m = 0; m < other->top_logprobs[k].size(); ++m) {
+          EXPECT_EQ(last_rows[i].top_logprobs[k][m].first, other->top_logprobs[k][m].first);
+          EXPECT_NEAR(last_rows[i].top_logprobs[k][m].second, other->top_logprobs[k][m].second, 1e-6);
+        }
+      }
+    }
+    EXPECT_TRUE(last_rows[i].prompt_logprobs.empty());
+    EXPECT_EQ(all_rows[i].prompt_logprobs.size(), requests(false)[i].prompt.size() - 1);
+  }
+  EXPECT_EQ(some_rows[1].prompt_logprobs, all_rows[1].prompt_logprobs);
+  EXPECT_EQ(some_rows[1].prompt_top_logprobs, all_rows[1].prompt_top_logprobs);
+  EXPECT_TRUE(some_rows[0].prompt_logprobs.empty());
+}
+
 // Megatron's stop_on_eol rules (stop sequences), prevent_newline_after_colon (a banned pair) and
 // OpenAI's penalties, each checked against the unconstrained run's own log-probabilities.
 TEST(InferenceEngine, StopSequencesBannedPairsPenaltiesAndTopLogprobs) {

@@ -99,6 +99,26 @@ TEST_P(CachedForward, EqualsFullForwardAtEveryStep) {
   EXPECT_LE(worst, 1e-5);
 }
 
+// Note [Prefill output rows]: the output layer on picked rows gives those rows of the full output
+// (within rounding: BLAS may round a row differently in a GEMM with another number of rows).
+TEST_P(CachedForward, OutputRowsAreRowsOfTheFullOutput) {
+  GPTModel model(tiny_config(GetParam()));
+  model.init_weights(7);
+  Context ctx;
+  const int64_t v = model.config().padded_vocab_size, b = 3, s = 5;
+  const Tensor tokens = Tensor::from_ints({5, 17, 3, 99, 42, 11, 2, 0, 0, 0, 60, 61, 62, 63, 0}, {b, s});
+  KVCache all_cache(model.config(), 3, 8, ctx.device()), picked_cache(model.config(), 3, 8, ctx.device());
+  std::vector<float> all = model.forward_inference(ctx, tokens, {0, 1, 2}, {0, 0, 0}, all_cache).to_floats();
+  const std::vector<int64_t> rows = {0, 1, 2, 4, 9, 10, 11, 12, 14};  // runs and single rows
+  Tensor picked = model.forward_inference(ctx, tokens, {0, 1, 2}, {0, 0, 0}, picked_cache, rows);
+  ASSERT_EQ(picked.shape(), (Shape{int64_t(rows.size()), v}));
+  std::vector<float> got = picked.to_floats();
+  for (size_t r = 0; r < rows.size(); ++r)
+    for (int64_t c = 0; c < v; ++c) ASSERT_NEAR(got[r * size_t(v) + size_t(c)], all[size_t(rows[r] * v + c)], 1e-6) << r;
+  EXPECT_EQ(picked_cache.keys[0].to_floats(), all_cache.keys[0].to_floats()) << "the cache is written the same";
+  EXPECT_THROW(model.forward_inference(ctx, tokens, {0, 1, 2}, {0, 0, 0}, picked_cache, {s * b}), Error);
+}
+
 TEST_P(CachedForward, CacheOverflowIsAClearError) {
   GPTModel model(tiny_config(GetParam()));
   model.init_weights(7);

@@ -481,7 +481,8 @@ Tensor GPTModel::backward_step(Context& ctx, const Tensor& output_grad, Stash& s
 // ---- inference -----------------------------------------------------------------------------------
 
 Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
-                                   const std::vector<int64_t>& starts, KVCache& cache) const {
+                                   const std::vector<int64_t>& starts, KVCache& cache,
+                                   const std::vector<int64_t>& output_rows) const {
   MG_ASSERT(tokens.dim() == 2, "tokens {}", shape_str(tokens.shape()));
   const int64_t b = tokens.size(0), s = tokens.size(1), h = config_.hidden_size, v = config_.padded_vocab_size;
   MG_CHECK(int64_t(slots.size()) == b && int64_t(starts.size()) == b, "{} sequences but {} slots and {} starts", b,
@@ -517,7 +518,19 @@ Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std
   Tensor slot_t = Tensor::from_ints(slots, {b}, DType::Int64, ctx.device());
   Tensor start_t = Tensor::from_ints(starts, {b}, DType::Int64, ctx.device());
   Tensor hidden = decoder_->forward_inference(ctx, x, freqs, slot_t, start_t, cache.keys, cache.values);
-  return output_layer_->forward(ctx, hidden.view({s * b, h})).view({s, b, v});
+  Tensor rows = hidden.view({s * b, h});
+  if (output_rows.empty()) return output_layer_->forward(ctx, rows).view({s, b, v});
+  const int64_t n = int64_t(output_rows.size());
+  Tensor picked = Tensor::empty({n, h}, rows.dtype(), rows.device());
+  for (int64_t r = 0; r < n;) {  // one copy per run of consecutive rows
+    const int64_t first = output_rows[size_t(r)];
+    MG_CHECK(first >= 0 && first < s * b, "output row {} is outside the {} rows of the forward", first, s * b);
+    int64_t run = 1;
+    while (r + run < n && output_rows[size_t(r + run)] == first + run && first + run < s * b) ++run;
+    ops::copy_rows(ctx, rows, first, picked, r, run);
+    r += run;
+  }
+  return output_layer_->forward(ctx, picked);
 }
 
 Tensor default_position_ids(int64_t batch, int64_t seq_len) {

@@ -126,8 +126,12 @@ class GPTModel : public ModelChunk {
   /// shorter sequence's extra tokens are written past its end and overwritten later). Appends
   /// their keys/values to the cache and returns the logits [s, b, padded_vocab] of the new tokens,
   /// equal to forward_logits on each full sequence. The model must be built with dropout off.
+  /// output_rows, when non-empty, picks the rows (j·b + i: sequence i's token j) that need logits:
+  /// the output layer runs on those rows only and the result is [output_rows.size(), padded_vocab]
+  /// (a prefill needs one row per sequence, not s·b rows of the whole vocabulary).
   Tensor forward_inference(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
-                           const std::vector<int64_t>& starts, KVCache& cache) const;
+                           const std::vector<int64_t>& starts, KVCache& cache,
+                           const std::vector<int64_t>& output_rows = {}) const;
 
   void init_weights(uint64_t seed) override;
   /// Also declares, on every rank, the losses the MoE layers of this config report (every stage
