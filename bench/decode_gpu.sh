@@ -5,7 +5,7 @@
 # prefill and decode tokens/s, peak memory. JSON lines to $OUT/decode_bench.jsonl, then a summary with our
 # ratio to each HF system.
 #   here:            bench/decode_gpu.sh stage     (from a CUDA build: $GPU_BUILD_DIR, default build/)
-#   the GPU machine: bench/decode_gpu.sh run [ours] [hf]
+#   the GPU machine: bench/decode_gpu.sh run [tests] [ours] [hf]   (tests: the GPU tests of the inference kernels)
 # Environment: DECODE_MODELS (default "gpt-1.3B llama-1B"), DECODE_BATCH (default 1,32), HF_SYSTEMS
 # (default compile,eager). One call has 570 s; if torch.compile makes the HF part longer, split it over
 # calls on the same (warm) machine, e.g. `run ours`, then DECODE_MODELS=gpt-1.3B `run hf`, then
@@ -19,9 +19,9 @@ if [[ ${1:-run} == stage ]]; then
   BD=${GPU_BUILD_DIR:-build}
   grep -q '^MEGATRON_CUDA:[A-Z]*=ON' "$BD/CMakeCache.txt" ||
     { echo "decode_gpu.sh stage: $BD is not a CUDA build; configure one with -DMEGATRON_CUDA=ON (or set GPU_BUILD_DIR)" >&2; exit 1; }
-  ninja -C "$BD" bench_decode_throughput >/dev/null
+  ninja -C "$BD" bench_decode_throughput gpu_tests >/dev/null
   rm -rf $D && mkdir -p $D/pkg/bin $D/pkg/lib
-  cp "$BD"/bench/decode_throughput $D/pkg/bin/
+  cp "$BD"/bench/decode_throughput "$BD"/tests/gpu_tests $D/pkg/bin/
   strip $D/pkg/bin/*
   ldd "$BD"/bench/decode_throughput |
     awk '$3 ~ /^\// && $1 !~ /^(libc|libm|libstdc\+\+|libgcc_s|libdl|libpthread|librt)\.|^libcu|^libnccl/ {print $3}' |
@@ -44,6 +44,12 @@ J=$P/results.jsonl; touch $J
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 MODELS=${DECODE_MODELS:-gpt-1.3B llama-1B}
 BATCH=${DECODE_BATCH:-1,32}
+
+if [[ " $parts " == *" tests "* ]]; then
+  echo "== GPU tests of the inference kernels ($(left) s left)"
+  (cd $P && timeout 120 $P/bin/gpu_tests --gtest_filter="${DECODE_TEST_FILTER:-CudaKvCache*:CudaLogitsSummary*:CudaAttention*}" 2>&1 |
+    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|Failure|error" | head -40)
+fi
 
 if [[ " $parts " == *" ours "* ]]; then
   echo "== megatron.cpp InferenceEngine ($(left) s left)"

@@ -1,8 +1,10 @@
 #include "megatron/core/inference/generation.h"
 
 #include <algorithm>
+#include <bit>
 #include <limits>
 
+#include "megatron/kernels/ops.h"
 #include "megatron/runtime/check.h"
 
 namespace megatron {
@@ -76,6 +78,33 @@ int64_t InferenceEngine::waiting_count() const {
 
 namespace {
 bool is_cancelled(const GenerationRequest& r) { return r.cancelled && r.cancelled->load(); }
+
+// Note [Greedy rows on the device]: a greedy request with no penalty, no banned token and no top
+// log-probabilities needs of its logits row only the argmax and the log-softmax there; those come
+// from ops::logits_summary (three numbers a row) instead of copying [rows, vocab] fp32 to the host
+// and taking an fp64 log-softmax there. Same values: the CPU op sums in token_logprob's order, the
+// GPU's fp64 sum differs only in its last bits.
+bool needs_full_row(const GenerationRequest& r) {
+  return !(r.sampling.greedy || r.sampling.top_k == 1) || r.sampling.frequency_penalty != 0.0f ||
+         r.sampling.presence_penalty != 0.0f || !r.banned_after.empty() || r.top_logprobs > 0 || r.prompt_logprobs;
+}
+
+struct RowChoice {
+  int64_t token;
+  double logprob;
+};
+
+// rows [n, V'] on the model's device -> each row's argmax and its log-probability over [0, vocab).
+std::vector<RowChoice> greedy_choices(Context& ctx, const Tensor& rows, int64_t vocab) {
+  const int64_t n = rows.size(0);
+  Tensor argmax = Tensor::empty({n}, DType::Int64, rows.device()), max_logit = Tensor::empty({n}, DType::Float32, rows.device());
+  Tensor log_norm = Tensor::empty({n}, DType::Int64, rows.device());
+  ops::logits_summary(ctx, rows, vocab, argmax, max_logit, log_norm);
+  const std::vector<int64_t> ids = argmax.to_ints(), norms = log_norm.to_ints();
+  std::vector<RowChoice> out(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) out[size_t(r)] = {ids[size_t(r)], -std::bit_cast<double>(norms[size_t(r)])};
+  return out;
+}
 }  // namespace
 
 void InferenceEngine::drop_cancelled() {
@@ -150,7 +179,21 @@ void InferenceEngine::prefill(const std::vector<int64_t>& slots) {
   std::sort(wanted.begin(), wanted.end());
   Tensor t = Tensor::from_ints(tokens, {b, len}, DType::Int64, ctx_.device());
   const std::vector<int64_t> starts(size_t(b), 0);
-  std::vector<float> logits = model_.forward_inference(ctx_, t, slots, starts, cache_, wanted).to_floats();  // [wanted, V]
+  const Tensor out = model_.forward_inference(ctx_, t, slots, starts, cache_, wanted);  // [wanted, V]
+  if (std::none_of(slots.begin(), slots.end(), [&](int64_t k) { return needs_full_row(slots_[size_t(k)]->request); })) {
+    const std::vector<RowChoice> choice = greedy_choices(ctx_, out, vocab_size_);  // one wanted row per sequence
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t n = int64_t(slots_[size_t(slots[size_t(i)])]->request.prompt.size());
+      const size_t at = size_t(std::lower_bound(wanted.begin(), wanted.end(), (n - 1) * b + i) - wanted.begin());
+      if (slots_[size_t(slots[size_t(i)])]->request.max_new_tokens == 0) {
+        finish(slots[size_t(i)], "length");
+      } else {
+        accept(slots[size_t(i)], choice[at].token, choice[at].logprob);
+      }
+    }
+    return;
+  }
+  std::vector<float> logits = out.to_floats();
   const int64_t v = model_.config().padded_vocab_size;
   auto row = [&](int64_t j, int64_t i) {
     const auto at = std::lower_bound(wanted.begin(), wanted.end(), j * b + i);
@@ -185,7 +228,13 @@ void InferenceEngine::decode() {
   }
   const int64_t b = int64_t(slots.size()), v = model_.config().padded_vocab_size;
   Tensor t = Tensor::from_ints(tokens, {b, 1}, DType::Int64, ctx_.device());
-  std::vector<float> logits = model_.forward_inference(ctx_, t, slots, starts, cache_).to_floats();  // [1, b, V]
+  const Tensor out = model_.forward_inference(ctx_, t, slots, starts, cache_).view({b, v});
+  if (std::none_of(slots.begin(), slots.end(), [&](int64_t k) { return needs_full_row(slots_[size_t(k)]->request); })) {
+    const std::vector<RowChoice> choice = greedy_choices(ctx_, out, vocab_size_);  // Note [Greedy rows on the device]
+    for (int64_t i = 0; i < b; ++i) accept(slots[size_t(i)], choice[size_t(i)].token, choice[size_t(i)].logprob);
+    return;
+  }
+  std::vector<float> logits = out.to_floats();
   for (int64_t i = 0; i < b; ++i) emit(slots[size_t(i)], logits.data() + i * v);
 }
 
@@ -211,12 +260,17 @@ void InferenceEngine::emit(int64_t slot, const float* logits) {
     sampled = adjusted.data();
   }
   const int64_t token = sample_token(sampled, vocab_size_, r.sampling, uint64_t(seq.result.tokens.size()));
-  const double logprob = token_logprob(logits, vocab_size_, token);
+  if (r.top_logprobs > 0) seq.result.top_logprobs.push_back(top_logprobs(logits, vocab_size_, r.top_logprobs));
+  accept(slot, token, token_logprob(logits, vocab_size_, token));
+}
+
+void InferenceEngine::accept(int64_t slot, int64_t token, double logprob) {
+  Sequence& seq = *slots_[size_t(slot)];
+  const GenerationRequest& r = seq.request;
   seq.ids.push_back(token);
   seq.result.tokens.push_back(token);
   seq.result.logprobs.push_back(logprob);
   static const TopLogprobs kNone;
-  if (r.top_logprobs > 0) seq.result.top_logprobs.push_back(top_logprobs(logits, vocab_size_, r.top_logprobs));
   if (seq.on_token && !seq.on_token(token, logprob, r.top_logprobs > 0 ? seq.result.top_logprobs.back() : kNone)) {
     finish(slot, "cancelled");
   } else if (std::find(r.stop_tokens.begin(), r.stop_tokens.end(), token) != r.stop_tokens.end() ||

@@ -120,6 +120,8 @@ class InferenceEngine {
   void decode();
   // Samples the next token of `slot` from its logits row; ends the sequence if it is done.
   void emit(int64_t slot, const float* logits);
+  // Appends the chosen token of `slot` and its log-probability; ends the sequence if it is done.
+  void accept(int64_t slot, int64_t token, double logprob);
   void finish(int64_t slot, const std::string& reason);
 
   const GPTModel& model_;

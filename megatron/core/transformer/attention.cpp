@@ -185,8 +185,8 @@ Tensor SelfAttention::backward(Context& ctx, const Tensor& grad_out, const Atten
 
 // ---- inference ---------------------------------------------------------------------------------
 
-Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
-                                        const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const {
+Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const CacheRows& rows,
+                                        Tensor& k_cache, Tensor& v_cache) const {
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
   const DType dt = x.dtype();
   Tensor qkv = linear_qkv_.forward(ctx, x.view({s * b, h})).view({s, b, -1});
@@ -204,12 +204,24 @@ Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Ten
     ops::rope_forward(ctx, q_rows, freqs, rope_interleaved_, rope_scale_, q_rows);
     ops::rope_forward(ctx, k_rows, freqs, rope_interleaved_, rope_scale_, k_rows);
   }
-  Tensor context;
-  if (sinks_tensor().defined() || window_left_ >= 0) {
-    context = cached_attention_rows(ctx, q, k, v, slots, starts, k_cache, v_cache);
+  Tensor context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
+  if (s > 1 && rows.from_zero()) {
+    // Note [Prefill attention]: when every sequence of the forward starts at position 0 (the
+    // engine's prefill: prompts right-padded to one length), the cache holds nothing they may see
+    // but their own new keys, so attention is the training's causal attention over [s, b] (cuDNN's
+    // fused kernel on the GPU, the window and sinks included) and the cache only receives the keys
+    // and values. A padded row's garbage positions lie after its prompt: its real queries never
+    // see them (causal), and decoding overwrites them before any query can.
+    ops::kv_cache_append(ctx, k, v, rows.slots, rows.starts, k_cache, v_cache);
+    Tensor lse = Tensor::empty({b, nq_, s}, DType::Float32, ctx.device());
+    ops::attention_forward(ctx, q, k, v, AttnMask::causal().with_window(window_left_), softmax_scale_, 0.0f, 0, 0,
+                           context, lse);
+    if (const Tensor sinks = sinks_tensor(); sinks.defined())
+      ops::attention_sink_forward(ctx, context, lse, sinks, context, lse);
+  } else if (sinks_tensor().defined() || window_left_ >= 0) {
+    context = cached_attention_rows(ctx, q, k, v, rows, k_cache, v_cache);
   } else {
-    context = Tensor::empty({s, b, nq_, d_}, dt, ctx.device());
-    ops::attention_kv_cache_forward(ctx, q, k, v, slots, starts, softmax_scale_, k_cache, v_cache, context);
+    ops::attention_kv_cache_forward(ctx, q, k, v, rows.slots, rows.starts, softmax_scale_, k_cache, v_cache, context);
   }
   return linear_proj_.forward(ctx, context.view({s * b, nq_ * d_})).view({s, b, h});
 }
@@ -218,15 +230,13 @@ Tensor SelfAttention::forward_inference(Context& ctx, const Tensor& x, const Ten
 // these layers take each batch row on its own: its new keys and values go into its cache slot
 // (ops::copy_rows), then the training ops run over the slot's first start + s positions — the
 // CausalWithOffset mask (queries at start.., keys from 0) with the layer's window, then the sinks —
-// so generation computes what the full forward does. One attention call per sequence of the batch;
-// the slots and starts are read on the host.
+// so generation computes what the full forward does. One attention call per sequence of the batch.
 Tensor SelfAttention::cached_attention_rows(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                                            const Tensor& slots, const Tensor& starts, Tensor& k_cache,
-                                            Tensor& v_cache) const {
+                                            const CacheRows& rows, Tensor& k_cache, Tensor& v_cache) const {
   const int64_t s = q.size(0), b = q.size(1), max_len = k_cache.size(1);
   const DType dt = q.dtype();
   const Device dev = ctx.device();
-  const std::vector<int64_t> slot = slots.to_ints(), start = starts.to_ints();
+  const std::vector<int64_t>&slot = rows.slot_ids, &start = rows.start_ids;
   MG_CHECK(int64_t(slot.size()) == b && int64_t(start.size()) == b, "{} cache slots and {} starts for {} sequences",
            slot.size(), start.size(), b);
   auto batch_major = [&](const Tensor& t) {  // [s, b, n, d] -> [b, s, n, d]

@@ -56,6 +56,7 @@
 #include "megatron/core/packed_seq_params.h"
 #include "megatron/core/tensor_parallel/layers.h"
 #include "megatron/core/transformer/context_parallel.h"
+#include "megatron/core/transformer/kv_cache.h"
 #include "megatron/core/transformer/norm.h"
 #include "megatron/core/transformer/transformer_config.h"
 #include "megatron/core/transformer/transformer_layer_spec.h"
@@ -88,8 +89,8 @@ class SelfAttention {
   /// x [s, b, h] -> [s, b, h]. freqs: rotary angles per (position, sequence) row, [s·b, r/2]
   /// (undefined without RoPE). Appends the new keys/values (after RoPE) to k_cache/v_cache
   /// [slots, S, ng, d] at slot slots[i], positions starts[i].., and attends over the cache.
-  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
-                           const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
+  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const CacheRows& rows,
+                           Tensor& k_cache, Tensor& v_cache) const;
 
   /// Runs linear_qkv and linear_proj in FP8 (Note [FP8 layers]); appends them to `fp8_linears`.
   void enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears);
@@ -98,8 +99,8 @@ class SelfAttention {
   void core_forward(Context& ctx, const AttentionInputs& in, Saved& saved) const;
   /// Inference with sinks or a window (Note [KV-cache attention with sinks or windows]): q [s, b, nq, d],
   /// k/v [s, b, ng, d] after RoPE -> the core attention's output [s, b, nq, d]; writes k/v into the caches.
-  Tensor cached_attention_rows(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& slots,
-                               const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
+  Tensor cached_attention_rows(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const CacheRows& rows,
+                               Tensor& k_cache, Tensor& v_cache) const;
   /// The sink logits [nq_] (learnable or off-by-one), undefined for the vanilla softmax.
   Tensor sinks_tensor() const { return softmax_offset_ ? softmax_offset_->data : fixed_sinks_; }
   /// Folds the sinks into saved.context and saved.lse in place (Note [Attention sinks]; without CP).

@@ -15,6 +15,23 @@
 
 namespace megatron {
 
+/// The batch rows of one inference forward over a KVCache: row i uses cache slot slots[i] and its
+/// new tokens sit at positions starts[i] .. starts[i]+s-1. Both forms travel: the host vectors
+/// (for choices and checks, without reading the device) and int64 [b] tensors on the model's
+/// device (for the kernels). GPTModel::forward_inference checks the values once per forward.
+struct CacheRows {
+  std::vector<int64_t> slot_ids, start_ids;
+  Tensor slots, starts;
+
+  /// Every row starts at position 0 (a prompt's first forward): attention needs only the new
+  /// keys and values (Note [Prefill attention] in attention.cpp).
+  bool from_zero() const {
+    for (int64_t s : start_ids)
+      if (s != 0) return false;
+    return true;
+  }
+};
+
 struct KVCache {
   /// Allocates (zeroed) caches for config.num_layers layers.
   KVCache(const TransformerConfig& config, int64_t num_slots, int64_t max_length, Device device);

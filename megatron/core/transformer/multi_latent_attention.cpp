@@ -237,8 +237,8 @@ Tensor MLASelfAttention::backward(Context& ctx, const Tensor& grad_out, const At
 
 // ---- inference ---------------------------------------------------------------------------------
 
-Tensor MLASelfAttention::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
-                                           const Tensor& starts, Tensor& latent_cache, Tensor& rope_cache) const {
+Tensor MLASelfAttention::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const CacheRows& cache_rows,
+                                           Tensor& latent_cache, Tensor& rope_cache) const {
   MG_CHECK(!tp_, "inference with multi-latent attention runs on one rank (no tensor parallelism)");
   MG_ASSERT(freqs.defined(), "multi-latent attention without rotary angles");
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2), N = s * b, dqk = qk_ + pe_;
@@ -272,8 +272,8 @@ Tensor MLASelfAttention::forward_inference(Context& ctx, const Tensor& x, const 
   Tensor k_pe_rows = k_pe.view({N, 1, 1, pe_});
   ops::rope_forward(ctx, k_pe_rows, freqs, /*interleaved=*/false, rope_scale_, k_pe_rows);
   // Into the caches, then attention per sequence over its cached positions.
-  const std::vector<int64_t> slot_of = slots.to(Device::cpu()).to_ints();
-  const std::vector<int64_t> start_of = starts.to(Device::cpu()).to_ints();
+  const std::vector<int64_t>& slot_of = cache_rows.slot_ids;
+  const std::vector<int64_t>& start_of = cache_rows.start_ids;
   Tensor latent_flat = latent_cache.view({-1, kv_lora_rank_}), rope_flat = rope_cache.view({-1, pe_});
   Tensor context = Tensor::empty({N, n_ * dv_}, dt, dev);
   for (int64_t i = 0; i < b; ++i) {

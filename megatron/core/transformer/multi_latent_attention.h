@@ -65,6 +65,7 @@
 #include "megatron/core/packed_seq_params.h"
 #include "megatron/core/tensor_parallel/layers.h"
 #include "megatron/core/transformer/context_parallel.h"
+#include "megatron/core/transformer/kv_cache.h"
 #include "megatron/core/transformer/norm.h"
 #include "megatron/core/transformer/transformer_config.h"
 #include "megatron/core/transformer/transformer_layer_spec.h"
@@ -102,8 +103,8 @@ class MLASelfAttention {
   /// x [s, b, h] -> [s, b, h]. freqs: rotary angles per (position, sequence) row, [s·b, pe/2].
   /// slots, starts [b]: sequence i uses cache slot slots[i], its tokens at positions starts[i]...
   /// latent_cache [slots, S, 1, kv_lora_rank], rope_cache [slots, S, 1, pe].
-  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
-                           const Tensor& starts, Tensor& latent_cache, Tensor& rope_cache) const;
+  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const CacheRows& rows,
+                           Tensor& latent_cache, Tensor& rope_cache) const;
 
   /// Runs every linear layer in FP8 (Note [FP8 layers]); appends them to `fp8_linears`.
   void enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears);

@@ -99,14 +99,13 @@ Tensor TransformerBlock::backward(Context& ctx, const Tensor& grad_out, const At
 
 // ---- inference ---------------------------------------------------------------------------------
 
-Tensor TransformerBlock::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
-                                           const Tensor& starts, std::vector<Tensor>& keys,
-                                           std::vector<Tensor>& values) const {
+Tensor TransformerBlock::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const CacheRows& rows,
+                                           std::vector<Tensor>& keys, std::vector<Tensor>& values) const {
   MG_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "the KV cache has {} layers, the model {}",
            keys.size(), layers_.size());
   Tensor h = x;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    h = layers_[i]->forward_inference(ctx, h, freqs, slots, starts, keys[i], values[i]);
+    h = layers_[i]->forward_inference(ctx, h, freqs, rows, keys[i], values[i]);
   }
   const int64_t s = h.size(0), b = h.size(1), hid = h.size(2);
   Norm::Saved final_norm;

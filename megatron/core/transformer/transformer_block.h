@@ -49,10 +49,10 @@ class TransformerBlock {
   int first_layer() const { return first_layer_; }
 
   /// Inference: x [s, b, h] -> final-normed [s, b, h], layer i appending to keys[i]/values[i]
-  /// (TransformerLayer::forward_inference; KVCache holds them). slots, starts [b]: cache slot and
-  /// first new position.
-  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
-                           const Tensor& starts, std::vector<Tensor>& keys, std::vector<Tensor>& values) const;
+  /// (TransformerLayer::forward_inference; KVCache holds them). rows: each sequence's cache slot
+  /// and first new position.
+  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const CacheRows& rows,
+                           std::vector<Tensor>& keys, std::vector<Tensor>& values) const;
 
  private:
   Tensor run_segment(Context& ctx, const Segment& seg, const Tensor& x, const AttentionInputs& in, Saved& saved,

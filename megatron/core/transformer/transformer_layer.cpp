@@ -156,14 +156,14 @@ Tensor TransformerLayer::backward(Context& ctx, const Tensor& grad_out, const At
 
 // ---- inference ---------------------------------------------------------------------------------
 
-Tensor TransformerLayer::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
-                                           const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const {
+Tensor TransformerLayer::forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const CacheRows& rows,
+                                           Tensor& k_cache, Tensor& v_cache) const {
   const int64_t s = x.size(0), b = x.size(1), h = x.size(2);
   Norm::Saved norm_saved;
   MlpSaved mlp_saved;
   Tensor h1 = input_layernorm_.forward(ctx, x.view({s * b, h}), norm_saved).view({s, b, h});
   Tensor attn = std::visit(
-      [&](const auto& m) { return m.forward_inference(ctx, h1, freqs, slots, starts, k_cache, v_cache); }, mixer_);
+      [&](const auto& m) { return m.forward_inference(ctx, h1, freqs, rows, k_cache, v_cache); }, mixer_);
   Tensor x2 = Tensor::empty(x.shape(), x.dtype(), ctx.device());
   ops::add(ctx, attn, x, x2);
   Tensor h2 = pre_mlp_layernorm_.forward(ctx, x2.view({s * b, h}), norm_saved);

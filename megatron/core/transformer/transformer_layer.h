@@ -57,8 +57,8 @@ class TransformerLayer {
 
   /// Inference with a KV cache (SelfAttention::forward_inference, or MLASelfAttention's over its
   /// latent cache: Note [MLA KV cache]): x [s, b, h] -> [s, b, h], no dropout.
-  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const Tensor& slots,
-                           const Tensor& starts, Tensor& k_cache, Tensor& v_cache) const;
+  Tensor forward_inference(Context& ctx, const Tensor& x, const Tensor& freqs, const CacheRows& rows,
+                           Tensor& k_cache, Tensor& v_cache) const;
 
  private:
   Tensor mixer_forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t offset, bool keep_core,

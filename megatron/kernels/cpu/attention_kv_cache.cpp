@@ -19,44 +19,71 @@
 
 namespace megatron::cpu {
 
-void attention_kv_cache_forward(Context& ctx, const Tensor& q, const Tensor& k_new, const Tensor& v_new,
-                                const Tensor& slots, const Tensor& starts, float softmax_scale, Tensor& k_cache,
-                                Tensor& v_cache, Tensor& out) {
-  assert_float(q, "q");
+namespace {
+// The shapes and indices of a write of k_new/v_new [s, b, ng, d] into caches [B, S, ng, d].
+struct CacheWrite {
+  std::vector<int64_t> slot, start;
+};
+
+CacheWrite check_cache_write(const Tensor& k_new, const Tensor& v_new, const Tensor& slots, const Tensor& starts,
+                             const Tensor& k_cache, const Tensor& v_cache) {
+  MG_ASSERT(k_new.dim() == 4 && k_new.shape() == v_new.shape(), "k_new {} and v_new {} must be [s, b, ng, d]",
+            k_new.str(), v_new.str());
+  MG_ASSERT(k_cache.dim() == 4 && k_cache.shape() == v_cache.shape() && k_cache.size(2) == k_new.size(2) &&
+                k_cache.size(3) == k_new.size(3),
+            "caches {} / {} do not fit k_new {}", k_cache.str(), v_cache.str(), k_new.str());
+  const int64_t s = k_new.size(0), b = k_new.size(1), num_slots = k_cache.size(0), max_len = k_cache.size(1);
+  CacheWrite w{load_indices(slots, "slots"), load_indices(starts, "starts")};
+  MG_ASSERT(int64_t(w.slot.size()) == b && int64_t(w.start.size()) == b, "slots {} and starts {} must have {} entries",
+            slots.str(), starts.str(), b);
+  for (int64_t i = 0; i < b; ++i) {
+    MG_ASSERT(w.slot[size_t(i)] >= 0 && w.slot[size_t(i)] < num_slots, "cache slot {} outside [0, {})",
+              w.slot[size_t(i)], num_slots);
+    MG_ASSERT(w.start[size_t(i)] >= 0 && w.start[size_t(i)] + s <= max_len,
+              "positions {}..{} do not fit a cache of {} positions", w.start[size_t(i)], w.start[size_t(i)] + s - 1,
+              max_len);
+  }
+  return w;
+}
+}  // namespace
+
+void kv_cache_append(Context&, const Tensor& k_new, const Tensor& v_new, const Tensor& slots, const Tensor& starts,
+                     Tensor& k_cache, Tensor& v_cache) {
   assert_float(k_new, "k_new");
   assert_float(v_new, "v_new");
   assert_float(k_cache, "k_cache");
   assert_float(v_cache, "v_cache");
-  MG_ASSERT(q.dim() == 4 && k_new.dim() == 4 && k_new.shape() == v_new.shape(),
+  const CacheWrite w = check_cache_write(k_new, v_new, slots, starts, k_cache, v_cache);
+  const int64_t s = k_new.size(0), b = k_new.size(1), max_len = k_cache.size(1);
+  const int64_t row = k_new.size(2) * k_new.size(3);  // one cached position of one slot
+  FloatIn kin(k_new), vin(v_new);
+  FloatOut kc(k_cache, /*load=*/true), vc(v_cache, /*load=*/true);
+  for (int64_t j = 0; j < s; ++j) {
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t dst = (w.slot[size_t(i)] * max_len + w.start[size_t(i)] + j) * row, src = (j * b + i) * row;
+      std::memcpy(kc.data() + dst, kin.data() + src, size_t(row) * sizeof(float));
+      std::memcpy(vc.data() + dst, vin.data() + src, size_t(row) * sizeof(float));
+    }
+  }
+}
+
+void attention_kv_cache_forward(Context& ctx, const Tensor& q, const Tensor& k_new, const Tensor& v_new,
+                                const Tensor& slots, const Tensor& starts, float softmax_scale, Tensor& k_cache,
+                                Tensor& v_cache, Tensor& out) {
+  assert_float(q, "q");
+  MG_ASSERT(q.dim() == 4 && k_new.dim() == 4,
             "attention_kv_cache expects q [s, b, nq, d], k_new/v_new [s, b, ng, d]; got {}, {}, {}", q.str(),
             k_new.str(), v_new.str());
   const int64_t s = q.size(0), b = q.size(1), nq = q.size(2), d = q.size(3), ng = k_new.size(2);
   MG_ASSERT(k_new.size(0) == s && k_new.size(1) == b && k_new.size(3) == d && ng > 0 && nq % ng == 0,
             "q {} and k_new {} do not fit GQA attention", q.str(), k_new.str());
-  MG_ASSERT(k_cache.dim() == 4 && k_cache.shape() == v_cache.shape() && k_cache.size(2) == ng && k_cache.size(3) == d,
-            "caches {} / {} do not fit k_new {}", k_cache.str(), v_cache.str(), k_new.str());
   assert_numel(out, q.numel(), "out");
-  const int64_t num_slots = k_cache.size(0), max_len = k_cache.size(1);
-  const std::vector<int64_t> slot = load_indices(slots, "slots"), start = load_indices(starts, "starts");
-  MG_ASSERT(int64_t(slot.size()) == b && int64_t(start.size()) == b, "slots {} and starts {} must have {} entries",
-            slots.str(), starts.str(), b);
-  for (int64_t i = 0; i < b; ++i) {
-    MG_ASSERT(slot[size_t(i)] >= 0 && slot[size_t(i)] < num_slots, "cache slot {} outside [0, {})", slot[size_t(i)],
-              num_slots);
-    MG_ASSERT(start[size_t(i)] >= 0 && start[size_t(i)] + s <= max_len,
-              "positions {}..{} do not fit a cache of {} positions", start[size_t(i)], start[size_t(i)] + s - 1,
-              max_len);
-  }
-  FloatIn qin(q), kin(k_new), vin(v_new);
-  FloatOut kc(k_cache, /*load=*/true), vc(v_cache, /*load=*/true), o(out);
-  const int64_t row = ng * d;  // one cached position of one slot
-  for (int64_t j = 0; j < s; ++j) {
-    for (int64_t i = 0; i < b; ++i) {
-      const int64_t dst = (slot[size_t(i)] * max_len + start[size_t(i)] + j) * row, src = (j * b + i) * row;
-      std::memcpy(kc.data() + dst, kin.data() + src, size_t(row) * sizeof(float));
-      std::memcpy(vc.data() + dst, vin.data() + src, size_t(row) * sizeof(float));
-    }
-  }
+  const CacheWrite w = check_cache_write(k_new, v_new, slots, starts, k_cache, v_cache);
+  const std::vector<int64_t>&slot = w.slot, &start = w.start;
+  kv_cache_append(ctx, k_new, v_new, slots, starts, k_cache, v_cache);
+  const int64_t max_len = k_cache.size(1), row = ng * d;
+  FloatIn qin(q), kc(k_cache), vc(v_cache);
+  FloatOut o(out);
   const int64_t ldq = b * nq * d, group = nq / ng;
   std::vector<float> probs;
   for (int64_t i = 0; i < b; ++i) {

@@ -10,6 +10,7 @@
 // The loss mean Megatron takes over the tokens, Σ loss·mask / Σ mask, is split into its two sums
 // (masked_loss_sums, reduced across ranks by the caller) and the backward's grad = mask·scale.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <optional>
 
@@ -119,6 +120,33 @@ void masked_loss_backward_normalized(Context& ctx, const Tensor& loss_mask, cons
   assert_numel(scale, 1, "scale");
   const float count = sums.data<float>()[1];
   masked_loss_backward(ctx, loss_mask, count > 0 ? scale.data<float>()[0] / count : 0.0f, grad_losses);
+}
+
+}  // namespace megatron::cpu
+
+namespace megatron::cpu {
+
+// In the order of InferenceEngine's host log-softmax (sampling.cpp token_logprob): the max, then
+// Σ exp(double(x) - max) left to right.
+void logits_summary(Context&, const Tensor& logits, int64_t vocab, Tensor& argmax, Tensor& max_logit, Tensor& log_norm) {
+  MG_ASSERT(logits.dim() == 2 && vocab > 0 && vocab <= logits.size(1), "logits_summary: logits {} for vocab {}",
+            logits.str(), vocab);
+  const int64_t n = logits.size(0), cols = logits.size(1);
+  MG_ASSERT(argmax.dtype() == DType::Int64 && log_norm.dtype() == DType::Int64 && max_logit.dtype() == DType::Float32 &&
+                argmax.numel() == n && max_logit.numel() == n && log_norm.numel() == n,
+            "logits_summary: argmax {} (int64), max_logit {} (fp32), log_norm {} (int64) need {} entries", argmax.str(),
+            max_logit.str(), log_norm.str(), n);
+  FloatIn x(logits);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = x.data() + r * cols;
+    const int64_t best = int64_t(std::max_element(row, row + vocab) - row);
+    const double max = row[best];
+    double sum = 0;
+    for (int64_t i = 0; i < vocab; ++i) sum += std::exp(double(row[i]) - max);
+    argmax.data<int64_t>()[r] = best;
+    max_logit.data<float>()[r] = row[best];
+    log_norm.data<int64_t>()[r] = std::bit_cast<int64_t>(std::log(sum));
+  }
 }
 
 }  // namespace megatron::cpu

@@ -266,4 +266,69 @@ void masked_loss_backward_normalized(Context& ctx, const Tensor& loss_mask, cons
   CUDA_CHECK_LAUNCH();
 }
 
+
+namespace {
+
+// One block per row: the first maximal column (ties to the lower index, as std::max_element), then
+// Σ exp(double(x) - max) in fp64 — its order differs from the CPU's left-to-right sum only in the
+// last bits of an fp64 value.
+template <typename T>
+__global__ void logits_summary_kernel(const T* logits, int64_t cols, int64_t vocab, int64_t* argmax, float* max_logit,
+                                      int64_t* log_norm) {
+  __shared__ float best_v[32];
+  __shared__ int64_t best_i[32];
+  __shared__ double partial[32];
+  const T* row = logits + int64_t(blockIdx.x) * cols;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  float v = -INFINITY;
+  int64_t idx = vocab;
+  for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
+    const float x = load_float(row[c]);
+    if (x > v || (x == v && c < idx) || idx == vocab) v = x, idx = c;  // first index of the max (NaN: first seen)
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int64_t oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ov > v || (ov == v && oi < idx)) v = ov, idx = oi;
+  }
+  if (lane == 0) best_v[warp] = v, best_i[warp] = idx;
+  __syncthreads();
+  float m = best_v[0];
+  int64_t mi = best_i[0];
+  for (int w = 1; w < warps; ++w)
+    if (best_v[w] > m || (best_v[w] == m && best_i[w] < mi)) m = best_v[w], mi = best_i[w];
+  double sum = 0;
+  for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) sum += exp(double(load_float(row[c])) - double(m));
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (lane == 0) partial[warp] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0;
+    for (int w = 0; w < warps; ++w) total += partial[w];
+    argmax[blockIdx.x] = mi;
+    max_logit[blockIdx.x] = m;
+    log_norm[blockIdx.x] = __double_as_longlong(log(total));
+  }
+}
+
+}  // namespace
+
+void logits_summary(Context& ctx, const Tensor& logits, int64_t vocab, Tensor& argmax, Tensor& max_logit,
+                    Tensor& log_norm) {
+  MG_ASSERT(logits.dim() == 2 && vocab > 0 && vocab <= logits.size(1), "logits_summary: logits {} for vocab {}",
+            logits.str(), vocab);
+  const int64_t n = logits.size(0);
+  MG_ASSERT(argmax.dtype() == DType::Int64 && log_norm.dtype() == DType::Int64 && max_logit.dtype() == DType::Float32 &&
+                argmax.numel() == n && max_logit.numel() == n && log_norm.numel() == n,
+            "logits_summary: argmax {} (int64), max_logit {} (fp32), log_norm {} (int64) need {} entries", argmax.str(),
+            max_logit.str(), log_norm.str(), n);
+  if (n == 0) return;
+  dispatch_float(logits.dtype(), [&]<typename T>() {
+    logits_summary_kernel<T><<<unsigned(n), 512, 0, stream_of(ctx)>>>(dev_ptr<const T>(logits), logits.size(1), vocab,
+                                                                     dev_ptr<int64_t>(argmax), dev_ptr<float>(max_logit),
+                                                                     dev_ptr<int64_t>(log_norm));
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
 }  // namespace megatron::cuda

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -12,6 +13,7 @@
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
+#include "megatron/kernels/ops.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -172,6 +174,45 @@ TEST(InferenceEngine, PrefillOfLastRowsOnlyMatchesPrefillOfAllRows) {
   EXPECT_EQ(some_rows[1].prompt_logprobs, all_rows[1].prompt_logprobs);
   EXPECT_EQ(some_rows[1].prompt_top_logprobs, all_rows[1].prompt_top_logprobs);
   EXPECT_TRUE(some_rows[0].prompt_logprobs.empty());
+}
+
+// Note [Greedy rows on the device]: greedy requests without top log-probabilities take the argmax
+// and its log-probability from ops::logits_summary; asking for one top log-probability sends the
+// same requests down the host path. Same tokens, same log-probabilities to the bit (the CPU op sums
+// in the host path's order), and the summary equals token_logprob on random rows.
+TEST(InferenceEngine, GreedyRowsOnTheDeviceEqualTheHostPath) {
+  Tiny t;
+  auto requests = [](int top) {
+    std::vector<GenerationRequest> rs = {sampled({7, 8, 9, 10, 11}, 6), sampled({1, 2, 3}, 9), sampled({4}, 3)};
+    for (GenerationRequest& r : rs) {
+      r.sampling.greedy = true;
+      r.top_logprobs = top;
+    }
+    return rs;
+  };
+  InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 2});
+  const std::vector<GenerationResult> device = engine.generate(requests(0)), host = engine.generate(requests(1));
+  for (size_t i = 0; i < device.size(); ++i) {
+    EXPECT_EQ(device[i].tokens, host[i].tokens) << i;
+    EXPECT_EQ(device[i].logprobs, host[i].logprobs) << i;
+    EXPECT_EQ(device[i].finish_reason, host[i].finish_reason) << i;
+  }
+
+  const int64_t n = 4, cols = 64, vocab = 50;
+  Tensor logits = testing::random_tensor({n, cols}, 11, 3.0f);
+  Tensor argmax = Tensor::empty({n}, DType::Int64), max_logit = Tensor::empty({n}, DType::Float32);
+  Tensor log_norm = Tensor::empty({n}, DType::Int64);
+  ops::logits_summary(t.ctx, logits, vocab, argmax, max_logit, log_norm);
+  const std::vector<float> x = logits.to_floats();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = x.data() + r * cols;
+    SamplingParams greedy;
+    greedy.greedy = true;
+    const int64_t best = sample_token(row, vocab, greedy, 0);
+    EXPECT_EQ(argmax.to_ints()[size_t(r)], best);
+    EXPECT_EQ(max_logit.to_floats()[size_t(r)], row[best]);
+    EXPECT_EQ(-std::bit_cast<double>(log_norm.to_ints()[size_t(r)]), token_logprob(row, vocab, best)) << r;
+  }
 }
 
 // Megatron's stop_on_eol rules (stop sequences), prevent_newline_after_colon (a banned pair) and

@@ -498,6 +498,11 @@ Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std
   }
   MG_CHECK(max_position < cache.max_length(), "position {} is past the KV cache's {} positions", max_position,
            cache.max_length());
+  for (int64_t i = 0; i < b; ++i) {
+    MG_CHECK(slots[size_t(i)] >= 0 && slots[size_t(i)] < cache.num_slots() && starts[size_t(i)] >= 0,
+             "sequence {}: cache slot {} at position {} does not fit a cache of {} slots", i, slots[size_t(i)],
+             starts[size_t(i)], cache.num_slots());
+  }
   if (config_.use_learned_positions()) {
     MG_CHECK(max_position < config_.max_position_embeddings, "position {} exceeds --max-position-embeddings {}",
              max_position, config_.max_position_embeddings);
@@ -507,7 +512,11 @@ Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std
   Tensor x = embedding_->forward(ctx, tokens, position_ids, 0, embedding_saved);
   Tensor freqs;
   if (rotary_) {  // row j·b + i: the angles of sequence i's position starts[i] + j
-    std::vector<float> table = rotary_->freqs(ctx, max_position + 1).to_floats();
+    // The angle table is computed once (on the host: it is read per row) and grown when a longer
+    // position comes; a decode step then reads no device memory back.
+    if (int64_t(inference_freqs_.size()) < (max_position + 1) * (rotary_->rotary_dim() / 2))
+      inference_freqs_ = rotary_->freqs(ctx, std::max(max_position + 1, cache.max_length())).to_floats();
+    const std::vector<float>& table = inference_freqs_;
     const int64_t half = rotary_->rotary_dim() / 2;
     std::vector<float> rows(size_t(s * b * half));
     for (int64_t j = 0; j < s; ++j)
@@ -515,9 +524,9 @@ Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std
         std::copy_n(table.begin() + (starts[size_t(i)] + j) * half, half, rows.begin() + (j * b + i) * half);
     freqs = Tensor::from_floats(rows, {s * b, half}, DType::Float32, ctx.device());
   }
-  Tensor slot_t = Tensor::from_ints(slots, {b}, DType::Int64, ctx.device());
-  Tensor start_t = Tensor::from_ints(starts, {b}, DType::Int64, ctx.device());
-  Tensor hidden = decoder_->forward_inference(ctx, x, freqs, slot_t, start_t, cache.keys, cache.values);
+  CacheRows cache_rows{slots, starts, Tensor::from_ints(slots, {b}, DType::Int64, ctx.device()),
+                       Tensor::from_ints(starts, {b}, DType::Int64, ctx.device())};
+  Tensor hidden = decoder_->forward_inference(ctx, x, freqs, cache_rows, cache.keys, cache.values);
   Tensor rows = hidden.view({s * b, h});
   if (output_rows.empty()) return output_layer_->forward(ctx, rows).view({s, b, v});
   const int64_t n = int64_t(output_rows.size());

@@ -156,6 +156,7 @@ class GPTModel : public ModelChunk {
   std::unique_ptr<ParamAndGradBuffer> params_;
   std::unique_ptr<LanguageModelEmbedding> embedding_;
   std::optional<RotaryEmbedding> rotary_;
+  mutable std::vector<float> inference_freqs_;  // forward_inference's rotary angle table, grown as needed
   std::unique_ptr<TransformerBlock> decoder_;
   std::unique_ptr<Linear> output_layer_;
   std::vector<std::unique_ptr<MultiTokenPredictionLayer>> mtp_layers_;  // "mtp.layers.k" (the last stage)
