@@ -47,14 +47,14 @@ BATCH=${DECODE_BATCH:-1,32}
 
 if [[ " $parts " == *" tests "* ]]; then
   echo "== GPU tests of the inference kernels ($(left) s left)"
-  (cd $P && timeout 120 $P/bin/gpu_tests --gtest_filter="${DECODE_TEST_FILTER:-CudaKvCache*:CudaLogitsSummary*:CudaAttention*}" 2>&1 |
+  (cd $P && timeout 120 $P/bin/gpu_tests --gtest_filter="${DECODE_TEST_FILTER:-*CudaKvCache*:*CudaLogitsSummary*:*CudaAttention*}" 2>&1 |
     grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|Failure|error" | head -40)
 fi
 
 if [[ " $parts " == *" ours "* ]]; then
   echo "== megatron.cpp InferenceEngine ($(left) s left)"
   for m in $MODELS; do
-    timeout 200 $P/bin/decode_throughput --preset $m --batch $BATCH --prompt 512 --new-tokens 128 --device cuda \
+    timeout 200 $P/bin/decode_throughput --preset $m --batch $BATCH --prompt 512 --new-tokens 128 --device cuda ${DECODE_FLAGS:-} \
       --dtype bf16 2> $OUT/ours_$m.err | tee -a $J
     [[ ${PIPESTATUS[0]} == 0 ]] || { echo "{\"system\": \"megatron.cpp\", \"model\": \"$m\", \"error\": $(tail -c 400 $OUT/ours_$m.err | jq -Rs .)}" | tee -a $J; }
   done

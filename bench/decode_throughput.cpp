@@ -20,6 +20,7 @@
 
 #include "megatron/core/inference/generation.h"
 #include "megatron/core/models/gpt/gpt_model.h"
+#include "megatron/runtime/profiler.h"
 #include "megatron/runtime/philox.h"
 #include "megatron/training/training.h"
 
@@ -54,6 +55,7 @@ int main(int argc, char** argv) {
   try {
     std::string preset = "tiny", device = "auto", dtype = "bf16", batches = "1,32";
     int prompt = 512, new_tokens = 128, repeats = 3;
+    bool profile = false;
     CLI::App app("InferenceEngine prefill and decode throughput");
     app.add_option("--preset", preset, "Model shape: gpt-1.3B, llama-1B, tiny, llama-tiny")->capture_default_str();
     app.add_option("--batch", batches, "Batch sizes, comma-separated")->capture_default_str();
@@ -63,6 +65,7 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     app.add_option("--device", device, "auto, cpu or cuda")->capture_default_str();
     app.add_option("--dtype", dtype, "bf16 or fp32")->check(CLI::IsMember({"bf16", "fp32"}))->capture_default_str();
+    app.add_flag("--profile", profile, "After timing, one more generation with per-op timing: the op table on stderr");
     CLI11_PARSE(app, argc, argv);
     auto it = kPresets.find(preset);
     MG_CHECK(it != kPresets.end(), "unknown preset '{}': use gpt-1.3B, llama-1B, tiny or llama-tiny", preset);
@@ -144,6 +147,20 @@ int main(int argc, char** argv) {
                               prefill_s, total_s, double(m.peak_allocated) / double(1ull << 30))
                       .c_str());
       std::fflush(stdout);
+      if (profile) {  // one more generation, each op bracketed by events: where a step's time goes
+        for (GenerationRequest& r : requests) r.max_new_tokens = new_tokens;
+        OpProfiler profiler;
+        ctx.synchronize();
+        ctx.set_profiler(&profiler);
+        const auto t0 = now();
+        engine.generate(requests);
+        ctx.synchronize();
+        const double wall_ms = std::chrono::duration<double, std::milli>(now() - t0).count();
+        ctx.set_profiler(nullptr);
+        std::fprintf(stderr, "== %s batch %d: one generation of %d tokens (prefill + %d decode steps)\n%s\n",
+                     preset.c_str(), batch, new_tokens, new_tokens - 1,
+                     format_op_table(profiler.collect(ctx), wall_ms, new_tokens, 30).c_str());
+      }
     }
     return 0;
   } catch (const std::exception& e) {

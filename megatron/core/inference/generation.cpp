@@ -33,6 +33,7 @@ InferenceEngine::InferenceEngine(const GPTModel& model, Context& ctx, int64_t vo
       max_length_(resolve_max_length(model.config(), options)),
       cache_(model.config(), options.max_batch_size, max_length_, ctx.device()),
       slots_(size_t(options.max_batch_size)) {
+  use_graphs_ = options.cuda_graphs && ctx.device().is_cuda() && model.inference_capturable();
   MG_CHECK(vocab_size > 0 && vocab_size <= model.config().padded_vocab_size,
            "tokenizer vocabulary {} does not fit the model's {} output rows", vocab_size,
            model.config().padded_vocab_size);
@@ -228,14 +229,88 @@ void InferenceEngine::decode() {
   }
   const int64_t b = int64_t(slots.size()), v = model_.config().padded_vocab_size;
   Tensor t = Tensor::from_ints(tokens, {b, 1}, DType::Int64, ctx_.device());
-  const Tensor out = model_.forward_inference(ctx_, t, slots, starts, cache_).view({b, v});
-  if (std::none_of(slots.begin(), slots.end(), [&](int64_t k) { return needs_full_row(slots_[size_t(k)]->request); })) {
-    const std::vector<RowChoice> choice = greedy_choices(ctx_, out, vocab_size_);  // Note [Greedy rows on the device]
-    for (int64_t i = 0; i < b; ++i) accept(slots[size_t(i)], choice[size_t(i)].token, choice[size_t(i)].logprob);
-    return;
+  const InferenceInputs in = model_.inference_inputs(ctx_, t, slots, starts, cache_);
+  const bool greedy = std::none_of(slots.begin(), slots.end(),
+                                   [&](int64_t k) { return needs_full_row(slots_[size_t(k)]->request); });
+  std::vector<RowChoice> choice;
+  std::vector<float> logits;
+  if (use_graphs_) {
+    const DecodeGraph& g = decode_through_graph(in);
+    if (greedy) {
+      const std::vector<int64_t> ids = g.argmax.to_ints(), norms = g.log_norm.to_ints();
+      for (int64_t i = 0; i < b; ++i) choice.push_back({ids[size_t(i)], -std::bit_cast<double>(norms[size_t(i)])});
+    } else {
+      logits = g.logits.to_floats();
+    }
+  } else {
+    const Tensor out = model_.forward_inference(ctx_, in, cache_).view({b, v});
+    if (greedy) {
+      choice = greedy_choices(ctx_, out, vocab_size_);  // Note [Greedy rows on the device]
+    } else {
+      logits = out.to_floats();
+    }
   }
-  std::vector<float> logits = out.to_floats();
-  for (int64_t i = 0; i < b; ++i) emit(slots[size_t(i)], logits.data() + i * v);
+  for (int64_t i = 0; i < b; ++i) {
+    if (greedy) {
+      accept(slots[size_t(i)], choice[size_t(i)].token, choice[size_t(i)].logprob);
+    } else {
+      emit(slots[size_t(i)], logits.data() + i * v);
+    }
+  }
+}
+
+// Note [Decode graphs]: on a GPU a decode step of b sequences is a few hundred small kernels (24
+// layers x ~14), each launched from the host: a batch-1 step of a 1.3B model spends more time
+// launching than computing. So each batch size's step is recorded once as a CUDA graph
+// (runtime/cuda_graph.h) and then launched as one: the step's inputs — token ids, positions,
+// rotary rows, cache slots and starts, all checked on the host by GPTModel::inference_inputs —
+// are copied into the graph's own input tensors, and the graph writes the logits and their
+// logits_summary into its output tensors. The first step of a batch size runs eagerly (it builds
+// the cuBLASLt plans and grows the workspaces the recording must find in place); the second is
+// recorded, then launched like every later one. What the device half of the forward reads on the
+// host makes a model not capturable (GPTModel::inference_capturable: MoE, MLA, sinks, windows,
+// FP8): those decode eagerly. Prefill stays eager (its shapes change with every admission).
+InferenceEngine::DecodeGraph& InferenceEngine::decode_through_graph(const InferenceInputs& fresh) {
+  const int64_t b = fresh.tokens.size(0), v = model_.config().padded_vocab_size;
+  std::unique_ptr<DecodeGraph>& slot = graphs_[b];
+  const Device dev = ctx_.device();
+  if (!slot) {
+    slot = std::make_unique<DecodeGraph>();
+    auto like = [&](const Tensor& t) { return t.defined() ? Tensor::empty(t.shape(), t.dtype(), dev) : Tensor(); };
+    slot->in.tokens = like(fresh.tokens);
+    slot->in.position_ids = like(fresh.position_ids);
+    slot->in.freqs = like(fresh.freqs);
+    slot->in.rows.slots = like(fresh.rows.slots);
+    slot->in.rows.starts = like(fresh.rows.starts);
+    slot->argmax = Tensor::empty({b}, DType::Int64, dev);
+    slot->max_logit = Tensor::empty({b}, DType::Float32, dev);
+    slot->log_norm = Tensor::empty({b}, DType::Int64, dev);
+  }
+  DecodeGraph& g = *slot;
+  auto put = [&](const Tensor& src, Tensor& dst) {
+    if (src.defined()) ops::copy_rows(ctx_, src, 0, dst, 0, src.size(0));
+  };
+  put(fresh.tokens, g.in.tokens);
+  put(fresh.position_ids, g.in.position_ids);
+  put(fresh.freqs, g.in.freqs);
+  put(fresh.rows.slots, g.in.rows.slots);
+  put(fresh.rows.starts, g.in.rows.starts);
+  g.in.rows.slot_ids = fresh.rows.slot_ids;  // host copies: a one-token forward does not read them
+  g.in.rows.start_ids = fresh.rows.start_ids;
+  auto body = [&] {
+    const Tensor out = model_.forward_inference(ctx_, g.in, cache_).view({b, v});
+    if (!g.logits.defined()) g.logits = Tensor::empty(out.shape(), out.dtype(), dev);  // in the eager step
+    ops::logits_summary(ctx_, out, vocab_size_, g.argmax, g.max_logit, g.log_norm);
+    ops::copy_rows(ctx_, out, 0, g.logits, 0, b);
+  };
+  if (!g.warmed_up) {
+    body();
+    g.warmed_up = true;
+    return g;
+  }
+  if (!g.graph.captured()) g.graph.capture(ctx_, body);
+  g.graph.replay(ctx_);
+  return g;
 }
 
 namespace {

@@ -20,6 +20,7 @@
 #include <deque>
 #include <memory>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,6 +29,7 @@
 #include "megatron/core/inference/beam_search.h"
 #include "megatron/core/inference/sampling.h"
 #include "megatron/core/models/gpt/gpt_model.h"
+#include "megatron/runtime/cuda_graph.h"
 
 namespace megatron {
 
@@ -67,6 +69,7 @@ using DoneCallback = std::function<void(const GenerationResult&)>;
 struct EngineOptions {
   int64_t max_batch_size = 8;       // cache slots: sequences decoded together
   int64_t max_sequence_length = 0;  // 0: max_position_embeddings (learned positions) or seq_length
+  bool cuda_graphs = true;          // decode steps through CUDA graphs on a GPU (Note [Decode graphs])
 };
 
 class InferenceEngine {
@@ -124,8 +127,20 @@ class InferenceEngine {
   void accept(int64_t slot, int64_t token, double logprob);
   void finish(int64_t slot, const std::string& reason);
 
+  // Note [Decode graphs]: one recorded decode step per batch size.
+  struct DecodeGraph {
+    CudaGraph graph;
+    InferenceInputs in;                        // the graph's inputs: each step's are copied in
+    Tensor logits, argmax, max_logit, log_norm;  // its outputs: [b, V'] and logits_summary's
+    bool warmed_up = false;
+  };
+  // The decode forward of `fresh` inputs through the batch size's graph; returns its DecodeGraph.
+  DecodeGraph& decode_through_graph(const InferenceInputs& fresh);
+
   const GPTModel& model_;
   Context& ctx_;
+  bool use_graphs_ = false;
+  std::map<int64_t, std::unique_ptr<DecodeGraph>> graphs_;
   int64_t vocab_size_;
   int64_t max_length_;
   KVCache cache_;

@@ -32,6 +32,14 @@ struct CacheRows {
   }
 };
 
+/// One inference forward's inputs on the model's device (GPTModel::inference_inputs).
+struct InferenceInputs {
+  Tensor tokens;        // [b, s] int64
+  Tensor position_ids;  // [b, s] int64: starts[i] + j
+  Tensor freqs;         // [s·b, rotary_dim/2] fp32: row j·b + i holds position starts[i] + j's angles (RoPE only)
+  CacheRows rows;
+};
+
 struct KVCache {
   /// Allocates (zeroed) caches for config.num_layers layers.
   KVCache(const TransformerConfig& config, int64_t num_slots, int64_t max_length, Device device);

@@ -5,13 +5,22 @@
 // P·V. Decode steps have one query per sequence, so this is what a step costs; a prompt's first
 // forward goes through the training attention (cuDNN) instead (Note [Prefill attention]).
 //
-// Note [Decode attention reads]: a decode step is bound by reading the cache, [positions, ng·d] per
-// slot. Each warp takes every 4th position and its 32 lanes read the key row together (contiguous,
-// d/32 elements a lane), so the score is a warp reduction; for P·V each warp sums its positions'
-// value rows into per-lane accumulators (lane e holds channels e, e+32, ...), and the four warps'
-// partial sums meet in shared memory. Slots and starts are read on the device only: no host
-// synchronisation per layer (the caller checked them once per forward).
+// Note [Decode attention reads]: a decode step has one query per (sequence, head) and is bound by
+// reading that sequence's cache, [positions, ng·d]. One block per query leaves a batch-1 step with
+// as many blocks as heads, each walking hundreds of positions one dependent load after another
+// (190 µs a layer on an H200, whatever the batch). So the positions are split (flash decoding):
+// a block takes one chunk of one query's positions — scores with a thread per position (its key
+// row in 16-byte loads), the chunk's max and sum, and the unnormalised P·V with a thread per
+// channel — and a second launch merges the chunks' partial results by their maxima. The chunk
+// count is fixed by the cache length (not the positions in use), so a step's grid is the same
+// every step (capturable); chunks past a query's position only record that they are empty.
+// Slots and starts are read on the device only: no host synchronisation per layer (the caller
+// checked them once per forward).
+
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
 
 #include <cfloat>
 
@@ -23,8 +32,8 @@ namespace megatron::cuda {
 
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kMaxHeadDim = 256;  // kv_channels up to this (MLA caches go another way)
+constexpr int kThreads = 256;
+constexpr int kMaxHeadDim = kThreads;  // kv_channels up to this (MLA caches go another way)
 
 template <typename T>
 __global__ void kv_cache_write(const T* k_new, const T* v_new, const int64_t* slots, const int64_t* starts, int64_t s,
@@ -53,68 +62,97 @@ __device__ float block_reduce(float v, float* scratch, bool is_max) {
   return r;
 }
 
-// grid (s, b, nq), kThreads threads (4 warps); dynamic shared memory: max_len floats of scores.
-// Note [Decode attention reads].
+// grid (chunks, s·b, nq), kThreads threads; dynamic shared memory: chunk floats of scores.
+// Writes the chunk's max m, sum l = Σ exp(score - m) and acc = Σ exp(score - m)·v (Note [Decode
+// attention reads]); an empty chunk writes m = -inf, l = 0, acc = 0.
 template <typename T>
-__global__ void kv_cache_attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots,
-                                const int64_t* starts, int64_t b, int64_t nq, int64_t ng, int64_t d, int64_t max_len,
-                                float scale, T* out) {
+__global__ void kv_cache_attend_chunk(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots,
+                                      const int64_t* starts, int64_t b, int64_t nq, int64_t ng, int64_t d,
+                                      int64_t max_len, int64_t chunk, float scale, bool vec, float* part_m,
+                                      float* part_l, float* part_acc) {
   extern __shared__ float scores[];
   __shared__ float scratch[32];
-  __shared__ float partial[kThreads / 32][kMaxHeadDim];
-  const int64_t j = blockIdx.x, i = blockIdx.y, h = blockIdx.z;
+  __shared__ float qs[kMaxHeadDim];
+  __shared__ float partial[kThreads];
+  const int64_t c = blockIdx.x, row_id = blockIdx.y, h = blockIdx.z;  // row_id = j·b + i
+  const int64_t j = row_id / b, i = row_id % b;
   const int64_t last = starts[i] + j, g = h / (nq / ng), row = ng * d;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = kThreads / 32;
-  const T* qrow = q + ((j * b + i) * nq + h) * d;
+  const int64_t lo = c * chunk, hi = min(lo + chunk, last + 1);
+  const int64_t out_id = (c * gridDim.y + row_id) * nq + h;
+  float* acc_out = part_acc + out_id * d;
+  if (lo >= hi) {
+    if (threadIdx.x == 0) part_m[out_id] = -INFINITY, part_l[out_id] = 0.0f;
+    for (int64_t e = threadIdx.x; e < d; e += blockDim.x) acc_out[e] = 0.0f;
+    return;
+  }
+  const T* qrow = q + (row_id * nq + h) * d;
+  for (int64_t e = threadIdx.x; e < d; e += blockDim.x) qs[e] = load_float(qrow[e]);
+  __syncthreads();
   const T* kbase = k_cache + slots[i] * max_len * row + g * d;
   const T* vbase = v_cache + slots[i] * max_len * row + g * d;
-  constexpr int kPerLane = kMaxHeadDim / 32;
-  float qv[kPerLane];
-#pragma unroll
-  for (int u = 0; u < kPerLane; ++u) {
-    const int64_t e = lane + 32 * u;
-    qv[u] = e < d ? load_float(qrow[e]) : 0.0f;
-  }
+  constexpr int kPack = 16 / sizeof(T);
   float m = -FLT_MAX;
-  for (int64_t t = warp; t <= last; t += warps) {
+  for (int64_t t = lo + threadIdx.x; t < hi; t += blockDim.x) {
     const T* krow = kbase + t * row;
     float acc = 0.0f;
+    if (vec) {
+      for (int64_t e = 0; e < d; e += kPack) {
+        float kv[kPack];
+        load_pack<kPack>(krow + e, kv);
 #pragma unroll
-    for (int u = 0; u < kPerLane; ++u) {
-      const int64_t e = lane + 32 * u;
-      if (e < d) acc += qv[u] * load_float(krow[e]);
+        for (int u = 0; u < kPack; ++u) acc += qs[e + u] * kv[u];
+      }
+    } else {
+      for (int64_t e = 0; e < d; ++e) acc += qs[e] * load_float(krow[e]);
     }
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     acc *= scale;
-    if (lane == 0) scores[t] = acc;
+    scores[t - lo] = acc;
     m = fmaxf(m, acc);
   }
   m = block_reduce(m, scratch, true);
   float sum = 0.0f;
-  for (int64_t t = threadIdx.x; t <= last; t += blockDim.x) {
-    scores[t] = __expf(scores[t] - m);
-    sum += scores[t];
+  for (int64_t t = lo + threadIdx.x; t < hi; t += blockDim.x) {
+    const float p = __expf(scores[t - lo] - m);
+    scores[t - lo] = p;
+    sum += p;
   }
   sum = block_reduce(sum, scratch, false);  // its barriers also publish the exponentials
-  const float inv = 1.0f / sum;
-  float acc[kPerLane] = {};
-  for (int64_t t = warp; t <= last; t += warps) {
-    const float p = scores[t];
-    const T* vrow = vbase + t * row;
-#pragma unroll
-    for (int u = 0; u < kPerLane; ++u) {
-      const int64_t e = lane + 32 * u;
-      if (e < d) acc[u] += p * load_float(vrow[e]);
-    }
+  // P·V: thread (grp, e) sums channel e over positions lo + grp, lo + grp + groups, ...
+  const int64_t groups = kThreads / d, grp = threadIdx.x / d, e = threadIdx.x % d;
+  float acc = 0.0f;
+  if (grp < groups) {
+#pragma unroll 8
+    for (int64_t t = lo + grp; t < hi; t += groups) acc += scores[t - lo] * load_float(vbase[t * row + e]);
   }
-#pragma unroll
-  for (int u = 0; u < kPerLane; ++u) partial[warp][lane + 32 * u] = acc[u];
+  partial[threadIdx.x] = acc;
   __syncthreads();
-  T* orow = out + ((j * b + i) * nq + h) * d;
+  if (threadIdx.x < d) {
+    float total = 0.0f;
+    for (int64_t k = 0; k < groups; ++k) total += partial[k * d + threadIdx.x];
+    acc_out[threadIdx.x] = total;
+    if (threadIdx.x == 0) part_m[out_id] = m, part_l[out_id] = sum;
+  }
+}
+
+// grid (s·b, nq), d threads: out = Σ_c e^(m_c - M)·acc_c / Σ_c e^(m_c - M)·l_c with M = max_c m_c.
+template <typename T>
+__global__ void kv_cache_attend_merge(const float* part_m, const float* part_l, const float* part_acc, int64_t chunks,
+                                      int64_t rows, int64_t nq, int64_t d, T* out) {
+  const int64_t row_id = blockIdx.x, h = blockIdx.y;
+  float big = -INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) big = fmaxf(big, part_m[(c * rows + row_id) * nq + h]);
+  float denom = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t id = (c * rows + row_id) * nq + h;
+    if (part_l[id] > 0.0f) denom += __expf(part_m[id] - big) * part_l[id];
+  }
   for (int64_t e = threadIdx.x; e < d; e += blockDim.x) {
-    float o = 0.0f;
-    for (int w = 0; w < warps; ++w) o += partial[w][e];
-    orow[e] = store_float<T>(o * inv);
+    float num = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t id = (c * rows + row_id) * nq + h;
+      if (part_l[id] > 0.0f) num += __expf(part_m[id] - big) * part_acc[id * d + e];
+    }
+    out[(row_id * nq + h) * d + e] = store_float<T>(num / denom);
   }
 }
 
@@ -162,16 +200,32 @@ void attention_kv_cache_forward(Context& ctx, const Tensor& q, const Tensor& k_n
   MG_CHECK(d <= kMaxHeadDim, "KV-cache attention on CUDA takes heads of up to {} channels (got {})", kMaxHeadDim, d);
   const Tensor dslots = device_indices(ctx, slots, b, "slots"), dstarts = device_indices(ctx, starts, b, "starts");
   kv_cache_append(ctx, k_new, v_new, dslots, dstarts, k_cache, v_cache);
-  const size_t shared = size_t(max_len) * sizeof(float);
+  // Note [Decode attention reads]: chunks of at least 128 positions, at most 32 of them.
+  const int64_t chunk = std::max<int64_t>(128, (max_len + 31) / 32 + 127) / 128 * 128;
+  const int64_t chunks = (max_len + chunk - 1) / chunk, rows = s * b;
+  const size_t shared = size_t(chunk) * sizeof(float);
   MG_CHECK(shared <= 200 * 1024, "KV cache of {} positions is too long for the decode kernel", max_len);
+  Tensor part_m = Tensor::empty({chunks, rows, nq}, DType::Float32, ctx.device());
+  Tensor part_l = Tensor::empty({chunks, rows, nq}, DType::Float32, ctx.device());
+  Tensor part_acc = Tensor::empty({chunks, rows, nq, d}, DType::Float32, ctx.device());
   cudaStream_t stream = stream_of(ctx);
   dispatch_float(q.dtype(), [&]<typename T>() {
-    if (shared > 48 * 1024) {
-      CUDA_CHECK(cudaFuncSetAttribute(kv_cache_attend<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));
+    const size_t bytes = sizeof(T);
+    const bool vec = (d * bytes) % 16 == 0 && (ng * d * bytes) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(k_cache.raw_data()) % 16 == 0 && reinterpret_cast<uintptr_t>(v_cache.raw_data()) % 16 == 0;
+    if (shared > 48 * 1024) {  // once per type, at the largest size (not again under graph capture)
+      static const cudaError_t raised = cudaFuncSetAttribute(
+          kv_cache_attend_chunk<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(200 * 1024));
+      CUDA_CHECK(raised);
     }
-    kv_cache_attend<T><<<dim3(unsigned(s), unsigned(b), unsigned(nq)), kThreads, shared, stream>>>(
+    kv_cache_attend_chunk<T><<<dim3(unsigned(chunks), unsigned(rows), unsigned(nq)), kThreads, shared, stream>>>(
         dev_ptr<const T>(q), dev_ptr<const T>(k_cache), dev_ptr<const T>(v_cache), dev_ptr<const int64_t>(dslots),
-        dev_ptr<const int64_t>(dstarts), b, nq, ng, d, max_len, softmax_scale, dev_ptr<T>(out));
+        dev_ptr<const int64_t>(dstarts), b, nq, ng, d, max_len, chunk, softmax_scale, vec, dev_ptr<float>(part_m),
+        dev_ptr<float>(part_l), dev_ptr<float>(part_acc));
+    CUDA_CHECK_LAUNCH();
+    kv_cache_attend_merge<T><<<dim3(unsigned(rows), unsigned(nq)), unsigned(std::min<int64_t>(d, kThreads)), 0, stream>>>(
+        dev_ptr<const float>(part_m), dev_ptr<const float>(part_l), dev_ptr<const float>(part_acc), chunks, rows, nq,
+        d, dev_ptr<T>(out));
     CUDA_CHECK_LAUNCH();
   });
 }

@@ -480,11 +480,10 @@ Tensor GPTModel::backward_step(Context& ctx, const Tensor& output_grad, Stash& s
 
 // ---- inference -----------------------------------------------------------------------------------
 
-Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
-                                   const std::vector<int64_t>& starts, KVCache& cache,
-                                   const std::vector<int64_t>& output_rows) const {
+InferenceInputs GPTModel::inference_inputs(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
+                                           const std::vector<int64_t>& starts, const KVCache& cache) const {
   MG_ASSERT(tokens.dim() == 2, "tokens {}", shape_str(tokens.shape()));
-  const int64_t b = tokens.size(0), s = tokens.size(1), h = config_.hidden_size, v = config_.padded_vocab_size;
+  const int64_t b = tokens.size(0), s = tokens.size(1);
   MG_CHECK(int64_t(slots.size()) == b && int64_t(starts.size()) == b, "{} sequences but {} slots and {} starts", b,
            slots.size(), starts.size());
   MG_CHECK(config_.hidden_dropout == 0.0f && config_.attention_dropout == 0.0f,
@@ -507,10 +506,9 @@ Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std
     MG_CHECK(max_position < config_.max_position_embeddings, "position {} exceeds --max-position-embeddings {}",
              max_position, config_.max_position_embeddings);
   }
-  Tensor position_ids = Tensor::from_ints(positions, {b, s}, DType::Int64, tokens.device());
-  LanguageModelEmbedding::Saved embedding_saved;
-  Tensor x = embedding_->forward(ctx, tokens, position_ids, 0, embedding_saved);
-  Tensor freqs;
+  InferenceInputs in;
+  in.tokens = tokens.device() == ctx.device() ? tokens : tokens.to(ctx.device());
+  in.position_ids = Tensor::from_ints(positions, {b, s}, DType::Int64, ctx.device());
   if (rotary_) {  // row j·b + i: the angles of sequence i's position starts[i] + j
     // The angle table is computed once (on the host: it is read per row) and grown when a longer
     // position comes; a decode step then reads no device memory back.
@@ -522,11 +520,30 @@ Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std
     for (int64_t j = 0; j < s; ++j)
       for (int64_t i = 0; i < b; ++i)
         std::copy_n(table.begin() + (starts[size_t(i)] + j) * half, half, rows.begin() + (j * b + i) * half);
-    freqs = Tensor::from_floats(rows, {s * b, half}, DType::Float32, ctx.device());
+    in.freqs = Tensor::from_floats(rows, {s * b, half}, DType::Float32, ctx.device());
   }
-  CacheRows cache_rows{slots, starts, Tensor::from_ints(slots, {b}, DType::Int64, ctx.device()),
-                       Tensor::from_ints(starts, {b}, DType::Int64, ctx.device())};
-  Tensor hidden = decoder_->forward_inference(ctx, x, freqs, cache_rows, cache.keys, cache.values);
+  in.rows = CacheRows{slots, starts, Tensor::from_ints(slots, {b}, DType::Int64, ctx.device()),
+                      Tensor::from_ints(starts, {b}, DType::Int64, ctx.device())};
+  return in;
+}
+
+bool GPTModel::inference_capturable() const {
+  return !config_.multi_latent_attention && config_.num_moe_experts == 0 && !config_.has_attention_sinks() &&
+         config_.window_size_left < 0 && !config_.fp8.enabled();
+}
+
+Tensor GPTModel::forward_inference(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
+                                   const std::vector<int64_t>& starts, KVCache& cache,
+                                   const std::vector<int64_t>& output_rows) const {
+  return forward_inference(ctx, inference_inputs(ctx, tokens, slots, starts, cache), cache, output_rows);
+}
+
+Tensor GPTModel::forward_inference(Context& ctx, const InferenceInputs& in, KVCache& cache,
+                                   const std::vector<int64_t>& output_rows) const {
+  const int64_t b = in.tokens.size(0), s = in.tokens.size(1), h = config_.hidden_size, v = config_.padded_vocab_size;
+  LanguageModelEmbedding::Saved embedding_saved;
+  Tensor x = embedding_->forward(ctx, in.tokens, in.position_ids, 0, embedding_saved);
+  Tensor hidden = decoder_->forward_inference(ctx, x, in.freqs, in.rows, cache.keys, cache.values);
   Tensor rows = hidden.view({s * b, h});
   if (output_rows.empty()) return output_layer_->forward(ctx, rows).view({s, b, v});
   const int64_t n = int64_t(output_rows.size());

@@ -132,6 +132,17 @@ class GPTModel : public ModelChunk {
   Tensor forward_inference(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
                            const std::vector<int64_t>& starts, KVCache& cache,
                            const std::vector<int64_t>& output_rows = {}) const;
+  /// The two halves of forward_inference. inference_inputs: the host half — checks the slots,
+  /// starts and positions and puts a forward's inputs on the device. The second: the device half,
+  /// which reads nothing back from the device, so a decode step can be recorded into a CUDA graph
+  /// when inference_capturable() (InferenceEngine's Note [Decode graphs]).
+  InferenceInputs inference_inputs(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
+                                   const std::vector<int64_t>& starts, const KVCache& cache) const;
+  Tensor forward_inference(Context& ctx, const InferenceInputs& in, KVCache& cache,
+                           const std::vector<int64_t>& output_rows = {}) const;
+  /// Whether the device half synchronises with nothing: not with MoE layers (their token counts),
+  /// multi-latent attention, sinks or windows (per-sequence host loops) or FP8.
+  bool inference_capturable() const;
 
   void init_weights(uint64_t seed) override;
   /// Also declares, on every rank, the losses the MoE layers of this config report (every stage
