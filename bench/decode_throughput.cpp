@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     app.add_option("--device", device, "auto, cpu or cuda")->capture_default_str();
     app.add_option("--dtype", dtype, "bf16 or fp32")->check(CLI::IsMember({"bf16", "fp32"}))->capture_default_str();
-    app.add_flag("--profile", profile, "After timing, one more generation with per-op timing: the op table on stderr");
+    app.add_flag("--profile", profile, "After timing, one more generation with per-op timing, eager (no decode graphs): the op table on stderr");
     CLI11_PARSE(app, argc, argv);
     auto it = kPresets.find(preset);
     MG_CHECK(it != kPresets.end(), "unknown preset '{}': use gpt-1.3B, llama-1B, tiny or llama-tiny", preset);
@@ -149,11 +149,15 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       if (profile) {  // one more generation, each op bracketed by events: where a step's time goes
         for (GenerationRequest& r : requests) r.max_new_tokens = new_tokens;
+        // Eagerly (no decode graphs): a graph's kernels are not bracketed op by op.
+        InferenceEngine eager(model, ctx, p.vocab,
+                              {.max_batch_size = batch, .max_sequence_length = prompt + new_tokens, .cuda_graphs = false});
+        eager.generate(requests);  // its warmup
         OpProfiler profiler;
         ctx.synchronize();
         ctx.set_profiler(&profiler);
         const auto t0 = now();
-        engine.generate(requests);
+        eager.generate(requests);
         ctx.synchronize();
         const double wall_ms = std::chrono::duration<double, std::milli>(now() - t0).count();
         ctx.set_profiler(nullptr);

@@ -10,8 +10,9 @@
 // as many blocks as heads, each walking hundreds of positions one dependent load after another
 // (190 µs a layer on an H200, whatever the batch). So the positions are split (flash decoding):
 // a block takes one chunk of one query's positions — scores with a thread per position (its key
-// row in 16-byte loads), the chunk's max and sum, and the unnormalised P·V with a thread per
-// channel — and a second launch merges the chunks' partial results by their maxima. The chunk
+// row in unrolled 16-byte loads), the chunk's max and sum, and the unnormalised P·V with a thread
+// per 16-byte pack of channels and position group (enough loads in flight to keep HBM busy) — and
+// a second launch merges the chunks' partial results by their maxima. The chunk
 // count is fixed by the cache length (not the positions in use), so a step's grid is the same
 // every step (capturable); chunks past a query's position only record that they are empty.
 // Slots and starts are read on the device only: no host synchronisation per layer (the caller
@@ -73,7 +74,7 @@ __global__ void kv_cache_attend_chunk(const T* q, const T* k_cache, const T* v_c
   extern __shared__ float scores[];
   __shared__ float scratch[32];
   __shared__ float qs[kMaxHeadDim];
-  __shared__ float partial[kThreads];
+  __shared__ float partial[kThreads * 8];  // the groups' partial P·V sums (up to kPack channels a thread)
   const int64_t c = blockIdx.x, row_id = blockIdx.y, h = blockIdx.z;  // row_id = j·b + i
   const int64_t j = row_id / b, i = row_id % b;
   const int64_t last = starts[i] + j, g = h / (nq / ng), row = ng * d;
@@ -96,7 +97,8 @@ __global__ void kv_cache_attend_chunk(const T* q, const T* k_cache, const T* v_c
     const T* krow = kbase + t * row;
     float acc = 0.0f;
     if (vec) {
-      for (int64_t e = 0; e < d; e += kPack) {
+#pragma unroll 8
+      for (int64_t e = 0; e < d; e += kPack) {  // unrolled: several 16-byte loads in flight
         float kv[kPack];
         load_pack<kPack>(krow + e, kv);
 #pragma unroll
@@ -117,21 +119,44 @@ __global__ void kv_cache_attend_chunk(const T* q, const T* k_cache, const T* v_c
     sum += p;
   }
   sum = block_reduce(sum, scratch, false);  // its barriers also publish the exponentials
-  // P·V: thread (grp, e) sums channel e over positions lo + grp, lo + grp + groups, ...
-  const int64_t groups = kThreads / d, grp = threadIdx.x / d, e = threadIdx.x % d;
-  float acc = 0.0f;
-  if (grp < groups) {
+  if (vec && (d / kPack) <= kThreads && kThreads % (d / kPack) == 0) {
+    // P·V in 16-byte packs: thread (grp, pk) sums channels pk·kPack.. over positions lo + grp,
+    // lo + grp + groups, ...; the groups' sums meet in shared memory.
+    const int64_t lanes = d / kPack, groups = kThreads / lanes, grp = threadIdx.x / lanes, pk = threadIdx.x % lanes;
+    float acc[kPack] = {};
+#pragma unroll 4
+    for (int64_t t = lo + grp; t < hi; t += groups) {
+      float vv[kPack];
+      load_pack<kPack>(vbase + t * row + pk * kPack, vv);
+      const float p = scores[t - lo];
+#pragma unroll
+      for (int u = 0; u < kPack; ++u) acc[u] += p * vv[u];
+    }
+#pragma unroll
+    for (int u = 0; u < kPack; ++u) partial[grp * d + pk * kPack + u] = acc[u];
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < d; e += blockDim.x) {
+      float total = 0.0f;
+      for (int64_t k = 0; k < groups; ++k) total += partial[k * d + e];
+      acc_out[e] = total;
+    }
+  } else {
+    // P·V a channel a thread: thread (grp, e) sums channel e over positions lo + grp, lo + grp + groups, ...
+    const int64_t groups = kThreads / d, grp = threadIdx.x / d, e = threadIdx.x % d;
+    float acc = 0.0f;
+    if (grp < groups) {
 #pragma unroll 8
-    for (int64_t t = lo + grp; t < hi; t += groups) acc += scores[t - lo] * load_float(vbase[t * row + e]);
+      for (int64_t t = lo + grp; t < hi; t += groups) acc += scores[t - lo] * load_float(vbase[t * row + e]);
+    }
+    partial[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x < d) {
+      float total = 0.0f;
+      for (int64_t k = 0; k < groups; ++k) total += partial[k * d + threadIdx.x];
+      acc_out[threadIdx.x] = total;
+    }
   }
-  partial[threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.x < d) {
-    float total = 0.0f;
-    for (int64_t k = 0; k < groups; ++k) total += partial[k * d + threadIdx.x];
-    acc_out[threadIdx.x] = total;
-    if (threadIdx.x == 0) part_m[out_id] = m, part_l[out_id] = sum;
-  }
+  if (threadIdx.x == 0) part_m[out_id] = m, part_l[out_id] = sum;
 }
 
 // grid (s·b, nq), d threads: out = Σ_c e^(m_c - M)·acc_c / Σ_c e^(m_c - M)·l_c with M = max_c m_c.
