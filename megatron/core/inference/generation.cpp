@@ -29,8 +29,10 @@ InferenceEngine::InferenceEngine(const GPTModel& model, Context& ctx, int64_t vo
       ctx_(ctx),
       vocab_size_(vocab_size),
       max_length_(resolve_max_length(model.config(), options)),
+      group_(options.group),
       cache_(model.config(), options.max_batch_size, max_length_, ctx.device()),
       slots_(size_t(options.max_batch_size)) {
+  MG_CHECK(!group_ || group_->leader(), "the inference engine runs on rank 0 of its tensor-parallel group");
   MG_CHECK(vocab_size > 0 && vocab_size <= model.config().padded_vocab_size,
            "tokenizer vocabulary {} does not fit the model's {} output rows", vocab_size,
            model.config().padded_vocab_size);
@@ -128,6 +130,12 @@ bool InferenceEngine::step() {
   return !admitted.empty() || decoding;
 }
 
+Tensor InferenceEngine::forward(const Tensor& tokens, const std::vector<int64_t>& slots,
+                                const std::vector<int64_t>& starts, const std::vector<int64_t>& output_rows) {
+  if (group_) group_->announce_forward(ctx_, InferenceGroup::kEngineCache, cache_, tokens, slots, starts, output_rows);
+  return model_.forward_inference(ctx_, tokens, slots, starts, cache_, output_rows);
+}
+
 // Right-padded prefill of the admitted prompts (all from position 0), then each sequence's first token.
 void InferenceEngine::prefill(const std::vector<int64_t>& slots) {
   const int64_t b = int64_t(slots.size());
@@ -150,7 +158,7 @@ void InferenceEngine::prefill(const std::vector<int64_t>& slots) {
   std::sort(wanted.begin(), wanted.end());
   Tensor t = Tensor::from_ints(tokens, {b, len}, DType::Int64, ctx_.device());
   const std::vector<int64_t> starts(size_t(b), 0);
-  std::vector<float> logits = model_.forward_inference(ctx_, t, slots, starts, cache_, wanted).to_floats();  // [wanted, V]
+  std::vector<float> logits = forward(t, slots, starts, wanted).to_floats();  // [wanted, V]
   const int64_t v = model_.config().padded_vocab_size;
   auto row = [&](int64_t j, int64_t i) {
     const auto at = std::lower_bound(wanted.begin(), wanted.end(), j * b + i);
@@ -185,7 +193,7 @@ void InferenceEngine::decode() {
   }
   const int64_t b = int64_t(slots.size()), v = model_.config().padded_vocab_size;
   Tensor t = Tensor::from_ints(tokens, {b, 1}, DType::Int64, ctx_.device());
-  std::vector<float> logits = model_.forward_inference(ctx_, t, slots, starts, cache_).to_floats();  // [1, b, V]
+  std::vector<float> logits = forward(t, slots, starts).to_floats();  // [1, b, V]
   for (int64_t i = 0; i < b; ++i) emit(slots[size_t(i)], logits.data() + i * v);
 }
 
