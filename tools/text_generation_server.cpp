@@ -648,9 +648,9 @@ int main(int argc, char** argv) {
              args.expert_model_parallel_size);
     const int tp = args.tensor_model_parallel_size;
     MG_CHECK(launch.world_size == tp,
-             "{} ranks launched for --tensor-model-parallel-size {}: the server runs on exactly that many ranks "
-             "(launch mpirun -np {}; one server per model replica)",
-             launch.world_size, tp, tp);
+             "--tensor-model-parallel-size {} runs on {} ranks and {} were launched: launch mpirun -np {} (one "
+             "server per model replica)",
+             tp, tp, launch.world_size, tp);
     const bool leader = launch.rank == 0;
     std::vector<std::string> given;
     for (const std::string& r : rest)
