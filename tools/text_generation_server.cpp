@@ -54,8 +54,8 @@
 #include "megatron/core/inference/http_server.h"
 #include "megatron/core/inference/inference_group.h"
 #include "megatron/core/inference/text_generation_api.h"
-#include "megatron/core/parallel_state.h"
 #include "megatron/training/checkpointing.h"
+#include "megatron/training/inference_model.h"
 #include "megatron/training/training.h"
 
 using namespace megatron;
@@ -634,23 +634,8 @@ int main(int argc, char** argv) {
     Arguments args = *parsed;
     MG_CHECK(!args.load.empty(), "--load is required: the checkpoint directory to serve");
     MG_CHECK(!args.tokenizer_type.empty(), "--tokenizer-type is required (as for pretrain_gpt)");
-    MG_CHECK(args.pipeline_model_parallel_size <= 1,
-             "--pipeline-model-parallel-size {}: the text generation server runs tensor parallelism only (every rank "
-             "holds every layer); drop the flag: a checkpoint saved with any pipeline layout loads",
-             args.pipeline_model_parallel_size);
-    MG_CHECK(args.context_parallel_size <= 1,
-             "--context-parallel-size {}: generation decodes one token per sequence a step, which context "
-             "parallelism cannot split; drop the flag",
-             args.context_parallel_size);
-    MG_CHECK(args.expert_model_parallel_size <= 1,
-             "--expert-model-parallel-size {}: the text generation server has no expert-parallel inference; drop "
-             "the flag: a checkpoint saved with any expert layout loads",
-             args.expert_model_parallel_size);
+    check_inference_layout(args, launch);  // before the port is taken; again with the checkpoint's arguments
     const int tp = args.tensor_model_parallel_size;
-    MG_CHECK(launch.world_size == tp,
-             "--tensor-model-parallel-size {} runs on {} ranks and {} were launched: launch mpirun -np {} (one "
-             "server per model replica)",
-             tp, tp, launch.world_size, tp);
     const bool leader = launch.rank == 0;
     std::vector<std::string> given;
     for (const std::string& r : rest)
@@ -670,43 +655,18 @@ int main(int argc, char** argv) {
     apply_checkpoint_args(args, args.load);
     args.tokenizer_type = flags.tokenizer_type;
     args.vocab_size = flags.vocab_size > 0 ? flags.vocab_size : args.vocab_size;
-    args.no_load_rng = args.no_load_optim = true;
-    if (tp > 1) {
-      MG_CHECK(args.num_experts == 0,
-               "--tensor-model-parallel-size {}: MoE layers under tensor parallelism need sequence parallelism, which "
-               "inference does not run; serve this model on one rank",
-               tp);
-      MG_CHECK(!args.multi_latent_attention,
-               "--tensor-model-parallel-size {}: multi-latent attention's KV cache runs on one rank; serve this model "
-               "on one rank",
-               tp);
-    }
-    args.sequence_parallel = false;  // Note [Tensor-parallel inference]
     std::unique_ptr<Tokenizer> tokenizer = build_tokenizer(tokenizer_args_from_args(args));
-    const Device device = select_device(args.device, launch.local_rank);
-    std::optional<ParallelState> ps;
-    if (tp > 1) {
-      ParallelConfig layout;
-      layout.tensor_model_parallel_size = tp;
-      ps.emplace(init_world(launch, device, std::chrono::minutes(args.distributed_timeout_minutes)), layout);
-    }
-    Context ctx(device, 1234);
-    TransformerConfig config = transformer_config_from_args(args, tokenizer->vocab_size());
-    config.hidden_dropout = config.attention_dropout = 0.0f;
-    config.recompute_granularity.clear();
-    GPTModel model(config, ctx.device(), ps ? &*ps : nullptr);
-    Checkpointer checkpointer(args, ps ? &*ps : nullptr);
-    MG_CHECK(checkpointer.load(ctx, args.load, model, nullptr, nullptr).has_value(), "no checkpoint in {}", args.load);
-    std::optional<InferenceGroup> group;
-    if (ps) group.emplace(ps->tensor());
-    if (group && !group->leader()) {  // Note [Server ranks]
+    InferenceModel loaded = load_inference_model(args, launch, tokenizer->vocab_size(), 1234);
+    Context& ctx = *loaded.ctx;
+    InferenceGroup* group = loaded.group.get();
+    if (loaded.follower()) {  // Note [Server ranks]
       std::signal(SIGINT, SIG_IGN);
       std::signal(SIGTERM, SIG_IGN);
-      group->follow(model, ctx);
+      group->follow(*loaded.model, ctx);
       return 0;
     }
-    options.group = group ? &*group : nullptr;
-    InferenceEngine engine(model, ctx, tokenizer->vocab_size(), options);
+    options.group = group;
+    InferenceEngine engine(*loaded.model, ctx, tokenizer->vocab_size(), options);
     std::optional<ChatTemplate> chat_template;
     if (args.tokenizer_type == "HuggingFaceTokenizer") chat_template = ChatTemplate::from_tokenizer_folder(args.tokenizer_model);
 
@@ -714,7 +674,7 @@ int main(int argc, char** argv) {
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
     Server server(engine, *tokenizer, chat_template ? &*chat_template : nullptr, args.load, max_prompts, log_requests,
-                  sampling, ctx, options.group);
+                  sampling, ctx, group);
     server.routes(*http);
     std::thread engine_thread([&] { server.run_engine(); });
     std::thread http_thread([&] { http->serve(); });

@@ -227,10 +227,10 @@ TEST(TextGenerationServerArguments, TrainingFlagsAreAcceptedAndModelFlagsChecked
       {{"--tensor-model-parallel-size", "2"},
        "error: --tensor-model-parallel-size 2 runs on 2 ranks and 1 were launched: launch mpirun -np 2"},
       {{"--pipeline-model-parallel-size", "2"},
-       "error: --pipeline-model-parallel-size 2: the text generation server runs tensor parallelism only"},
+       "error: --pipeline-model-parallel-size 2: inference runs tensor parallelism only"},
       {{"--context-parallel-size", "2"}, "error: --context-parallel-size 2: generation decodes one token"},
       {{"--expert-model-parallel-size", "2"},
-       "error: --expert-model-parallel-size 2: the text generation server has no expert-parallel inference"},
+       "error: --expert-model-parallel-size 2: there is no expert-parallel inference"},
       {{"--num-layrs", "2"}, "error: unknown flag --num-layrs (did you mean --num-layers?)"},
       {{"--top_k", "5", "--top_p", "0.5"}, "error: set --top_k or --top_p, not both"},
   };

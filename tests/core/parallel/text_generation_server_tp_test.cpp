@@ -6,7 +6,8 @@
 // same beams. For the GPT-2 fixture (learned positions, GeLU, tied output) and the Llama one (RoPE,
 // GQA with one query group per rank, SwiGLU, untied output), converted from HuggingFace (a TP 1
 // checkpoint), and for a checkpoint saved by pretrain_gpt with TP 2. SIGTERM to rank 0 ends every
-// rank with status 0; SIGTERM to mpirun ends the job (mpirun's status is then 1).
+// rank with status 0; SIGTERM to mpirun ends the job (mpirun's status is then 1). tools/generate
+// under mpirun prints what one process prints.
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -197,6 +198,44 @@ TEST(TensorParallelServerShutdown, SignalToMpirunEndsEveryRank) {
   if (tp.pid > 0) tp.stop();
   for (pid_t r : ranks) EXPECT_FALSE(running(r)) << "rank process " << r << " is still running";
   EXPECT_NE(tp.output().find("shutting down"), std::string::npos) << tp.output();
+}
+
+// tools/generate shares the path: on two ranks with TP 2 it prints what one process prints.
+TEST(TensorParallelGenerate, PrintsWhatOneProcessPrints) {
+  ScratchDir dir("generate_tp");
+  const std::string ckpt = fixture_checkpoint(dir.path, "llama");
+  const json cases = json::parse(read_file(fs::absolute(fixtures_dir()) / "generation.json")).at("models").at("llama");
+  std::vector<std::string> args = {bin("generate"), "--load", ckpt, "--tokenizer-type", "NullTokenizer",
+                                   "--vocab-size", "512", "--device", "cpu", "--greedy", "--max-new-tokens", "16"};
+  for (const json& c : cases) {
+    args.push_back("--prompt");
+    args.push_back(ids_text(c.at("prompt").get<std::vector<int64_t>>()));
+  }
+  // The generated lines: each starts with its prompt.
+  auto texts = [&](const std::string& output) {
+    std::vector<std::string> out;
+    std::istringstream in(output);
+    for (std::string line; std::getline(in, line);) {
+      for (const json& c : cases) {
+        if (line.rfind(ids_text(c.at("prompt").get<std::vector<int64_t>>()) + " ", 0) == 0) {
+          out.push_back(line);
+          break;
+        }
+      }
+    }
+    return out;
+  };
+  RunResult one = run(args, dir.path, "OMP_NUM_THREADS=1");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  std::vector<std::string> tp_args = mpirun(2);
+  tp_args.insert(tp_args.end(), args.begin(), args.end());
+  for (const char* a : {"--tensor-model-parallel-size", "2"}) tp_args.push_back(a);
+  RunResult tp = run(tp_args, dir.path, "OMP_NUM_THREADS=1");
+  ASSERT_EQ(tp.exit_code, 0) << tp.output;
+  ASSERT_EQ(texts(one.output).size(), cases.size()) << one.output;
+  EXPECT_EQ(texts(tp.output), texts(one.output)) << tp.output;
+  EXPECT_EQ(texts(tp.output)[0], ids_text(cases[0].at("prompt").get<std::vector<int64_t>>()) + " " +
+                                     ids_text(cases[0].at("greedy").get<std::vector<int64_t>>()));
 }
 
 // A checkpoint saved by a tensor-parallel training run (pretrain_gpt, TP 2, Llama-style) serves alike
