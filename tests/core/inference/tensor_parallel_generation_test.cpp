@@ -4,7 +4,8 @@
 // more requests than slots) and beam search give the single-process tokens, and log-probabilities
 // within 1e-5 (the row-parallel sums change order), for a GPT and a Llama-style model (GQA; at TP 4
 // one query group per rank) from the same initialisation; each rank caches its own query groups.
-// The same runs end to end under mpirun in tests/core/parallel/text_generation_server_tp_test.cpp.
+// An idle leader's heartbeats keep the followers within their collective timeout. The same runs
+// end to end under mpirun in tests/core/parallel/text_generation_server_tp_test.cpp.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -12,6 +13,7 @@
 
 #include "megatron/core/inference/generation.h"
 #include "megatron/core/parallel_state.h"
+#include "megatron/runtime/check.h"
 
 namespace megatron {
 namespace {
@@ -175,6 +177,44 @@ INSTANTIATE_TEST_SUITE_P(Layouts, TensorParallelGeneration,
                            return std::string(info.param.llama ? "Llama" : "Gpt") + "Tp" +
                                   std::to_string(info.param.tp);
                          });
+
+// An idle leader's heartbeats keep the followers waiting past their collective timeout; without
+// them a follower's wait times out (the leader's stop then finds nobody).
+TEST(InferenceGroup, HeartbeatsKeepAnIdleFollowerWaiting) {
+  for (bool heartbeats : {true, false}) {
+    auto comms = make_local_group(2);
+    for (auto& c : comms) c->set_timeout(std::chrono::milliseconds(400));
+    std::string leader_error, follower_error;
+    std::thread follower([&] {
+      try {
+        Context ctx(Device::cpu(), 1);
+        GPTModel model(model_config(false), Device::cpu());
+        InferenceGroup(*comms[1]).follow(model, ctx);
+      } catch (const std::exception& e) {
+        follower_error = e.what();
+      }
+    });
+    try {
+      Context ctx(Device::cpu(), 1);
+      InferenceGroup group(*comms[0]);
+      EXPECT_EQ(group.heartbeat_interval(), std::chrono::milliseconds(100));
+      for (int i = 0; i < 12; ++i) {  // idle for three timeouts
+        std::this_thread::sleep_for(group.heartbeat_interval());
+        if (heartbeats) group.heartbeat(ctx);
+      }
+      group.stop(ctx);
+    } catch (const std::exception& e) {
+      leader_error = e.what();
+    }
+    follower.join();
+    if (heartbeats) {
+      EXPECT_EQ(follower_error, "");
+      EXPECT_EQ(leader_error, "");
+    } else {
+      EXPECT_NE(follower_error.find("broadcast"), std::string::npos) << follower_error;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace megatron
