@@ -4,7 +4,8 @@
 //       --merge-file m.txt --host 0.0.0.0 --port 5000 --max-batch-size 8
 //
 //   mpirun -np 2 build/bin/text_generation_server --tensor-model-parallel-size 2 --load ckpt ...
-//       tensor-parallel: the ranks launched as for training, rank 0 serving HTTP (Note [Server ranks])
+//       tensor-parallel: the ranks launched as for training (mpirun, torchrun's environment or
+//       --nproc-per-node 2), rank 0 serving HTTP (Note [Server ranks])
 //
 //   PUT  /api                   Megatron's text generation API (megatron/core/inference/text_generation_api.h)
 //   POST /v1/completions        OpenAI completions; "stream": true sends server-sent events
@@ -632,6 +633,10 @@ int main(int argc, char** argv) {
         parse_args(int(megatron_argv.size()), megatron_argv.data(), "text_generation_server's pretrain_gpt flags");
     if (!parsed) return 0;
     Arguments args = *parsed;
+    // --nproc-per-node N: this process becomes the launcher of the N ranks, as for pretrain_gpt.
+    if (args.nproc_per_node > 0 && launch.kind == LaunchInfo::Single) {
+      return launch_local_workers(argc, argv, args.nproc_per_node, select_device(args.device).is_host());
+    }
     MG_CHECK(!args.load.empty(), "--load is required: the checkpoint directory to serve");
     MG_CHECK(!args.tokenizer_type.empty(), "--tokenizer-type is required (as for pretrain_gpt)");
     check_inference_layout(args, launch);  // before the port is taken; again with the checkpoint's arguments

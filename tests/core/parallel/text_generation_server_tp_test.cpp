@@ -200,6 +200,27 @@ TEST(TensorParallelServerShutdown, SignalToMpirunEndsEveryRank) {
   EXPECT_NE(tp.output().find("shutting down"), std::string::npos) << tp.output();
 }
 
+// The built-in launcher, as for pretrain_gpt: --nproc-per-node 2 starts the ranks itself (on CPU
+// through mpirun) and forwards SIGTERM to them.
+TEST(TensorParallelServerShutdown, BuiltInLauncher) {
+  ScratchDir dir("text_generation_server_tp_launcher");
+  const json cases = json::parse(read_file(fs::absolute(fixtures_dir()) / "generation.json")).at("models").at("gpt2");
+  ServerProcess tp;
+  tp.start(fixture_checkpoint(dir.path, "gpt2"), 0, dir.path / "tp.log",
+           {"--tensor-model-parallel-size", "2", "--nproc-per-node", "2"});
+  ASSERT_TRUE(tp.wait_healthy(60)) << tp.output();
+  const std::string prompt = ids_text(cases[0].at("prompt").get<std::vector<int64_t>>());
+  auto r = tp.client().Put("/api", json{{"prompts", {prompt}}, {"tokens_to_generate", 16}, {"temperature", 0}}.dump(),
+                           "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no response");
+  EXPECT_EQ(json::parse(r->body)["text"][0], prompt + " " + ids_text(cases[0].at("greedy").get<std::vector<int64_t>>()));
+  ::kill(tp.pid, SIGTERM);
+  const int code = tp.wait_exit(20);  // on CPU mpirun's status (1 when signalled); on GPU 0
+  EXPECT_TRUE(code == 0 || code == 1) << code << "\n" << tp.output();
+  if (code == -1) tp.stop();
+  EXPECT_NE(tp.output().find("shutting down"), std::string::npos) << tp.output();
+}
+
 // tools/generate shares the path: on two ranks with TP 2 it prints what one process prints.
 TEST(TensorParallelGenerate, PrintsWhatOneProcessPrints) {
   ScratchDir dir("generate_tp");
