@@ -10,8 +10,10 @@
 // (taking part in its all-reduces and in the all-gather of the vocabulary-parallel logits) and drop
 // the logits; the leader samples from them. The followers only mirror the leader's KV caches (each
 // holding its rank's query groups), keyed by the cache ids the leader announces: 0 the engine's,
-// 1 beam search's; a cache is (re)made when a forward names it with other dimensions, so it never
-// holds more than the leader's. Beam search's slot copies are announced the same way.
+// 1 beam search's; a cache is (re)made when a forward names it with other dimensions (a follower
+// keeps the last beam-search cache, which the leader frees: at most the leader's peak memory).
+// Beam search's slot copies are announced the same way. A forward writes every cache position it
+// later reads, so a reused cache needs no clearing.
 // Waiting for the next announcement is a collective like any other and times out after
 // --distributed-timeout-minutes, so an idle leader sends a heartbeat (an empty command) every
 // quarter of that; stop() ends the followers' loop. Sequence parallelism is off for inference (as
