@@ -180,7 +180,8 @@ TEST_P(TensorParallelServer, AnswersAsTheSingleProcessServer) {
   servers.stop();
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelServer, ::testing::Values("gpt2", "llama"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelServer, ::testing::Values("gpt2", "llama"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 // Ctrl-C / SIGTERM to mpirun (which forwards it to every rank): rank 0 stops and tells the other
 // rank to leave its loop; no rank is left running.
