@@ -4,6 +4,9 @@
 //
 //   build/bin/generate --load ckpt --tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt \
 //       --prompt "Hello" --max-new-tokens 40 --temperature 0.8 --top-k 40
+//
+// Tensor-parallel: mpirun -np N build/bin/generate --tensor-model-parallel-size N ... (rank 0 runs
+// the engine and prints, the other ranks run each forward with it: Note [Tensor-parallel inference]).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -12,11 +15,13 @@
 
 #include "megatron/core/inference/generation.h"
 #include "megatron/training/checkpointing.h"
+#include "megatron/training/inference_model.h"
 #include "megatron/training/training.h"
 
 using namespace megatron;
 
 int main(int argc, char** argv) {
+  const LaunchInfo launch = detect_launch();
   try {
     Arguments args;
     std::vector<std::string> prompts;
@@ -37,6 +42,10 @@ int main(int argc, char** argv) {
     app.add_option("--top-p", sampling.top_p, "Nucleus filter (0: off)")->capture_default_str();
     app.add_option("--seed", sampling.seed, "Random seed")->capture_default_str();
     app.add_option("--device", args.device, "auto, cpu or cuda")->capture_default_str();
+    app.add_option("--tensor-model-parallel-size", args.tensor_model_parallel_size,
+                   "Tensor-parallel size: run under mpirun -np N (any checkpoint layout loads)")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -45,17 +54,14 @@ int main(int argc, char** argv) {
     const std::string tokenizer_type = args.tokenizer_type;
     apply_checkpoint_args(args, args.load);
     args.tokenizer_type = tokenizer_type;
-    args.no_load_rng = true;
-    args.no_load_optim = true;
     std::unique_ptr<Tokenizer> tokenizer = build_tokenizer(tokenizer_args_from_args(args));
-    Context ctx(select_device(args.device), sampling.seed);
-    TransformerConfig config = transformer_config_from_args(args, tokenizer->vocab_size());
-    config.hidden_dropout = config.attention_dropout = 0.0f;
-    config.recompute_granularity.clear();
-    GPTModel model(config, ctx.device());
-    Checkpointer checkpointer(args);
-    MG_CHECK(checkpointer.load(ctx, args.load, model, nullptr, nullptr).has_value(), "no checkpoint in {}", args.load);
-    InferenceEngine engine(model, ctx, tokenizer->vocab_size(), {.max_batch_size = int64_t(prompts.size())});
+    InferenceModel loaded = load_inference_model(args, launch, tokenizer->vocab_size(), sampling.seed);
+    if (loaded.follower()) {
+      loaded.group->follow(*loaded.model, *loaded.ctx);
+      return 0;
+    }
+    InferenceEngine engine(*loaded.model, *loaded.ctx, tokenizer->vocab_size(),
+                           {.max_batch_size = int64_t(prompts.size()), .group = loaded.group.get()});
     std::vector<GenerationRequest> requests;
     for (const std::string& prompt : prompts) {
       GenerationRequest r;
@@ -68,6 +74,7 @@ int main(int argc, char** argv) {
       requests.push_back(std::move(r));
     }
     std::vector<GenerationResult> results = engine.generate(requests);  // one batch, KV cache
+    if (loaded.group) loaded.group->stop(*loaded.ctx);
     for (size_t i = 0; i < prompts.size(); ++i) {
       std::vector<int64_t> generated = results[i].tokens;
       if (results[i].finish_reason == "stop") generated.pop_back();  // the eod
@@ -80,6 +87,8 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
+    std::fflush(stderr);
+    if (launch.world_size > 1) abort_job(1);  // the other ranks would wait for this one until their timeout
     return 1;
   }
 }

@@ -3,6 +3,10 @@
 //   build/bin/text_generation_server --load ckpt --tokenizer-type GPT2BPETokenizer --vocab-file v.json \
 //       --merge-file m.txt --host 0.0.0.0 --port 5000 --max-batch-size 8
 //
+//   mpirun -np 2 build/bin/text_generation_server --tensor-model-parallel-size 2 --load ckpt ...
+//       tensor-parallel: the ranks launched as for training (mpirun, torchrun's environment or
+//       --nproc-per-node 2), rank 0 serving HTTP (Note [Server ranks])
+//
 //   PUT  /api                   Megatron's text generation API (megatron/core/inference/text_generation_api.h)
 //   POST /v1/completions        OpenAI completions; "stream": true sends server-sent events
 //   POST /v1/chat/completions   OpenAI chat, formatted with the tokenizer's chat template (HuggingFace
@@ -24,6 +28,15 @@
 // An /api request with beam_width is one BeamJob, searched whole on the engine thread between
 // steps (InferenceEngine::beam_search, a cache of its own), as Megatron's server holds its lock.
 // SIGINT/SIGTERM stop the listener, then the engine thread (remaining jobs end with an error).
+//
+// Note [Server ranks]: under mpirun (or torchrun's environment) the server runs on
+// --tensor-model-parallel-size ranks, as Megatron's run_text_generation_server.py does. Every rank
+// parses the same flags and loads its shard of the checkpoint (any saved layout); rank 0 binds the
+// port, serves HTTP and owns the engine, announcing each model forward to the other ranks, which
+// run it in lockstep and do nothing else (Note [Tensor-parallel inference] in
+// megatron/core/inference/inference_group.h). The other ranks ignore SIGINT/SIGTERM (mpirun
+// forwards them to every rank): they leave when rank 0, stopping, tells them to. A failed step
+// under tensor parallelism ends the job, since the ranks could no longer run in lockstep.
 #include <fmt/format.h>
 #include <httplib.h>
 #include <signal.h>
@@ -37,10 +50,13 @@
 #include <mutex>
 #include <thread>
 
+#include "megatron/core/comm/communicator.h"
 #include "megatron/core/inference/chat_template.h"
 #include "megatron/core/inference/http_server.h"
+#include "megatron/core/inference/inference_group.h"
 #include "megatron/core/inference/text_generation_api.h"
 #include "megatron/training/checkpointing.h"
+#include "megatron/training/inference_model.h"
 #include "megatron/training/training.h"
 
 using namespace megatron;
@@ -93,14 +109,17 @@ struct BeamJob {
 class Server {
  public:
   Server(InferenceEngine& engine, const Tokenizer& tokenizer, const ChatTemplate* chat_template,
-         std::string model_name, size_t max_prompts, bool log_requests, SamplingDefaults sampling)
+         std::string model_name, size_t max_prompts, bool log_requests, SamplingDefaults sampling, Context& ctx,
+         InferenceGroup* group)
       : engine_(engine),
         tokenizer_(tokenizer),
         chat_template_(chat_template),
         model_name_(std::move(model_name)),
         max_prompts_(max_prompts),
         log_requests_(log_requests),
-        sampling_(sampling) {}
+        sampling_(sampling),
+        ctx_(ctx),
+        group_(group) {}
 
   void run_engine() {
     while (true) {
@@ -108,7 +127,14 @@ class Server {
       std::vector<std::shared_ptr<BeamJob>> beams;
       {
         std::unique_lock lock(queue_m_);
-        queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !beam_queue_.empty() || !engine_.idle(); });
+        auto work = [&] { return stopping_ || !queue_.empty() || !beam_queue_.empty() || !engine_.idle(); };
+        if (!group_) {
+          queue_cv_.wait(lock, work);
+        } else if (!queue_cv_.wait_for(lock, group_->heartbeat_interval(), work)) {
+          lock.unlock();
+          group_->heartbeat(ctx_);  // the other ranks wait for the next forward within their timeout
+          continue;
+        }
         if (stopping_) break;
         incoming.swap(queue_);
         beams.swap(beam_queue_);
@@ -119,6 +145,12 @@ class Server {
         engine_.step();
       } catch (const std::exception& e) {
         std::fprintf(stderr, "engine step failed: %s\n", e.what());
+        if (group_) {  // Note [Server ranks]
+          std::fprintf(stderr, "error: the tensor-parallel ranks cannot continue in lockstep; ending the job\n");
+          std::fflush(stderr);
+          abort_job(1);
+          std::_Exit(1);
+        }
         engine_.abort_all(e.what());
       }
     }
@@ -503,6 +535,8 @@ class Server {
   size_t max_prompts_;
   bool log_requests_;
   SamplingDefaults sampling_;
+  Context& ctx_;
+  InferenceGroup* group_;  // null: one process
   int64_t started_ = std::chrono::duration_cast<std::chrono::seconds>(
                          std::chrono::system_clock::now().time_since_epoch())
                          .count();
@@ -524,8 +558,10 @@ class Server {
 // and Megatron's text generation flags --temperature, --top_k, --top_p as request defaults. The
 // model comes from the checkpoint: a model flag given with another value than the checkpoint's is
 // one line and exit 1; flags without a meaning for inference (learning rate, data, batch sizes)
-// are accepted. One process: tensor, pipeline, context and expert parallel sizes above 1 are refused.
+// are accepted. --tensor-model-parallel-size N runs on N ranks (Note [Server ranks]); pipeline,
+// context and expert parallel sizes above 1 are refused.
 int main(int argc, char** argv) {
+  const LaunchInfo launch = detect_launch();
   try {
     std::string host = "127.0.0.1";
     int port = 5000;
@@ -538,7 +574,9 @@ int main(int argc, char** argv) {
     CLI::App app(
         "Serve a megatron.cpp checkpoint over HTTP (Megatron's /api, OpenAI's /v1/completions, /v1/chat/completions "
         "and /v1/models). Also takes pretrain_gpt's flags: --load (required), the tokenizer flags, model flags "
-        "(checked against the checkpoint's), --device; see pretrain_gpt --help.");
+        "(checked against the checkpoint's), --device; see pretrain_gpt --help. Tensor-parallel: launch N ranks "
+        "as for training, e.g. mpirun -np N text_generation_server --tensor-model-parallel-size N --load ckpt ...; "
+        "rank 0 serves HTTP, the checkpoint may be saved with any layout.");
     app.allow_extras();
     app.add_option("--host", host, "Address to listen on")->capture_default_str();
     app.add_option("--port", port, "Port to listen on (0: any free port, printed in the serving line)")
@@ -595,17 +633,15 @@ int main(int argc, char** argv) {
         parse_args(int(megatron_argv.size()), megatron_argv.data(), "text_generation_server's pretrain_gpt flags");
     if (!parsed) return 0;
     Arguments args = *parsed;
+    // --nproc-per-node N: this process becomes the launcher of the N ranks, as for pretrain_gpt.
+    if (args.nproc_per_node > 0 && launch.kind == LaunchInfo::Single) {
+      return launch_local_workers(argc, argv, args.nproc_per_node, select_device(args.device).is_host());
+    }
     MG_CHECK(!args.load.empty(), "--load is required: the checkpoint directory to serve");
     MG_CHECK(!args.tokenizer_type.empty(), "--tokenizer-type is required (as for pretrain_gpt)");
-    for (const auto& [flag, size] : {std::pair{"--tensor-model-parallel-size", args.tensor_model_parallel_size},
-                                     {"--pipeline-model-parallel-size", args.pipeline_model_parallel_size},
-                                     {"--context-parallel-size", args.context_parallel_size},
-                                     {"--expert-model-parallel-size", args.expert_model_parallel_size}}) {
-      MG_CHECK(size <= 1,
-               "{} {}: the text generation server runs the model in one process (no model-parallel inference); "
-               "drop the flag: it loads a checkpoint saved with any parallel layout",
-               flag, size);
-    }
+    check_inference_layout(args, launch);  // before the port is taken; again with the checkpoint's arguments
+    const int tp = args.tensor_model_parallel_size;
+    const bool leader = launch.rank == 0;
     std::vector<std::string> given;
     for (const std::string& r : rest)
       if (r.rfind("--", 0) == 0) given.push_back(r.substr(0, r.find('=')));
@@ -614,23 +650,28 @@ int main(int argc, char** argv) {
     check_given_model_args(meta, args, given, checkpoint_dir);
     http_options.request_timeout_s = http_options.write_timeout_s = http_timeout;
     // Bind first: a port in use is one line at once, not after loading the model.
-    HttpServer http(http_options);
-    port = http.bind(host, port);
+    std::optional<HttpServer> http;
+    if (leader) {
+      http.emplace(http_options);
+      port = http->bind(host, port);
+    }
 
     const Arguments flags = args;
     apply_checkpoint_args(args, args.load);
     args.tokenizer_type = flags.tokenizer_type;
     args.vocab_size = flags.vocab_size > 0 ? flags.vocab_size : args.vocab_size;
-    args.no_load_rng = args.no_load_optim = true;
     std::unique_ptr<Tokenizer> tokenizer = build_tokenizer(tokenizer_args_from_args(args));
-    Context ctx(select_device(args.device), 1234);
-    TransformerConfig config = transformer_config_from_args(args, tokenizer->vocab_size());
-    config.hidden_dropout = config.attention_dropout = 0.0f;
-    config.recompute_granularity.clear();
-    GPTModel model(config, ctx.device());
-    Checkpointer checkpointer(args);
-    MG_CHECK(checkpointer.load(ctx, args.load, model, nullptr, nullptr).has_value(), "no checkpoint in {}", args.load);
-    InferenceEngine engine(model, ctx, tokenizer->vocab_size(), options);
+    InferenceModel loaded = load_inference_model(args, launch, tokenizer->vocab_size(), 1234);
+    Context& ctx = *loaded.ctx;
+    InferenceGroup* group = loaded.group.get();
+    if (loaded.follower()) {  // Note [Server ranks]
+      std::signal(SIGINT, SIG_IGN);
+      std::signal(SIGTERM, SIG_IGN);
+      group->follow(*loaded.model, ctx);
+      return 0;
+    }
+    options.group = group;
+    InferenceEngine engine(*loaded.model, ctx, tokenizer->vocab_size(), options);
     std::optional<ChatTemplate> chat_template;
     if (args.tokenizer_type == "HuggingFaceTokenizer") chat_template = ChatTemplate::from_tokenizer_folder(args.tokenizer_model);
 
@@ -638,24 +679,28 @@ int main(int argc, char** argv) {
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
     Server server(engine, *tokenizer, chat_template ? &*chat_template : nullptr, args.load, max_prompts, log_requests,
-                  sampling);
-    server.routes(http);
+                  sampling, ctx, group);
+    server.routes(*http);
     std::thread engine_thread([&] { server.run_engine(); });
-    std::thread http_thread([&] { http.serve(); });
-    std::printf("serving %s on http://%s:%d (max batch %lld, max sequence %lld, %s)\n", args.load.c_str(), host.c_str(),
-                port, (long long)engine.max_batch_size(), (long long)engine.max_sequence_length(),
-                chat_template ? "chat template" : "no chat template");
+    std::thread http_thread([&] { http->serve(); });
+    std::printf("serving %s on http://%s:%d (max batch %lld, max sequence %lld, %s%s)\n", args.load.c_str(),
+                host.c_str(), port, (long long)engine.max_batch_size(), (long long)engine.max_sequence_length(),
+                chat_template ? "chat template" : "no chat template",
+                tp > 1 ? fmt::format(", tensor-parallel size {}", tp).c_str() : "");
     std::fflush(stdout);
     while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::printf("shutting down\n");
     std::fflush(stdout);
     server.stop_engine();
     engine_thread.join();
-    http.shutdown();
+    if (group) group->stop(ctx);
+    http->shutdown();
     http_thread.join();
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
+    std::fflush(stderr);
+    if (launch.world_size > 1) abort_job(1);  // the other ranks would wait for this one until their timeout
     return 1;
   }
 }

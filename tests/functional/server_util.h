@@ -25,18 +25,22 @@ inline std::string ids_text(const std::vector<int64_t>& ids) {
   return s;
 }
 
-/// Converts the gpt2 fixture into `dir`/ckpt (once per directory); returns the checkpoint path.
-inline std::string gpt2_checkpoint(const fs::path& dir) {
+/// Converts the `model` fixture ("gpt2", "llama") into `dir`/ckpt (once per directory); returns the
+/// checkpoint path.
+inline std::string fixture_checkpoint(const fs::path& dir, const std::string& model) {
   if (fs::exists(dir / "ckpt")) return (dir / "ckpt").string();
   const fs::path fixtures = fs::absolute(fixtures_dir());
-  safetensors::File src((fixtures / "gpt2_model.safetensors").string());
+  const fs::path weights = fixtures / (model + "_model.safetensors");
+  safetensors::File src(weights.string());
   fs::create_directories(dir / "hf");
-  fs::copy_file(fixtures / "gpt2_model.safetensors", dir / "hf/model.safetensors", fs::copy_options::overwrite_existing);
+  fs::copy_file(weights, dir / "hf/model.safetensors", fs::copy_options::overwrite_existing);
   std::ofstream(dir / "hf/config.json") << src.metadata().at("config");
   RunResult conv = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "ckpt"}, dir);
   EXPECT_EQ(conv.exit_code, 0) << conv.output;
   return (dir / "ckpt").string();
 }
+
+inline std::string gpt2_checkpoint(const fs::path& dir) { return fixture_checkpoint(dir, "gpt2"); }
 
 /// A HuggingFace GPT-2 style tokenizer folder in `dir` that fits the gpt2 fixture's 512 rows: the 256
 /// byte tokens (GPT-2's byte-to-unicode map), one merge ("\n\n", id 256), <|endoftext|> (257, the
@@ -90,12 +94,17 @@ struct ServerProcess {
   /// Starts the server on `port` with the fixture flags plus `extra`; does not wait for it. Port 0:
   /// the server binds a free port itself (no window between choosing a port and binding it, in
   /// which a parallel test could take it); wait_healthy reads it from the serving line.
+  /// `launcher` goes before the server's path (e.g. mpirun -np 2: the server's ranks; Note [Server
+  /// ranks] in tools/text_generation_server.cpp).
   void start(const std::string& ckpt, int port_, const fs::path& log_, const std::vector<std::string>& extra = {},
-             const std::vector<std::string>& tokenizer = {"--tokenizer-type", "NullTokenizer", "--vocab-size", "512"}) {
+             const std::vector<std::string>& tokenizer = {"--tokenizer-type", "NullTokenizer", "--vocab-size", "512"},
+             const std::vector<std::string>& launcher = {}) {
     port = port_;
     log = log_;
-    std::vector<std::string> argv = {bin("text_generation_server"), "--load", ckpt, "--port", std::to_string(port),
-                                     "--device", "cpu"};
+    std::vector<std::string> argv = launcher;
+    for (const std::string& a : {bin("text_generation_server"), std::string("--load"), ckpt, std::string("--port"),
+                                 std::to_string(port), std::string("--device"), std::string("cpu")})
+      argv.push_back(a);
     argv.insert(argv.end(), tokenizer.begin(), tokenizer.end());
     argv.insert(argv.end(), extra.begin(), extra.end());
     pid = ::fork();
@@ -106,7 +115,7 @@ struct ServerProcess {
       std::vector<char*> args;
       for (std::string& a : argv) args.push_back(a.data());
       args.push_back(nullptr);
-      ::execv(args[0], args.data());
+      ::execvp(args[0], args.data());
       ::_exit(127);
     }
   }

@@ -225,7 +225,12 @@ TEST(TextGenerationServerArguments, TrainingFlagsAreAcceptedAndModelFlagsChecked
       {{"--num-layers", "3"}, "error: --num-layers 3 does not match the checkpoint's 2"},
       {{"--hidden-size=32"}, "error: --hidden-size 32 does not match the checkpoint's 64"},
       {{"--tensor-model-parallel-size", "2"},
-       "error: --tensor-model-parallel-size 2: the text generation server runs the model in one process"},
+       "error: --tensor-model-parallel-size 2 runs on 2 ranks and 1 were launched: launch mpirun -np 2"},
+      {{"--pipeline-model-parallel-size", "2"},
+       "error: --pipeline-model-parallel-size 2: inference runs tensor parallelism only"},
+      {{"--context-parallel-size", "2"}, "error: --context-parallel-size 2: generation decodes one token"},
+      {{"--expert-model-parallel-size", "2"},
+       "error: --expert-model-parallel-size 2: there is no expert-parallel inference"},
       {{"--num-layrs", "2"}, "error: unknown flag --num-layrs (did you mean --num-layers?)"},
       {{"--top_k", "5", "--top_p", "0.5"}, "error: set --top_k or --top_p, not both"},
   };

@@ -62,7 +62,7 @@ void log_softmax_inplace(std::vector<double>& row) {
 }  // namespace
 
 std::vector<BeamHypothesis> beam_search(const GPTModel& model, Context& ctx, int64_t vocab, int64_t max_length,
-                                        const BeamSearchRequest& r) {
+                                        const BeamSearchRequest& r, InferenceGroup* group) {
   MG_CHECK(!r.prompt.empty(), "beam search needs a non-empty prompt");
   MG_CHECK(r.beam_size >= 1, "beam_width must be at least 1 (got {})", r.beam_size);
   MG_CHECK(r.max_new_tokens > 0, "beam search needs tokens_to_generate > 0");
@@ -74,6 +74,11 @@ std::vector<BeamHypothesis> beam_search(const GPTModel& model, Context& ctx, int
   const int64_t length = int64_t(r.prompt.size()) + r.max_new_tokens;
   KVCache cache(model.config(), 2 * beams, length, ctx.device());
   Hypotheses hyps(r.beam_size, r.length_penalty);
+  auto forward = [&](const Tensor& tokens, const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
+                     const std::vector<int64_t>& rows) {
+    if (group) group->announce_forward(ctx, InferenceGroup::kBeamCache, cache, tokens, slots, starts, rows);
+    return model.forward_inference(ctx, tokens, slots, starts, cache, rows).to_floats();
+  };
 
   // Beam k lives in slot half * beams + k; its ids are all in the cache but the last.
   std::vector<std::vector<int64_t>> ids = {r.prompt};
@@ -81,7 +86,7 @@ std::vector<BeamHypothesis> beam_search(const GPTModel& model, Context& ctx, int
   int64_t half = 0;
   Tensor prompt = Tensor::from_ints(r.prompt, {1, int64_t(r.prompt.size())}, DType::Int64, ctx.device());
   const int64_t last_row = int64_t(r.prompt.size()) - 1;  // only the last prompt token's logits count
-  std::vector<float> last = model.forward_inference(ctx, prompt, {0}, {0}, cache, {last_row}).to_floats();  // [1, V]
+  std::vector<float> last = forward(prompt, {0}, {0}, {last_row});  // [1, V]
   bool done = false;
   for (int64_t step = 0; step < r.max_new_tokens && !done; ++step) {
     MG_CHECK(!(r.cancelled && r.cancelled->load()), "cancelled");
@@ -112,13 +117,10 @@ std::vector<BeamHypothesis> beam_search(const GPTModel& model, Context& ctx, int
     done = hyps.done(cand[size_t(order[0])], step + 1);
     // Reorder: each new beam copies its parent's cache rows into the other half.
     const int64_t other = 1 - half;
-    for (int64_t l = 0; l < cache.num_layers(); ++l) {
-      for (size_t k = 0; k < next.size(); ++k) {
-        const int64_t from = half * beams + next[k].first, to = other * beams + int64_t(k);
-        cache.keys[size_t(l)].slice(to, to + 1).copy_from(cache.keys[size_t(l)].slice(from, from + 1));
-        cache.values[size_t(l)].slice(to, to + 1).copy_from(cache.values[size_t(l)].slice(from, from + 1));
-      }
-    }
+    std::vector<std::pair<int64_t, int64_t>> copies;
+    for (size_t k = 0; k < next.size(); ++k) copies.emplace_back(half * beams + next[k].first, other * beams + int64_t(k));
+    if (group) group->announce_copy_slots(ctx, InferenceGroup::kBeamCache, cache, copies);
+    cache.copy_slots(copies);
     std::vector<std::vector<int64_t>> next_ids;
     for (const auto& [beam, token] : next) {
       next_ids.push_back(ids[size_t(beam)]);
@@ -135,7 +137,7 @@ std::vector<BeamHypothesis> beam_search(const GPTModel& model, Context& ctx, int
       starts.push_back(int64_t(ids[k].size()) - 1);
     }
     Tensor t = Tensor::from_ints(tokens, {int64_t(ids.size()), 1}, DType::Int64, ctx.device());
-    last = model.forward_inference(ctx, t, slots, starts, cache).to_floats();  // [1, live, V]
+    last = forward(t, slots, starts, {});  // [1, live, V]
   }
   if (!done) {
     for (size_t k = 0; k < ids.size(); ++k)

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "megatron/core/inference/inference_group.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 
 namespace megatron {
@@ -46,8 +47,10 @@ struct BeamHypothesis {
 };
 
 /// Runs the search on `model` (dropout off) over the tokens [0, vocab); max_length bounds prompt +
-/// generation. Throws megatron::Error (one line) for an invalid request, or when cancelled.
+/// generation. Throws megatron::Error (one line) for an invalid request, or when cancelled. With
+/// `group` (its leader), every forward and cache copy is announced to the followers first (Note
+/// [Tensor-parallel inference]).
 std::vector<BeamHypothesis> beam_search(const GPTModel& model, Context& ctx, int64_t vocab, int64_t max_length,
-                                        const BeamSearchRequest& request);
+                                        const BeamSearchRequest& request, InferenceGroup* group = nullptr);
 
 }  // namespace megatron

@@ -31,9 +31,12 @@ InferenceEngine::InferenceEngine(const GPTModel& model, Context& ctx, int64_t vo
       ctx_(ctx),
       vocab_size_(vocab_size),
       max_length_(resolve_max_length(model.config(), options)),
+      group_(options.group),
       cache_(model.config(), options.max_batch_size, max_length_, ctx.device()),
       slots_(size_t(options.max_batch_size)) {
-  use_graphs_ = options.cuda_graphs && ctx.device().is_cuda() && model.inference_capturable();
+  MG_CHECK(!group_ || group_->leader(), "the inference engine runs on rank 0 of its tensor-parallel group");
+  // Tensor-parallel steps announce every forward to the other ranks and run collectives: eager.
+  use_graphs_ = options.cuda_graphs && ctx.device().is_cuda() && model.inference_capturable() && !group_;
   MG_CHECK(vocab_size > 0 && vocab_size <= model.config().padded_vocab_size,
            "tokenizer vocabulary {} does not fit the model's {} output rows", vocab_size,
            model.config().padded_vocab_size);
@@ -158,6 +161,12 @@ bool InferenceEngine::step() {
   return !admitted.empty() || decoding;
 }
 
+Tensor InferenceEngine::forward(const Tensor& tokens, const std::vector<int64_t>& slots,
+                                const std::vector<int64_t>& starts, const std::vector<int64_t>& output_rows) {
+  if (group_) group_->announce_forward(ctx_, InferenceGroup::kEngineCache, cache_, tokens, slots, starts, output_rows);
+  return model_.forward_inference(ctx_, tokens, slots, starts, cache_, output_rows);
+}
+
 // Right-padded prefill of the admitted prompts (all from position 0), then each sequence's first token.
 void InferenceEngine::prefill(const std::vector<int64_t>& slots) {
   const int64_t b = int64_t(slots.size());
@@ -180,7 +189,7 @@ void InferenceEngine::prefill(const std::vector<int64_t>& slots) {
   std::sort(wanted.begin(), wanted.end());
   Tensor t = Tensor::from_ints(tokens, {b, len}, DType::Int64, ctx_.device());
   const std::vector<int64_t> starts(size_t(b), 0);
-  const Tensor out = model_.forward_inference(ctx_, t, slots, starts, cache_, wanted);  // [wanted, V]
+  const Tensor out = forward(t, slots, starts, wanted);  // [wanted, V]
   if (std::none_of(slots.begin(), slots.end(), [&](int64_t k) { return needs_full_row(slots_[size_t(k)]->request); })) {
     const std::vector<RowChoice> choice = greedy_choices(ctx_, out, vocab_size_);  // one wanted row per sequence
     for (int64_t i = 0; i < b; ++i) {
@@ -229,13 +238,12 @@ void InferenceEngine::decode() {
   }
   const int64_t b = int64_t(slots.size()), v = model_.config().padded_vocab_size;
   Tensor t = Tensor::from_ints(tokens, {b, 1}, DType::Int64, ctx_.device());
-  const InferenceInputs in = model_.inference_inputs(ctx_, t, slots, starts, cache_);
   const bool greedy = std::none_of(slots.begin(), slots.end(),
                                    [&](int64_t k) { return needs_full_row(slots_[size_t(k)]->request); });
   std::vector<RowChoice> choice;
   std::vector<float> logits;
   if (use_graphs_) {
-    const DecodeGraph& g = decode_through_graph(in);
+    const DecodeGraph& g = decode_through_graph(model_.inference_inputs(ctx_, t, slots, starts, cache_));
     if (greedy) {
       const std::vector<int64_t> ids = g.argmax.to_ints(), norms = g.log_norm.to_ints();
       for (int64_t i = 0; i < b; ++i) choice.push_back({ids[size_t(i)], -std::bit_cast<double>(norms[size_t(i)])});
@@ -243,7 +251,7 @@ void InferenceEngine::decode() {
       logits = g.logits.to_floats();
     }
   } else {
-    const Tensor out = model_.forward_inference(ctx_, in, cache_).view({b, v});
+    const Tensor out = forward(t, slots, starts).view({b, v});
     if (greedy) {
       choice = greedy_choices(ctx_, out, vocab_size_);  // Note [Greedy rows on the device]
     } else {

@@ -13,7 +13,9 @@
 // are sampled from; log-probabilities are always the model's: fp64 log-softmax over the unpadded
 // vocabulary of the model's logits.
 //
-// Not thread-safe: one thread owns the engine (the text generation server's engine thread).
+// Not thread-safe: one thread owns the engine (the text generation server's engine thread). Under
+// tensor parallelism the engine lives on the group's leader and announces each forward to the
+// other ranks, which run it with their shards (Note [Tensor-parallel inference], inference_group.h).
 #pragma once
 
 #include <atomic>
@@ -27,6 +29,7 @@
 
 #include "megatron/core/transformer/kv_cache.h"
 #include "megatron/core/inference/beam_search.h"
+#include "megatron/core/inference/inference_group.h"
 #include "megatron/core/inference/sampling.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/runtime/cuda_graph.h"
@@ -69,6 +72,7 @@ using DoneCallback = std::function<void(const GenerationResult&)>;
 struct EngineOptions {
   int64_t max_batch_size = 8;       // cache slots: sequences decoded together
   int64_t max_sequence_length = 0;  // 0: max_position_embeddings (learned positions) or seq_length
+  InferenceGroup* group = nullptr;  // tensor-parallel ranks (this one their leader); null: one process
   bool cuda_graphs = true;          // decode steps through CUDA graphs on a GPU (Note [Decode graphs])
 };
 
@@ -94,7 +98,7 @@ class InferenceEngine {
   /// Beam search for one prompt (beam_search.h), run at once in a cache of its own; the queued and
   /// active requests wait meanwhile.
   std::vector<BeamHypothesis> beam_search(const BeamSearchRequest& request) {
-    return megatron::beam_search(model_, ctx_, vocab_size_, max_length_, request);
+    return megatron::beam_search(model_, ctx_, vocab_size_, max_length_, request, group_);
   }
 
   int64_t max_sequence_length() const { return max_length_; }
@@ -119,6 +123,9 @@ class InferenceEngine {
   void drop_cancelled();
   // The next waiting sequence, round-robin over the groups.
   Sequence next_waiting();
+  // GPTModel::forward_inference through the engine's cache, announced to the group's other ranks first.
+  Tensor forward(const Tensor& tokens, const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
+                 const std::vector<int64_t>& output_rows = {});
   void prefill(const std::vector<int64_t>& slots);
   void decode();
   // Samples the next token of `slot` from its logits row; ends the sequence if it is done.
@@ -143,6 +150,7 @@ class InferenceEngine {
   std::map<int64_t, std::unique_ptr<DecodeGraph>> graphs_;
   int64_t vocab_size_;
   int64_t max_length_;
+  InferenceGroup* group_;
   KVCache cache_;
   std::deque<Group> waiting_;  // non-empty groups, in turn order
   std::vector<std::optional<Sequence>> slots_;

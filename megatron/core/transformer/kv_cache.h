@@ -1,6 +1,6 @@
 // KVCache: the keys (after RoPE) and values of every layer for a fixed number of sequence slots,
-// preallocated once: per layer [slots, max_length, num_query_groups, kv_channels] in the model
-// dtype on the model's device. Slot-major, so one sequence's history is contiguous and a batch
+// preallocated once: per layer [slots, max_length, num_query_groups / tp, kv_channels] in the model
+// dtype on the model's device (under tensor parallelism a rank caches its own query groups). Slot-major, so one sequence's history is contiguous and a batch
 // can be any subset of slots, each at its own position (ops::attention_kv_cache_forward).
 // Multi-latent attention caches its compressed latent and rope key instead (Note [MLA KV cache] in
 // multi_latent_attention.h): keys [slots, max_length, 1, kv_lora_rank], values [.., 1, qk_pos_emb_head_dim].
@@ -8,6 +8,7 @@
 // writes positions starts[i] .. starts[i]+s-1 and reads 0 .. starts[i]+s-1.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "megatron/core/transformer/transformer_config.h"
@@ -47,6 +48,9 @@ struct KVCache {
   int64_t num_layers() const { return int64_t(keys.size()); }
   int64_t num_slots() const { return num_slots_; }
   int64_t max_length() const { return max_length_; }
+
+  /// Every layer's keys and values of slot `from` copied into slot `to`, for each (from, to) in order.
+  void copy_slots(const std::vector<std::pair<int64_t, int64_t>>& pairs);
 
   std::vector<Tensor> keys, values;  // per layer [num_slots, max_length, ng, d]
 

@@ -488,7 +488,10 @@ InferenceInputs GPTModel::inference_inputs(Context& ctx, const Tensor& tokens, c
            slots.size(), starts.size());
   MG_CHECK(config_.hidden_dropout == 0.0f && config_.attention_dropout == 0.0f,
            "inference needs a model built with hidden and attention dropout 0");
-  MG_CHECK(pre_process_ && post_process_ && !tp_group() && !pg_.cp, "inference needs the whole model on one rank");
+  MG_CHECK(pre_process_ && post_process_ && !pg_.cp,
+           "inference needs every layer on each rank (no pipeline or context parallelism)");
+  MG_CHECK(!tp_group() || !config_.sequence_parallel, "inference runs without sequence parallelism: build the model "
+           "with sequence_parallel off (Note [Tensor-parallel inference])");
   std::vector<int64_t> positions(size_t(b * s));
   int64_t max_position = 0;
   for (int64_t i = 0; i < b; ++i) {
@@ -545,7 +548,7 @@ Tensor GPTModel::forward_inference(Context& ctx, const InferenceInputs& in, KVCa
   Tensor x = embedding_->forward(ctx, in.tokens, in.position_ids, 0, embedding_saved);
   Tensor hidden = decoder_->forward_inference(ctx, x, in.freqs, in.rows, cache.keys, cache.values);
   Tensor rows = hidden.view({s * b, h});
-  if (output_rows.empty()) return output_layer_->forward(ctx, rows).view({s, b, v});
+  if (output_rows.empty()) return gather_vocab_shards(ctx, output_layer_->forward(ctx, rows)).view({s, b, v});
   const int64_t n = int64_t(output_rows.size());
   Tensor picked = Tensor::empty({n, h}, rows.dtype(), rows.device());
   for (int64_t r = 0; r < n;) {  // one copy per run of consecutive rows
@@ -556,7 +559,22 @@ Tensor GPTModel::forward_inference(Context& ctx, const InferenceInputs& in, KVCa
     ops::copy_rows(ctx, rows, first, picked, r, run);
     r += run;
   }
-  return output_layer_->forward(ctx, picked);
+  return gather_vocab_shards(ctx, output_layer_->forward(ctx, picked));
+}
+
+// Megatron's gather_from_tensor_model_parallel_region on the output layer's logits (its
+// parallel_output=False for generation): every rank gets the whole padded vocabulary. The
+// all-gather stacks the shards rank-major, [tp, n, v/tp]; one transpose puts each row's shards side
+// by side, [n, tp, v/tp] = [n, v]. Inference only: no backward.
+Tensor GPTModel::gather_vocab_shards(Context& ctx, const Tensor& local) const {
+  Communicator* tp = tp_group();
+  if (!tp) return local;
+  const int64_t n = local.size(0), shard = local.size(1);
+  Tensor stacked = Tensor::empty({tp->size(), n, shard}, local.dtype(), ctx.device());
+  tp->all_gather(ctx, local, stacked)->wait();
+  Tensor out = Tensor::empty({n, tp->size(), shard}, local.dtype(), ctx.device());
+  ops::transpose_01(ctx, stacked, out);
+  return out.view({n, tp->size() * shard});
 }
 
 Tensor default_position_ids(int64_t batch, int64_t seq_len) {

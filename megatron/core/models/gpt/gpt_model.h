@@ -128,7 +128,10 @@ class GPTModel : public ModelChunk {
   /// equal to forward_logits on each full sequence. The model must be built with dropout off.
   /// output_rows, when non-empty, picks the rows (j·b + i: sequence i's token j) that need logits:
   /// the output layer runs on those rows only and the result is [output_rows.size(), padded_vocab]
-  /// (a prefill needs one row per sequence, not s·b rows of the whole vocabulary).
+  /// (a prefill needs one row per sequence, not s·b rows of the whole vocabulary). Under tensor
+  /// parallelism (sequence parallelism off) every rank of the group calls it with the same
+  /// arguments and its own cache shard, and every rank gets the whole vocabulary's logits (Note
+  /// [Tensor-parallel inference] in core/inference/inference_group.h).
   Tensor forward_inference(Context& ctx, const Tensor& tokens, const std::vector<int64_t>& slots,
                            const std::vector<int64_t>& starts, KVCache& cache,
                            const std::vector<int64_t>& output_rows = {}) const;
@@ -177,6 +180,8 @@ class GPTModel : public ModelChunk {
   void forward_to_logits(Context& ctx, const Tensor& tokens, const Tensor& position_ids, const Tensor& input,
                          const Tensor& cu_seqlens, Stash& stash) const;
   Communicator* tp_group() const { return pg_.tp; }
+  // The output layer's vocabulary-parallel logits [n, v/tp] gathered into [n, v] on every rank.
+  Tensor gather_vocab_shards(Context& ctx, const Tensor& local) const;
   // The per-token cross entropy of logits [N, vl] (vocab-parallel under TP) against labels [N]:
   // losses and lse [N] fp32; its backward turns the logits into their own gradient.
   void cross_entropy(Context& ctx, const Tensor& logits, const Tensor& labels, Tensor& losses, Tensor& lse) const;
