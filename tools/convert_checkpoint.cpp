@@ -36,6 +36,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
@@ -72,12 +73,31 @@ class Progress {
 };
 
 // pretrain_gpt's model arguments for a TransformerConfig (stored in the checkpoint's metadata):
-// model_arguments.inc's mapping back from the config, and what an HF model has no flag for.
+// model_arguments.inc's mapping back from the config, and what an HF model has no flag for. The
+// weights' dtype is recorded as Megatron's converter records md.params_dtype: --bf16 / --fp16.
 Arguments arguments_for(const TransformerConfig& c) {
   Arguments a = model_arguments_from_config(c);
   a.seq_length = c.max_position_embeddings;  // an HF config has no training length
   a.vocab_size = c.vocab_size;
+  a.bf16 = c.params_dtype == DType::BFloat16;
+  a.fp16 = c.params_dtype == DType::Float16;
   return a;
+}
+
+// Note [Converted weights' dtype]
+// Megatron's converter saves in the params dtype it is given (its HF loaders take --bf16 / --fp16,
+// else fp32). Here the default is the source's own: an HF import writes the dtype of the folder's
+// tensors (bf16 stays bf16; a folder that mixes dtypes, e.g. bf16 weights with an fp32 router bias,
+// is written in fp32, which holds every value exactly), recorded as the checkpoint's --bf16 / --fp16;
+// an export writes the checkpoint's (the run's) dtype. --bf16, --fp16 or --fp32 choose instead
+// (rounding to nearest even where they narrow). A bf16 checkpoint trains as before: loading converts
+// each tensor to the run's parameter dtype, and without optimizer state the fp32 main parameters are
+// built from the loaded weights (optimizer reload_model_params), so an fp32 or --bf16 run starts from
+// the same values as from an fp32 checkpoint of the same weights (tests/functional/convert_test.cpp).
+DType folder_dtype(const HFFolder& folder, const std::set<std::string>& read) {
+  std::set<DType> dtypes;
+  for (const std::string& n : read) dtypes.insert(folder.dtype(n));
+  return dtypes.size() == 1 ? *dtypes.begin() : DType::Float32;
 }
 
 // "5GB", "500MB", "2GiB", "1000" (bytes) -> bytes, as HF's max_shard_size reads them.
@@ -125,7 +145,7 @@ void write_hf_weights(const fs::path& save, const std::vector<safetensors::Write
   }
   Progress progress("writing HF tensors", plan.size());
   TensorSink sink([&](const std::string& name, RowParts t) {
-    progress.tick(writer_of.at(name)->put(name, t.parts, t.zero_rows));
+    progress.tick(writer_of.at(name)->put(name, t.count(), [&](size_t k) { return t.piece(k); }, t.zero_rows));
   });
   produce(sink);
   for (auto& w : writers) w->commit();
@@ -246,24 +266,35 @@ void export_tokenizer_files(const TokenizerArgs& t, const fs::path& save, int64_
   std::fprintf(stderr, "[convert] tokenizer (%s): wrote %s\n", t.tokenizer_type.c_str(), list.c_str());
 }
 
-int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divisible_by) {
+int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divisible_by,
+                           std::optional<DType> weights_dtype) {
   HFFolder folder(load.string());
   const nlohmann::json& hf_config = folder.config();
   HFModelInfo info = config_from_hf(folder, divisible_by);  // Note [HF DeepSeek-V3 MTP]: MTP when the folder has it
-  if (info.family == HFFamily::DeepSeek) check_deepseek_mtp_copies(info, [&](const std::string& n) { return folder.get(n); });
+  if (info.family == HFFamily::DeepSeek) {
+    // Compared a chunk at a time from the files (Note [Streaming conversion]).
+    check_deepseek_mtp_copies(
+        info, [&](const std::string& n) { return folder.shape(n); },
+        [&](const std::string& a, const std::string& b) { return folder.same_bytes(a, b); });
+  }
   // Planning pass (Note [Streaming conversion]): our tensors' shapes and the HF tensors they read.
   std::set<std::string> read;
-  const std::vector<safetensors::Writer::Spec> plan = plan_outputs(
+  std::vector<safetensors::Writer::Spec> plan = plan_outputs(
       [&](TensorSink& sink) {
         hf_to_megatron(
             info,
             [&](const std::string& n) {
               read.insert(n);
-              return Tensor::empty(folder.shape(n), DType::Float32);
+              return Tensor::empty(folder.shape(n), folder.dtype(n));
             },
             sink);
       },
       [&](const std::string&) { return info.config.params_dtype; });
+  // Note [Converted weights' dtype].
+  info.config.params_dtype = weights_dtype ? *weights_dtype : folder_dtype(folder, read);
+  for (safetensors::Writer::Spec& t : plan) t.dtype = info.config.params_dtype;
+  std::fprintf(stderr, "[convert] weights written in %s (%s)\n", hf_dtype_name(info.config.params_dtype).c_str(),
+               weights_dtype ? "as asked" : "the folder's tensors; --bf16, --fp16 or --fp32 choose");
   // Nothing is dropped silently: a tensor the model does not read is an error (another model, or a
   // config that does not describe the weights), except the buffers older transformers versions
   // saved (rotary inverse frequencies, GPT-2's causal masks), which are named and skipped.
@@ -289,12 +320,12 @@ int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divis
       save.string(), plan,
       [&](safetensors::Writer& writer) {
         TensorSink sink([&](const std::string& name, RowParts t) {
-          writing.tick(writer.put(name, t.parts, t.zero_rows));
+          writing.tick(writer.put(name, t.count(), [&](size_t k) { return t.piece(k); }, t.zero_rows));
         });
         hf_to_megatron(
             info,
             [&](const std::string& n) {
-              Tensor t = folder.get(n);
+              Tensor t = folder.read(n);  // in its stored dtype
               reading.tick(t.nbytes());
               return t;
             },
@@ -306,7 +337,8 @@ int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divis
   return 0;
 }
 
-int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t max_shard_bytes) {
+int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t max_shard_bytes,
+                           std::optional<DType> weights_dtype) {
   std::string dir;
   nlohmann::json meta = read_checkpoint_metadata(load.string(), &dir);
   Arguments args;
@@ -327,6 +359,7 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
   args.bf16 = saved_args.value("bf16", false);
   args.fp16 = saved_args.value("fp16", false);
   TransformerConfig config = transformer_config_from_args(args, args.vocab_size);
+  if (weights_dtype) config.params_dtype = *weights_dtype;  // Note [Converted weights' dtype]
 
   // The HF config first: a model HF cannot express is refused before anything is read or written.
   HFModelInfo info;
@@ -355,7 +388,8 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
   const TensorSource source{[&](const std::string& name) {
                               MG_CHECK(index.contains(name), "checkpoint {} has no tensor '{}' that a {} model needs",
                                        dir, name, info.model_type);
-                              Tensor t = Tensor::empty(index.tensor(name).shape, DType::Float32);
+                              // In its stored dtype (Note [Streaming conversion]).
+                              Tensor t = Tensor::empty(index.tensor(name).shape, index.tensor(name).dtype);
                               reading.tick(index.load_into(name, ShardSpec{}, t));
                               return t;
                             },
@@ -363,7 +397,7 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
   const TensorSource planning{[&](const std::string& name) {
                                 MG_CHECK(index.contains(name), "checkpoint {} has no tensor '{}' that a {} model needs",
                                          dir, name, info.model_type);
-                                return Tensor::empty(index.tensor(name).shape, DType::Float32);
+                                return Tensor::empty(index.tensor(name).shape, index.tensor(name).dtype);
                               },
                               source.has};
   // Note [Streaming conversion]: the HF tensors' shapes first, then each written as it is made.
@@ -416,6 +450,13 @@ int main(int argc, char** argv) {
     app.add_option("--save", save, "Destination directory")->required();
     app.add_option("--make-vocab-size-divisible-by", divisible_by, "Vocabulary padding (HF -> megatron)")
         ->capture_default_str();
+    bool bf16 = false, fp16 = false, fp32 = false;
+    auto* bf16_flag = app.add_flag("--bf16", bf16, "Write the weights in bf16 (default: the source's dtype)");
+    auto* fp16_flag = app.add_flag("--fp16", fp16, "Write the weights in fp16 (default: the source's dtype)");
+    app.add_flag("--fp32", fp32, "Write the weights in fp32 (default: the source's dtype)")
+        ->excludes(bf16_flag)
+        ->excludes(fp16_flag);
+    bf16_flag->excludes(fp16_flag);
     std::string max_shard_size = "5GB";
     app.add_option("--max-shard-size", max_shard_size,
                    "Largest HF weight file (megatron -> HF); more weights go to shards listed in "
@@ -426,7 +467,12 @@ int main(int argc, char** argv) {
     } catch (const CLI::ParseError& e) {
       return app.exit(e);
     }
-    return from == "hf" ? convert_hf_to_megatron(load, save, divisible_by) : convert_megatron_to_hf(load, save, parse_size(max_shard_size));
+    const std::optional<DType> weights_dtype = bf16   ? std::optional(DType::BFloat16)
+                                               : fp16 ? std::optional(DType::Float16)
+                                               : fp32 ? std::optional(DType::Float32)
+                                                      : std::nullopt;
+    return from == "hf" ? convert_hf_to_megatron(load, save, divisible_by, weights_dtype)
+                        : convert_megatron_to_hf(load, save, parse_size(max_shard_size), weights_dtype);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
