@@ -553,8 +553,10 @@ void megatron_to_hf(const HFModelInfo& info, const TensorSource& source, TensorS
       auto p = [&](const char* rest) { return fmt::format("transformer.h.{}.{}", i, rest); };
       out[p("ln_1.weight")] = norm(layer(i, "input_layernorm.weight"));
       out[p("ln_1.bias")] = get(layer(i, "input_layernorm.bias"));
-      const QKV w = qkv(i, "self_attention.linear_qkv.weight");
-      out[p("attn.c_attn.weight")] = transposed(w.fused, w.stacked());
+      {  // the fused QKV is freed once written (Note [Streaming conversion])
+        const QKV w = qkv(i, "self_attention.linear_qkv.weight");
+        out[p("attn.c_attn.weight")] = transposed(w.fused, w.stacked());
+      }
       if (c.add_bias_linear || c.add_qkv_bias) {  // Megatron: the linear biases include the QKV one
         const QKV b = qkv(i, "self_attention.linear_qkv.bias");
         out[p("attn.c_attn.bias")] = rows_of(b.fused, b.stacked());
