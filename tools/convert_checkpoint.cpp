@@ -9,25 +9,32 @@
 //
 // An HF folder holds config.json and model.safetensors, or shards listed in
 // model.safetensors.index.json (read either way; written as shards of at most --max-shard-size).
-// The round trip is exact (fp32); the HF config travels inside the checkpoint's metadata so it comes
-// back unchanged. A model trained here exports as the HF type that computes what it computes, or is
-// refused in one line naming the flag HF cannot express (Note [Which HF model a checkpoint exports
-// as] in hf_mapping.cpp); its weights keep the run's dtype (bf16 stays bf16), and the tokenizer
-// files the run used are copied in HF's layout, with generation_config.json giving its bos/eos ids.
+// The weights keep their dtype both ways (bf16 stays bf16; --bf16, --fp16 or --fp32 choose: Note
+// [Converted weights' dtype]) and the round trip is exact; the HF config travels inside the
+// checkpoint's metadata so it comes back unchanged. A model trained here exports as the HF type that
+// computes what it computes, or is refused in one line naming the flag HF cannot express (Note [Which
+// HF model a checkpoint exports as] in hf_mapping.cpp); its weights keep the run's dtype, and the
+// tokenizer files the run used are copied in HF's layout, with generation_config.json giving its
+// bos/eos ids.
 //
 // Note [Streaming conversion]
-// Neither direction holds a model: the memory is one output tensor and its sources. A mapping
-// (hf_to_megatron / megatron_to_hf) hands each output tensor to a TensorSink as soon as it is made;
-// sources are read from the memory-mapped files a chunk at a time, their pages dropped (Note
+// Neither direction holds a model: the memory is one output tensor's sources, in their stored dtype.
+// A mapping (hf_to_megatron / megatron_to_hf) hands each output tensor to a TensorSink as soon as it
+// is made; sources are read from the memory-mapped files a chunk at a time, their pages dropped (Note
 // [Bounded reads] in safetensors.h); each tensor is written at its place in the output file
 // (safetensors::Writer, any order) and freed. A safetensors header lists every tensor before the
 // data, so the mapping runs twice: a planning pass over uninitialised source tensors of the right
-// shapes (slices and row pieces never touch them) records each output's name and shape and which
-// sources were read, then the writing pass. Fused and padded tensors (QKV, [gate; up], the padded
-// vocabulary) travel as row pieces (RowParts) and are converted to the file's dtype a chunk at a
-// time, so an embedding costs its fp32 copy alone; what export still assembles (split_qkv, GPT-2's
-// transposes, GPT-OSS's stacked experts) costs twice that tensor. Large blocks are mmapped by malloc so
-// that a freed tensor leaves the resident set at once. docs/architecture.md gives measured peaks.
+// shapes and dtypes (slices, row pieces and row blocks never touch them) records each output's name
+// and shape and which sources were read, then the writing pass. Nothing is assembled: fused and
+// padded tensors (QKV, [gate; up], the padded vocabulary) and split ones (q, k, v out of the fused
+// QKV, interleaved RoPE's rows in HF's order) travel as row views of their source (RowParts), converted
+// to the file's dtype a chunk at a time when the dtypes differ; GPT-2's Conv1D transposes are made in
+// row blocks of about 4 MiB as the writer takes them (RowParts::Blocks); DeepSeek's MTP copies of the
+// embedding and head are compared with the originals a chunk at a time from the files. So a tensor
+// costs its source alone (1x the largest tensor, measured: docs/architecture.md). Left assembled:
+// GPT-OSS's stacked experts (computed in fp32) and DeepSeek's interleaved rope rows (a copy of
+// q_b_proj / kv_a_proj, small next to the embedding). Large blocks are mmapped by malloc so that a
+// freed tensor leaves the resident set at once.
 #include <fmt/format.h>
 #include <malloc.h>
 
