@@ -45,6 +45,7 @@
 #include <fstream>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/dist_checkpointing/sharded.h"
@@ -93,18 +94,36 @@ Arguments arguments_for(const TransformerConfig& c) {
 
 // Note [Converted weights' dtype]
 // Megatron's converter saves in the params dtype it is given (its HF loaders take --bf16 / --fp16,
-// else fp32). Here the default is the source's own: an HF import writes the dtype of the folder's
-// tensors (bf16 stays bf16; a folder that mixes dtypes, e.g. bf16 weights with an fp32 router bias,
-// is written in fp32, which holds every value exactly), recorded as the checkpoint's --bf16 / --fp16;
-// an export writes the checkpoint's (the run's) dtype. --bf16, --fp16 or --fp32 choose instead
-// (rounding to nearest even where they narrow). A bf16 checkpoint trains as before: loading converts
-// each tensor to the run's parameter dtype, and without optimizer state the fp32 main parameters are
-// built from the loaded weights (optimizer reload_model_params), so an fp32 or --bf16 run starts from
-// the same values as from an fp32 checkpoint of the same weights (tests/functional/convert_test.cpp).
-DType folder_dtype(const HFFolder& folder, const std::set<std::string>& read) {
-  std::set<DType> dtypes;
-  for (const std::string& n : read) dtypes.insert(folder.dtype(n));
-  return dtypes.size() == 1 ? *dtypes.begin() : DType::Float32;
+// else fp32). Here the default is the source's own, tensor by tensor: an HF import writes each
+// tensor in the dtype of the HF tensors it is made from (bf16 stays bf16; where they differ, fp32,
+// which holds both exactly), so a bf16 folder with fp32 norms or an fp32 router bias (DeepSeek's
+// e_score_correction_bias) keeps both; the checkpoint records the dtype most of its weights have as
+// its --bf16 / --fp16. An export writes the run's dtype (--bf16 / --fp16 of the checkpoint), or the
+// stored dtype of a tensor's sources where that dtype cannot hold them (an fp32 buffer or norm of a
+// bf16 checkpoint). The planning pass sees which sources each output reads (the reads since the
+// previous output). --bf16, --fp16 or --fp32 write every tensor in that dtype instead (rounding to
+// nearest even where they narrow; the norms of --apply-layernorm-1p stay fp32 on export). A bf16
+// checkpoint trains as before: loading converts each tensor to the run's parameter dtype, and without
+// optimizer state the fp32 main parameters are built from the loaded weights (the optimizer's
+// reload_model_params), so an fp32 or --bf16 run starts from the same values as from an fp32
+// checkpoint of the same weights (tests/functional/convert_test.cpp).
+
+// Whether every value of dtype `from` is a value of `to`.
+bool holds(DType to, DType from) { return to == from || to == DType::Float32; }
+
+// The dtype that holds every one of `dtypes` exactly (fp32 when they differ; `otherwise` when empty).
+DType holding(const std::set<DType>& dtypes, DType otherwise) {
+  return dtypes.empty() ? otherwise : dtypes.size() == 1 ? *dtypes.begin() : DType::Float32;
+}
+
+// The dtype most of the planned values have.
+DType dominant_dtype(const std::vector<safetensors::Writer::Spec>& plan) {
+  std::map<DType, int64_t> values;
+  for (const safetensors::Writer::Spec& t : plan) values[t.dtype] += shape_numel(t.shape);
+  DType best = DType::Float32;
+  for (const auto& [dtype, n] : values)
+    if (n > values[best]) best = dtype;
+  return best;
 }
 
 // "5GB", "500MB", "2GiB", "1000" (bytes) -> bytes, as HF's max_shard_size reads them.
@@ -285,22 +304,34 @@ int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divis
         [&](const std::string& a, const std::string& b) { return folder.same_bytes(a, b); });
   }
   // Planning pass (Note [Streaming conversion]): our tensors' shapes and the HF tensors they read.
+  // Note [Converted weights' dtype]: each output in the dtype of the HF tensors read since the last
+  // output (an output that read none, its sources read for an earlier one, gets fp32: exact).
   std::set<std::string> read;
+  std::set<DType> pending;
   std::vector<safetensors::Writer::Spec> plan = plan_outputs(
       [&](TensorSink& sink) {
         hf_to_megatron(
             info,
             [&](const std::string& n) {
               read.insert(n);
+              pending.insert(folder.dtype(n));
               return Tensor::empty(folder.shape(n), folder.dtype(n));
             },
             sink);
       },
-      [&](const std::string&) { return info.config.params_dtype; });
-  // Note [Converted weights' dtype].
-  info.config.params_dtype = weights_dtype ? *weights_dtype : folder_dtype(folder, read);
-  for (safetensors::Writer::Spec& t : plan) t.dtype = info.config.params_dtype;
-  std::fprintf(stderr, "[convert] weights written in %s (%s)\n", hf_dtype_name(info.config.params_dtype).c_str(),
+      [&](const std::string&) {
+        return weights_dtype ? *weights_dtype : holding(std::exchange(pending, {}), DType::Float32);
+      });
+  std::set<DType> folder_dtypes;
+  for (const std::string& n : read) folder_dtypes.insert(folder.dtype(n));
+  if (!weights_dtype && folder_dtypes.size() == 1) {  // one dtype: every output has it
+    for (safetensors::Writer::Spec& t : plan) t.dtype = *folder_dtypes.begin();
+  }
+  info.config.params_dtype = dominant_dtype(plan);
+  size_t others = 0;
+  for (const safetensors::Writer::Spec& t : plan) others += t.dtype != info.config.params_dtype;
+  std::fprintf(stderr, "[convert] weights written in %s%s (%s)\n", hf_dtype_name(info.config.params_dtype).c_str(),
+               others ? fmt::format(", {} tensor(s) in float32 (their HF tensors' dtype)", others).c_str() : "",
                weights_dtype ? "as asked" : "the folder's tensors; --bf16, --fp16 or --fp32 choose");
   // Nothing is dropped silently: a tensor the model does not read is an error (another model, or a
   // config that does not describe the weights), except the buffers older transformers versions
@@ -401,15 +432,24 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
                               return t;
                             },
                             [&](const std::string& name) { return index.contains(name); }};
+  std::set<DType> pending;  // the stored dtypes of the sources read since the last output
   const TensorSource planning{[&](const std::string& name) {
                                 MG_CHECK(index.contains(name), "checkpoint {} has no tensor '{}' that a {} model needs",
                                          dir, name, info.model_type);
+                                pending.insert(index.tensor(name).dtype);
                                 return Tensor::empty(index.tensor(name).shape, index.tensor(name).dtype);
                               },
                               source.has};
   // Note [Streaming conversion]: the HF tensors' shapes first, then each written as it is made.
+  // Note [Converted weights' dtype]: the run's dtype, or fp32 for sources it cannot hold.
   const auto plan = plan_outputs([&](TensorSink& sink) { megatron_to_hf(info, planning, sink); },
-                                 [&](const std::string& name) { return export_dtype(name, config); });
+                                 [&](const std::string& name) {
+                                   const std::set<DType> sources = std::exchange(pending, {});
+                                   DType dtype = export_dtype(name, config);
+                                   for (const DType s : sources)
+                                     if (!weights_dtype && !holds(dtype, s)) dtype = DType::Float32;
+                                   return dtype;
+                                 });
   fs::create_directories(save);
   write_hf_weights(save, plan, max_shard_bytes, [&](TensorSink& sink) { megatron_to_hf(info, source, sink); });
 

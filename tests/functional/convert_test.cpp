@@ -129,6 +129,21 @@ TEST(Convert, Bf16FolderKeepsItsDtypeAndTrainsAsFp32Would) {
     EXPECT_EQ(tb.dtype(), DType::BFloat16) << n;
     EXPECT_TRUE(ta.dtype() == tb.dtype() && std::memcmp(ta.raw_data(), tb.raw_data(), ta.nbytes()) == 0) << n;
   }
+  // A folder mixing dtypes (bf16 weights, the final norm fp32 with values bf16 cannot hold) keeps
+  // each tensor's: the checkpoint records bf16, holds that norm in fp32, and exports it all back.
+  {
+    std::vector<std::pair<std::string, Tensor>> mixed;
+    for (const std::string& n : a.names()) mixed.emplace_back(n, n == "model.norm.weight" ? src.read(n) : a.read(n));
+    fs::create_directories(dir.path / "hf_mixed");
+    fs::copy_file(dir.path / "hf_bf16/config.json", dir.path / "hf_mixed/config.json");
+    safetensors::write((dir.path / "hf_mixed/model.safetensors").string(), mixed, {{"format", "pt"}});
+    const std::string mixed_log = convert({"--from", "hf", "--load", "hf_mixed", "--save", "ckpt_mixed"});
+    EXPECT_NE(mixed_log.find("weights written in bfloat16, 1 tensor(s) in float32"), std::string::npos) << mixed_log;
+    EXPECT_EQ(checkpoint_dtypes(dir.path / "ckpt_mixed"), (std::set<std::string>{"bf16", "fp32"}));
+    convert({"--from", "megatron", "--load", "ckpt_mixed", "--save", "hf_mixed_back"});
+    EXPECT_EQ(read_file(dir.path / "hf_mixed_back/model.safetensors"), read_file(dir.path / "hf_mixed/model.safetensors"))
+        << "byte for byte";
+  }
   RunResult both = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "x", "--bf16", "--fp32"},
                        dir.path);
   EXPECT_NE(both.exit_code, 0);
