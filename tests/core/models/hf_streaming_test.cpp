@@ -2,13 +2,18 @@
 // transposed() made in row blocks equals the plain transpose of the chosen rows and columns in the
 // source's dtype; rows_of() and the QKV row orders are views that give merge_qkv's inverse; and a
 // bf16 export of a Llama (interleaved RoPE, q/k/v biases) hands on q, k, v and the embedding as bf16
-// views of the checkpoint's tensors, never copies.
+// views of the checkpoint's tensors, never copies; HFFolder::same_bytes compares stored tensors.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 
+#include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/core/models/gpt/hf_util.h"
 
@@ -91,6 +96,25 @@ TEST(HFStreaming, Bf16ExportHandsOnViews) {
   });
   megatron_to_hf(info, source, sink);
   EXPECT_EQ(checked, from.size());
+}
+
+// HFFolder::same_bytes (DeepSeek's MTP copies, compared a chunk at a time from the file): equal
+// bytes, one element changed, another dtype of the same values.
+TEST(HFStreaming, SameBytesComparesTheStoredTensors) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("mg_hf_same_bytes_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "llama"})";
+  const Tensor a = counting({300, 7}, DType::BFloat16);
+  Tensor changed = a.clone();
+  static_cast<uint16_t*>(changed.raw_data())[2099] ^= 1;  // the last element
+  safetensors::write((dir / "model.safetensors").string(),
+                     {{"a", a}, {"copy", a.clone()}, {"changed", changed}, {"fp32", a.to(DType::Float32)}});
+  HFFolder folder(dir.string());
+  EXPECT_TRUE(folder.same_bytes("a", "copy"));
+  EXPECT_FALSE(folder.same_bytes("a", "changed"));
+  EXPECT_FALSE(folder.same_bytes("a", "fp32"));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -153,7 +153,8 @@ HFModelInfo config_from_hf(const HFFolder& folder, int make_vocab_size_divisible
 /// HF tensors -> Megatron-Core tensors (fp32 host). get_hf(name) returns the HF tensor or throws.
 /// Shapes are checked against the config; a mismatch names the tensor and both shapes.
 TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf);
-/// The same, each Megatron-Core tensor handed to `out` as soon as it is made (from its HF sources only).
+/// The same, each Megatron-Core tensor handed to `out` as soon as it is made (from its HF sources only),
+/// as views or row blocks of the sources in their dtype (Note [Streaming conversion]).
 void hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf, TensorSink& out);
 /// Megatron-Core tensors -> HF tensors (fp32 host), the exact inverse of hf_to_megatron. For a model
 /// trained here (info.config its own config) it also folds what HF expresses otherwise into the
@@ -161,7 +162,8 @@ void hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const st
 /// go to HF's half-split order, GPT-2's missing biases and positions are zeros.
 TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& megatron);
 /// The same, reading each Megatron-Core tensor from `megatron` when needed and handing each HF
-/// tensor to `out` as soon as it is made.
+/// tensor to `out` as soon as it is made, as views or row blocks of the sources in their dtype (fp32
+/// where computed: zero-centered norms, GPT-OSS's experts).
 void megatron_to_hf(const HFModelInfo& info, const TensorSource& megatron, TensorSink& out);
 
 /// The model's parameters (or their fp32 gradients) by Megatron-Core name, as host fp32 copies.
