@@ -29,12 +29,12 @@
 // padded tensors (QKV, [gate; up], the padded vocabulary) and split ones (q, k, v out of the fused
 // QKV, interleaved RoPE's rows in HF's order) travel as row views of their source (RowParts), converted
 // to the file's dtype a chunk at a time when the dtypes differ; GPT-2's Conv1D transposes are made in
-// row blocks of about 4 MiB as the writer takes them (RowParts::Blocks); DeepSeek's MTP copies of the
-// embedding and head are compared with the originals a chunk at a time from the files. So a tensor
-// costs its source alone (1x the largest tensor, measured: docs/architecture.md). Left assembled:
-// GPT-OSS's stacked experts (computed in fp32) and DeepSeek's interleaved rope rows (a copy of
-// q_b_proj / kv_a_proj, small next to the embedding). Large blocks are mmapped by malloc so that a
-// freed tensor leaves the resident set at once.
+// row blocks of about 4 MiB as the writer takes them (RowParts::Blocks), and GPT-OSS's stacked
+// experts [E, ...] one expert at a time (each expert's slice computed in fp32); DeepSeek's MTP copies
+// of the embedding and head are compared with the originals a chunk at a time from the files. So a
+// tensor costs its source alone (1x the largest tensor, measured: docs/architecture.md). Left
+// assembled: DeepSeek's interleaved rope rows (a copy of q_b_proj / kv_a_proj, small next to the
+// embedding). Large blocks are mmapped by malloc so that a freed tensor leaves the resident set at once.
 #include <fmt/format.h>
 #include <malloc.h>
 
