@@ -9,25 +9,32 @@
 //
 // An HF folder holds config.json and model.safetensors, or shards listed in
 // model.safetensors.index.json (read either way; written as shards of at most --max-shard-size).
-// The round trip is exact (fp32); the HF config travels inside the checkpoint's metadata so it comes
-// back unchanged. A model trained here exports as the HF type that computes what it computes, or is
-// refused in one line naming the flag HF cannot express (Note [Which HF model a checkpoint exports
-// as] in hf_mapping.cpp); its weights keep the run's dtype (bf16 stays bf16), and the tokenizer
-// files the run used are copied in HF's layout, with generation_config.json giving its bos/eos ids.
+// The weights keep their dtype both ways (bf16 stays bf16; --bf16, --fp16 or --fp32 choose: Note
+// [Converted weights' dtype]) and the round trip is exact; the HF config travels inside the
+// checkpoint's metadata so it comes back unchanged. A model trained here exports as the HF type that
+// computes what it computes, or is refused in one line naming the flag HF cannot express (Note [Which
+// HF model a checkpoint exports as] in hf_mapping.cpp); its weights keep the run's dtype, and the
+// tokenizer files the run used are copied in HF's layout, with generation_config.json giving its
+// bos/eos ids.
 //
 // Note [Streaming conversion]
-// Neither direction holds a model: the memory is one output tensor and its sources. A mapping
-// (hf_to_megatron / megatron_to_hf) hands each output tensor to a TensorSink as soon as it is made;
-// sources are read from the memory-mapped files a chunk at a time, their pages dropped (Note
+// Neither direction holds a model: the memory is one output tensor's sources, in their stored dtype.
+// A mapping (hf_to_megatron / megatron_to_hf) hands each output tensor to a TensorSink as soon as it
+// is made; sources are read from the memory-mapped files a chunk at a time, their pages dropped (Note
 // [Bounded reads] in safetensors.h); each tensor is written at its place in the output file
 // (safetensors::Writer, any order) and freed. A safetensors header lists every tensor before the
 // data, so the mapping runs twice: a planning pass over uninitialised source tensors of the right
-// shapes (slices and row pieces never touch them) records each output's name and shape and which
-// sources were read, then the writing pass. Fused and padded tensors (QKV, [gate; up], the padded
-// vocabulary) travel as row pieces (RowParts) and are converted to the file's dtype a chunk at a
-// time, so an embedding costs its fp32 copy alone; what export still assembles (split_qkv, GPT-2's
-// transposes, GPT-OSS's stacked experts) costs twice that tensor. Large blocks are mmapped by malloc so
-// that a freed tensor leaves the resident set at once. docs/architecture.md gives measured peaks.
+// shapes and dtypes (slices, row pieces and row blocks never touch them) records each output's name
+// and shape and which sources were read, then the writing pass. Nothing is assembled: fused and
+// padded tensors (QKV, [gate; up], the padded vocabulary) and split ones (q, k, v out of the fused
+// QKV, interleaved RoPE's rows in HF's order) travel as row views of their source (RowParts), converted
+// to the file's dtype a chunk at a time when the dtypes differ; GPT-2's Conv1D transposes are made in
+// row blocks of about 4 MiB as the writer takes them (RowParts::Blocks), and GPT-OSS's stacked
+// experts [E, ...] one expert at a time (each expert's slice computed in fp32); DeepSeek's MTP copies
+// of the embedding and head are compared with the originals a chunk at a time from the files. So a
+// tensor costs its source alone (1x the largest tensor, measured: docs/architecture.md). Left
+// assembled: DeepSeek's interleaved rope rows (a copy of q_b_proj / kv_a_proj, small next to the
+// embedding). Large blocks are mmapped by malloc so that a freed tensor leaves the resident set at once.
 #include <fmt/format.h>
 #include <malloc.h>
 
@@ -36,7 +43,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
+#include <utility>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/dist_checkpointing/sharded.h"
@@ -72,12 +81,49 @@ class Progress {
 };
 
 // pretrain_gpt's model arguments for a TransformerConfig (stored in the checkpoint's metadata):
-// model_arguments.inc's mapping back from the config, and what an HF model has no flag for.
+// model_arguments.inc's mapping back from the config, and what an HF model has no flag for. The
+// weights' dtype is recorded as Megatron's converter records md.params_dtype: --bf16 / --fp16.
 Arguments arguments_for(const TransformerConfig& c) {
   Arguments a = model_arguments_from_config(c);
   a.seq_length = c.max_position_embeddings;  // an HF config has no training length
   a.vocab_size = c.vocab_size;
+  a.bf16 = c.params_dtype == DType::BFloat16;
+  a.fp16 = c.params_dtype == DType::Float16;
   return a;
+}
+
+// Note [Converted weights' dtype]
+// Megatron's converter saves in the params dtype it is given (its HF loaders take --bf16 / --fp16,
+// else fp32). Here the default is the source's own, tensor by tensor: an HF import writes each
+// tensor in the dtype of the HF tensors it is made from (bf16 stays bf16; where they differ, fp32,
+// which holds both exactly), so a bf16 folder with fp32 norms or an fp32 router bias (DeepSeek's
+// e_score_correction_bias) keeps both; the checkpoint records the dtype most of its weights have as
+// its --bf16 / --fp16. An export writes the run's dtype (--bf16 / --fp16 of the checkpoint), or the
+// stored dtype of a tensor's sources where that dtype cannot hold them (an fp32 buffer or norm of a
+// bf16 checkpoint). The planning pass sees which sources each output reads (the reads since the
+// previous output). --bf16, --fp16 or --fp32 write every tensor in that dtype instead (rounding to
+// nearest even where they narrow; the norms of --apply-layernorm-1p stay fp32 on export). A bf16
+// checkpoint trains as before: loading converts each tensor to the run's parameter dtype, and without
+// optimizer state the fp32 main parameters are built from the loaded weights (the optimizer's
+// reload_model_params), so an fp32 or --bf16 run starts from the same values as from an fp32
+// checkpoint of the same weights (tests/functional/convert_test.cpp).
+
+// Whether every value of dtype `from` is a value of `to`.
+bool holds(DType to, DType from) { return to == from || to == DType::Float32; }
+
+// The dtype that holds every one of `dtypes` exactly (fp32 when they differ; `otherwise` when empty).
+DType holding(const std::set<DType>& dtypes, DType otherwise) {
+  return dtypes.empty() ? otherwise : dtypes.size() == 1 ? *dtypes.begin() : DType::Float32;
+}
+
+// The dtype most of the planned values have.
+DType dominant_dtype(const std::vector<safetensors::Writer::Spec>& plan) {
+  std::map<DType, int64_t> values;
+  for (const safetensors::Writer::Spec& t : plan) values[t.dtype] += shape_numel(t.shape);
+  DType best = DType::Float32;
+  for (const auto& [dtype, n] : values)
+    if (n > values[best]) best = dtype;
+  return best;
 }
 
 // "5GB", "500MB", "2GiB", "1000" (bytes) -> bytes, as HF's max_shard_size reads them.
@@ -125,7 +171,7 @@ void write_hf_weights(const fs::path& save, const std::vector<safetensors::Write
   }
   Progress progress("writing HF tensors", plan.size());
   TensorSink sink([&](const std::string& name, RowParts t) {
-    progress.tick(writer_of.at(name)->put(name, t.parts, t.zero_rows));
+    progress.tick(writer_of.at(name)->put(name, t.count(), [&](size_t k) { return t.piece(k); }, t.zero_rows));
   });
   produce(sink);
   for (auto& w : writers) w->commit();
@@ -246,24 +292,47 @@ void export_tokenizer_files(const TokenizerArgs& t, const fs::path& save, int64_
   std::fprintf(stderr, "[convert] tokenizer (%s): wrote %s\n", t.tokenizer_type.c_str(), list.c_str());
 }
 
-int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divisible_by) {
+int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divisible_by,
+                           std::optional<DType> weights_dtype) {
   HFFolder folder(load.string());
   const nlohmann::json& hf_config = folder.config();
   HFModelInfo info = config_from_hf(folder, divisible_by);  // Note [HF DeepSeek-V3 MTP]: MTP when the folder has it
-  if (info.family == HFFamily::DeepSeek) check_deepseek_mtp_copies(info, [&](const std::string& n) { return folder.get(n); });
+  if (info.family == HFFamily::DeepSeek) {
+    // Compared a chunk at a time from the files (Note [Streaming conversion]).
+    check_deepseek_mtp_copies(
+        info, [&](const std::string& n) { return folder.shape(n); },
+        [&](const std::string& a, const std::string& b) { return folder.same_bytes(a, b); });
+  }
   // Planning pass (Note [Streaming conversion]): our tensors' shapes and the HF tensors they read.
+  // Note [Converted weights' dtype]: each output in the dtype of the HF tensors read since the last
+  // output (an output that read none, its sources read for an earlier one, gets fp32: exact).
   std::set<std::string> read;
-  const std::vector<safetensors::Writer::Spec> plan = plan_outputs(
+  std::set<DType> pending;
+  std::vector<safetensors::Writer::Spec> plan = plan_outputs(
       [&](TensorSink& sink) {
         hf_to_megatron(
             info,
             [&](const std::string& n) {
               read.insert(n);
-              return Tensor::empty(folder.shape(n), DType::Float32);
+              pending.insert(folder.dtype(n));
+              return Tensor::empty(folder.shape(n), folder.dtype(n));
             },
             sink);
       },
-      [&](const std::string&) { return info.config.params_dtype; });
+      [&](const std::string&) {
+        return weights_dtype ? *weights_dtype : holding(std::exchange(pending, {}), DType::Float32);
+      });
+  std::set<DType> folder_dtypes;
+  for (const std::string& n : read) folder_dtypes.insert(folder.dtype(n));
+  if (!weights_dtype && folder_dtypes.size() == 1) {  // one dtype: every output has it
+    for (safetensors::Writer::Spec& t : plan) t.dtype = *folder_dtypes.begin();
+  }
+  info.config.params_dtype = dominant_dtype(plan);
+  size_t others = 0;
+  for (const safetensors::Writer::Spec& t : plan) others += t.dtype != info.config.params_dtype;
+  std::fprintf(stderr, "[convert] weights written in %s%s (%s)\n", hf_dtype_name(info.config.params_dtype).c_str(),
+               others ? fmt::format(", {} tensor(s) in float32 (their HF tensors' dtype)", others).c_str() : "",
+               weights_dtype ? "as asked" : "the folder's tensors; --bf16, --fp16 or --fp32 choose");
   // Nothing is dropped silently: a tensor the model does not read is an error (another model, or a
   // config that does not describe the weights), except the buffers older transformers versions
   // saved (rotary inverse frequencies, GPT-2's causal masks), which are named and skipped.
@@ -289,12 +358,12 @@ int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divis
       save.string(), plan,
       [&](safetensors::Writer& writer) {
         TensorSink sink([&](const std::string& name, RowParts t) {
-          writing.tick(writer.put(name, t.parts, t.zero_rows));
+          writing.tick(writer.put(name, t.count(), [&](size_t k) { return t.piece(k); }, t.zero_rows));
         });
         hf_to_megatron(
             info,
             [&](const std::string& n) {
-              Tensor t = folder.get(n);
+              Tensor t = folder.read(n);  // in its stored dtype
               reading.tick(t.nbytes());
               return t;
             },
@@ -306,7 +375,8 @@ int convert_hf_to_megatron(const fs::path& load, const fs::path& save, int divis
   return 0;
 }
 
-int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t max_shard_bytes) {
+int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t max_shard_bytes,
+                           std::optional<DType> weights_dtype) {
   std::string dir;
   nlohmann::json meta = read_checkpoint_metadata(load.string(), &dir);
   Arguments args;
@@ -327,6 +397,7 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
   args.bf16 = saved_args.value("bf16", false);
   args.fp16 = saved_args.value("fp16", false);
   TransformerConfig config = transformer_config_from_args(args, args.vocab_size);
+  if (weights_dtype) config.params_dtype = *weights_dtype;  // Note [Converted weights' dtype]
 
   // The HF config first: a model HF cannot express is refused before anything is read or written.
   HFModelInfo info;
@@ -355,20 +426,30 @@ int convert_megatron_to_hf(const fs::path& load, const fs::path& save, int64_t m
   const TensorSource source{[&](const std::string& name) {
                               MG_CHECK(index.contains(name), "checkpoint {} has no tensor '{}' that a {} model needs",
                                        dir, name, info.model_type);
-                              Tensor t = Tensor::empty(index.tensor(name).shape, DType::Float32);
+                              // In its stored dtype (Note [Streaming conversion]).
+                              Tensor t = Tensor::empty(index.tensor(name).shape, index.tensor(name).dtype);
                               reading.tick(index.load_into(name, ShardSpec{}, t));
                               return t;
                             },
                             [&](const std::string& name) { return index.contains(name); }};
+  std::set<DType> pending;  // the stored dtypes of the sources read since the last output
   const TensorSource planning{[&](const std::string& name) {
                                 MG_CHECK(index.contains(name), "checkpoint {} has no tensor '{}' that a {} model needs",
                                          dir, name, info.model_type);
-                                return Tensor::empty(index.tensor(name).shape, DType::Float32);
+                                pending.insert(index.tensor(name).dtype);
+                                return Tensor::empty(index.tensor(name).shape, index.tensor(name).dtype);
                               },
                               source.has};
   // Note [Streaming conversion]: the HF tensors' shapes first, then each written as it is made.
+  // Note [Converted weights' dtype]: the run's dtype, or fp32 for sources it cannot hold.
   const auto plan = plan_outputs([&](TensorSink& sink) { megatron_to_hf(info, planning, sink); },
-                                 [&](const std::string& name) { return export_dtype(name, config); });
+                                 [&](const std::string& name) {
+                                   const std::set<DType> sources = std::exchange(pending, {});
+                                   DType dtype = export_dtype(name, config);
+                                   for (const DType s : sources)
+                                     if (!weights_dtype && !holds(dtype, s)) dtype = DType::Float32;
+                                   return dtype;
+                                 });
   fs::create_directories(save);
   write_hf_weights(save, plan, max_shard_bytes, [&](TensorSink& sink) { megatron_to_hf(info, source, sink); });
 
@@ -416,6 +497,13 @@ int main(int argc, char** argv) {
     app.add_option("--save", save, "Destination directory")->required();
     app.add_option("--make-vocab-size-divisible-by", divisible_by, "Vocabulary padding (HF -> megatron)")
         ->capture_default_str();
+    bool bf16 = false, fp16 = false, fp32 = false;
+    auto* bf16_flag = app.add_flag("--bf16", bf16, "Write the weights in bf16 (default: the source's dtype)");
+    auto* fp16_flag = app.add_flag("--fp16", fp16, "Write the weights in fp16 (default: the source's dtype)");
+    app.add_flag("--fp32", fp32, "Write the weights in fp32 (default: the source's dtype)")
+        ->excludes(bf16_flag)
+        ->excludes(fp16_flag);
+    bf16_flag->excludes(fp16_flag);
     std::string max_shard_size = "5GB";
     app.add_option("--max-shard-size", max_shard_size,
                    "Largest HF weight file (megatron -> HF); more weights go to shards listed in "
@@ -426,7 +514,12 @@ int main(int argc, char** argv) {
     } catch (const CLI::ParseError& e) {
       return app.exit(e);
     }
-    return from == "hf" ? convert_hf_to_megatron(load, save, divisible_by) : convert_megatron_to_hf(load, save, parse_size(max_shard_size));
+    const std::optional<DType> weights_dtype = bf16   ? std::optional(DType::BFloat16)
+                                               : fp16 ? std::optional(DType::Float16)
+                                               : fp32 ? std::optional(DType::Float32)
+                                                      : std::nullopt;
+    return from == "hf" ? convert_hf_to_megatron(load, save, divisible_by, weights_dtype)
+                        : convert_megatron_to_hf(load, save, parse_size(max_shard_size), weights_dtype);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

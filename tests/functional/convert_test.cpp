@@ -1,9 +1,12 @@
 // tools/convert_checkpoint: HF -> megatron.cpp -> HF is exact, and the converted fixture models
 // loaded into GPTModel give the fixture logits (GPT-2, Llama, Qwen3, and the MoE folders Mixtral,
-// Qwen2-MoE, Qwen3-MoE, sharded both ways); a --qk-layernorm model trained here exports as Qwen3.
+// Qwen2-MoE, Qwen3-MoE, sharded both ways); a --qk-layernorm model trained here exports as Qwen3; a
+// bf16 folder stays bf16 both ways and its checkpoint trains as an fp32 one of the same values.
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstring>
+#include <set>
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
@@ -76,6 +79,96 @@ TEST_P(Convert, RoundTripIsExactAndLogitsMatch) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, Convert, ::testing::ValuesIn(golden_fixture_models()),
                          [](const auto& info) { return info.param; });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(Convert);
+
+// The dtypes of the tensors of a converted checkpoint's model file (one file: a conversion writes one).
+std::set<std::string> checkpoint_dtypes(const fs::path& ckpt) {
+  std::set<std::string> dtypes;
+  for (const auto& e : fs::directory_iterator(ckpt / "release")) {
+    if (e.path().extension() != ".safetensors") continue;
+    safetensors::File f(e.path().string());
+    for (const std::string& n : f.names()) dtypes.insert(std::string(to_string(f.entry(n).dtype)));
+  }
+  return dtypes;
+}
+
+// Note [Converted weights' dtype]: a bf16 HF folder imports as a bf16 checkpoint (fp32 with --fp32),
+// which exports back to the same bf16 bytes; and the bf16 checkpoint trains as the fp32 one of the
+// same values does (the fp32 main parameters built from the loaded weights), in an fp32 run and a
+// --bf16 one: the same losses, digit for digit.
+TEST(Convert, Bf16FolderKeepsItsDtypeAndTrainsAsFp32Would) {
+  ScratchDir dir("convert_bf16");
+  const fs::path fixtures = fs::absolute(golden_fixture_dir_of("llama"));
+  if (!fs::exists(fixtures / "llama_model.safetensors")) GTEST_SKIP() << "no llama fixture";
+  safetensors::File src((fixtures / "llama_model.safetensors").string());
+  fs::create_directories(dir.path / "hf");
+  fs::copy_file(fixtures / "llama_model.safetensors", dir.path / "hf/model.safetensors");
+  std::ofstream(dir.path / "hf/config.json") << src.metadata().at("config");
+  // The fp32 fixture rounded to bf16 (--bf16), exported: a bf16 HF folder.
+  auto convert = [&](std::vector<std::string> args) {
+    RunResult r = run(concat({bin("convert_checkpoint")}, args), dir.path);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output;
+  };
+  convert({"--from", "hf", "--load", "hf", "--save", "ckpt_rounded", "--bf16"});
+  EXPECT_EQ(checkpoint_dtypes(dir.path / "ckpt_rounded"), std::set<std::string>{"bf16"});
+  convert({"--from", "megatron", "--load", "ckpt_rounded", "--save", "hf_bf16"});
+  EXPECT_EQ(nlohmann::json::parse(read_file(dir.path / "hf_bf16/config.json")).at("torch_dtype"), "bfloat16");
+
+  const std::string log = convert({"--from", "hf", "--load", "hf_bf16", "--save", "ckpt_bf16"});
+  EXPECT_NE(log.find("weights written in bfloat16 (the folder's tensors"), std::string::npos) << log;
+  EXPECT_EQ(checkpoint_dtypes(dir.path / "ckpt_bf16"), std::set<std::string>{"bf16"});
+  EXPECT_TRUE(nlohmann::json::parse(read_file(dir.path / "ckpt_bf16/release/metadata.json")).at("args").at("bf16"));
+  convert({"--from", "hf", "--load", "hf_bf16", "--save", "ckpt_fp32", "--fp32"});
+  EXPECT_EQ(checkpoint_dtypes(dir.path / "ckpt_fp32"), std::set<std::string>{"fp32"});
+  // bf16 stays bf16 on the way back, byte for byte.
+  convert({"--from", "megatron", "--load", "ckpt_bf16", "--save", "hf_back"});
+  safetensors::File a((dir.path / "hf_bf16/model.safetensors").string()), b((dir.path / "hf_back/model.safetensors").string());
+  ASSERT_EQ(a.names(), b.names());
+  for (const std::string& n : a.names()) {
+    const Tensor ta = a.read(n), tb = b.read(n);
+    EXPECT_EQ(tb.dtype(), DType::BFloat16) << n;
+    EXPECT_TRUE(ta.dtype() == tb.dtype() && std::memcmp(ta.raw_data(), tb.raw_data(), ta.nbytes()) == 0) << n;
+  }
+  // A folder mixing dtypes (bf16 weights, the final norm fp32 with values bf16 cannot hold) keeps
+  // each tensor's: the checkpoint records bf16, holds that norm in fp32, and exports it all back.
+  {
+    std::vector<std::pair<std::string, Tensor>> mixed;
+    for (const std::string& n : a.names()) mixed.emplace_back(n, n == "model.norm.weight" ? src.read(n) : a.read(n));
+    fs::create_directories(dir.path / "hf_mixed");
+    fs::copy_file(dir.path / "hf_bf16/config.json", dir.path / "hf_mixed/config.json");
+    safetensors::write((dir.path / "hf_mixed/model.safetensors").string(), mixed, {{"format", "pt"}});
+    const std::string mixed_log = convert({"--from", "hf", "--load", "hf_mixed", "--save", "ckpt_mixed"});
+    EXPECT_NE(mixed_log.find("weights written in bfloat16, 1 tensor(s) in float32"), std::string::npos) << mixed_log;
+    EXPECT_EQ(checkpoint_dtypes(dir.path / "ckpt_mixed"), (std::set<std::string>{"bf16", "fp32"}));
+    convert({"--from", "megatron", "--load", "ckpt_mixed", "--save", "hf_mixed_back"});
+    EXPECT_EQ(read_file(dir.path / "hf_mixed_back/model.safetensors"), read_file(dir.path / "hf_mixed/model.safetensors"))
+        << "byte for byte";
+  }
+  RunResult both = run({bin("convert_checkpoint"), "--from", "hf", "--load", "hf", "--save", "x", "--bf16", "--fp32"},
+                       dir.path);
+  EXPECT_NE(both.exit_code, 0);
+  EXPECT_NE(both.output.find("excludes"), std::string::npos) << both.output;
+
+  const std::string vocab = std::to_string(nlohmann::json::parse(src.metadata().at("config")).at("vocab_size").get<int>());
+  auto losses = [&](const std::string& ckpt, bool bf16) {
+    std::vector<std::string> argv = {bin("pretrain_gpt"), "--use-checkpoint-args", "--load", ckpt, "--micro-batch-size",
+                                     "2", "--seq-length", "16", "--train-iters", "3", "--lr", "1e-3", "--mock-data",
+                                     "--vocab-size", vocab, "--hidden-dropout", "0", "--attention-dropout", "0",
+                                     "--log-interval", "1", "--eval-iters", "0", "--device", "cpu"};
+    if (bf16) argv.push_back("--bf16");
+    RunResult r = run(argv, dir.path);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("successfully loaded checkpoint from " + ckpt), std::string::npos) << r.output;
+    return field_values(r.output, "lm loss");
+  };
+  for (const bool bf16 : {false, true}) {
+    const std::vector<std::string> from_bf16 = losses("ckpt_bf16", bf16), from_fp32 = losses("ckpt_fp32", bf16);
+    ASSERT_EQ(from_bf16.size(), 3u);
+    EXPECT_EQ(from_bf16, from_fp32) << (bf16 ? "--bf16 run" : "fp32 run");
+    std::printf("convert: a bf16 checkpoint trains as its fp32 copy (%s run): lm loss %s -> %s\n",
+                bf16 ? "--bf16" : "fp32", from_bf16.front().c_str(), from_bf16.back().c_str());
+  }
+}
 
 // A model trained here with --qk-layernorm (no HF config in its checkpoint) exports as Qwen3, and
 // that export goes through megatron.cpp and back unchanged.

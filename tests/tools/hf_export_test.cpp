@@ -144,6 +144,26 @@ nlohmann::json train_and_export(const Case& c, const fs::path& dir) {
   HFFolder hf((dir / "hf").string());
   const std::vector<std::string> names = hf.tensor_names();
   EXPECT_EQ(std::find(names.begin(), names.end(), "lm_head.weight") != names.end(), untied);
+  // The weights in the run's dtype (bf16 stays bf16; the norms of --apply-layernorm-1p stay fp32:
+  // Note [Exporting zero-centered norms]; the fp32 expert biases too), sharded with its index past --max-shard-size, and the
+  // tokenizer's files and ids beside them.
+  const bool one_p = std::find(c.flags.begin(), c.flags.end(), "--apply-layernorm-1p") != c.flags.end();
+  for (const std::string& n : names) {
+    const bool norm = n.find("norm.weight") != std::string::npos || n.find("ln_") != std::string::npos;
+    const bool fp32_buffer = n.find("e_score_correction_bias") != std::string::npos;  // a buffer, fp32 in training
+    const DType want = (one_p && norm && n.find("bias") == std::string::npos) || fp32_buffer ? DType::Float32
+                       : c.dtype == "bfloat16"                              ? DType::BFloat16
+                                                                            : DType::Float32;
+    EXPECT_EQ(hf.dtype(n), want) << c.name << ": " << n;
+  }
+  EXPECT_EQ(fs::exists(dir / "hf/model.safetensors.index.json"), !c.export_flags.empty()) << c.name;
+  if (c.tokenizer != "none") {
+    const nlohmann::json generation = nlohmann::json::parse(read_file(dir / "hf/generation_config.json"));
+    EXPECT_TRUE(generation.contains("eos_token_id")) << generation.dump();
+    for (const char* f : c.tokenizer == "gpt2" ? std::vector<const char*>{"vocab.json", "merges.txt", "tokenizer_config.json"}
+                                                : std::vector<const char*>{"tokenizer.json"})
+      EXPECT_TRUE(fs::exists(dir / "hf" / f)) << c.name << ": " << f;
+  }
   return config;
 }
 

@@ -436,6 +436,11 @@ Writer::Writer(std::string path, const std::vector<Spec>& tensors, const Metadat
 Writer::~Writer() = default;
 
 size_t Writer::put(const std::string& name, const std::vector<Tensor>& parts, int64_t zero_rows) {
+  return put(name, parts.size(), [&](size_t k) { return parts[k]; }, zero_rows);
+}
+
+size_t Writer::put(const std::string& name, size_t count, const std::function<Tensor(size_t)>& make_part,
+                   int64_t zero_rows) {
   Impl& w = *impl_;
   auto it = w.slots.find(name);
   MG_CHECK(it != w.slots.end(), "cannot write safetensors file '{}': tensor '{}' was not declared", w.path, name);
@@ -444,17 +449,17 @@ size_t Writer::put(const std::string& name, const std::vector<Tensor>& parts, in
   const Spec& spec = *slot.spec;
   const int64_t numel = shape_numel(spec.shape);
   const int64_t row = spec.shape.empty() || spec.shape[0] == 0 ? numel : numel / spec.shape[0];
-  int64_t given = zero_rows * row;
-  for (const Tensor& p : parts) {
-    MG_CHECK(p.defined(), "cannot write safetensors file '{}': tensor '{}' is undefined", w.path, name);
-    given += p.numel();
-  }
-  MG_ASSERT(given == numel && zero_rows >= 0, "safetensors file '{}': tensor '{}' declared {} but given {} elements",
-            w.path, name, shape_str(spec.shape), given);
+  MG_ASSERT(zero_rows >= 0, "safetensors file '{}': tensor '{}' given {} zero rows", w.path, name, zero_rows);
   const size_t out = size_of(spec.dtype);
+  const uint64_t parts_end = slot.end - uint64_t(zero_rows * row) * out;
   uint64_t at = slot.begin;
-  for (const Tensor& part : parts) {
+  for (size_t k = 0; k < count; ++k) {
+    const Tensor part = make_part(k);
+    MG_CHECK(part.defined(), "cannot write safetensors file '{}': tensor '{}' is undefined", w.path, name);
     if (part.numel() == 0) continue;
+    MG_ASSERT(at + uint64_t(part.numel()) * out <= parts_end,
+              "safetensors file '{}': tensor '{}' declared {} but given more elements", w.path, name,
+              shape_str(spec.shape));
     Tensor host = part.device().is_host() ? part : part.to(Device::cpu());
     const auto* src = static_cast<const std::byte*>(host.raw_data());
     const size_t in = size_of(host.dtype()), n = size_t(host.numel());
@@ -466,20 +471,20 @@ size_t Writer::put(const std::string& name, const std::vector<Tensor>& parts, in
     const size_t step = std::max<size_t>(1, kChunkBytes / out);
     w.bounce.resize(std::min(n, step) * out);
     for (size_t i = 0; i < n; i += step) {
-      const size_t count = std::min(step, n - i);
-      convert_elements(src + i * in, host.dtype(), w.bounce.data(), spec.dtype, count);
-      w.put_bytes(at, w.bounce.data(), count * out);
-      at += count * out;
+      const size_t count_now = std::min(step, n - i);
+      convert_elements(src + i * in, host.dtype(), w.bounce.data(), spec.dtype, count_now);
+      w.put_bytes(at, w.bounce.data(), count_now * out);
+      at += count_now * out;
     }
   }
+  MG_ASSERT(at == parts_end, "safetensors file '{}': tensor '{}' declared {} but given {} of its {} bytes", w.path,
+            name, shape_str(spec.shape), at - slot.begin, slot.end - slot.begin);
   for (uint64_t left = uint64_t(zero_rows * row) * out; left > 0;) {
     const size_t n = size_t(std::min<uint64_t>(left, kChunkBytes));
     w.bounce.assign(n, std::byte{0});
     w.put_bytes(at, w.bounce.data(), n);
     at += n, left -= n;
   }
-  MG_ASSERT(at == slot.end, "safetensors file '{}': tensor '{}' wrote {} bytes of {}", w.path, name, at - slot.begin,
-            slot.end - slot.begin);
   std::vector<std::byte>().swap(w.bounce);
   slot.written = true;
   return size_t(slot.end - slot.begin);

@@ -128,6 +128,9 @@ class Writer {
   /// converted to the declared one in chunks) followed by `zero_rows` rows of zeros. The rows must
   /// add up to the declared shape. Returns the bytes written.
   size_t put(const std::string& name, const std::vector<Tensor>& parts, int64_t zero_rows = 0);
+  /// The same with `count` parts made one at a time by part(k) when the writer reaches them (a
+  /// transpose written in row blocks), each dropped before the next is made.
+  size_t put(const std::string& name, size_t count, const std::function<Tensor(size_t)>& part, int64_t zero_rows = 0);
   /// The tensors in file order (put() in this order checksums as it writes).
   const std::vector<Spec>& order() const { return order_; }
   /// Publishes the file; returns its XXH3-64 checksum.

@@ -209,17 +209,17 @@ namespace {
 // rope rows at `offset` go from pair order (2j, 2j+1) to half-split order (j, j + pe/2), or back.
 Tensor permute_rope_rows(const Tensor& t, int64_t heads, int64_t block, int64_t offset, int64_t pe,
                          bool to_half_split) {
-  Tensor src = as_fp32(t);
+  Tensor src = host(t);
   Tensor out = src.clone();
-  const int64_t row = src.numel() / src.size(0);
-  const float* s = src.data<float>();
-  float* o = out.data<float>();
+  const size_t row = size_t(src.numel() / src.size(0)) * size_of(src.dtype());  // bytes per row, any dtype
+  const auto* s = static_cast<const std::byte*>(src.raw_data());
+  auto* o = static_cast<std::byte*>(out.raw_data());
   for (int64_t hd = 0; hd < heads; ++hd)
     for (int64_t j = 0; j < pe / 2; ++j)
       for (int64_t part = 0; part < 2; ++part) {
         const int64_t pair = hd * block + offset + 2 * j + part, half = hd * block + offset + j + part * (pe / 2);
         const int64_t from = to_half_split ? pair : half, to = to_half_split ? half : pair;
-        std::memcpy(o + to * row, s + from * row, size_t(row) * sizeof(float));
+        std::memcpy(o + size_t(to) * row, s + size_t(from) * row, row);
       }
   return out;
 }
@@ -263,25 +263,35 @@ std::vector<LayerNames> layer_names(const TransformerConfig& c) {
 
 }  // namespace
 
-void check_deepseek_mtp_copies(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf) {
+void check_deepseek_mtp_copies(const HFModelInfo& info, const std::function<Shape(const std::string&)>& shape_of,
+                               const std::function<bool(const std::string&, const std::string&)>& same) {
   const TransformerConfig& c = info.config;
   if (c.mtp_num_layers == 0) return;
   const Dims d(c);
-  HFReader hf{get_hf};
-  const Tensor embed = hf("model.embed_tokens.weight", {d.v, d.h});
-  const char* head_name = c.share_embeddings_and_output_weights ? "model.embed_tokens.weight" : "lm_head.weight";
-  const Tensor head = c.share_embeddings_and_output_weights ? embed : hf("lm_head.weight", {d.v, d.h});
-  auto same_as = [&](const std::string& name, const Tensor& shared, const char* shared_name) {
-    const Tensor t = hf(name, {d.v, d.h});
-    MG_CHECK(t.dtype() == shared.dtype() && std::memcmp(t.raw_data(), shared.raw_data(), t.nbytes()) == 0,
-             "{} differs from {}: Megatron's MTP layers share the model's embedding and output layer", name,
-             shared_name);
-  };
+  const std::string head = c.share_embeddings_and_output_weights ? "model.embed_tokens.weight" : "lm_head.weight";
+  for (const std::string& name : {std::string("model.embed_tokens.weight"), head}) {
+    MG_CHECK(shape_of(name) == Shape({d.v, d.h}),
+             "HF tensor '{}' has shape {}, but the config needs {}: the weights do not belong to this config.json", name,
+             shape_str(shape_of(name)), shape_str({d.v, d.h}));
+  }
   for (int k = 0; k < c.mtp_num_layers; ++k) {
     const std::string p = fmt::format("model.layers.{}.", c.num_layers + k);
-    same_as(p + "embed_tokens.weight", embed, "model.embed_tokens.weight");
-    same_as(p + "shared_head.head.weight", head, head_name);
+    for (const auto& [copy, shared] : {std::pair{p + "embed_tokens.weight", std::string("model.embed_tokens.weight")},
+                                       {p + "shared_head.head.weight", head}}) {
+      MG_CHECK(same(copy, shared), "{} differs from {}: Megatron's MTP layers share the model's embedding and output layer",
+               copy, shared);
+    }
   }
+}
+
+void check_deepseek_mtp_copies(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf) {
+  check_deepseek_mtp_copies(
+      info, [&](const std::string& name) { return get_hf(name).shape(); },
+      [&](const std::string& a, const std::string& b) {
+        const Tensor ta = host(get_hf(a)), tb = host(get_hf(b));
+        return ta.dtype() == tb.dtype() && ta.shape() == tb.shape() &&
+               std::memcmp(ta.raw_data(), tb.raw_data(), ta.nbytes()) == 0;
+      });
 }
 
 void deepseek_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf,
@@ -358,7 +368,7 @@ void megatron_to_deepseek(const HFModelInfo& info, const TensorSource& m, Tensor
   check_mtp_layers(c);
   const Dims d(c);
   const int64_t dqk = d.qk + d.pe;
-  auto get = [&](const std::string& name) -> Tensor { return as_fp32(m.get(name)); };
+  auto get = [&](const std::string& name) -> Tensor { return host(m.get(name)); };  // in its stored dtype
   auto rope_rows = [&](Tensor t, int64_t heads, int64_t block, int64_t offset) {
     return info.rope_interleave ? permute_rope_rows(t, heads, block, offset, d.pe, false) : t;
   };

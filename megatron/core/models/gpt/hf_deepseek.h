@@ -64,6 +64,10 @@ void megatron_to_deepseek(const HFModelInfo& info, const TensorSource& megatron,
 /// model's (one line naming the tensor otherwise). hf_to_megatron's map form checks them; a
 /// streaming converter calls this before its passes.
 void check_deepseek_mtp_copies(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf);
+/// The same from the tensors' shapes and a comparison of two tensors' bytes (a converter compares
+/// them a chunk at a time: Note [Streaming conversion] in tools/convert_checkpoint.cpp).
+void check_deepseek_mtp_copies(const HFModelInfo& info, const std::function<Shape(const std::string&)>& shape_of,
+                               const std::function<bool(const std::string&, const std::string&)>& same);
 nlohmann::json deepseek_config_to_hf(const TransformerConfig& config);
 
 }  // namespace megatron

@@ -58,23 +58,24 @@ Tensor interleave_rows(const Tensor& t) {
   return permute_rows(t, [half](int64_t r) { return r < half ? 2 * r : 2 * (r - half) + 1; });
 }
 
-// Expert e's [rows, cols] matrix of an HF [E, rows, cols] tensor (or its [cols] row of [E, cols]).
+// Expert e's [rows, cols] matrix of an HF [E, rows, cols] tensor (or its [cols] row of [E, cols]),
+// as an fp32 copy of that expert alone.
 Tensor expert_slice(const Tensor& t, int64_t e) {
-  Tensor src = as_fp32(t);
+  Tensor src = host(t);
   Shape shape(src.shape().begin() + 1, src.shape().end());
-  return src.slice(e, e + 1).view(shape).clone();
+  return src.slice(e, e + 1).view(shape).to(DType::Float32);
 }
 
-// [E, ...] from the experts' tensors.
-Tensor stack_experts(const std::vector<Tensor>& parts) {
-  Shape shape = parts.at(0).shape();
-  std::vector<Tensor> rows;
-  for (const Tensor& p : parts) {
-    Shape one = {1};
-    one.insert(one.end(), shape.begin(), shape.end());
-    rows.push_back(as_fp32(p).view(one));
-  }
-  return concat_rows(rows);
+// [E, ...] from the experts' tensors, expert(e) made when the writer reaches it (Note [Streaming
+// conversion] in tools/convert_checkpoint.cpp: the stacked tensor is never assembled).
+RowParts stack_experts(int64_t experts, const Shape& each, const std::function<Tensor(int64_t)>& expert) {
+  Shape shape = {experts};
+  shape.insert(shape.end(), each.begin(), each.end());
+  Shape one = shape;
+  one[0] = 1;
+  return RowParts(RowParts::Blocks{shape, DType::Float32, 1, [expert, one](int64_t e, int64_t) {
+                                     return as_fp32(expert(e)).view(one);
+                                   }});
 }
 
 std::string hf_layer(int i, const char* rest) { return fmt::format("model.layers.{}.{}", i, rest); }
@@ -221,7 +222,7 @@ void gpt_oss_to_megatron(const TransformerConfig& c, const std::function<Tensor(
     MG_CHECK(t.shape() == expected,
              "HF tensor '{}' has shape {}, but the config needs {}: the weights do not belong to this config.json",
              name, shape_str(t.shape()), shape_str(expected));
-    return as_fp32(t);
+    return host(t);  // in its dtype: the experts are converted one at a time (expert_slice)
   };
   out["embedding.word_embeddings.weight"] = pad_rows(hf("model.embed_tokens.weight", {v, h}), vp);
   for (int i = 0; i < c.num_layers; ++i) {
@@ -274,17 +275,16 @@ void megatron_to_gpt_oss(const TransformerConfig& c, const std::function<Tensor(
     out[p("post_attention_layernorm.weight")] = as_fp32(get(layer(i, "pre_mlp_layernorm.weight")));
     out[p("mlp.router.weight")] = as_fp32(get(layer(i, "mlp.router.weight")));
     out[p("mlp.router.bias")] = as_fp32(get(layer(i, "mlp.router.bias")));
-    std::vector<Tensor> gate_up, gate_up_bias, down, down_bias;
-    for (int e = 0; e < c.num_moe_experts; ++e) {
-      gate_up.push_back(transpose2d(interleave_rows(get(expert(i, e, "linear_fc1.weight")))));
-      gate_up_bias.push_back(interleave_rows(get(expert(i, e, "linear_fc1.bias"))));
-      down.push_back(transpose2d(get(expert(i, e, "linear_fc2.weight"))));
-      down_bias.push_back(as_fp32(get(expert(i, e, "linear_fc2.bias"))));
-    }
-    out[p("mlp.experts.gate_up_proj")] = stack_experts(gate_up);
-    out[p("mlp.experts.gate_up_proj_bias")] = stack_experts(gate_up_bias);
-    out[p("mlp.experts.down_proj")] = stack_experts(down);
-    out[p("mlp.experts.down_proj_bias")] = stack_experts(down_bias);
+    const int64_t e_count = c.num_moe_experts, h = c.hidden_size, f = c.moe_ffn_hidden_size;
+    auto ours = [&, i](const char* rest) { return [&get, i, rest](int64_t e) { return get(expert(i, int(e), rest)); }; };
+    const auto fc1 = ours("linear_fc1.weight"), fc1_bias = ours("linear_fc1.bias"), fc2 = ours("linear_fc2.weight"),
+               fc2_bias = ours("linear_fc2.bias");
+    out[p("mlp.experts.gate_up_proj")] =
+        stack_experts(e_count, {h, 2 * f}, [&](int64_t e) { return transpose2d(interleave_rows(fc1(e))); });
+    out[p("mlp.experts.gate_up_proj_bias")] =
+        stack_experts(e_count, {2 * f}, [&](int64_t e) { return interleave_rows(fc1_bias(e)); });
+    out[p("mlp.experts.down_proj")] = stack_experts(e_count, {f, h}, [&](int64_t e) { return transpose2d(fc2(e)); });
+    out[p("mlp.experts.down_proj_bias")] = stack_experts(e_count, {h}, fc2_bias);
   }
   out["model.norm.weight"] = as_fp32(get("decoder.final_layernorm.weight"));
   if (!c.share_embeddings_and_output_weights) out["lm_head.weight"] = pad_rows(get("output_layer.weight"), v);

@@ -18,67 +18,116 @@ namespace megatron {
 // The helpers hf_util.h shares with the other HF mappings (hf_deepseek.cpp, hf_gpt_oss.cpp).
 namespace hf_detail {
 
-// ---- small host helpers on fp32 row-major matrices --------------------------------------------------
+// ---- small host helpers on row-major matrices --------------------------------------------------
 Tensor as_fp32(const Tensor& t) {
-  Tensor h = t.device().is_host() ? t : t.to(Device::cpu());
+  Tensor h = host(t);
   return h.dtype() == DType::Float32 ? h : h.to(DType::Float32);
 }
 
-Tensor transpose2d(const Tensor& t) {
-  Tensor src = as_fp32(t);
-  const int64_t r = src.size(0), c = src.size(1);
-  Tensor out = Tensor::empty({c, r}, DType::Float32);
-  const float* s = src.data<float>();
-  float* d = out.data<float>();
-  for (int64_t i = 0; i < r; ++i)
-    for (int64_t j = 0; j < c; ++j) d[j * r + i] = s[i * c + j];
-  return out;
-}
+Tensor host(const Tensor& t) { return t.device().is_host() ? t : t.to(Device::cpu()); }
+
+Tensor transpose2d(const Tensor& t) { return transposed(t).materialize(); }
 
 // Concatenates along dim 0.
-Tensor concat_rows(const std::vector<Tensor>& parts) {
-  Shape shape = parts.at(0).shape();
-  shape[0] = 0;
-  for (const Tensor& p : parts) shape[0] += p.size(0);
-  Tensor out = Tensor::empty(shape, DType::Float32);
-  int64_t row = 0;
-  for (const Tensor& p : parts) {
-    out.slice(row, row + p.size(0)).copy_from(as_fp32(p));
-    row += p.size(0);
-  }
-  return out;
-}
+Tensor concat_rows(const std::vector<Tensor>& parts) { return RowParts(parts).materialize(); }
 
 // q [nq·d, ...], k/v [ng·d, ...] -> grouped [ng·(nq/ng+2)·d, ...] (per group: its q heads, k, v).
 Tensor merge_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t nq, int64_t ng, int64_t d) {
   return merge_qkv_rows(q, k, v, nq, ng, d).materialize();
 }
 
+std::vector<int64_t> merged_qkv_order(int64_t nq, int64_t ng, int64_t d) {
+  const int64_t per = nq / ng;
+  std::vector<int64_t> order;
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int64_t r = g * per * d; r < (g + 1) * per * d; ++r) order.push_back(r);
+    for (int64_t r = g * d; r < (g + 1) * d; ++r) order.push_back(nq * d + r);
+    for (int64_t r = g * d; r < (g + 1) * d; ++r) order.push_back((nq + ng) * d + r);
+  }
+  return order;
+}
+
+void split_qkv_order(int64_t nq, int64_t ng, int64_t d, std::vector<int64_t>& q, std::vector<int64_t>& k,
+                     std::vector<int64_t>& v) {
+  const std::vector<int64_t> merged = merged_qkv_order(nq, ng, d);
+  std::vector<int64_t> stacked(merged.size());  // row i of [q; k; v] is row stacked[i] of the grouped QKV
+  for (size_t r = 0; r < merged.size(); ++r) stacked[size_t(merged[r])] = int64_t(r);
+  q.assign(stacked.begin(), stacked.begin() + nq * d);
+  k.assign(stacked.begin() + nq * d, stacked.begin() + (nq + ng) * d);
+  v.assign(stacked.begin() + (nq + ng) * d, stacked.end());
+}
+
 // The inverse of merge_qkv.
 void split_qkv(const Tensor& qkv, int64_t nq, int64_t ng, int64_t d, Tensor& q, Tensor& k, Tensor& v) {
-  const int64_t per = nq / ng, group_rows = (per + 2) * d;
-  std::vector<Tensor> qs, ks, vs;
-  Tensor src = as_fp32(qkv);
-  for (int64_t g = 0; g < ng; ++g) {
-    int64_t base = g * group_rows;
-    qs.push_back(src.slice(base, base + per * d));
-    ks.push_back(src.slice(base + per * d, base + (per + 1) * d));
-    vs.push_back(src.slice(base + (per + 1) * d, base + group_rows));
+  std::vector<int64_t> qs, ks, vs;
+  split_qkv_order(nq, ng, d, qs, ks, vs);
+  q = rows_of(qkv, qs).materialize(), k = rows_of(qkv, ks).materialize(), v = rows_of(qkv, vs).materialize();
+}
+
+RowParts rows_of(const Tensor& t, const std::vector<int64_t>& order) {
+  Tensor src = host(t);
+  std::vector<Tensor> parts;
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i + 1;
+    while (j < order.size() && order[j] == order[j - 1] + 1) ++j;  // a run of consecutive rows is one view
+    parts.push_back(src.slice(order[i], order[j - 1] + 1));
+    i = j;
   }
-  q = concat_rows(qs), k = concat_rows(ks), v = concat_rows(vs);
+  MG_ASSERT(!parts.empty(), "rows_of without rows");
+  return RowParts(std::move(parts));
+}
+
+namespace {
+// dst[a][b] = src[rows[b]][cols[a]] for a in [a0, a1), b over rows, elements of type T.
+template <typename T>
+void gather_transposed(const T* src, int64_t src_cols, const std::vector<int64_t>& rows,
+                       const std::vector<int64_t>& cols, int64_t a0, int64_t a1, T* dst) {
+  const int64_t n = int64_t(rows.size());
+  for (int64_t b = 0; b < n; ++b) {
+    const T* row = src + rows[size_t(b)] * src_cols;
+    for (int64_t a = a0; a < a1; ++a) dst[(a - a0) * n + b] = row[cols[size_t(a)]];
+  }
+}
+}  // namespace
+
+RowParts transposed(const Tensor& t, std::vector<int64_t> rows, std::vector<int64_t> cols) {
+  Tensor src = host(t);
+  MG_ASSERT(src.dim() == 2, "transposed() of a {}-d tensor", src.dim());
+  if (rows.empty())
+    for (int64_t r = 0; r < src.size(0); ++r) rows.push_back(r);
+  if (cols.empty())
+    for (int64_t c = 0; c < src.size(1); ++c) cols.push_back(c);
+  const int64_t out_rows = int64_t(cols.size()), out_cols = int64_t(rows.size()), src_cols = src.size(1);
+  const size_t es = size_of(src.dtype());
+  // Note [Streaming conversion]: blocks of about 4 MiB, so a transpose costs its source alone.
+  const int64_t block = std::max<int64_t>(1, (int64_t(4) << 20) / std::max<int64_t>(1, out_cols * int64_t(es)));
+  auto make = [src, rows = std::move(rows), cols = std::move(cols), src_cols](int64_t a0, int64_t a1) {
+    Tensor out = Tensor::empty({a1 - a0, int64_t(rows.size())}, src.dtype());
+    switch (size_of(src.dtype())) {
+      case 1:
+        gather_transposed(static_cast<const uint8_t*>(src.raw_data()), src_cols, rows, cols, a0, a1,
+                          static_cast<uint8_t*>(out.raw_data()));
+        break;
+      case 2:
+        gather_transposed(static_cast<const uint16_t*>(src.raw_data()), src_cols, rows, cols, a0, a1,
+                          static_cast<uint16_t*>(out.raw_data()));
+        break;
+      case 4:
+        gather_transposed(static_cast<const uint32_t*>(src.raw_data()), src_cols, rows, cols, a0, a1,
+                          static_cast<uint32_t*>(out.raw_data()));
+        break;
+      default:
+        MG_ASSERT(size_of(src.dtype()) == 8, "transposed() of {}", to_string(src.dtype()));
+        gather_transposed(static_cast<const uint64_t*>(src.raw_data()), src_cols, rows, cols, a0, a1,
+                          static_cast<uint64_t*>(out.raw_data()));
+    }
+    return out;
+  };
+  return RowParts(RowParts::Blocks{{out_rows, out_cols}, src.dtype(), block, std::move(make)});
 }
 
 // Pads the rows of a [V, h] table to `rows` with zeros, or strips it back.
-Tensor resize_rows(const Tensor& t, int64_t rows) {
-  Tensor src = as_fp32(t);
-  if (src.size(0) == rows) return src;
-  Shape shape = src.shape();
-  shape[0] = rows;
-  Tensor out = Tensor::zeros(shape, DType::Float32);
-  int64_t n = std::min(rows, src.size(0));
-  out.slice(0, n).copy_from(src.slice(0, n));
-  return out;
-}
+Tensor resize_rows(const Tensor& t, int64_t rows) { return pad_rows(t, rows).materialize(); }
 
 RowParts merge_qkv_rows(const Tensor& q, const Tensor& k, const Tensor& v, int64_t nq, int64_t ng, int64_t d) {
   const int64_t per = nq / ng;
@@ -92,7 +141,7 @@ RowParts merge_qkv_rows(const Tensor& q, const Tensor& k, const Tensor& v, int64
 }
 
 RowParts pad_rows(const Tensor& t, int64_t rows) {
-  Tensor src = as_fp32(t);
+  Tensor src = host(t);
   if (src.size(0) >= rows) return RowParts(src.slice(0, rows));
   return RowParts({src}, rows - src.size(0));
 }
@@ -104,7 +153,7 @@ Tensor HFReader::operator()(const std::string& name, const Shape& expected) cons
   MG_CHECK(t.shape() == expected,
            "HF tensor '{}' has shape {}, but the config needs {}: the weights do not belong to this config.json", name,
            shape_str(t.shape()), shape_str(expected));
-  return as_fp32(t);
+  return host(t);
 }
 
 std::string layer(int i, const char* rest) { return fmt::format("decoder.layers.{}.{}", i, rest); }
@@ -112,6 +161,7 @@ std::string layer(int i, const char* rest) { return fmt::format("decoder.layers.
 }  // namespace hf_detail
 
 Shape RowParts::shape() const {
+  if (blocks) return blocks->shape;
   MG_ASSERT(!parts.empty(), "RowParts without parts");
   Shape shape = parts[0].shape();
   if (shape.empty()) return shape;
@@ -120,11 +170,32 @@ Shape RowParts::shape() const {
   return shape;
 }
 
+DType RowParts::dtype() const {
+  if (blocks) return blocks->dtype;
+  DType d = parts.at(0).dtype();
+  for (const Tensor& p : parts)
+    if (p.dtype() != d) d = DType::Float32;  // mixed pieces: fp32 holds each exactly
+  return d;
+}
+
+size_t RowParts::count() const {
+  if (!blocks) return parts.size();
+  return size_t((blocks->shape[0] + blocks->block_rows - 1) / blocks->block_rows);
+}
+
+Tensor RowParts::piece(size_t k) const {
+  if (!blocks) return parts.at(k);
+  const int64_t begin = int64_t(k) * blocks->block_rows;
+  return blocks->make(begin, std::min(blocks->shape[0], begin + blocks->block_rows));
+}
+
 Tensor RowParts::materialize() const {
-  if (parts.size() == 1 && zero_rows == 0) return hf_detail::as_fp32(parts[0]);
+  if (!blocks && parts.size() == 1 && zero_rows == 0) return hf_detail::as_fp32(parts[0]);
   Tensor out = Tensor::zeros(shape(), DType::Float32);
   int64_t row = 0;
-  for (const Tensor& p : parts) {
+  for (size_t k = 0; k < count(); ++k) {
+    const Tensor p = piece(k);
+    if (p.numel() == 0) continue;
     out.slice(row, row + p.size(0)).copy_from(p);
     row += p.size(0);
   }
@@ -317,19 +388,19 @@ void hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const st
       auto p = [&](const char* rest) { return fmt::format("transformer.h.{}.{}", i, rest); };
       out[layer(i, "input_layernorm.weight")] = hf(p("ln_1.weight"), {h});
       out[layer(i, "input_layernorm.bias")] = hf(p("ln_1.bias"), {h});
-      Tensor w = transpose2d(hf(p("attn.c_attn.weight"), {h, 3 * h}));  // [3h, h] = [q | k | v]
+      // c_attn [h, 3h] = [q | k | v] along its columns: ours is its transpose, rows grouped.
       out[layer(i, "self_attention.linear_qkv.weight")] =
-          merge_qkv_rows(w.slice(0, h), w.slice(h, 2 * h), w.slice(2 * h, 3 * h), nq, ng, d);
+          transposed(hf(p("attn.c_attn.weight"), {h, 3 * h}), {}, merged_qkv_order(nq, ng, d));
       Tensor b = hf(p("attn.c_attn.bias"), {3 * h});
       out[layer(i, "self_attention.linear_qkv.bias")] =
           merge_qkv_rows(b.slice(0, h), b.slice(h, 2 * h), b.slice(2 * h, 3 * h), nq, ng, d);
-      out[layer(i, "self_attention.linear_proj.weight")] = transpose2d(hf(p("attn.c_proj.weight"), {h, h}));
+      out[layer(i, "self_attention.linear_proj.weight")] = transposed(hf(p("attn.c_proj.weight"), {h, h}));
       out[layer(i, "self_attention.linear_proj.bias")] = hf(p("attn.c_proj.bias"), {h});
       out[layer(i, "pre_mlp_layernorm.weight")] = hf(p("ln_2.weight"), {h});
       out[layer(i, "pre_mlp_layernorm.bias")] = hf(p("ln_2.bias"), {h});
-      out[layer(i, "mlp.linear_fc1.weight")] = transpose2d(hf(p("mlp.c_fc.weight"), {h, f}));
+      out[layer(i, "mlp.linear_fc1.weight")] = transposed(hf(p("mlp.c_fc.weight"), {h, f}));
       out[layer(i, "mlp.linear_fc1.bias")] = hf(p("mlp.c_fc.bias"), {f});
-      out[layer(i, "mlp.linear_fc2.weight")] = transpose2d(hf(p("mlp.c_proj.weight"), {f, h}));
+      out[layer(i, "mlp.linear_fc2.weight")] = transposed(hf(p("mlp.c_proj.weight"), {f, h}));
       out[layer(i, "mlp.linear_fc2.bias")] = hf(p("mlp.c_proj.bias"), {h});
     }
     out["decoder.final_layernorm.weight"] = hf("transformer.ln_f.weight", {h});
@@ -408,18 +479,12 @@ Tensor norm_weight(const TransformerConfig& c, Tensor w) {
 // export permutes the rows of each q and k head (weights and biases) and the per-head q/k norm
 // weights (applied before RoPE, elementwise, so they move with their channels); values are untouched.
 // The result is exact, and it imports back as a model without --rotary-interleaved that computes the same.
-Tensor half_split_rows(const Tensor& t, int64_t heads, int64_t d, int64_t r) {
-  Tensor src = as_fp32(t);
-  Tensor out = src.clone();
-  const int64_t row = src.numel() / src.size(0);  // elements per row
-  const float* s = src.data<float>();
-  float* o = out.data<float>();
+// The permutation is applied to row indices (`rows`: `heads` heads of d rows), so the rows stay views.
+std::vector<int64_t> half_split_order(const std::vector<int64_t>& rows, int64_t heads, int64_t d, int64_t r) {
+  std::vector<int64_t> out = rows;
   for (int64_t hd = 0; hd < heads; ++hd)
     for (int64_t j = 0; j < r / 2; ++j)
-      for (int64_t part = 0; part < 2; ++part) {
-        const int64_t from = hd * d + 2 * j + part, to = hd * d + j + part * (r / 2);
-        std::memcpy(o + to * row, s + from * row, size_t(row) * sizeof(float));
-      }
+      for (int64_t part = 0; part < 2; ++part) out[size_t(hd * d + j + part * (r / 2))] = rows[size_t(hd * d + 2 * j + part)];
   return out;
 }
 
@@ -443,18 +508,36 @@ void megatron_to_hf(const HFModelInfo& info, const TensorSource& source, TensorS
   const int64_t h = c.hidden_size, v = c.vocab_size, f = c.ffn_hidden_size;
   const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels;
   const int64_t rotary = c.use_rope() ? int64_t(float(d) * c.rotary_percent) : 0;
-  auto get = [&](const std::string& name) -> Tensor { return as_fp32(source.get(name)); };
+  // Note [Streaming conversion]: each tensor in its stored dtype, its rows handed on as views.
+  auto get = [&](const std::string& name) -> Tensor { return host(source.get(name)); };
   auto norm = [&](const std::string& name) { return norm_weight(c, get(name)); };
-  // Note [Exporting interleaved RoPE]: q and k heads in HF's half-split channel order.
-  auto rope_order = [&](Tensor t, int64_t heads) {
-    return c.use_rope() && c.rotary_interleaved ? half_split_rows(t, heads, d, rotary) : t;
+  const bool interleaved = c.use_rope() && c.rotary_interleaved;
+  // The rows of layer i's fused QKV (weight or bias) that make q, k and v, in HF's channel order
+  // (Note [Exporting interleaved RoPE]).
+  struct QKV {
+    Tensor fused;
+    std::vector<int64_t> q, k, v;
+    std::vector<int64_t> stacked() const {
+      std::vector<int64_t> all = q;
+      all.insert(all.end(), k.begin(), k.end());
+      all.insert(all.end(), v.begin(), v.end());
+      return all;
+    }
   };
-  // The q, k, v of layer i's fused QKV (weight or bias), in HF's channel order.
-  auto qkv = [&](int i, const char* what, Tensor& q, Tensor& k, Tensor& vv) {
-    split_qkv(get(layer(i, what)), nq, ng, d, q, k, vv);
-    q = rope_order(q, nq), k = rope_order(k, ng);
+  auto qkv = [&](int i, const char* what) {
+    QKV r{get(layer(i, what)), {}, {}, {}};
+    split_qkv_order(nq, ng, d, r.q, r.k, r.v);
+    if (interleaved) r.q = half_split_order(r.q, nq, d, rotary), r.k = half_split_order(r.k, ng, d, rotary);
+    return r;
   };
-  if (info.family == HFFamily::GptOss) return megatron_to_gpt_oss(c, get, out);  // Note [HF GPT-OSS]
+  auto qk_norm = [&](const std::string& name) {
+    std::vector<int64_t> rows(static_cast<size_t>(d));
+    for (int64_t j = 0; j < d; ++j) rows[size_t(j)] = j;
+    return rows_of(norm(name), interleaved ? half_split_order(rows, 1, d, rotary) : rows);
+  };
+  if (info.family == HFFamily::GptOss) {  // Note [HF GPT-OSS]: computed in fp32
+    return megatron_to_gpt_oss(c, [&](const std::string& name) { return as_fp32(source.get(name)); }, out);
+  }
   if (info.family == HFFamily::GPT2) {
     // Note [GPT-2 export of biasless and position-free models]: HF GPT-2 always adds its biases and
     // its learned positions; a model trained with --disable-bias-linear (or without positions,
@@ -470,22 +553,23 @@ void megatron_to_hf(const HFModelInfo& info, const TensorSource& source, TensorS
       auto p = [&](const char* rest) { return fmt::format("transformer.h.{}.{}", i, rest); };
       out[p("ln_1.weight")] = norm(layer(i, "input_layernorm.weight"));
       out[p("ln_1.bias")] = get(layer(i, "input_layernorm.bias"));
-      Tensor q, k, vv;
-      qkv(i, "self_attention.linear_qkv.weight", q, k, vv);
-      out[p("attn.c_attn.weight")] = transpose2d(concat_rows({q, k, vv}));
+      {  // the fused QKV is freed once written (Note [Streaming conversion])
+        const QKV w = qkv(i, "self_attention.linear_qkv.weight");
+        out[p("attn.c_attn.weight")] = transposed(w.fused, w.stacked());
+      }
       if (c.add_bias_linear || c.add_qkv_bias) {  // Megatron: the linear biases include the QKV one
-        qkv(i, "self_attention.linear_qkv.bias", q, k, vv);
-        out[p("attn.c_attn.bias")] = concat_rows({q, k, vv});
+        const QKV b = qkv(i, "self_attention.linear_qkv.bias");
+        out[p("attn.c_attn.bias")] = rows_of(b.fused, b.stacked());
       } else {
         out[p("attn.c_attn.bias")] = Tensor::zeros({3 * h}, DType::Float32);
       }
-      out[p("attn.c_proj.weight")] = transpose2d(get(layer(i, "self_attention.linear_proj.weight")));
+      out[p("attn.c_proj.weight")] = transposed(get(layer(i, "self_attention.linear_proj.weight")));
       out[p("attn.c_proj.bias")] = bias(layer(i, "self_attention.linear_proj.bias"), h);
       out[p("ln_2.weight")] = norm(layer(i, "pre_mlp_layernorm.weight"));
       out[p("ln_2.bias")] = get(layer(i, "pre_mlp_layernorm.bias"));
-      out[p("mlp.c_fc.weight")] = transpose2d(get(layer(i, "mlp.linear_fc1.weight")));
+      out[p("mlp.c_fc.weight")] = transposed(get(layer(i, "mlp.linear_fc1.weight")));
       out[p("mlp.c_fc.bias")] = bias(layer(i, "mlp.linear_fc1.bias"), f);
-      out[p("mlp.c_proj.weight")] = transpose2d(get(layer(i, "mlp.linear_fc2.weight")));
+      out[p("mlp.c_proj.weight")] = transposed(get(layer(i, "mlp.linear_fc2.weight")));
       out[p("mlp.c_proj.bias")] = bias(layer(i, "mlp.linear_fc2.bias"), h);
     }
     out["transformer.ln_f.weight"] = norm("decoder.final_layernorm.weight");
@@ -497,17 +581,16 @@ void megatron_to_hf(const HFModelInfo& info, const TensorSource& source, TensorS
   for (int i = 0; i < c.num_layers; ++i) {
     auto p = [&](const char* rest) { return fmt::format("model.layers.{}.{}", i, rest); };
     out[p("input_layernorm.weight")] = norm(layer(i, "input_layernorm.weight"));
-    Tensor q, k, vv;
-    qkv(i, "self_attention.linear_qkv.weight", q, k, vv);
-    out[p("self_attn.q_proj.weight")] = q, out[p("self_attn.k_proj.weight")] = k;
-    out[p("self_attn.v_proj.weight")] = vv;
-    if (c.add_qkv_bias) {
-      qkv(i, "self_attention.linear_qkv.bias", q, k, vv);
-      out[p("self_attn.q_proj.bias")] = q, out[p("self_attn.k_proj.bias")] = k, out[p("self_attn.v_proj.bias")] = vv;
+    for (const char* what : {"weight", "bias"}) {
+      if (what == std::string("bias") && !c.add_qkv_bias) continue;
+      const QKV t = qkv(i, fmt::format("self_attention.linear_qkv.{}", what).c_str());
+      out[p(fmt::format("self_attn.q_proj.{}", what).c_str())] = rows_of(t.fused, t.q);
+      out[p(fmt::format("self_attn.k_proj.{}", what).c_str())] = rows_of(t.fused, t.k);
+      out[p(fmt::format("self_attn.v_proj.{}", what).c_str())] = rows_of(t.fused, t.v);
     }
     if (c.qk_layernorm) {
-      out[p("self_attn.q_norm.weight")] = rope_order(norm(layer(i, "self_attention.q_layernorm.weight")), 1);
-      out[p("self_attn.k_norm.weight")] = rope_order(norm(layer(i, "self_attention.k_layernorm.weight")), 1);
+      out[p("self_attn.q_norm.weight")] = qk_norm(layer(i, "self_attention.q_layernorm.weight"));
+      out[p("self_attn.k_norm.weight")] = qk_norm(layer(i, "self_attention.k_layernorm.weight"));
     }
     out[p("self_attn.o_proj.weight")] = get(layer(i, "self_attention.linear_proj.weight"));
     out[p("post_attention_layernorm.weight")] = norm(layer(i, "pre_mlp_layernorm.weight"));
@@ -771,10 +854,41 @@ Tensor HFFolder::get(const std::string& name) const {
   return it->second->file.read(name, DType::Float32);
 }
 
+Tensor HFFolder::read(const std::string& name) const {
+  auto it = by_tensor_.find(name);
+  MG_CHECK(it != by_tensor_.end(), "the HF checkpoint {} has no tensor '{}'", dir_, name);
+  return it->second->file.read(name);
+}
+
 Shape HFFolder::shape(const std::string& name) const {
   auto it = by_tensor_.find(name);
   MG_CHECK(it != by_tensor_.end(), "the HF checkpoint {} has no tensor '{}'", dir_, name);
   return it->second->file.entry(name).shape;
+}
+
+DType HFFolder::dtype(const std::string& name) const {
+  auto it = by_tensor_.find(name);
+  MG_CHECK(it != by_tensor_.end(), "the HF checkpoint {} has no tensor '{}'", dir_, name);
+  return it->second->file.entry(name).dtype;
+}
+
+bool HFFolder::same_bytes(const std::string& a, const std::string& b) const {
+  auto ia = by_tensor_.find(a), ib = by_tensor_.find(b);
+  MG_CHECK(ia != by_tensor_.end(), "the HF checkpoint {} has no tensor '{}'", dir_, a);
+  MG_CHECK(ib != by_tensor_.end(), "the HF checkpoint {} has no tensor '{}'", dir_, b);
+  const safetensors::File &fa = ia->second->file, &fb = ib->second->file;
+  const safetensors::Entry &ea = fa.entry(a), &eb = fb.entry(b);
+  if (ea.dtype != eb.dtype || ea.shape != eb.shape) return false;
+  const safetensors::MappedTensor va = fa.view(a), vb = fb.view(b);
+  const auto *pa = static_cast<const std::byte*>(va.data()), *pb = static_cast<const std::byte*>(vb.data());
+  constexpr size_t chunk = size_t(16) << 20;
+  for (size_t at = 0; at < ea.nbytes(); at += chunk) {
+    const size_t n = std::min(chunk, ea.nbytes() - at);
+    const bool equal = std::memcmp(pa + at, pb + at, n) == 0;
+    fa.release(ea.begin + at, ea.begin + at + n), fb.release(eb.begin + at, eb.begin + at + n);
+    if (!equal) return false;
+  }
+  return true;
 }
 
 // ---- model state -----------------------------------------------------------------------------------

@@ -42,13 +42,29 @@ using TensorMap = std::map<std::string, Tensor>;
 /// One tensor a mapping hands on: `parts` concatenated along dim 0, then `zero_rows` rows of zeros.
 /// Fused and padded tensors (QKV, [gate; up], the padded vocabulary) travel as their pieces, so a
 /// streaming writer never assembles them (Note [Streaming conversion] in tools/convert_checkpoint.cpp).
+/// Pieces keep their source's dtype (bf16 stays bf16); the writer converts to the file's dtype.
+/// A tensor that is computed (a transpose) travels as row blocks made one at a time instead:
+/// `blocks` rows of shape `shape`, rows [b, e) made by make(b, e), block_rows at a time.
 struct RowParts {
+  struct Blocks {
+    Shape shape;
+    DType dtype = DType::Float32;
+    int64_t block_rows = 1;
+    std::function<Tensor(int64_t, int64_t)> make;
+  };
   std::vector<Tensor> parts;
   int64_t zero_rows = 0;
+  std::shared_ptr<const Blocks> blocks;  // set: the tensor is made block by block (parts empty)
   RowParts(Tensor t) : parts{std::move(t)} {}  // NOLINT: a whole tensor is one part
   RowParts(std::vector<Tensor> p, int64_t zeros = 0) : parts(std::move(p)), zero_rows(zeros) {}
+  explicit RowParts(Blocks b) : blocks(std::make_shared<const Blocks>(std::move(b))) {}
   Shape shape() const;
-  /// The tensor itself (fp32, one copy unless it is a single part).
+  /// The widest dtype of the pieces (what the tensor holds without rounding).
+  DType dtype() const;
+  /// The pieces a writer takes one at a time: count() of them, piece(k) made on demand.
+  size_t count() const;
+  Tensor piece(size_t k) const;
+  /// The tensor itself (fp32, one copy unless it is a single fp32 part).
   Tensor materialize() const;
 };
 
@@ -112,8 +128,14 @@ class HFFolder {
   bool has(const std::string& name) const;
   /// The tensor as fp32, or one line naming it when the folder has none.
   Tensor get(const std::string& name) const;
-  /// Its shape as stored (same error).
+  /// The tensor in its stored dtype (same error).
+  Tensor read(const std::string& name) const;
+  /// Its shape and dtype as stored (same error).
   Shape shape(const std::string& name) const;
+  DType dtype(const std::string& name) const;
+  /// Whether tensors a and b hold the same bytes (dtype and shape included), compared a chunk at a
+  /// time from the mapped files (Note [Bounded reads] in safetensors.h).
+  bool same_bytes(const std::string& a, const std::string& b) const;
 
  private:
   struct Shard;
@@ -131,7 +153,8 @@ HFModelInfo config_from_hf(const HFFolder& folder, int make_vocab_size_divisible
 /// HF tensors -> Megatron-Core tensors (fp32 host). get_hf(name) returns the HF tensor or throws.
 /// Shapes are checked against the config; a mismatch names the tensor and both shapes.
 TensorMap hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf);
-/// The same, each Megatron-Core tensor handed to `out` as soon as it is made (from its HF sources only).
+/// The same, each Megatron-Core tensor handed to `out` as soon as it is made (from its HF sources only),
+/// as views or row blocks of the sources in their dtype (Note [Streaming conversion]).
 void hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const std::string&)>& get_hf, TensorSink& out);
 /// Megatron-Core tensors -> HF tensors (fp32 host), the exact inverse of hf_to_megatron. For a model
 /// trained here (info.config its own config) it also folds what HF expresses otherwise into the
@@ -139,7 +162,8 @@ void hf_to_megatron(const HFModelInfo& info, const std::function<Tensor(const st
 /// go to HF's half-split order, GPT-2's missing biases and positions are zeros.
 TensorMap megatron_to_hf(const HFModelInfo& info, const TensorMap& megatron);
 /// The same, reading each Megatron-Core tensor from `megatron` when needed and handing each HF
-/// tensor to `out` as soon as it is made.
+/// tensor to `out` as soon as it is made, as views or row blocks of the sources in their dtype (fp32
+/// where computed: zero-centered norms, GPT-OSS's experts).
 void megatron_to_hf(const HFModelInfo& info, const TensorSource& megatron, TensorSink& out);
 
 /// The model's parameters (or their fp32 gradients) by Megatron-Core name, as host fp32 copies.

@@ -14,22 +14,35 @@ namespace megatron::hf_detail {
 
 /// t as a host fp32 tensor (no copy when it already is one).
 Tensor as_fp32(const Tensor& t);
-/// [r, c] -> [c, r].
+/// t on the host in its own dtype (no copy when it is there).
+Tensor host(const Tensor& t);
+/// [r, c] -> [c, r] (fp32).
 Tensor transpose2d(const Tensor& t);
-/// Concatenates along dim 0.
+/// Concatenates along dim 0 (fp32).
 Tensor concat_rows(const std::vector<Tensor>& parts);
+/// The rows of t in `order`, as views of it (a run of consecutive rows is one piece).
+RowParts rows_of(const Tensor& t, const std::vector<int64_t>& order);
+/// The transpose of t's rows `rows` and columns `cols` (empty: all, in order): out[a][b] =
+/// t[rows[b]][cols[a]], in t's dtype, made in row blocks of about 4 MiB as the writer takes them
+/// (Note [Streaming conversion]); t is held until the last block is made.
+RowParts transposed(const Tensor& t, std::vector<int64_t> rows = {}, std::vector<int64_t> cols = {});
 /// q [nq·d, ...], k/v [ng·d, ...] -> grouped [ng·(nq/ng+2)·d, ...] (per group: its q heads, k, v).
 Tensor merge_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t nq, int64_t ng, int64_t d);
 /// merge_qkv as its row pieces (views of q, k, v), for a streaming writer.
 RowParts merge_qkv_rows(const Tensor& q, const Tensor& k, const Tensor& v, int64_t nq, int64_t ng, int64_t d);
-/// The inverse of merge_qkv.
+/// merge_qkv's row order: row r of the grouped QKV is row order[r] of [q; k; v].
+std::vector<int64_t> merged_qkv_order(int64_t nq, int64_t ng, int64_t d);
+/// Its inverse, split: the grouped QKV's rows that make q, k and v.
+void split_qkv_order(int64_t nq, int64_t ng, int64_t d, std::vector<int64_t>& q, std::vector<int64_t>& k,
+                     std::vector<int64_t>& v);
+/// The inverse of merge_qkv (fp32 copies).
 void split_qkv(const Tensor& qkv, int64_t nq, int64_t ng, int64_t d, Tensor& q, Tensor& k, Tensor& v);
-/// resize_rows without a copy: the table and zero rows, or a view of its first `rows` rows.
+/// resize_rows without a copy: the table (in its dtype) and zero rows, or a view of its first `rows` rows.
 RowParts pad_rows(const Tensor& t, int64_t rows);
-/// Pads the rows of a [V, ...] table to `rows` with zeros, or strips it back.
+/// Pads the rows of a [V, ...] table to `rows` with zeros, or strips it back (fp32).
 Tensor resize_rows(const Tensor& t, int64_t rows);
 
-/// Fetches an HF tensor as fp32 and checks its shape against the config's (one line naming it).
+/// Fetches an HF tensor (on the host, in its dtype) and checks its shape against the config's (one line naming it).
 struct HFReader {
   const std::function<Tensor(const std::string&)>& get;
   Tensor operator()(const std::string& name, const Shape& expected) const;
