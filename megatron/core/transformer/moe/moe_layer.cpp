@@ -89,6 +89,12 @@ MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamA
   }
 }
 
+void MoELayer::enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& dense_linears,
+                          std::vector<Linear*>& expert_linears) {
+  experts_->enable_fp8(config, device, expert_linears);
+  if (shared_experts_) shared_experts_->enable_fp8(config, device, dense_linears);
+}
+
 // Note [Shared experts on a side stream] (shared_experts.h): with --moe-shared-expert-overlap the
 // shared experts' work is enqueued first, on the side stream, and the routed path's on the main
 // stream; the join comes right before their sum. Each stream runs the ops the plain path runs, in
