@@ -49,8 +49,9 @@
 // each row block's scale (the per-expert scale and amax slots side by side, as TE's fp8 meta of
 // num_gemms entries, so one fp8_delayed_scale_update per linear for all experts), one grouped GEMM
 // (CUTLASS's grouped FP8 kernels or cuBLASLt's grouped matmul) taking the per-expert scale_inv
-// pointers and problem sizes, and the padding folded into the problem sizes (--moe-router-padding
-// makes the counts aligned at the source) instead of copies.
+// pointers and problem sizes, and the padding folded into the problem sizes instead of copies
+// (--moe-router-padding-for-fp8 already aligns the counts at the source: Note [Routing padding for
+// FP8], moe_utils.h; the copies here are then skipped).
 #pragma once
 
 #include <memory>

@@ -59,6 +59,7 @@ MoEConfig moe_config(const TransformerConfig& c) {
   m.dispatcher = c.moe_token_dispatcher_type;
   m.permute_fusion = c.moe_permute_fusion;
   m.grouped_gemm = c.moe_grouped_gemm;
+  m.router_padding = c.moe_router_padding_for_quantization;
   r.validate();
   return m;
 }
@@ -111,7 +112,10 @@ Tensor MoELayer::forward(Context& ctx, const Tensor& x, int64_t seq_length, int6
     shared = side->run([&](Context& s) { return shared_experts_->forward(s, x, saved.shared); });
   }
   std::unique_ptr<MoETokenDispatcher::Saved> dispatch_saved;
-  MoETokenDispatcher::Dispatched d = dispatcher_->dispatch(ctx, x, routed.probs, routed.routing_map, dispatch_saved);
+  // Note [Routing padding for FP8]
+  const Tensor routing_map = moe_.router_padding ? pad_routing_map(routed.routing_map, SequentialMLP::kFp8ExpertAlign)
+                                                 : routed.routing_map;
+  MoETokenDispatcher::Dispatched d = dispatcher_->dispatch(ctx, x, routed.probs, routing_map, dispatch_saved);
   saved.dispatch = std::move(dispatch_saved);
   Tensor expert_out = experts_->forward(ctx, d.tokens, d.probs, d.tokens_per_expert, saved.experts);
   Tensor y = dispatcher_->combine(ctx, expert_out, *saved.dispatch);

@@ -43,6 +43,7 @@ struct MoEConfig {
   std::string dispatcher = "allgather";
   bool permute_fusion = false;
   bool grouped_gemm = false;
+  bool router_padding = false;  // --moe-router-padding-for-quantization (Note [Routing padding for FP8])
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0: none)
   bool shared_expert_gate = false;              // --moe-shared-expert-gate
   bool shared_expert_overlap = false;           // --moe-shared-expert-overlap (inline on the CPU)
