@@ -287,6 +287,29 @@ TEST_F(Fp8Training, MoeExpertParallelEqualsOneProcess) {
   for (size_t i = 0; i < 2; ++i) EXPECT_NEAR(ep2.losses[i], one.losses[i + 3], 2e-4 * one.losses[i + 3]);
 }
 
+// --moe-router-padding-for-fp8 (Note [Routing padding for FP8]): the run trains, close to the run
+// that pads inside the experts but not equal to it (the padded tokens enter the amaxes), and EP 2
+// (each rank pads its own tokens' map, as one process pads each microbatch's) equals one process
+// to within FP8's rounding.
+TEST_F(Fp8Training, MoeRouterPaddingTrainsAndEqualsAcrossExpertParallelism) {
+  TrainRun plain = train(dir_->path, "moe_nopad", 1, concat(kFp8Moe, {"--train-iters", "5"}));
+  TrainRun one = train(dir_->path, "moe_pad", 1, concat(kFp8Moe, {"--train-iters", "5", "--moe-router-padding-for-fp8"}));
+  ASSERT_EQ(one.losses.size(), 5u) << one.output;
+  ASSERT_EQ(plain.losses.size(), 5u) << plain.output;
+  EXPECT_LT(one.losses.back(), one.losses.front() - 0.05);
+  double max_rel = 0;
+  for (size_t i = 0; i < 5; ++i)
+    max_rel = std::max(max_rel, std::abs(one.losses[i] - plain.losses[i]) / plain.losses[i]);
+  std::printf("router padding: largest relative loss difference from padding in the experts %.3g\n", max_rel);
+  EXPECT_GT(max_rel, 0.0);
+  EXPECT_LT(max_rel, 0.02);
+  TrainRun ep2 = train(dir_->path, "moe_pad_ep2", 2,
+                       concat(kFp8Moe, {"--train-iters", "5", "--moe-router-padding-for-fp8",
+                                        "--expert-model-parallel-size", "2", "--moe-grouped-gemm"}));
+  ASSERT_EQ(ep2.losses.size(), 5u) << ep2.output;
+  for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(ep2.losses[i], one.losses[i], 2e-4 * one.losses[i]) << "iteration " << i + 1;
+}
+
 // A bf16 (here fp32) MoE checkpoint loads into an FP8 run (fresh expert scales) and an FP8 one,
 // with the experts' scaling state, into a run without FP8.
 TEST_F(Fp8Training, MoePlainAndFp8RunsLoadEachOthersCheckpoints) {
