@@ -248,7 +248,8 @@ TEST_F(Fp8Training, MoeTrainsAndResumesExactly) {
   for (size_t i = 0; i < 6; ++i) EXPECT_EQ(grouped.losses[i], one.losses[i]) << "grouped, iteration " << i + 1;
 }
 
-// Expert parallelism with FP8: EP 2 (alltoall, and with the grouped experts) equals one process to
+// Expert parallelism with FP8: EP 2 (alltoall, with the grouped experts, and with expert tensor
+// parallelism 2 under TP 2 + SP: the experts' amax reduced over the expert-TP shards) equals one process to
 // within FP8's rounding, as the dense layouts do (Fp8Layouts): each expert's amax is reduced over
 // the ranks that hold it, so each expert scales by its own tokens wherever it lives; an EP 1
 // checkpoint resumes under EP 2.
@@ -258,8 +259,11 @@ TEST_F(Fp8Training, MoeExpertParallelEqualsOneProcess) {
   for (const auto& [name, flags] :
        std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"moe_ep2", {"--expert-model-parallel-size", "2"}},
-           {"moe_ep2_grouped", {"--expert-model-parallel-size", "2", "--moe-grouped-gemm"}}}) {
-    TrainRun r = train(dir_->path, name, 2, concat(concat(kFp8Moe, flags), {"--train-iters", "5"}));
+           {"moe_ep2_grouped", {"--expert-model-parallel-size", "2", "--moe-grouped-gemm"}},
+           {"moe_tp2sp_ep2_etp2", {"--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"}}}) {
+    const int np = name == "moe_tp2sp_ep2_etp2" ? 4 : 2;
+    TrainRun r = train(dir_->path, name, np, concat(concat(kFp8Moe, flags), {"--train-iters", "5"}));
     ASSERT_EQ(r.losses.size(), 5u) << r.output;
     for (size_t i = 0; i < 5; ++i) {
       EXPECT_NEAR(r.losses[i], one.losses[i], 2e-4 * one.losses[i]) << name << " iteration " << i + 1;
@@ -267,7 +271,7 @@ TEST_F(Fp8Training, MoeExpertParallelEqualsOneProcess) {
     }
     EXPECT_NEAR(r.losses[0], one.losses[0], 1e-6 * one.losses[0]) << name << ": the first forward";
   }
-  // After one step EP 2 holds the weights and scaling states of EP 1 on the same two ranks (data
+  // After one step EP 2 holds the weights and scaling states of EP 1 on the same ranks (data
   // parallel 2 for both: the dense layers quantise alike; one process differs there in its first
   // step, Fp8Layouts says why), the experts' written by the EP ranks that hold them.
   const fs::path s1 = dir_->path / "moe_step1_ep1", s2 = dir_->path / "moe_step1_ep2";
@@ -276,6 +280,15 @@ TEST_F(Fp8Training, MoeExpertParallelEqualsOneProcess) {
   train(dir_->path, "moe_step1_ep2", 2,
         concat(concat(kFp8Moe, first), {"--expert-model-parallel-size", "2", "--save", s2.string()}));
   expect_same_weights(s2, s1, "ep2 after one step");
+  // and expert TP 2 (each rank a shard of each of its experts) holds what whole experts give
+  const std::vector<std::string> tp2sp = {"--tensor-model-parallel-size", "2", "--sequence-parallel"};
+  const fs::path e1 = dir_->path / "moe_step1_etp1", e2 = dir_->path / "moe_step1_etp2";
+  train(dir_->path, "moe_step1_etp1", 4,
+        concat(concat(concat(kFp8Moe, first), tp2sp), {"--expert-tensor-parallel-size", "1", "--save", e1.string()}));
+  train(dir_->path, "moe_step1_etp2", 4,
+        concat(concat(concat(kFp8Moe, first), tp2sp),
+               {"--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2", "--save", e2.string()}));
+  expect_same_weights(e2, e1, "expert TP 2 after one step");
 
   const fs::path ckpt = dir_->path / "moe_resume_ep";
   train(dir_->path, "moe_resume_ep_save", 1,
