@@ -323,6 +323,31 @@ TEST_F(Fp8Training, MoeRouterPaddingTrainsAndEqualsAcrossExpertParallelism) {
   for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(ep2.losses[i], one.losses[i], 2e-4 * one.losses[i]) << "iteration " << i + 1;
 }
 
+// GPT-OSS-style experts (biases: fc1's through the FP8 GEMM's epilogue, p·b2 after it; clamped
+// quick-GeGLU): the grouped form gives the sequential form's losses exactly, and EP 2 one
+// process's within FP8's rounding.
+TEST_F(Fp8Training, GptOssExpertsWithBiases) {
+  std::vector<std::string> model;
+  for (const std::string& x : kLlama)
+    if (x != "--swiglu" && x != "--disable-bias-linear") model.push_back(x);
+  model = fp8(concat(model, {"--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7.0",
+                             "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                             "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
+                             "--train-iters", "5"}),
+              "delayed");
+  TrainRun seq = train(dir_->path, "gptoss_seq", 1, model);
+  TrainRun grouped = train(dir_->path, "gptoss_grouped", 1, concat(model, {"--moe-grouped-gemm"}));
+  TrainRun ep2 = train(dir_->path, "gptoss_ep2", 2, concat(model, {"--moe-grouped-gemm", "--expert-model-parallel-size", "2"}));
+  ASSERT_EQ(seq.losses.size(), 5u) << seq.output;
+  ASSERT_EQ(grouped.losses.size(), 5u) << grouped.output;
+  ASSERT_EQ(ep2.losses.size(), 5u) << ep2.output;
+  EXPECT_LT(seq.losses.back(), seq.losses.front());
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(grouped.losses[i], seq.losses[i]) << "iteration " << i + 1;
+    EXPECT_NEAR(ep2.losses[i], seq.losses[i], 2e-4 * seq.losses[i]) << "iteration " << i + 1;
+  }
+}
+
 // A bf16 (here fp32) MoE checkpoint loads into an FP8 run (fresh expert scales) and an FP8 one,
 // with the experts' scaling state, into a run without FP8.
 TEST_F(Fp8Training, MoePlainAndFp8RunsLoadEachOthersCheckpoints) {
