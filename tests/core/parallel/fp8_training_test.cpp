@@ -206,11 +206,7 @@ const std::vector<std::string> kFp8Moe = fp8(
 
 // One tensor of a checkpoint's latest iteration, as fp32 values (empty when it is not there).
 std::vector<float> checkpoint_tensor(const fs::path& dir, const std::string& name) {
-  std::string it = read_file(dir / "latest_checkpointed_iteration.txt");
-  while (!it.empty() && std::isspace(static_cast<unsigned char>(it.back()))) it.pop_back();
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "iter_%07d", std::stoi(it));
-  dist_checkpointing::ShardIndex index((dir / buf).string(), "model");
+  dist_checkpointing::ShardIndex index(latest_iteration_dir(dir).string(), "model");
   if (!index.contains(name)) return {};
   Tensor t = Tensor::empty(index.tensor(name).shape, DType::Float32);
   index.load_into(name, ShardSpec{}, t);
