@@ -44,8 +44,9 @@
 // The delayed recipe's amax reduces over the ranks that hold the same expert (expert tensor ×
 // expert data parallel: Note [FP8 scaling under parallelism]).
 // Note [Grouped FP8 experts on the GPU]: the grouped form is a loop of fp8_quantize / fp8_gemm
-// launches per expert (4 quantisations and 3 GEMMs per linear), where the bf16 form is one grouped
-// launch per GEMM. A grouped FP8 kernel would change: one quantisation pass over all rows reading
+// launches per expert (per linear: five quantisation passes — x, W; dy for both its copies, W_t,
+// x_t — and three GEMMs, plus the padding's row copies), where the bf16 form is one grouped launch
+// per GEMM. A grouped FP8 kernel would change: one quantisation pass over all rows reading
 // each row block's scale (the per-expert scale and amax slots side by side, as TE's fp8 meta of
 // num_gemms entries, so one fp8_delayed_scale_update per linear for all experts), one grouped GEMM
 // (CUTLASS's grouped FP8 kernels or cuBLASLt's grouped matmul) taking the per-expert scale_inv
