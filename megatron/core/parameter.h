@@ -106,6 +106,9 @@ struct ModelBuffer {
   /// Loaded when the checkpoint has it, else left as it is (the FP8 scaling state: a bf16 run's
   /// checkpoint has none, and a bf16 run ignores an FP8 run's). A required one must be there.
   bool optional = false;
+  /// The same on the ranks that hold one routed expert (expert tensor × expert data parallel), and
+  /// written by those that write the expert weights; else by those that write the dense weights.
+  bool expert = false;
 };
 
 // Note [Gradient hooks on the side stream]: a gradient accumulated by work on a side context

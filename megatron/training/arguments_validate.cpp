@@ -186,6 +186,14 @@ void validate_args(Arguments& a) {
   if (!a.group_query_attention) a.num_query_groups = a.num_attention_heads;
   // ---- FP8: Megatron's checks first, so a wrong combination says what is wrong
   fp8_config_from_args(a).validate(a.num_layers, pp, a.use_distributed_optimizer, a.hidden_size, a.ffn_hidden_size);
+  if (!a.fp8_format.empty() && a.num_experts > 0 && fp8_recipe_from_string(a.fp8_recipe) == Fp8Recipe::Blockwise) {
+    // Note [FP8 experts]: the experts and shared experts run in FP8 too, with their own widths.
+    const int moe_ffn = a.moe_ffn_hidden_size > 0 ? a.moe_ffn_hidden_size : a.ffn_hidden_size;
+    MG_CHECK(moe_ffn % kFp8BlockLen == 0 && a.moe_shared_expert_intermediate_size % kFp8BlockLen == 0,
+             "--fp8-recipe blockwise needs --moe-ffn-hidden-size ({}) and --moe-shared-expert-intermediate-size ({}) "
+             "to be multiples of the {} block",
+             moe_ffn, a.moe_shared_expert_intermediate_size, kFp8BlockLen);
+  }
   MG_CHECK(!a.fp8_param_gather,
            "--fp8-param-gather is not supported yet: the FP8 GEMMs quantise the bf16 weights each step, and the "
            "distributed optimizer all-gathers bf16 weights; drop the flag (the training math is the same)");

@@ -491,8 +491,10 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
   for (const Parameter* p : params) {
     if (owned(*p) && writer(*p)) job->model_tensors.push_back({p->name, host_copy(p->data), p->shard});
   }
-  if (dp_writer && tp_rank == 0) {
-    for (const ModelBuffer& b : buffers_) job->model_tensors.push_back({b.name, host_copy(*b.tensor), ShardSpec{}});
+  const int etp_rank = distributed() ? parallel_->etp_rank() : 0;
+  for (const ModelBuffer& b : buffers_) {
+    if (b.expert ? edp_writer && etp_rank == 0 : dp_writer && tp_rank == 0)
+      job->model_tensors.push_back({b.name, host_copy(*b.tensor), ShardSpec{}});
   }
   const bool save_optim = optimizer && !args_.no_save_optim;
   job->has_optim = save_optim && !optimizer->parameters().empty();

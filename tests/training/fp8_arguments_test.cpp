@@ -72,6 +72,15 @@ TEST(Fp8Arguments, BadCombinationsSayWhichRuleFailed) {
   check({"--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"}, "needs a Blackwell GPU");
   check({"--fp8-format", "e4m3", "--first-last-layers-bf16"}, "does not work with --fp8-recipe delayed");
   check({"--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--hidden-size", "96"}, "multiples of the 128 block");
+  // the experts run in FP8 too (Note [FP8 experts]): their widths follow the block
+  EXPECT_EQ(validate_error({"--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--num-experts", "4",
+                            "--moe-ffn-hidden-size", "256", "--moe-shared-expert-intermediate-size", "128"}),
+            "");
+  check({"--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--num-experts", "4", "--moe-ffn-hidden-size", "96"},
+        "--fp8-recipe blockwise needs --moe-ffn-hidden-size (96) and --moe-shared-expert-intermediate-size (0)");
+  check({"--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--num-experts", "4", "--moe-ffn-hidden-size", "128",
+         "--moe-shared-expert-intermediate-size", "64"},
+        "--moe-shared-expert-intermediate-size (64) to be multiples of the 128 block");
   check({"--fp8-param-gather"}, "--fp8-param-gather needs --fp8-format");
   check({"--fp8-format", "e4m3", "--fp8-param-gather"}, "only works with the distributed optimizer");
   check({"--fp8-format", "e4m3", "--fp8-param-gather", "--use-distributed-optimizer"},

@@ -237,6 +237,15 @@ void TransformerConfig::finalize_moe() {
            "per type",
            moe_router_load_balancing_type.size(), moe_aux_loss_coeff.size());
   MG_CHECK(moe_shared_expert_intermediate_size >= 0, "--moe-shared-expert-intermediate-size must be positive");
+  if (moe_router_padding_for_quantization) {  // Note [Routing padding for FP8]
+    MG_CHECK(fp8.enabled(), "--moe-router-padding-for-quantization (--moe-router-padding-for-fp8) needs --fp8-format");
+    MG_CHECK(moe_token_dispatcher_type != "allgather",
+             "the allgather dispatcher does not support --moe-router-padding-for-quantization (as in Megatron): use "
+             "--moe-token-dispatcher-type alltoall or flex");
+    MG_CHECK(!moe_pad_expert_input_to_capacity,
+             "--moe-router-padding-for-quantization with --moe-pad-expert-input-to-capacity is not supported: every "
+             "expert already receives its capacity");
+  }
   MG_CHECK(!moe_shared_expert_gate || moe_shared_expert_intermediate_size > 0,
            "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size");
 }

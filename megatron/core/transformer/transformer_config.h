@@ -111,6 +111,7 @@ struct TransformerConfig {
   std::string moe_token_dispatcher_type = "allgather";  // allgather | alltoall | flex
   bool moe_grouped_gemm = false;
   bool moe_permute_fusion = false;
+  bool moe_router_padding_for_quantization = false;  // Note [Routing padding for FP8] (moe/moe_utils.h)
 
   // ---- regularisation and initialisation
   float hidden_dropout = 0.1f;

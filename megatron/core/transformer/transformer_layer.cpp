@@ -62,10 +62,11 @@ TransformerLayer::TransformerLayer(const TransformerConfig& config, const Transf
       pre_mlp_layernorm_(config, spec.pre_mlp_layernorm, params, prefix + ".pre_mlp_layernorm", pg),
       mlp_(make_mlp(config, spec.mlp, params, prefix, pg, layer_number)) {
   if (!spec.fp8) return;
-  // Note [FP8 layers]: the attention's and a dense MLP's linear layers. An MoE layer's GEMMs (the
-  // routed experts' grouped GEMMs and the shared experts) stay in bf16 for now.
+  // Note [FP8 layers]: the attention's and the MLP's linear layers — a dense MLP's, or an MoE
+  // layer's experts and shared experts (the router stays out).
   std::visit([&](auto& m) { m.enable_fp8(config.fp8, params.device(), fp8_linears_); }, mixer_);
   if (MLP* mlp = std::get_if<MLP>(&mlp_)) mlp->enable_fp8(config.fp8, params.device(), fp8_linears_);
+  if (moe::MoELayer* m = moe()) m->enable_fp8(config.fp8, params.device(), fp8_linears_, fp8_expert_linears_);
 }
 
 Tensor TransformerLayer::mixer_forward(Context& ctx, const Tensor& x, const AttentionInputs& in, uint64_t offset,

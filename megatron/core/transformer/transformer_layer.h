@@ -77,10 +77,14 @@ class TransformerLayer {
   Norm pre_mlp_layernorm_;
   Mlp mlp_;
   std::vector<Linear*> fp8_linears_;
+  std::vector<Linear*> fp8_expert_linears_;
 
  public:
-  /// The linear layers that run in FP8 (Note [FP8 layers]; empty when the spec says bf16).
+  /// The linear layers that run in FP8 (Note [FP8 layers]; empty when the spec says bf16): those
+  /// replicated over tensor × context × data parallelism, and the routed experts' (replicated over
+  /// expert tensor × expert data parallelism: Note [FP8 scaling under parallelism]).
   const std::vector<Linear*>& fp8_linears() const { return fp8_linears_; }
+  const std::vector<Linear*>& fp8_expert_linears() const { return fp8_expert_linears_; }
   /// The MoE layer of this layer's MLP (null for a dense MLP).
   const moe::MoELayer* moe() const { return std::get_if<moe::MoELayer>(&mlp_); }
   moe::MoELayer* moe() { return std::get_if<moe::MoELayer>(&mlp_); }

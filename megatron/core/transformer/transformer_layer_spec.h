@@ -29,9 +29,10 @@ struct MlpSpec {
   int ffn_hidden_size = 0;  // intermediate size of this layer's MLP (each expert's for MoE); 0: the config's
 };
 
-// Note [FP8 layers]: with --fp8-format a layer's linear layers of attention and MLP (the shared
-// experts' included) run their GEMMs in FP8 — Megatron's choice: not the embedding, the output
-// layer, the router, the routed experts' grouped GEMMs or the attention core. --first-last-layers-bf16
+// Note [FP8 layers]: with --fp8-format a layer's linear layers of attention and MLP (an MoE
+// layer's routed experts, grouped or sequential, and shared experts included: Note [FP8 experts])
+// run their GEMMs in FP8 — Megatron's choice: not the embedding, the output layer, the router or
+// the attention core. --first-last-layers-bf16
 // keeps the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers in bf16
 // (Megatron's is_first_last_bf16_layer). The spec carries the per-layer answer.
 struct TransformerLayerSpec {

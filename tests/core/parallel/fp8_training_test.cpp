@@ -12,7 +12,9 @@
 //     in checkpoints]; fresh scales of 1 would quantise differently), also resumed under TP 2;
 //   - bf16 (here fp32) and FP8 runs load each other's checkpoints;
 //   - each recipe trains (falling loss), close to but not equal to the unquantised run;
-//   - FP8 on the CPU without the reference flag is refused with one line.
+//   - FP8 on the CPU without the reference flag is refused with one line;
+//   - an MoE model's experts and shared experts in FP8 (Note [FP8 experts]): it trains, resumes
+//     exactly, EP 2 equals one process within FP8 rounding, plain and FP8 checkpoints cross.
 #include <gtest/gtest.h>
 
 #include "tests/core/parallel/parallel_util.h"
@@ -191,6 +193,178 @@ TEST_F(Fp8Training, MultiLatentAttentionTrainsCloseToTheUnquantisedRun) {
               r.losses.back(), plain.losses.back(), max_rel);
   EXPECT_GT(max_rel, 0.0) << "no difference from the unquantised run: FP8 is not in use";
   EXPECT_LT(max_rel, 0.02);
+}
+
+// ---- mixture of experts (Note [FP8 experts]) -----------------------------------------------------
+// A small Mixtral-style model with a shared expert: layer 0 dense, layers 1-3 MoE with 4 SwiGLU
+// experts of 32 (top-2) and a shared expert of 32, all in FP8 (hybrid, delayed, history 4).
+const std::vector<std::string> kFp8Moe = fp8(
+    concat(kLlama, {"--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                    "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "([0]+[1]*3)",
+                    "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall"}),
+    "delayed");
+
+// One tensor of a checkpoint's latest iteration, as fp32 values (empty when it is not there).
+std::vector<float> checkpoint_tensor(const fs::path& dir, const std::string& name) {
+  dist_checkpointing::ShardIndex index(latest_iteration_dir(dir).string(), "model");
+  if (!index.contains(name)) return {};
+  Tensor t = Tensor::empty(index.tensor(name).shape, DType::Float32);
+  index.load_into(name, ShardSpec{}, t);
+  return t.to_floats();
+}
+
+// pretrain_gpt trains the MoE model in FP8 (the loss falls; the experts' and shared experts'
+// scaling state is in the checkpoint, moved from TE's fresh scales of 1), and a run stopped at
+// iteration 3 resumes with the uninterrupted run's losses exactly and ends with its weights and
+// scaling state; the grouped experts give the sequential experts' run.
+TEST_F(Fp8Training, MoeTrainsAndResumesExactly) {
+  const fs::path full = dir_->path / "moe_full", part = dir_->path / "moe_part";
+  TrainRun one = train(dir_->path, "moe_full", 1, concat(kFp8Moe, {"--train-iters", "6", "--save", full.string()}));
+  ASSERT_EQ(one.losses.size(), 6u) << one.output;
+  EXPECT_LT(one.losses.back(), one.losses.front() - 0.05) << one.output;
+  const std::string expert = "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2";
+  for (const std::string& name : {expert + ".fp8_forward_scale", expert + ".fp8_backward_scale",
+                                  std::string("decoder.layers.1.mlp.shared_experts.linear_fc1.fp8_forward_scale")}) {
+    const std::vector<float> v = checkpoint_tensor(full, name);
+    ASSERT_FALSE(v.empty()) << name << " is not in the checkpoint";
+    for (float x : v) EXPECT_NE(x, 1.0f) << name << ": the scale never moved";
+  }
+  EXPECT_EQ(checkpoint_tensor(full, expert + ".fp8_forward_amax_history").size(), 4u * 2u);
+
+  train(dir_->path, "moe_part", 1,
+        concat(kFp8Moe, {"--train-iters", "6", "--exit-interval", "3", "--save", part.string()}));
+  TrainRun resumed = train(dir_->path, "moe_resumed", 1,
+                           concat(kFp8Moe, {"--train-iters", "6", "--load", part.string(), "--save", part.string()}));
+  ASSERT_EQ(resumed.losses.size(), 3u) << resumed.output;
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed.losses[i], one.losses[i + 3]) << "iteration " << i + 4;
+  expect_same_weights(part, full, "moe fp8 resumed");
+
+  TrainRun grouped = train(dir_->path, "moe_grouped", 1, concat(kFp8Moe, {"--train-iters", "6", "--moe-grouped-gemm"}));
+  ASSERT_EQ(grouped.losses.size(), 6u) << grouped.output;
+  for (size_t i = 0; i < 6; ++i) EXPECT_EQ(grouped.losses[i], one.losses[i]) << "grouped, iteration " << i + 1;
+}
+
+// Expert parallelism with FP8: EP 2 (alltoall, with the grouped experts, and with expert tensor
+// parallelism 2 under TP 2 + SP: the experts' amax reduced over the expert-TP shards) equals one process to
+// within FP8's rounding, as the dense layouts do (Fp8Layouts): each expert's amax is reduced over
+// the ranks that hold it, so each expert scales by its own tokens wherever it lives; an EP 1
+// checkpoint resumes under EP 2.
+TEST_F(Fp8Training, MoeExpertParallelEqualsOneProcess) {
+  TrainRun one = train(dir_->path, "moe_ep1", 1, concat(kFp8Moe, {"--train-iters", "5"}));
+  ASSERT_EQ(one.losses.size(), 5u) << one.output;
+  for (const auto& [name, flags] :
+       std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"moe_ep2", {"--expert-model-parallel-size", "2"}},
+           {"moe_ep2_grouped", {"--expert-model-parallel-size", "2", "--moe-grouped-gemm"}},
+           {"moe_tp2sp_ep2_etp2", {"--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"}}}) {
+    const int np = name == "moe_tp2sp_ep2_etp2" ? 4 : 2;
+    TrainRun r = train(dir_->path, name, np, concat(concat(kFp8Moe, flags), {"--train-iters", "5"}));
+    ASSERT_EQ(r.losses.size(), 5u) << r.output;
+    for (size_t i = 0; i < 5; ++i) {
+      EXPECT_NEAR(r.losses[i], one.losses[i], 2e-4 * one.losses[i]) << name << " iteration " << i + 1;
+      EXPECT_NEAR(r.grad_norms[i], one.grad_norms[i], 3e-2 * one.grad_norms[i]) << name << " iteration " << i + 1;
+    }
+    EXPECT_NEAR(r.losses[0], one.losses[0], 1e-6 * one.losses[0]) << name << ": the first forward";
+  }
+  // After one step EP 2 holds the weights and scaling states of EP 1 on the same ranks (data
+  // parallel 2 for both: the dense layers quantise alike; one process differs there in its first
+  // step, Fp8Layouts says why), the experts' written by the EP ranks that hold them.
+  const fs::path s1 = dir_->path / "moe_step1_ep1", s2 = dir_->path / "moe_step1_ep2";
+  const std::vector<std::string> first = {"--train-iters", "2", "--exit-interval", "1"};
+  train(dir_->path, "moe_step1_ep1", 2, concat(concat(kFp8Moe, first), {"--save", s1.string()}));
+  train(dir_->path, "moe_step1_ep2", 2,
+        concat(concat(kFp8Moe, first), {"--expert-model-parallel-size", "2", "--save", s2.string()}));
+  expect_same_weights(s2, s1, "ep2 after one step");
+  // and expert TP 2 (each rank a shard of each of its experts) holds what whole experts give
+  const std::vector<std::string> tp2sp = {"--tensor-model-parallel-size", "2", "--sequence-parallel"};
+  const fs::path e1 = dir_->path / "moe_step1_etp1", e2 = dir_->path / "moe_step1_etp2";
+  train(dir_->path, "moe_step1_etp1", 4,
+        concat(concat(concat(kFp8Moe, first), tp2sp), {"--expert-tensor-parallel-size", "1", "--save", e1.string()}));
+  train(dir_->path, "moe_step1_etp2", 4,
+        concat(concat(concat(kFp8Moe, first), tp2sp),
+               {"--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2", "--save", e2.string()}));
+  expect_same_weights(e2, e1, "expert TP 2 after one step");
+
+  const fs::path ckpt = dir_->path / "moe_resume_ep";
+  train(dir_->path, "moe_resume_ep_save", 1,
+        concat(kFp8Moe, {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
+  TrainRun ep2 = train(dir_->path, "moe_resume_ep2", 2,
+                       concat(kFp8Moe, {"--train-iters", "5", "--expert-model-parallel-size", "2", "--load",
+                                        ckpt.string()}));
+  ASSERT_EQ(ep2.losses.size(), 2u) << ep2.output;
+  for (size_t i = 0; i < 2; ++i) EXPECT_NEAR(ep2.losses[i], one.losses[i + 3], 2e-4 * one.losses[i + 3]);
+}
+
+// --moe-router-padding-for-fp8 (Note [Routing padding for FP8]): the run trains, close to the run
+// that pads inside the experts but not equal to it (the padded tokens enter the amaxes), and EP 2
+// (each rank pads its own tokens' map, as one process pads each microbatch's) equals one process
+// to within FP8's rounding.
+TEST_F(Fp8Training, MoeRouterPaddingTrainsAndEqualsAcrossExpertParallelism) {
+  TrainRun plain = train(dir_->path, "moe_nopad", 1, concat(kFp8Moe, {"--train-iters", "5"}));
+  TrainRun one = train(dir_->path, "moe_pad", 1, concat(kFp8Moe, {"--train-iters", "5", "--moe-router-padding-for-fp8"}));
+  ASSERT_EQ(one.losses.size(), 5u) << one.output;
+  ASSERT_EQ(plain.losses.size(), 5u) << plain.output;
+  EXPECT_LT(one.losses.back(), one.losses.front() - 0.05);
+  double max_rel = 0;
+  for (size_t i = 0; i < 5; ++i)
+    max_rel = std::max(max_rel, std::abs(one.losses[i] - plain.losses[i]) / plain.losses[i]);
+  std::printf("router padding: largest relative loss difference from padding in the experts %.3g\n", max_rel);
+  EXPECT_GT(max_rel, 0.0);
+  EXPECT_LT(max_rel, 0.02);
+  TrainRun ep2 = train(dir_->path, "moe_pad_ep2", 2,
+                       concat(kFp8Moe, {"--train-iters", "5", "--moe-router-padding-for-fp8",
+                                        "--expert-model-parallel-size", "2", "--moe-grouped-gemm"}));
+  ASSERT_EQ(ep2.losses.size(), 5u) << ep2.output;
+  for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(ep2.losses[i], one.losses[i], 2e-4 * one.losses[i]) << "iteration " << i + 1;
+}
+
+// GPT-OSS-style experts (biases: fc1's through the FP8 GEMM's epilogue, p·b2 after it; clamped
+// quick-GeGLU): the grouped form gives the sequential form's losses exactly, and EP 2 one
+// process's within FP8's rounding.
+TEST_F(Fp8Training, GptOssExpertsWithBiases) {
+  std::vector<std::string> model;
+  for (const std::string& x : kLlama)
+    if (x != "--swiglu" && x != "--disable-bias-linear") model.push_back(x);
+  model = fp8(concat(model, {"--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7.0",
+                             "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                             "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
+                             "--train-iters", "5"}),
+              "delayed");
+  TrainRun seq = train(dir_->path, "gptoss_seq", 1, model);
+  TrainRun grouped = train(dir_->path, "gptoss_grouped", 1, concat(model, {"--moe-grouped-gemm"}));
+  TrainRun ep2 = train(dir_->path, "gptoss_ep2", 2, concat(model, {"--moe-grouped-gemm", "--expert-model-parallel-size", "2"}));
+  ASSERT_EQ(seq.losses.size(), 5u) << seq.output;
+  ASSERT_EQ(grouped.losses.size(), 5u) << grouped.output;
+  ASSERT_EQ(ep2.losses.size(), 5u) << ep2.output;
+  EXPECT_LT(seq.losses.back(), seq.losses.front());
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(grouped.losses[i], seq.losses[i]) << "iteration " << i + 1;
+    EXPECT_NEAR(ep2.losses[i], seq.losses[i], 2e-4 * seq.losses[i]) << "iteration " << i + 1;
+  }
+}
+
+// A bf16 (here fp32) MoE checkpoint loads into an FP8 run (fresh expert scales) and an FP8 one,
+// with the experts' scaling state, into a run without FP8.
+TEST_F(Fp8Training, MoePlainAndFp8RunsLoadEachOthersCheckpoints) {
+  std::vector<std::string> plain_model;
+  for (const std::string& f : kFp8Moe) {
+    if (f == "--fp8-format") break;
+    plain_model.push_back(f);
+  }
+  const fs::path plain = dir_->path / "moe_plain_ckpt", fp8_ckpt = dir_->path / "moe_fp8_ckpt";
+  TrainRun p = train(dir_->path, "moe_plain", 1, concat(plain_model, {"--train-iters", "3", "--save", plain.string()}));
+  ASSERT_EQ(p.losses.size(), 3u) << p.output;
+  TrainRun f = train(dir_->path, "moe_plain_to_fp8", 1,
+                     concat(kFp8Moe, {"--train-iters", "5", "--load", plain.string(), "--save", fp8_ckpt.string()}));
+  ASSERT_EQ(f.losses.size(), 2u) << f.output;
+  for (double l : f.losses) EXPECT_TRUE(std::isfinite(l)) << f.output;
+  EXPECT_FALSE(checkpoint_tensor(fp8_ckpt, "decoder.layers.3.mlp.experts.local_experts.0.linear_fc1.fp8_forward_scale")
+                   .empty());
+  TrainRun back = train(dir_->path, "moe_fp8_to_plain", 1,
+                        concat(plain_model, {"--train-iters", "7", "--load", fp8_ckpt.string()}));
+  ASSERT_EQ(back.losses.size(), 2u) << back.output;
+  for (double l : back.losses) EXPECT_TRUE(std::isfinite(l)) << back.output;
 }
 
 TEST_F(Fp8Training, FirstAndLastLayersInBf16) {

@@ -79,14 +79,17 @@ inline void expect_close(const std::vector<double>& got, const std::vector<doubl
 // The weights of two checkpoints (any layouts): the whole model within 1e-6 of its norm, every tensor
 // within 1e-5 of its own (Note [Comparing weights across layouts] in
 // tests/core/models/gpt_parallel_test.cpp, which is also why the runs use --adam-eps 1e-4).
+// The folder of a checkpoint directory's latest iteration.
+inline fs::path latest_iteration_dir(const fs::path& d) {
+  std::string it = read_file(d / "latest_checkpointed_iteration.txt");
+  while (!it.empty() && std::isspace(static_cast<unsigned char>(it.back()))) it.pop_back();
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "iter_%07d", std::stoi(it));
+  return d / buf;
+}
+
 inline void expect_same_weights(const fs::path& a, const fs::path& b, const std::string& what) {
-  auto latest = [](const fs::path& d) {
-    std::string it = read_file(d / "latest_checkpointed_iteration.txt");
-    while (!it.empty() && std::isspace(static_cast<unsigned char>(it.back()))) it.pop_back();
-    char buf[32];
-    std::snprintf(buf, sizeof(buf), "iter_%07d", std::stoi(it));
-    return d / buf;
-  };
+  auto latest = latest_iteration_dir;
   dist_checkpointing::ShardIndex ia(latest(a).string(), "model"), ib(latest(b).string(), "model");
   ASSERT_EQ(ia.names(), ib.names()) << what;
   double total_diff = 0, total_norm = 0;

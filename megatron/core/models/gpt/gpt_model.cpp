@@ -130,52 +130,75 @@ void GPTModel::finish_router_step(Context& ctx) {
 // scales alike — a layout quantises as one process does. (Megatron/TE reduce after each forward
 // and backward pass; once per step after the last backward here, so the step's scales are those
 // of the previous steps, as TE's per-microbatch updates would also give with one microbatch.)
+// The routed experts' states reduce over the ranks that hold the same expert instead — expert
+// tensor parallel, then expert data parallel (Note [FP8 experts]) — so that every expert-parallel
+// layout scales each expert by its own tokens' amax, as one process does. (Megatron hands TE one
+// amax group, tp × cp × dp, for every module; TE reduces a rank's amaxes position by position
+// there, which under expert parallelism puts different experts of different ranks together.)
 // The current-scaling recipes (tensorwise, blockwise) keep no state across steps: each rank
 // scales its local tensors by their own amax, as TE does for tensor-parallel shards.
+namespace {
+// Row 0 of every state's amax history (this step's amax), all-reduced (max) over each group in turn.
+void reduce_amax(Context& ctx, const std::vector<Fp8TensorScaling*>& states, std::initializer_list<Communicator*> groups) {
+  bool any = false;
+  for (Communicator* g : groups) any = any || g;
+  if (states.empty() || !any) return;
+  int64_t total = 0;
+  for (const Fp8TensorScaling* s : states) total += s->size();
+  Tensor rows = Tensor::empty({total}, DType::Float32, ctx.device());
+  auto each_row0 = [&](auto&& copy) {
+    int64_t offset = 0;
+    for (Fp8TensorScaling* s : states) {
+      Tensor row0 = s->mutable_amax_history().flat_slice(0, s->size());
+      Tensor slot = rows.flat_slice(offset, s->size());
+      copy(row0, slot);
+      offset += s->size();
+    }
+  };
+  each_row0([&](Tensor& row0, Tensor& slot) {
+    copy_bytes(slot.raw_data(), ctx.device(), row0.raw_data(), ctx.device(), size_t(row0.nbytes()), ctx.stream());
+  });
+  for (Communicator* g : groups) {
+    if (g) g->all_reduce(ctx, rows, ReduceOp::Max)->wait();
+  }
+  each_row0([&](Tensor& row0, Tensor& slot) {
+    copy_bytes(row0.raw_data(), ctx.device(), slot.raw_data(), ctx.device(), size_t(row0.nbytes()), ctx.stream());
+  });
+}
+
+std::vector<Fp8TensorScaling*> scaling_states(const std::vector<Linear*>& linears) {
+  std::vector<Fp8TensorScaling*> states;
+  for (Linear* l : linears) {
+    states.push_back(&l->fp8()->forward_scaling());
+    states.push_back(&l->fp8()->backward_scaling());
+  }
+  return states;
+}
+}  // namespace
+
 void GPTModel::finish_fp8_step(Context& ctx) {
   if (!config_.fp8.enabled() || config_.fp8.recipe != Fp8Recipe::Delayed) return;
-  std::vector<Fp8TensorScaling*> states;
+  std::vector<Linear*> dense, experts;
   for (const auto& layer : decoder_->layers()) {
-    for (Linear* l : layer->fp8_linears()) {
-      states.push_back(&l->fp8()->forward_scaling());
-      states.push_back(&l->fp8()->backward_scaling());
-    }
+    dense.insert(dense.end(), layer->fp8_linears().begin(), layer->fp8_linears().end());
+    experts.insert(experts.end(), layer->fp8_expert_linears().begin(), layer->fp8_expert_linears().end());
   }
-  if (states.empty()) return;
-  Communicator* groups[] = {multi_rank(pg_.tp_cp), multi_rank(pg_.dp)};
-  if (groups[0] || groups[1]) {
-    int64_t total = 0;
-    for (const Fp8TensorScaling* s : states) total += s->size();
-    Tensor rows = Tensor::empty({total}, DType::Float32, ctx.device());
-    auto each_row0 = [&](auto&& copy) {
-      int64_t offset = 0;
-      for (Fp8TensorScaling* s : states) {
-        Tensor row0 = s->mutable_amax_history().flat_slice(0, s->size());
-        Tensor slot = rows.flat_slice(offset, s->size());
-        copy(row0, slot);
-        offset += s->size();
-      }
-    };
-    each_row0([&](Tensor& row0, Tensor& slot) {
-      copy_bytes(slot.raw_data(), ctx.device(), row0.raw_data(), ctx.device(), size_t(row0.nbytes()), ctx.stream());
-    });
-    for (Communicator* g : groups) {
-      if (g) g->all_reduce(ctx, rows, ReduceOp::Max)->wait();
-    }
-    each_row0([&](Tensor& row0, Tensor& slot) {
-      copy_bytes(row0.raw_data(), ctx.device(), slot.raw_data(), ctx.device(), size_t(row0.nbytes()), ctx.stream());
-    });
-  }
-  for (const auto& layer : decoder_->layers()) {
-    for (Linear* l : layer->fp8_linears()) l->fp8()->update(ctx);
-  }
+  // Every rank of a group holds the same layers (the same local experts, for the expert groups),
+  // in the same order, so the concatenated rows line up.
+  reduce_amax(ctx, scaling_states(dense), {multi_rank(pg_.tp_cp), multi_rank(pg_.dp)});
+  reduce_amax(ctx, scaling_states(experts), {multi_rank(pg_.expt_tp), multi_rank(pg_.expt_dp)});
+  for (Linear* l : dense) l->fp8()->update(ctx);
+  for (Linear* l : experts) l->fp8()->update(ctx);
 }
 
 // Note [FP8 state in checkpoints]: the delayed recipe's scales and amax histories of each FP8
 // linear layer ("<layer>.fp8_forward_scale" [2], "<layer>.fp8_forward_amax_history" [L, 2] — input,
 // weight — and "<layer>.fp8_backward_scale" [1], "<layer>.fp8_backward_amax_history" [L, 1] — the
 // output gradient; TE's fp8 meta in Megatron's _extra_state), the same on every rank of the layer
-// once reduced, so written once like the expert biases. They are optional: a bf16 checkpoint loads
+// once reduced, so written once like the expert biases. A routed expert's are under its weights'
+// name (the global expert index: "...mlp.experts.local_experts.<g>.linear_fc1.fp8_forward_scale"),
+// written by the ranks that write the expert weights (ModelBuffer::expert), so they load into any
+// expert-parallel layout. They are optional: a bf16 checkpoint loads
 // into an FP8 run with fresh state (scales 1, empty histories, as a new TE module) and an FP8
 // checkpoint into a bf16 run ignores them. The scale inverses are not saved: each quantisation
 // writes them from the scale.
@@ -197,11 +220,14 @@ std::vector<ModelBuffer> GPTModel::buffers() {
   }
   if (config_.fp8.enabled() && config_.fp8.recipe == Fp8Recipe::Delayed) {
     for (const auto& layer : decoder_->layers()) {
-      for (Linear* l : layer->fp8_linears()) {
-        for (auto [pass, s] : {std::pair<const char*, Fp8TensorScaling*>{"forward", &l->fp8()->forward_scaling()},
-                               {"backward", &l->fp8()->backward_scaling()}}) {
-          out.push_back({fmt::format("{}.fp8_{}_scale", l->name(), pass), &s->mutable_scales(), true});
-          out.push_back({fmt::format("{}.fp8_{}_amax_history", l->name(), pass), &s->mutable_amax_history(), true});
+      for (bool expert : {false, true}) {
+        for (Linear* l : expert ? layer->fp8_expert_linears() : layer->fp8_linears()) {
+          for (auto [pass, s] : {std::pair<const char*, Fp8TensorScaling*>{"forward", &l->fp8()->forward_scaling()},
+                                 {"backward", &l->fp8()->backward_scaling()}}) {
+            out.push_back({fmt::format("{}.fp8_{}_scale", l->name(), pass), &s->mutable_scales(), true, expert});
+            out.push_back(
+                {fmt::format("{}.fp8_{}_amax_history", l->name(), pass), &s->mutable_amax_history(), true, expert});
+          }
         }
       }
     }

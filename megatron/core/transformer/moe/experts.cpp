@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include "megatron/core/tensor_parallel/fp8_linear.h"
 #include "megatron/kernels/ops.h"
+#include "megatron/runtime/allocator.h"
 
 namespace megatron::moe {
 
@@ -21,12 +23,31 @@ std::vector<Tensor> bias_grads(const std::vector<Parameter*>& b) {
     for (const Parameter* p : b) out.push_back(p->main_grad);
   return out;
 }
+
+// Rows [row, row + n) of x as a [padded, cols] tensor whose rows after n are zeros (the slice itself
+// when padded == n): Megatron's Fp8Padding of one expert's block (Note [FP8 experts]).
+Tensor padded_rows(Context& ctx, const Tensor& x, int64_t row, int64_t n, int64_t padded) {
+  if (padded == n) return x.slice(row, row + n);
+  Tensor out = Tensor::empty({padded, x.size(1)}, x.dtype(), ctx.device());
+  ops::copy_rows(ctx, x, row, out, 0, n);
+  Tensor tail = out.slice(n, padded);
+  fill_bytes(tail.raw_data(), ctx.device(), 0, tail.nbytes(), ctx.stream());
+  return out;
+}
+
+int64_t fp8_padded(int64_t n) {
+  const int64_t a = SequentialMLP::kFp8ExpertAlign;
+  return (n + a - 1) / a * a;
+}
 }  // namespace
 
 SequentialMLP::SequentialMLP(const TransformerConfig& config, int num_local_experts, int first_expert,
                              int64_t ffn_hidden_size, ParamAndGradBuffer& params, const std::string& prefix,
                              const ProcessGroupCollection& pg, bool grouped)
-    : act_(MlpActivation::from_config(config)), swiglu_(config.gated_linear_unit), grouped_(grouped) {
+    : act_(MlpActivation::from_config(config)),
+      swiglu_(config.gated_linear_unit),
+      grouped_(grouped),
+      hidden_(config.hidden_size) {
   Communicator* etp = multi_rank(pg.expt_tp);
   MG_CHECK(ffn_hidden_size % group_size(etp) == 0,
            "--moe-ffn-hidden-size ({}) must be divisible by --expert-tensor-parallel-size ({})", ffn_hidden_size,
@@ -60,8 +81,65 @@ SequentialMLP::SequentialMLP(const TransformerConfig& config, int num_local_expe
   }
 }
 
-void SequentialMLP::linear_forward(Context& ctx, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
-                                   const Tensor& x, const std::vector<int64_t>& rows, Tensor& y) const {
+void SequentialMLP::enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears) {
+  MG_CHECK(config.recipe != Fp8Recipe::Blockwise || (hidden_ % kFp8BlockLen == 0 && ffn_ % kFp8BlockLen == 0),
+           "--fp8-recipe blockwise needs --hidden-size ({}) and the experts' width per expert-tensor-parallel rank "
+           "(--moe-ffn-hidden-size / --expert-tensor-parallel-size = {}) to be multiples of the {} block",
+           hidden_, ffn_, kFp8BlockLen);
+  for (auto& l : layers_) {
+    l->enable_fp8(config, device);
+    fp8_linears.push_back(l.get());
+  }
+  fp8_ = true;
+}
+
+Fp8LinearState* SequentialMLP::fp8_state(int e, int fc) const {
+  MG_ASSERT(e >= 0 && e < num_local_experts() && (fc == 1 || fc == 2), "expert {} fc{}", e, fc);
+  return layers_[size_t(2 * e + fc - 1)]->fp8();
+}
+
+// Note [FP8 experts]
+void SequentialMLP::fp8_forward(Context& ctx, int fc, const std::vector<Parameter*>& w,
+                                const std::vector<Parameter*>& b, const Tensor& x, const std::vector<int64_t>& rows,
+                                Tensor& y) const {
+  int64_t row = 0;
+  for (size_t e = 0; e < w.size(); ++e) {
+    const int64_t n = rows[e], padded = fp8_padded(n);
+    if (n == 0) continue;
+    const Tensor xe = padded_rows(ctx, x, row, n, padded);
+    Tensor ye = padded == n ? y.slice(row, row + n) : Tensor::empty({padded, y.size(1)}, y.dtype(), ctx.device());
+    fp8_state(int(e), fc)->forward(ctx, xe, w[e]->data, b[e] ? b[e]->data : Tensor(), ye);
+    if (padded != n) ops::copy_rows(ctx, ye, 0, y, row, n);
+    row += n;
+  }
+}
+
+void SequentialMLP::fp8_backward(Context& ctx, int fc, const std::vector<Parameter*>& w,
+                                 const std::vector<Parameter*>& b, const Tensor& grad_out, const Tensor& x,
+                                 const std::vector<int64_t>& rows, Tensor& grad_in) const {
+  int64_t row = 0;
+  for (size_t e = 0; e < w.size(); ++e) {
+    const int64_t n = rows[e], padded = fp8_padded(n);
+    if (n == 0) continue;
+    const Tensor ge = padded_rows(ctx, grad_out, row, n, padded), xe = padded_rows(ctx, x, row, n, padded);
+    Tensor gi, none;
+    if (grad_in.defined()) {
+      gi = padded == n ? grad_in.slice(row, row + n)
+                       : Tensor::empty({padded, grad_in.size(1)}, grad_in.dtype(), ctx.device());
+    }
+    fp8_state(int(e), fc)->backward(ctx, ge, xe, w[e]->data, gi, w[e]->main_grad, b[e] ? b[e]->main_grad : none);
+    if (gi.defined() && padded != n) ops::copy_rows(ctx, gi, 0, grad_in, row, n);
+    row += n;
+  }
+}
+
+void SequentialMLP::linear_forward(Context& ctx, int fc, const std::vector<Parameter*>& w,
+                                   const std::vector<Parameter*>& b, const Tensor& x, const std::vector<int64_t>& rows,
+                                   Tensor& y) const {
+  if (fp8_) {
+    fp8_forward(ctx, fc, w, b, x, rows, y);
+    return;
+  }
   if (grouped_) {
     std::vector<Tensor> weights;
     for (const Parameter* p : w) weights.push_back(p->data);
@@ -79,10 +157,12 @@ void SequentialMLP::linear_forward(Context& ctx, const std::vector<Parameter*>& 
   }
 }
 
-void SequentialMLP::linear_backward(Context& ctx, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
-                                    const Tensor& grad_out, const Tensor& x, const std::vector<int64_t>& rows,
-                                    Tensor& grad_in) const {
-  if (grouped_) {
+void SequentialMLP::linear_backward(Context& ctx, int fc, const std::vector<Parameter*>& w,
+                                    const std::vector<Parameter*>& b, const Tensor& grad_out, const Tensor& x,
+                                    const std::vector<int64_t>& rows, Tensor& grad_in) const {
+  if (fp8_) {
+    fp8_backward(ctx, fc, w, b, grad_out, x, rows, grad_in);
+  } else if (grouped_) {
     std::vector<Tensor> weights, grads;
     for (Parameter* p : w) {
       weights.push_back(p->data);
@@ -122,7 +202,7 @@ Tensor SequentialMLP::forward(Context& ctx, const Tensor& x, const Tensor& probs
   saved.probs = probs;
   saved.tokens_per_expert = tokens_per_expert;
   saved.fc1 = Tensor::empty({n_rows, (swiglu_ ? 2 : 1) * ffn_}, x.dtype(), ctx.device());
-  linear_forward(ctx, fc1_, fc1_bias_, x, tokens_per_expert, saved.fc1);
+  linear_forward(ctx, 1, fc1_, fc1_bias_, x, tokens_per_expert, saved.fc1);
   Tensor act = Tensor::empty({n_rows, ffn_}, x.dtype(), ctx.device());
   act_.forward(ctx, saved.fc1, act);
   saved.scaled = Tensor::empty({n_rows, ffn_}, x.dtype(), ctx.device());
@@ -130,7 +210,7 @@ Tensor SequentialMLP::forward(Context& ctx, const Tensor& x, const Tensor& probs
   act = Tensor();
   Tensor out = Tensor::empty({n_rows, h}, x.dtype(), ctx.device());
   const std::vector<Parameter*> no_bias(fc2_.size(), nullptr);
-  linear_forward(ctx, fc2_, no_bias, saved.scaled, tokens_per_expert, out);
+  linear_forward(ctx, 2, fc2_, no_bias, saved.scaled, tokens_per_expert, out);
   // + p · b2 (Note [Grouped experts with biases]), sequential or grouped
   if (const auto b2 = bias_data(fc2_bias_); !b2.empty())
     ops::moe_grouped_bias_forward(ctx, out, b2, tokens_per_expert, probs);
@@ -143,7 +223,7 @@ Tensor SequentialMLP::backward(Context& ctx, const Tensor& grad_out, Saved& save
   // y = W2 · s + p · b2 with s = p · act(fc1)
   Tensor grad_scaled = Tensor::empty({n_rows, ffn_}, grad_out.dtype(), ctx.device());
   const std::vector<Parameter*> no_bias(fc2_.size(), nullptr);
-  linear_backward(ctx, fc2_, no_bias, grad_out, saved.scaled, rows, grad_scaled);
+  linear_backward(ctx, 2, fc2_, no_bias, grad_out, saved.scaled, rows, grad_scaled);
   saved.scaled = Tensor();
   Tensor act = Tensor::empty({n_rows, ffn_}, saved.fc1.dtype(), ctx.device());  // recomputed, not kept
   act_.forward(ctx, saved.fc1, act);
@@ -160,7 +240,7 @@ Tensor SequentialMLP::backward(Context& ctx, const Tensor& grad_out, Saved& save
   act_.backward(ctx, grad_act, saved.fc1, grad_fc1);
   grad_act = Tensor();
   Tensor grad_x = Tensor::empty({n_rows, h}, grad_out.dtype(), ctx.device());
-  linear_backward(ctx, fc1_, fc1_bias_, grad_fc1, saved.x, rows, grad_x);
+  linear_backward(ctx, 1, fc1_, fc1_bias_, grad_fc1, saved.x, rows, grad_x);
   saved = Saved{};
   return grad_x;
 }

@@ -25,12 +25,41 @@
 // is split by output features and fc2 by input features over the expert-TP group, with no
 // communication in the layers (ParallelMode::ExpertColumn / ExpertRow); their gradients reduce
 // over the expert-data-parallel group.
+//
+// Note [FP8 experts]: with --fp8-format an FP8 layer's experts run fc1 and fc2 in FP8, each expert
+// with its own scaling state — TE's GroupedLinear keeps per-GEMM scales and amax histories (input,
+// weight; grad-output), Megatron's SequentialMLP a TE linear per expert; both are one
+// Fp8LinearState per expert linear here (enable_fp8, on the registration Linears), so the state is
+// "<prefix>.local_experts.<g>.linear_fc{1,2}.fp8_*" in checkpoints, named by the global expert
+// like the weights (Megatron splits GroupedLinear's extra state per GEMM the same way), and the
+// grouped and sequential forms are one computation. Each expert with rows runs its three FP8 GEMMs
+// (Note [FP8 linear layer]) on its row block; an expert without rows is skipped (its delayed
+// history does not roll: Note [Delayed scaling]). The rows are padded to a multiple of
+// kFp8ExpertAlign (16, Megatron's get_fp8_align_size for the per-tensor and block recipes: the
+// weight gradient's K is the row count, which cuBLASLt's FP8 GEMM needs in multiples of 16) with
+// zero rows, as Megatron's Fp8Padding / Fp8Unpadding around TE's grouped GEMM: zero rows change no
+// amax, no tile scale and no real row's result, and add nothing to the weight gradient, so the
+// padding is invisible in the values (and runs on every device, so the CPU reference covers it).
+// The fc1 bias rides the FP8 GEMM's epilogue (as TE's), the p·b2 term stays the grouped bias op.
+// The delayed recipe's amax reduces over the ranks that hold the same expert (expert tensor ×
+// expert data parallel: Note [FP8 scaling under parallelism]).
+// Note [Grouped FP8 experts on the GPU]: the grouped form is a loop of fp8_quantize / fp8_gemm
+// launches per expert (per linear: five quantisation passes — x, W; dy for both its copies, W_t,
+// x_t — and three GEMMs, plus the padding's row copies), where the bf16 form is one grouped launch
+// per GEMM. A grouped FP8 kernel would change: one quantisation pass over all rows reading
+// each row block's scale (the per-expert scale and amax slots side by side, as TE's fp8 meta of
+// num_gemms entries, so one fp8_delayed_scale_update per linear for all experts), one grouped GEMM
+// (CUTLASS's grouped FP8 kernels or cuBLASLt's grouped matmul) taking the per-expert scale_inv
+// pointers and problem sizes, and the padding folded into the problem sizes instead of copies
+// (--moe-router-padding-for-fp8 already aligns the counts at the source: Note [Routing padding for
+// FP8], moe_utils.h; the copies here are then skipped).
 #pragma once
 
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "megatron/core/fp8_utils.h"
 #include "megatron/core/tensor_parallel/layers.h"
 #include "megatron/core/transformer/mlp.h"
 #include "megatron/core/transformer/transformer_config.h"
@@ -60,21 +89,38 @@ class SequentialMLP {
 
   int num_local_experts() const { return int(fc1_.size()); }
   bool grouped() const { return grouped_; }
+  /// Runs every local expert's fc1 and fc2 in FP8 with its own scaling state (Note [FP8 experts]);
+  /// appends their Linears to `fp8_linears`. The blockwise recipe needs the hidden size and the
+  /// local expert width (--moe-ffn-hidden-size / expert TP) to be multiples of 128.
+  void enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears);
+  /// The FP8 state of local expert e's fc1 (fc = 1) or fc2 (fc = 2); null when FP8 is off.
+  Fp8LinearState* fp8_state(int e, int fc) const;
+
+  /// Rows per expert are padded to this multiple for its FP8 GEMMs (Note [FP8 experts]).
+  static constexpr int64_t kFp8ExpertAlign = 16;
 
  private:
-  // y [N, out] = rows of expert e times W_e^T (+ b_e), each expert's rows in order.
-  void linear_forward(Context& ctx, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
+  // y [N, out] = rows of expert e times W_e^T (+ b_e), each expert's rows in order; fc: 1 or 2
+  // (which FP8 states, when on).
+  void linear_forward(Context& ctx, int fc, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
                       const Tensor& x, const std::vector<int64_t>& rows, Tensor& y) const;
   // grad_in (undefined: skipped) and the weight (and bias) gradients of linear_forward.
-  void linear_backward(Context& ctx, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
+  void linear_backward(Context& ctx, int fc, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
                        const Tensor& grad_out, const Tensor& x, const std::vector<int64_t>& rows, Tensor& grad_in) const;
+  // linear_forward / linear_backward in FP8: each expert's row block through its Fp8LinearState.
+  void fp8_forward(Context& ctx, int fc, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
+                   const Tensor& x, const std::vector<int64_t>& rows, Tensor& y) const;
+  void fp8_backward(Context& ctx, int fc, const std::vector<Parameter*>& w, const std::vector<Parameter*>& b,
+                    const Tensor& grad_out, const Tensor& x, const std::vector<int64_t>& rows, Tensor& grad_in) const;
 
   MlpActivation act_;
   bool swiglu_, grouped_;
-  int64_t ffn_;  // local intermediate features (ffn / etp)
+  int64_t hidden_;  // --hidden-size
+  int64_t ffn_;     // local intermediate features (ffn / etp)
   std::vector<std::unique_ptr<Linear>> layers_;  // the registration (names, shards) of fc1 and fc2
   std::vector<Parameter*> fc1_, fc1_bias_, fc2_;  // per local expert (biases null without them)
   std::vector<Parameter*> fc2_bias_;  // applied with the probabilities (null without biases)
+  bool fp8_ = false;                  // Note [FP8 experts]
 };
 
 }  // namespace megatron::moe

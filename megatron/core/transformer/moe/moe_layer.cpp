@@ -59,6 +59,7 @@ MoEConfig moe_config(const TransformerConfig& c) {
   m.dispatcher = c.moe_token_dispatcher_type;
   m.permute_fusion = c.moe_permute_fusion;
   m.grouped_gemm = c.moe_grouped_gemm;
+  m.router_padding = c.moe_router_padding_for_quantization;
   r.validate();
   return m;
 }
@@ -89,6 +90,12 @@ MoELayer::MoELayer(const TransformerConfig& config, const MoEConfig& moe, ParamA
   }
 }
 
+void MoELayer::enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& dense_linears,
+                          std::vector<Linear*>& expert_linears) {
+  experts_->enable_fp8(config, device, expert_linears);
+  if (shared_experts_) shared_experts_->enable_fp8(config, device, dense_linears);
+}
+
 // Note [Shared experts on a side stream] (shared_experts.h): with --moe-shared-expert-overlap the
 // shared experts' work is enqueued first, on the side stream, and the routed path's on the main
 // stream; the join comes right before their sum. Each stream runs the ops the plain path runs, in
@@ -105,7 +112,10 @@ Tensor MoELayer::forward(Context& ctx, const Tensor& x, int64_t seq_length, int6
     shared = side->run([&](Context& s) { return shared_experts_->forward(s, x, saved.shared); });
   }
   std::unique_ptr<MoETokenDispatcher::Saved> dispatch_saved;
-  MoETokenDispatcher::Dispatched d = dispatcher_->dispatch(ctx, x, routed.probs, routed.routing_map, dispatch_saved);
+  // Note [Routing padding for FP8]
+  const Tensor routing_map = moe_.router_padding ? pad_routing_map(routed.routing_map, SequentialMLP::kFp8ExpertAlign)
+                                                 : routed.routing_map;
+  MoETokenDispatcher::Dispatched d = dispatcher_->dispatch(ctx, x, routed.probs, routing_map, dispatch_saved);
   saved.dispatch = std::move(dispatch_saved);
   Tensor expert_out = experts_->forward(ctx, d.tokens, d.probs, d.tokens_per_expert, saved.experts);
   Tensor y = dispatcher_->combine(ctx, expert_out, *saved.dispatch);

@@ -43,6 +43,7 @@ struct MoEConfig {
   std::string dispatcher = "allgather";
   bool permute_fusion = false;
   bool grouped_gemm = false;
+  bool router_padding = false;  // --moe-router-padding-for-quantization (Note [Routing padding for FP8])
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0: none)
   bool shared_expert_gate = false;              // --moe-shared-expert-gate
   bool shared_expert_overlap = false;           // --moe-shared-expert-overlap (inline on the CPU)
@@ -76,6 +77,13 @@ class MoELayer {
   TopKRouter& router() { return *router_; }
   const TopKRouter& router() const { return *router_; }
   int num_local_experts() const { return dispatcher_->num_local_experts(); }
+  /// Runs the experts (Note [FP8 experts], experts.h) and the shared experts in FP8; the router
+  /// stays in its own precision. Appends the experts' Linears to `expert_linears` (their amax
+  /// reduces over the expert groups) and the shared experts' to `dense_linears`.
+  void enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& dense_linears,
+                  std::vector<Linear*>& expert_linears);
+  SequentialMLP& experts() { return *experts_; }
+  const SequentialMLP& experts() const { return *experts_; }
   /// Declares the router's losses (every rank of the model, before the first step).
   void declare_losses(AuxLossTracker& tracker) const { router_->declare_losses(tracker); }
 

@@ -440,6 +440,27 @@ int64_t expert_capacity(int64_t num_tokens, int num_experts, float capacity_fact
   return int64_t(std::ceil(double(num_tokens) / double(num_experts) * double(capacity_factor)));
 }
 
+Tensor pad_routing_map(const Tensor& routing_map, int64_t multiple) {
+  MG_CHECK(routing_map.defined() && routing_map.dim() == 2 && routing_map.dtype() == DType::UInt8 && multiple > 0,
+           "pad_routing_map: the map must be uint8 [tokens, experts], got {}",
+           routing_map.defined() ? routing_map.str() : "undefined");
+  Tensor map = routing_map.to(Device::cpu()).clone();
+  const int64_t t_count = map.size(0), e = map.size(1);
+  uint8_t* m = map.data<uint8_t>();
+  for (int64_t x = 0; x < e; ++x) {
+    int64_t count = 0;
+    for (int64_t t = 0; t < t_count; ++t) count += m[t * e + x] != 0;
+    int64_t to_pad = (multiple - count % multiple) % multiple;
+    for (int64_t t = 0; t < t_count && to_pad > 0; ++t) {
+      if (m[t * e + x] == 0) {
+        m[t * e + x] = 1;
+        --to_pad;
+      }
+    }
+  }
+  return map.to(routing_map.device());
+}
+
 RoutingOutput routing_forward(const RouterConfig& c, const Tensor& logits_in, const Tensor& expert_bias,
                               int64_t seq_length, int64_t micro_batch, RoutingSaved& saved,
                               const CountReduction* counts, bool training) {

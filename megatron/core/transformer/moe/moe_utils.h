@@ -176,4 +176,20 @@ Tensor updated_expert_bias(const Tensor& tokens_per_expert, const Tensor& expert
 /// Megatron's get_capacity: ceil(num_tokens / num_experts · capacity_factor).
 int64_t expert_capacity(int64_t num_tokens, int num_experts, float capacity_factor);
 
+// Note [Routing padding for FP8] (--moe-router-padding-for-quantization, alias
+// --moe-router-padding-for-fp8): Megatron's pad_routing_map. Before the alltoall or flex dispatch,
+// each expert's column of this rank's routing map gets its first (-count mod multiple) unrouted
+// tokens (in token order) marked as routed, so every source sends each expert a multiple of 16 rows
+// and every expert's total is one: the experts' FP8 GEMMs then need no zero padding (Note [FP8
+// experts]). The added rows carry probability 0 (probs is zero off the chosen experts): they add
+// nothing to the output and nothing to any weight gradient, but they are real tokens, so they enter
+// fc1's input amax and fc2's output-gradient amax as in Megatron, and their probability gradients
+// fall on experts the router did not choose, which its backward ignores. The router's losses and
+// token counts come from the unpadded map (Megatron pads in the dispatcher, after the router). An
+// expert with fewer unrouted tokens than it needs is padded as far as they go (the experts pad the
+// rest). The map comes to the host and back: one synchronisation per layer, where Megatron's
+// alltoall dispatcher also waits for the padded token count.
+/// routing_map [T, E] uint8 (any device) -> the padded map on the same device.
+Tensor pad_routing_map(const Tensor& routing_map, int64_t multiple);
+
 }  // namespace megatron::moe

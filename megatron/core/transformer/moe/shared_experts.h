@@ -63,6 +63,11 @@ class SharedExpertMLP {
   Tensor backward(Context& ctx, const Tensor& grad_out, Saved& saved) const;
 
   const Parameter* gate_weight() const { return gate_weight_; }
+  /// Runs fc1 and fc2 in FP8, as a dense MLP's (Megatron's shared experts are TE linears; the gate
+  /// stays in bf16); appends them to `fp8_linears`.
+  void enable_fp8(const Fp8Config& config, Device device, std::vector<Linear*>& fp8_linears) {
+    mlp_.enable_fp8(config, device, fp8_linears);
+  }
 
  private:
   MLP mlp_;
