@@ -276,7 +276,8 @@ void AdamOptimizer::scatter_state(Context& ctx, const std::string& name, const A
 
 void AdamOptimizer::reload_model_params() {
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].data.dtype() != DType::Float32 && !params_[i].fp8 && shard_count_[i] > 0) states_[i].master.copy_from(model_shard(i));
+    if (params_[i].data.dtype() != DType::Float32 && !params_[i].fp8 && shard_count_[i] > 0)
+      states_[i].master.copy_from(model_shard(i));
   }
 }
 

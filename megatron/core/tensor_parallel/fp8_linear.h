@@ -57,8 +57,8 @@ class Fp8LinearState {
   /// again: x was quantised with tensor `index`'s scale earlier in this step (Fp8TensorScaling::quantize).
   Fp8Operand quantize(Context& ctx, bool backward, int64_t index, const Tensor& x, bool transposed, bool tile_2d,
                       bool again = false);
-  /// The FP8 weight (Note [FP8 parameters]) as a GEMM operand, or its transposed copy (needs ctx).
-  Fp8Operand fp8_weight(const Tensor& weight, bool transposed, Context* ctx = nullptr);
+  /// The FP8 weight (Note [FP8 parameters]) as a GEMM operand, or its transposed copy.
+  Fp8Operand fp8_weight(Context& ctx, const Tensor& weight, bool transposed);
 
   Fp8Config config_;
   Fp8TensorScaling fwd_, bwd_;

@@ -99,6 +99,23 @@ TEST_F(Fp8ParamGatherTraining, Fp32RunsAreUnchangedAndDp2AgreesWithOneProcess) {
   }
 }
 
+// Under tensor (and sequence) parallelism too: each tensor-parallel rank's weight shard is sharded
+// again over data parallelism, and its amax is reduced over the data-parallel group only (the
+// scale is the tensor-parallel rank's own, as without the flag).
+TEST_F(Fp8ParamGatherTraining, Fp32RunsAreUnchangedUnderTensorAndDataParallelism) {
+  const fs::path with = dir_->path / "tp2dp2_with", without = dir_->path / "tp2dp2_without";
+  const std::vector<std::string> layout = {"--train-iters", "3", "--tensor-model-parallel-size", "2",
+                                           "--sequence-parallel", "--ddp-bucket-size", "20000"};
+  TrainRun a = train(dir_->path, "tp2dp2_with", 4,
+                     concat(concat(fp8(kGpt, "tensorwise", true), layout), {"--save", with.string()}));
+  TrainRun b = train(dir_->path, "tp2dp2_without", 4,
+                     concat(concat(fp8(kGpt, "tensorwise", false), layout), {"--save", without.string()}));
+  ASSERT_EQ(a.losses.size(), 3u) << a.output;
+  ASSERT_EQ(b.losses.size(), 3u) << b.output;
+  EXPECT_EQ(a.losses, b.losses);
+  expect_same_state(with, without, "tp 2 x dp 2 with and without --fp8-param-gather");
+}
+
 // bf16: the flag rounds the masters to FP8 once instead of through bf16; the loss falls and stays
 // within 0.3% of the run without the flag.
 TEST_F(Fp8ParamGatherTraining, Bf16TrainsLikeTheRunWithoutIt) {
