@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "megatron/core/comm/communicator.h"
 #include "megatron/runtime/check.h"
 
 namespace megatron {
@@ -38,6 +39,9 @@ void Fp8Config::validate(int num_layers, int pipeline_model_parallel_size, bool 
   MG_CHECK(!param_gather || use_distributed_optimizer,
            "--fp8-param-gather only works with the distributed optimizer: add --use-distributed-optimizer");
   if (!enabled()) return;
+  MG_CHECK(!(param_gather && recipe == Fp8Recipe::Blockwise),
+           "--fp8-param-gather with --fp8-recipe blockwise is not supported: its 128x128 weight scales would need the "
+           "distributed optimizer's shards cut at block boundaries; use delayed or tensorwise, or drop the flag");
   MG_CHECK(amax_history_len >= 1, "--fp8-amax-history-len must be at least 1 (got {})", amax_history_len);
   MG_CHECK(interval >= 1, "--fp8-interval must be at least 1 (got {})", interval);
   MG_CHECK(!(first_last_layers_bf16 && recipe == Fp8Recipe::Delayed),
@@ -112,6 +116,43 @@ void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const Tensor& x, Tensor
 void Fp8TensorScaling::update(Context& ctx) {
   if (recipe_ != Fp8Recipe::Delayed || size() == 0) return;
   ops::fp8_delayed_scale_update(ctx, amax_history_, scale_, params_);
+}
+
+// Note [FP8 parameters].
+void quantize_fp8_param_shards(Context& ctx, const std::vector<Fp8ParamShard>& shards, Communicator* amax_group) {
+  Tensor none;
+  std::vector<const Fp8ParamShard*> current;
+  for (const Fp8ParamShard& sh : shards) {
+    MG_ASSERT(sh.param && sh.param->scaling, "an FP8 parameter without its scaling state");
+    MG_ASSERT(sh.main.numel() == sh.data.numel(), "FP8 parameter shard of {} main and {} fp8 elements",
+              sh.main.numel(), sh.data.numel());
+    Fp8TensorScaling& s = *sh.param->scaling;
+    const int64_t i = sh.param->index;
+    sh.param->transpose = Tensor();  // Fp8Param::transpose: made again by the next backward
+    sh.param->quantized = true;
+    if (s.recipe() == Fp8Recipe::Tensorwise) {
+      current.push_back(&sh);
+      continue;
+    }
+    MG_ASSERT(s.recipe() == Fp8Recipe::Delayed, "FP8 parameters with the {} recipe", to_string(s.recipe()));
+    Tensor q = sh.data, amax = s.amax(i), scale_inv = s.scale_inv(i);
+    ops::fp8_quantize(ctx, sh.main, s.scale(i), q, none, amax, scale_inv);
+  }
+  if (current.empty()) return;
+  // Current scaling: the whole weight's amax from its shards', for every weight in one all-reduce.
+  Tensor amaxes = Tensor::zeros({int64_t(current.size())}, DType::Float32, ctx.device());
+  for (size_t j = 0; j < current.size(); ++j) {
+    Tensor a = amaxes.flat_slice(int64_t(j), 1);
+    if (current[j]->main.numel() > 0) ops::fp8_amax(ctx, current[j]->main, a);
+  }
+  if (amax_group && amax_group->size() > 1) amax_group->all_reduce(ctx, amaxes, ReduceOp::Max)->wait();
+  for (size_t j = 0; j < current.size(); ++j) {
+    Fp8TensorScaling& s = *current[j]->param->scaling;
+    const int64_t i = current[j]->param->index;
+    Tensor a = amaxes.flat_slice(int64_t(j), 1), scale = s.scale(i), scale_inv = s.scale_inv(i), q = current[j]->data;
+    ops::fp8_scale_from_amax(ctx, a, fp8_max_of(s.dtype()), /*power_of_two_scales=*/false, scale, scale_inv);
+    ops::fp8_quantize(ctx, current[j]->main, scale, q, none, none, none);
+  }
 }
 
 }  // namespace megatron

@@ -24,6 +24,29 @@
 // gradients with a scale per 1x128 tile, weights per 128x128 tile (fp8_block_quantize), scales
 // rounded down to powers of two (TE's default; exact scale inverses); e4m3 by default, as TE.
 // Needs the hidden sizes to be multiples of 128.
+//
+// Note [FP8 parameters] (--fp8-param-gather: Megatron's fp8_param_gather over TE's fp8_model_init
+// and the distributed optimizer's quantize_param_shard): the weights of the FP8 linear layers are
+// held as FP8 data (e4m3, 1 byte per element) and the scale_inv of their layer's weight tensor —
+// no bf16 copy. DistributedDataParallel gives them a parameter buffer of their own (fp8 bytes; the
+// fp32 grad buffer as for any parameter) and the optimizer's fp32 main params are the weights'
+// only high-precision values (initialised from the model's bf16/fp32 initial values, as Megatron's
+// get_high_precision_init_val). After each Adam step every data-parallel rank quantises its own
+// shard of the fp32 main params straight into its shard of the FP8 buffer with the weight's scale,
+// then the all-gather moves FP8 bytes (half of bf16's traffic):
+//   delayed     the scale the step's update just set from the amax history; the shard's amax goes
+//               into the history's row 0, and the next step's reduction over tensor × context ×
+//               data parallelism (Note [FP8 scaling under parallelism]) makes it the whole weight's;
+//   tensorwise  amax of the whole weight = max over the data-parallel group of the shards' amaxes
+//               (one all-reduce for every FP8 weight), then scale = fp8_max / amax;
+// and scale_inv = 1 / scale on every rank, whether or not it holds a piece of the weight. The
+// scales are then the ones the forward would have computed from the bf16 weight without the flag,
+// so the only difference in the math is the rounding: fp32 -> fp8 once instead of fp32 -> bf16 ->
+// fp8. The forward uses the FP8 weight as it is; the backward's transposed copy (Hopper's GEMMs
+// are TN only: Note [FP8 GEMM layouts]) is a byte transpose made by the first backward after the
+// values change and kept until the next optimizer step (Fp8Param::transpose). The blockwise recipe
+// is refused with the flag (its 128x128 weight tiles would need shards cut at tile boundaries or an
+// amax gathered per tile); the MoE experts are not FP8 layers, so they stay bf16 in bf16 buffers.
 #pragma once
 
 #include <string>
@@ -59,7 +82,8 @@ struct Fp8Config {
   /// Megatron's checks of the options (TransformerConfig.__post_init__, validate_args), one line
   /// each: formats and recipes by name (mxfp8: Blackwell only), the history length, delayed scaling
   /// with bf16 first/last layers, the bf16 layer counts against the layers of a pipeline stage,
-  /// --fp8-param-gather without FP8 or without the distributed optimizer, and blockwise with a
+  /// --fp8-param-gather without FP8, without the distributed optimizer or with the blockwise recipe
+  /// (Note [FP8 parameters]), and blockwise with a
   /// hidden or MLP size that is not a multiple of the 128 block.
   void validate(int num_layers, int pipeline_model_parallel_size, bool use_distributed_optimizer, int hidden_size,
                 int ffn_hidden_size) const;
@@ -115,5 +139,29 @@ class Fp8TensorScaling {
   Fp8DelayedParams params_;
   Tensor scale_, scale_inv_, amax_history_, amax_;
 };
+
+/// A weight held in FP8 under --fp8-param-gather (Note [FP8 parameters]): Parameter::fp8 points at
+/// this, owned by the weight's layer (Fp8LinearState).
+struct Fp8Param {
+  Fp8TensorScaling* scaling = nullptr;  // the layer's forward state; the weight is its tensor `index`
+  int64_t index = 1;
+  /// The weight's dtype without FP8 parameters (the run's bf16 or fp32): its checkpoints store it so.
+  DType model_dtype = DType::BFloat16;
+  /// The optimizer has written the FP8 values (AdamOptimizer::copy_main_params_to_model_params).
+  bool quantized = false;
+  /// The transposed FP8 copy for the input-gradient GEMM; undefined when the values changed since.
+  Tensor transpose;
+};
+
+/// The FP8 parameters' quantisation from their fp32 main values (Note [FP8 parameters]): for each
+/// weight, `main` is this rank's shard of its fp32 main params and `data` the same elements of its
+/// FP8 data (both may be empty). Tensorwise: `amax_group` (the data-parallel group, or null with
+/// one rank) takes one all-reduce (max) of every shard's amax.
+struct Fp8ParamShard {
+  Fp8Param* param = nullptr;
+  Tensor main, data;
+};
+class Communicator;
+void quantize_fp8_param_shards(Context& ctx, const std::vector<Fp8ParamShard>& shards, Communicator* amax_group);
 
 }  // namespace megatron

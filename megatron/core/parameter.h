@@ -17,6 +17,7 @@ namespace megatron {
 
 class Context;
 struct Parameter;
+struct Fp8Param;
 
 /// Told each time a backward pass has accumulated into a parameter's main_grad (the data-parallel
 /// wrapper uses it to start reducing a bucket as soon as its gradients are complete).
@@ -66,7 +67,7 @@ const char* grad_reduce_group_name(GradReduceGroup g);
 
 struct Parameter {
   std::string name;  // unique, e.g. "decoder.layers.0.self_attention.linear_qkv.weight"
-  Tensor data;       // model dtype: fp32, bf16 or fp16
+  Tensor data;       // model dtype: fp32, bf16 or fp16; fp8 when `fp8` is set
   Tensor main_grad;  // fp32, same numel; owned by the model, zeroed by the caller
   bool no_weight_decay = false;
   ShardSpec shard;   // empty global_shape: unsharded, the local shape
@@ -93,6 +94,9 @@ struct Parameter {
   bool is_embedding_or_output_parameter = false;
   /// The group DistributedDataParallel reduces the gradient over (one buffer per group).
   GradReduceGroup reduce_group = GradReduceGroup::DataContext;
+  /// --fp8-param-gather: the weight of an FP8 layer, held in FP8 once DistributedDataParallel has
+  /// laid it out (Note [FP8 parameters], core/fp8_utils.h); owned by the layer. Null otherwise.
+  Fp8Param* fp8 = nullptr;
   /// Set by the data-parallel wrapper; modules call notify_grad_accumulated after accumulating.
   GradHook* grad_hook = nullptr;
 };

@@ -20,6 +20,7 @@
 
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/dist_checkpointing/sharded.h"
+#include "megatron/core/fp8_utils.h"
 
 namespace megatron {
 
@@ -96,6 +97,18 @@ void write_text_atomically(const fs::path& path, const std::string& text) {
 }
 
 Tensor host_copy(const Tensor& t) { return t.to(Device::cpu()); }
+
+// Note [FP8 parameters in checkpoints]: an FP8 weight (--fp8-param-gather) is saved in its model
+// dtype (bf16, or fp32), rounded from the optimizer's fp32 master — the value the weight would have
+// in a run without the flag, not the FP8 bytes dequantised — so FP8-parameter and plain
+// checkpoints are interchangeable both ways; loading sets the masters from it (or from the
+// optimizer state, when loaded) and quantises. Without an optimizer the FP8 data is dequantised.
+Tensor fp8_param_value(Context& ctx, const Parameter& p, const AdamOptimizer* optimizer) {
+  if (optimizer) return optimizer->gather_state(ctx, p.name).master.to(p.fp8->model_dtype);
+  Tensor out = Tensor::empty(p.data.shape(), p.fp8->model_dtype, p.data.device());
+  ops::fp8_dequantize(ctx, p.data, p.fp8->scaling->scale_inv(p.fp8->index), out);
+  return out;
+}
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -489,7 +502,13 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
   auto writer = [&](const Parameter& p) { return p.reduce_group == GradReduceGroup::ExpertData ? edp_writer : dp_writer; };
   auto owned = [&](const Parameter& p) { return !p.shared_embedding_copy && !(p.tp_duplicate && tp_rank != 0); };
   for (const Parameter* p : params) {
-    if (owned(*p) && writer(*p)) job->model_tensors.push_back({p->name, host_copy(p->data), p->shard});
+    if (!owned(*p)) continue;
+    if (p->fp8) {
+      const Tensor value = fp8_param_value(ctx, *p, optimizer);  // collective with an optimizer
+      if (writer(*p)) job->model_tensors.push_back({p->name, host_copy(value), p->shard});
+      continue;
+    }
+    if (writer(*p)) job->model_tensors.push_back({p->name, host_copy(p->data), p->shard});
   }
   const int etp_rank = distributed() ? parallel_->etp_rank() : 0;
   for (const ModelBuffer& b : buffers_) {
@@ -627,6 +646,7 @@ std::optional<TrainingProgress> Checkpointer::load_checked(Context& ctx, const s
   ShardIndex model_index(dir.string(), kModelStem);
   if (checksums) model_index.expect_checksums(*checksums);
   std::exception_ptr model_error;
+  std::vector<std::pair<Parameter*, Tensor>> fp8_values;  // Note [FP8 parameters in checkpoints]
   try {
     for (Parameter* p : params) {
       MG_CHECK(model_index.contains(p->name), "checkpoint {} has no tensor '{}': it was saved from another model",
@@ -636,6 +656,12 @@ std::optional<TrainingProgress> Checkpointer::load_checked(Context& ctx, const s
       MG_CHECK(shape == want,
                "checkpoint {} was saved from another model: tensor '{}' has shape {} there, {} in this model{}",
                dir.string(), p->name, shape_str(shape), shape_str(want), vocabulary_hint(p->name, shape, want));
+      if (p->fp8) {
+        MG_CHECK(optimizer, "loading FP8 parameter '{}' (--fp8-param-gather) needs the optimizer", p->name);
+        fp8_values.emplace_back(p, Tensor::empty(p->data.shape(), p->fp8->model_dtype, p->data.device()));
+        bytes += model_index.load_into(p->name, p->shard, fp8_values.back().second);
+        continue;
+      }
       bytes += model_index.load_into(p->name, p->shard, p->data);
     }
     for (const ModelBuffer& b : buffers_) {
@@ -695,6 +721,8 @@ std::optional<TrainingProgress> Checkpointer::load_checked(Context& ctx, const s
       optimizer->copy_main_params_to_model_params(ctx);  // collective with the distributed optimizer
     } else {
       optimizer->reload_model_params();
+      for (const auto& [p, value] : fp8_values) optimizer->set_main_param(p->name, value);
+      if (!fp8_values.empty()) optimizer->copy_main_params_to_model_params(ctx);  // quantises them
     }
   }
   if (scheduler && !finetune && meta.contains("opt_param_scheduler")) {

@@ -680,6 +680,8 @@ int pretrain(Arguments args, const PretrainCallbacks& callbacks, Clock::time_poi
     for (const auto& [param, times] : c->repeated_accumulations()) ddp.set_expected_accumulations(param, times);
   }
   AdamOptimizer optimizer(ddp.parameters(), optimizer_config_from_args(args), ddp);
+  // Note [FP8 parameters]: the FP8 weights' first values, quantised from the masters (collective).
+  if (optimizer.has_fp8_params()) optimizer.copy_main_params_to_model_params(ctx);
   OptimizerParamScheduler scheduler(scheduler_config_from_args(args));
   Checkpointer checkpointer(args, &ps);
   checkpointer.set_model_buffers(chunk_buffers(chunks));

@@ -186,6 +186,8 @@ TEST(Fp8Config, RefusesWhatMegatronRefuses) {
   check(p, 128, true, "--fp8-param-gather needs --fp8-format");
   p.format = "hybrid";
   check(p, 128, false, "only works with the distributed optimizer");
+  p.recipe = Fp8Recipe::Blockwise;
+  check(p, 128, true, "--fp8-param-gather with --fp8-recipe blockwise is not supported");
   Fp8Config h = c;
   h.amax_history_len = 0;
   check(h, 128, false, "--fp8-amax-history-len must be at least 1");

@@ -115,5 +115,35 @@ TEST(Fp8PretrainGpu, MoeExpertsMatchTheCpuReference) {
   EXPECT_LT(bf16.back(), bf16.front() - 0.1);
 }
 
+// --fp8-param-gather on the GPU (Note [FP8 parameters]): the fp8 buffer, the shard quantisation and
+// the byte transpose on CUDA. fp32 on CUDA against the CPU reference with the flag, as above; bf16
+// with the flag against bf16 without it, within the flag's rounding (fp32 -> fp8 instead of
+// through bf16); and a resumed run with the flag continues exactly.
+TEST(Fp8PretrainGpu, ParamGatherMatchesTheCpuReferenceAndTheRunWithoutIt) {
+  if (cuda_device_count() == 0 || cuda_compute_capability(0) < 90) GTEST_SKIP() << "no Hopper GPU";
+  ScratchDir dir("fp8_pretrain_param_gather");
+  for (const char* recipe : {"delayed", "tensorwise"}) {
+    const std::vector<std::string> f = {"--fp8-format", "hybrid", "--fp8-recipe", recipe, "--use-distributed-optimizer",
+                                        "--deterministic-mode"};
+    const std::vector<std::string> pg = with(f, {"--fp8-param-gather"});
+    const auto cpu = train(dir.path, std::string("pg_cpu_") + recipe,
+                           with(pg, {"--train-iters", "4", "--fp8-cpu-reference"}), "cpu", 4);
+    const auto cuda = train(dir.path, std::string("pg_cuda_") + recipe, with(pg, {"--train-iters", "4"}), "cuda", 4);
+    expect_losses_close(cuda, cpu, 2e-3, std::string("fp8 param gather ") + recipe + " cuda vs cpu");
+    const std::vector<std::string> bf16 = {"--train-iters", "6", "--bf16"};
+    const auto with_flag = train(dir.path, std::string("pg_bf16_") + recipe, with(pg, bf16), "cuda", 6);
+    const auto without = train(dir.path, std::string("nopg_bf16_") + recipe, with(f, bf16), "cuda", 6);
+    std::printf("fp8 param gather %s bf16: %.6f .. %.6f, without %.6f .. %.6f\n", recipe, with_flag.front(),
+                with_flag.back(), without.front(), without.back());
+    expect_losses_close(with_flag, without, 5e-3, std::string("fp8 param gather ") + recipe + " vs without");
+    const std::string ckpt = (dir.path / (std::string("ckpt_") + recipe)).string();
+    train(dir.path, std::string("pg_first_") + recipe, with(with(pg, bf16), {"--exit-interval", "3", "--save", ckpt}),
+          "cuda", 3);
+    const auto rest = train(dir.path, std::string("pg_rest_") + recipe, with(with(pg, bf16), {"--load", ckpt}), "cuda", 3);
+    ASSERT_EQ(rest.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rest[i], with_flag[i + 3]) << recipe << " iteration " << i + 4;
+  }
+}
+
 }  // namespace
 }  // namespace megatron::testing

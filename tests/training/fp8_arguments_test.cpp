@@ -83,8 +83,17 @@ TEST(Fp8Arguments, BadCombinationsSayWhichRuleFailed) {
         "--moe-shared-expert-intermediate-size (64) to be multiples of the 128 block");
   check({"--fp8-param-gather"}, "--fp8-param-gather needs --fp8-format");
   check({"--fp8-format", "e4m3", "--fp8-param-gather"}, "only works with the distributed optimizer");
-  check({"--fp8-format", "e4m3", "--fp8-param-gather", "--use-distributed-optimizer"},
-        "--fp8-param-gather is not supported yet");
+  EXPECT_EQ(validate_error({"--fp8-format", "e4m3", "--fp8-param-gather", "--use-distributed-optimizer"}), "");
+  EXPECT_EQ(validate_error({"--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather",
+                            "--use-distributed-optimizer"}),
+            "");
+  EXPECT_EQ(validate_error({"--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather",
+                            "--use-distributed-optimizer"}),
+            "--fp8-param-gather with --fp8-recipe blockwise is not supported: its 128x128 weight scales would need the "
+            "distributed optimizer's shards cut at block boundaries; use delayed or tensorwise, or drop the flag");
+  check({"--fp8-format", "e4m3", "--fp8-param-gather", "--use-distributed-optimizer", "--cuda-graph-impl", "local",
+         "--cuda-graph-scope", "full_iteration"},
+        "--fp8-param-gather with --cuda-graph-impl local is not supported");
   check({"--fp8-format", "e4m3", "--fp8-amax-history-len", "0"}, "--fp8-amax-history-len must be at least 1");
   // a value outside the choices is a parse error naming the flag
   std::vector<const char*> argv = {"pretrain_gpt", "--fp8-format", "e5m2"};

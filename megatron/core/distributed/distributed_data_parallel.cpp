@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
+#include "megatron/core/fp8_utils.h"
 #include "megatron/kernels/ops.h"
 
 namespace megatron {
@@ -37,20 +39,32 @@ void DistributedDataParallel::build_buffers() {
   for (size_t c = 0; c < chunks_.size(); ++c) {
     ParamAndGradBuffer& chunk = *chunks_[c];
     MG_ASSERT(chunk.allocated(), "DistributedDataParallel: model chunk {} is not allocated", c);
-    std::vector<Parameter*> dense, expert;
-    for (Parameter* p : chunk.parameters()) (p->reduce_group == GradReduceGroup::DataContext ? dense : expert).push_back(p);
+    std::vector<Parameter*> dense, fp8, expert;
+    for (Parameter* p : chunk.parameters()) {
+      MG_CHECK(!p->fp8 || config_.use_distributed_optimizer,
+               "--fp8-param-gather only works with the distributed optimizer: add --use-distributed-optimizer");
+      MG_ASSERT(!p->fp8 || p->reduce_group == GradReduceGroup::DataContext, "FP8 parameter {} is an expert's", p->name);
+      (p->reduce_group == GradReduceGroup::ExpertData ? expert : p->fp8 ? fp8 : dense).push_back(p);
+    }
     const int dense_dp = reduction_group(GradReduceGroup::DataContext).size();
-    if (expert.empty() && chunk.has_layout(config_, dense_dp)) {
+    if (expert.empty() && fp8.empty() && chunk.has_layout(config_, dense_dp)) {
       buffers_.push_back(GradBuffer{int(c), GradReduceGroup::DataContext, &chunk, nullptr});
       continue;
     }
     MG_CHECK(!chunk.parameters().empty(), "DistributedDataParallel: model chunk {} has no parameters", c);
     const Tensor& any = chunk.parameters().front()->data;
-    for (GradReduceGroup g : {GradReduceGroup::DataContext, GradReduceGroup::ExpertData}) {
-      const std::vector<Parameter*>& params = g == GradReduceGroup::DataContext ? dense : expert;
-      if (params.empty()) continue;
-      auto owned = std::make_unique<ParamAndGradBuffer>(any.dtype(), any.device(), params, config_,
-                                                        reduction_group(g).size());
+    // Note [FP8 parameters]: the FP8 weights' buffer holds fp8 bytes; their model values stay
+    // here (views of the chunk's released storage) until the optimizer has taken them.
+    for (Parameter* p : fp8) {
+      has_fp8_params_ = true;
+      fp8_init_values_[p->name] = p->data;
+      p->fp8->model_dtype = p->data.dtype();
+    }
+    for (auto [g, params, dtype] : {std::tuple{GradReduceGroup::DataContext, &dense, any.dtype()},
+                                    std::tuple{GradReduceGroup::DataContext, &fp8, DType::Float8E4M3},
+                                    std::tuple{GradReduceGroup::ExpertData, &expert, any.dtype()}}) {
+      if (params->empty()) continue;
+      auto owned = std::make_unique<ParamAndGradBuffer>(dtype, any.device(), *params, config_, reduction_group(g).size());
       buffers_.push_back(GradBuffer{int(c), g, owned.get(), std::move(owned)});
     }
     chunk.release_storage();
@@ -76,6 +90,12 @@ std::vector<Parameter> DistributedDataParallel::parameters() const {
   for (ParamAndGradBuffer* buf : chunks_)
     for (Parameter* p : buf->parameters()) out.push_back(*p);
   return out;
+}
+
+Tensor DistributedDataParallel::fp8_init_value(const std::string& name) const {
+  auto it = fp8_init_values_.find(name);
+  MG_ASSERT(it != fp8_init_values_.end(), "no initial value of FP8 parameter {}: the optimizer took them already", name);
+  return it->second;
 }
 
 Parameter* DistributedDataParallel::find(const std::string& name) const {

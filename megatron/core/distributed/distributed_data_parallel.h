@@ -108,6 +108,14 @@ class DistributedDataParallel : public GradHook {
   /// Waits for one chunk's all-gathers only (before that chunk's first forward).
   void finish_param_sync(Context& ctx, int chunk);
 
+  /// Note [FP8 parameters]: the model's value of FP8 parameter `name` when DistributedDataParallel
+  /// adopted it (bf16/fp32; its buffer holds fp8 bytes), for the optimizer's main params — Megatron's
+  /// get_high_precision_init_val. The optimizer releases them (release_fp8_init_values) once built.
+  Tensor fp8_init_value(const std::string& name) const;
+  void release_fp8_init_values() { fp8_init_values_.clear(); }
+  /// Whether any parameter is held in FP8.
+  bool has_fp8_params() const { return has_fp8_params_; }
+
   /// Broadcasts every chunk's parameters from data-parallel rank 0 (Megatron's broadcast_params).
   void broadcast_params(Context& ctx);
 
@@ -152,6 +160,8 @@ class DistributedDataParallel : public GradHook {
   std::vector<bool> sync_enabled_;
   std::unordered_map<const Parameter*, ParamState> params_;
   std::unordered_map<std::string, Parameter*> by_name_;
+  std::unordered_map<std::string, Tensor> fp8_init_values_;
+  bool has_fp8_params_ = false;
 };
 
 /// Megatron's finalize_model_grads: finish_grad_sync, then all-reduce over the tensor-parallel group

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "megatron/kernels/fp8_ops.h"
 #include "megatron/runtime/philox.h"
 
 namespace megatron {
@@ -49,8 +50,10 @@ ParamAndGradBuffer::ParamAndGradBuffer(DType param_dtype, Device device, const s
   for (Parameter* p : params) {
     MG_ASSERT(p && p->data.defined(), "a parameter to adopt has no data");
     MG_ASSERT(!by_name_.count(p->name), "parameter {} adopted twice", p->name);
-    MG_ASSERT(p->data.dtype() == param_dtype && p->data.device() == device, "parameter {} is {} on {}, the buffer {} on {}",
-              p->name, to_string(p->data.dtype()), p->data.device().str(), to_string(param_dtype), device.str());
+    // Note [FP8 parameters]: a buffer of FP8 weights adopts them in their model dtype.
+    MG_ASSERT((p->data.dtype() == param_dtype || (is_fp8(param_dtype) && p->fp8)) && p->data.device() == device,
+              "parameter {} is {} on {}, the buffer {} on {}", p->name, to_string(p->data.dtype()),
+              p->data.device().str(), to_string(param_dtype), device.str());
     entries_.push_back(Entry{p, p->data.shape(), ParamInit::Zeros, {}});
     params_.push_back(p);
     by_name_[p->name] = p;
@@ -59,6 +62,8 @@ ParamAndGradBuffer::ParamAndGradBuffer(DType param_dtype, Device device, const s
   std::vector<Tensor> values;
   for (Parameter* p : params_) values.push_back(p->data);
   lay_out(config, dp_size);
+  // FP8 weights get their values from the optimizer's main params (Note [FP8 parameters]).
+  if (is_fp8(param_dtype)) return;
   for (size_t i = 0; i < params_.size(); ++i) params_[i]->data.copy_from(values[i]);
 }
 
@@ -123,8 +128,10 @@ void ParamAndGradBuffer::lay_out(const DDPConfig& config, int dp_size) {
   param_buffer_ = Tensor::zeros({total}, param_dtype_, device_);  // init_weights or a checkpoint fills it
   grad_buffer_ = Tensor::zeros({total}, DType::Float32, device_);
   // Note [Gradient reduction dtype]: Megatron reduces in the parameters' dtype unless in fp32.
+  // FP8 weights' gradients are reduced in bf16 (Note [FP8 parameters]: their model dtype's).
   const bool low_precision_reduce = !config.grad_reduce_in_fp32 && param_dtype_ != DType::Float32;
-  reduce_buffer_ = low_precision_reduce ? Tensor::zeros({total}, param_dtype_, device_) : Tensor();
+  const DType reduce_dtype = is_fp8(param_dtype_) ? DType::BFloat16 : param_dtype_;
+  reduce_buffer_ = low_precision_reduce ? Tensor::zeros({total}, reduce_dtype, device_) : Tensor();
   buckets_.clear();
   for (size_t b = 0; b < cuts.size(); ++b) {
     Bucket bucket;

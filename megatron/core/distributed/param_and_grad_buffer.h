@@ -88,7 +88,9 @@ class ParamAndGradBuffer {
   ParamAndGradBuffer(DType param_dtype, Device device) : param_dtype_(param_dtype), device_(device) {}
   /// Adopts `params` (registration order; owned elsewhere, all of `param_dtype` on `device`): lays
   /// them out with `config` and `dp_size` (Note [Buckets and padding]), copies their values into the
-  /// new buffer and points their data and main_grad at it (the gradients start at zero).
+  /// new buffer and points their data and main_grad at it (the gradients start at zero). An fp8
+  /// `param_dtype` takes FP8 weights (Parameter::fp8) of any dtype and leaves their values to the
+  /// optimizer (Note [FP8 parameters]).
   ParamAndGradBuffer(DType param_dtype, Device device, const std::vector<Parameter*>& params, const DDPConfig& config,
                      int dp_size);
   ParamAndGradBuffer(const ParamAndGradBuffer&) = delete;

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "megatron/core/distributed/distributed_data_parallel.h"
+#include "megatron/core/fp8_utils.h"
 #include "megatron/core/optimizer/clip_grads.h"
 #include "megatron/kernels/ops.h"
 
@@ -96,6 +97,7 @@ AdamOptimizer::AdamOptimizer(std::vector<Parameter> params, const OptimizerConfi
     i = j;
   }
   init_states();
+  ddp.release_fp8_init_values();  // the FP8 weights' masters have them now
 }
 
 void AdamOptimizer::init_states() {
@@ -107,7 +109,9 @@ void AdamOptimizer::init_states() {
     MG_CHECK(!p.name.empty(), "optimizer: parameter {} has no name", i);
     MG_CHECK(index_.emplace(p.name, i).second, "optimizer: parameter '{}' is given twice", p.name);
     MG_CHECK(p.data.defined(), "optimizer: parameter '{}' has no data", p.name);
-    MG_CHECK(p.data.dtype() == DType::Float32 || p.data.dtype() == half,
+    MG_CHECK(!p.fp8 || distributed_,
+             "optimizer: FP8 parameter '{}' (--fp8-param-gather) needs the distributed optimizer", p.name);
+    MG_CHECK(p.data.dtype() == DType::Float32 || p.data.dtype() == half || (p.fp8 && is_fp8(p.data.dtype())),
              "optimizer: parameter '{}' is {} but the run is {}: set fp16/bf16 to match the model's dtype", p.name,
              p.data.str(), to_string(half));
     MG_CHECK(p.main_grad.defined() && p.main_grad.dtype() == DType::Float32 && p.main_grad.numel() == p.data.numel(),
@@ -117,7 +121,11 @@ void AdamOptimizer::init_states() {
              p.name, p.data.device().str(), p.main_grad.device().str());
     const Tensor model = model_shard(i);
     AdamParamState s;
-    s.master = p.data.dtype() == DType::Float32 ? model : model.to(DType::Float32);
+    if (p.fp8) {  // Note [FP8 parameters]: the model's value before it became FP8
+      s.master = ddp_->fp8_init_value(p.name).view({-1}).flat_slice(shard_start_[i], shard_count_[i]).to(DType::Float32);
+    } else {
+      s.master = p.data.dtype() == DType::Float32 ? model : model.to(DType::Float32);
+    }
     s.exp_avg = Tensor::zeros(model.shape(), DType::Float32, p.data.device());
     s.exp_avg_sq = Tensor::zeros(model.shape(), DType::Float32, p.data.device());
     states_.push_back(std::move(s));
@@ -189,7 +197,7 @@ OptimizerStepResult AdamOptimizer::step(Context& ctx) {
     t.grad = distributed_ ? p.main_grad.flat_slice(shard_start_[i], shard_count_[i]) : p.main_grad;
     t.exp_avg = s.exp_avg;
     t.exp_avg_sq = s.exp_avg_sq;
-    if (p.data.dtype() != DType::Float32) t.model_param = model_shard(i);
+    if (p.data.dtype() != DType::Float32 && !p.fp8) t.model_param = model_shard(i);
     t.weight_decay = p.no_weight_decay ? 0.0f : float(weight_decay_);
     (own_lr ? decoupled : update).push_back(std::move(t));
   }
@@ -199,6 +207,7 @@ OptimizerStepResult AdamOptimizer::step(Context& ctx) {
     dhp.lr = float(*decoupled_lr_);
     ops::adamw_step_multi(ctx, decoupled, dhp);
   }
+  quantize_fp8_params(ctx);
   if (distributed_) ddp_->start_param_sync(ctx);
   result.update_successful = true;
   return result;
@@ -266,8 +275,34 @@ void AdamOptimizer::scatter_state(Context& ctx, const std::string& name, const A
 }
 
 void AdamOptimizer::reload_model_params() {
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].data.dtype() != DType::Float32 && shard_count_[i] > 0) states_[i].master.copy_from(model_shard(i));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].data.dtype() != DType::Float32 && !params_[i].fp8 && shard_count_[i] > 0)
+      states_[i].master.copy_from(model_shard(i));
+  }
+}
+
+void AdamOptimizer::set_main_param(const std::string& name, const Tensor& value) {
+  const size_t i = index_of(name);
+  MG_CHECK(value.numel() == params_[i].data.numel(), "set_main_param: '{}' has {} elements, the value {}", name,
+           params_[i].data.numel(), value.numel());
+  if (shard_count_[i] == 0) return;
+  const Tensor own = value.view({-1}).flat_slice(shard_start_[i], shard_count_[i]);
+  states_[i].master.copy_from(own.dtype() == DType::Float32 ? own : own.to(DType::Float32));
+}
+
+bool AdamOptimizer::has_fp8_params() const {
+  return std::any_of(params_.begin(), params_.end(), [](const Parameter& p) { return p.fp8 != nullptr; });
+}
+
+// Note [FP8 parameters]: every rank's shard of each FP8 weight from its masters, before the all-gather.
+void AdamOptimizer::quantize_fp8_params(Context& ctx) {
+  std::vector<Fp8ParamShard> shards;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].fp8) continue;
+    shards.push_back({params_[i].fp8, states_[i].master, model_shard(i)});
+  }
+  if (shards.empty()) return;
+  quantize_fp8_param_shards(ctx, shards, &ddp_->reduction_group(GradReduceGroup::DataContext));
 }
 
 void AdamOptimizer::copy_main_params_to_model_params() {
@@ -279,8 +314,9 @@ void AdamOptimizer::copy_main_params_to_model_params() {
 }
 
 void AdamOptimizer::copy_main_params_to_model_params(Context& ctx) {
+  quantize_fp8_params(ctx);
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].data.dtype() == DType::Float32 || shard_count_[i] == 0) continue;
+    if (params_[i].data.dtype() == DType::Float32 || params_[i].fp8 || shard_count_[i] == 0) continue;
     Tensor model = model_shard(i);
     model.copy_from(states_[i].master);
   }

@@ -27,6 +27,9 @@
 //     this rank's shard of every bucket, per parameter as a flat slice (state(name) is that 1-D
 //     slice; for fp32 parameters the master is a view of the model parameter). step() updates the
 //     shards and ends with ddp.start_param_sync(), the all-gather of the updated parameters.
+//   - FP8 parameters (--fp8-param-gather, Note [FP8 parameters] in core/fp8_utils.h): their masters
+//     start from the model's values DistributedDataParallel kept (fp8_init_value), and each step
+//     quantises the updated shards into the FP8 buffer before the all-gather.
 #pragma once
 
 #include <cstdint>
@@ -131,9 +134,16 @@ class AdamOptimizer {
   void scatter_state(Context& ctx, const std::string& name, const AdamParamState& state);
 
   /// Copies the model's parameters into the fp32 masters (after loading model weights without
-  /// optimizer state).
+  /// optimizer state). FP8 parameters have no model value to copy: give theirs to set_main_param.
   void reload_model_params();
-  /// Copies the fp32 masters into the model's parameters (after loading masters from a checkpoint).
+  /// Sets the fp32 master of parameter `name` (this rank's shard of it) from its whole value (any
+  /// float dtype, the parameter's numel); copy_main_params_to_model_params then sets the model's.
+  void set_main_param(const std::string& name, const Tensor& value);
+  /// Whether some parameters are FP8 (--fp8-param-gather, Note [FP8 parameters]): their values exist
+  /// once copy_main_params_to_model_params(ctx) has quantised them, which must follow construction.
+  bool has_fp8_params() const;
+  /// Copies the fp32 masters into the model's parameters (after loading masters from a checkpoint);
+  /// FP8 parameters are quantised from them (Note [FP8 parameters]).
   /// With the distributed optimizer this is collective (the shards are all-gathered) and needs the
   /// Context overload.
   void copy_main_params_to_model_params();
@@ -152,6 +162,8 @@ class AdamOptimizer {
   void init_states();
   /// The elements of parameter i this rank updates: all of it, or its shard as a flat slice.
   Tensor model_shard(size_t i) const;
+  /// Note [FP8 parameters]: quantises this rank's shards of the FP8 parameters from their masters.
+  void quantize_fp8_params(Context& ctx);
   /// Σ over the elements this rank counts, reduced over the grad-stats group.
   GradStats reduce_stats(Context& ctx, const GradStats& local) const;
 

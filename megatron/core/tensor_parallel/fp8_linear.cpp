@@ -10,6 +10,8 @@ Fp8LinearState::Fp8LinearState(const Fp8Config& config, Device device) : config_
   if (config.recipe != Fp8Recipe::Blockwise) {
     fwd_ = Fp8TensorScaling(config, 2, config.forward_dtype(), device);
     bwd_ = Fp8TensorScaling(config, 1, config.backward_dtype(), device);
+    param_.scaling = &fwd_;
+    param_.index = 1;
   }
 }
 
@@ -45,12 +47,28 @@ Fp8Operand Fp8LinearState::quantize(Context& ctx, bool backward, int64_t index, 
   return o;
 }
 
+// Note [FP8 parameters]: the weight as the optimizer quantised it, or its transposed copy (made
+// once after each optimizer step, a byte transpose: the same scale).
+Fp8Operand Fp8LinearState::fp8_weight(Context& ctx, const Tensor& weight, bool transposed) {
+  MG_ASSERT(config_.recipe != Fp8Recipe::Blockwise && weight.dtype() == config_.forward_dtype(),
+            "an FP8 weight of {} under the {} recipe", to_string(weight.dtype()), to_string(config_.recipe));
+  MG_CHECK(param_.quantized,
+           "an FP8 weight was used before the optimizer quantised it from its main params: call "
+           "AdamOptimizer::copy_main_params_to_model_params(ctx) once the optimizer is built");
+  if (!transposed) return {weight, fwd_.scale_inv(1)};
+  if (!param_.transpose.defined()) {
+    param_.transpose = Tensor::empty({weight.size(1), weight.size(0)}, weight.dtype(), weight.device());
+    ops::transpose_01(ctx, weight, param_.transpose);
+  }
+  return {param_.transpose, fwd_.scale_inv(1)};
+}
+
 void Fp8LinearState::forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y) {
   const int64_t in = weight.size(1);
   const Tensor x2 = x.view({-1, in});
   Tensor y2 = y.view({-1, weight.size(0)});
   const Fp8Operand qx = quantize(ctx, false, 0, x2, false, false);
-  const Fp8Operand qw = quantize(ctx, false, 1, weight, false, true);
+  const Fp8Operand qw = is_fp8(weight.dtype()) ? fp8_weight(ctx, weight, false) : quantize(ctx, false, 1, weight, false, true);
   ops::fp8_gemm(ctx, qx, qw, bias, y2, false, /*fast_accumulation=*/true);  // Note [FP8 GEMM accumulation]
 }
 
@@ -69,7 +87,8 @@ void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor
   if (grad_in.defined()) {
     Tensor gi2 = grad_in.view({-1, in});
     if (!qg.data.defined()) qg = quantize(ctx, true, 0, g2, false, false);
-    const Fp8Operand qw_t = quantize(ctx, false, 1, weight, true, true, /*again=*/true);
+    const Fp8Operand qw_t = is_fp8(weight.dtype()) ? fp8_weight(ctx, weight, true)
+                                                   : quantize(ctx, false, 1, weight, true, true, /*again=*/true);
     ops::fp8_gemm(ctx, qg, qw_t, none, gi2, false, false);
   }
   if (weight_grad.defined()) {

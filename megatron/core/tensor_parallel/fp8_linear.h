@@ -21,7 +21,9 @@
 // update() is the delayed recipe's step, once per training step after its last backward (the
 // model reduces the amax over its ranks first: Note [FP8 scaling under parallelism]). The weights
 // stay in their bf16 (or fp32) parameters and are quantised at each use — once in forward, once
-// transposed in backward — which costs a pass over them per microbatch and no memory between.
+// transposed in backward — which costs a pass over them per microbatch and no memory between;
+// under --fp8-param-gather a weight given in FP8 (Note [FP8 parameters]) is used as it is with the
+// weight's scale_inv, and its transposed copy is made once after each optimizer step.
 #pragma once
 
 #include "megatron/core/fp8_utils.h"
@@ -31,8 +33,11 @@ namespace megatron {
 class Fp8LinearState {
  public:
   Fp8LinearState(const Fp8Config& config, Device device);
+  Fp8LinearState(const Fp8LinearState&) = delete;  // param_ points into fwd_
+  Fp8LinearState& operator=(const Fp8LinearState&) = delete;
 
-  /// y [N, out] (x's dtype) = x [N, in] · weight [out, in]ᵀ + bias (undefined: none).
+  /// y [N, out] (x's dtype) = x [N, in] · weight [out, in]ᵀ + bias (undefined: none). The weight
+  /// is bf16/fp32, or fp8 with param() (Note [FP8 parameters]).
   void forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y);
   /// grad_in [N, in] = grad_out · weight (undefined: skipped); weight_grad [out, in] fp32 +=
   /// grad_outᵀ · x (undefined: skipped); bias_grad [out] fp32 += Σ_rows grad_out (undefined: skipped).
@@ -45,14 +50,19 @@ class Fp8LinearState {
   /// Per-tensor recipes: the forward (input, weight) and backward (output gradient) state.
   Fp8TensorScaling& forward_scaling() { return fwd_; }
   Fp8TensorScaling& backward_scaling() { return bwd_; }
+  /// The weight's FP8 parameter state (Note [FP8 parameters]), for Parameter::fp8.
+  Fp8Param* param() { return &param_; }
 
  private:
   /// again: x was quantised with tensor `index`'s scale earlier in this step (Fp8TensorScaling::quantize).
   Fp8Operand quantize(Context& ctx, bool backward, int64_t index, const Tensor& x, bool transposed, bool tile_2d,
                       bool again = false);
+  /// The FP8 weight (Note [FP8 parameters]) as a GEMM operand, or its transposed copy.
+  Fp8Operand fp8_weight(Context& ctx, const Tensor& weight, bool transposed);
 
   Fp8Config config_;
   Fp8TensorScaling fwd_, bwd_;
+  Fp8Param param_;
 };
 
 }  // namespace megatron

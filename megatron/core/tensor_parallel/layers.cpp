@@ -52,6 +52,8 @@ std::string Linear::name() const {
 
 void Linear::enable_fp8(const Fp8Config& config, Device device) {
   fp8_ = std::make_shared<Fp8LinearState>(config, device);
+  // Note [FP8 parameters]: DistributedDataParallel then holds the weight in FP8.
+  if (config.param_gather) weight_->fp8 = fp8_->param();
 }
 
 void Linear::gemm_forward(Context& ctx, const Tensor& x, const Tensor& bias, Tensor& y) const {

@@ -61,7 +61,8 @@ class Linear {
   /// Runs this layer's GEMMs in FP8 with the recipe of `config` (Note [FP8 linear layer],
   /// fp8_linear.h): Megatron's choice for the linear layers of attention and MLP. The GeLU fusions
   /// then run as a GEMM and the elementwise op.
-  /// `device`: where the layer's parameters live (they may not be allocated yet).
+  /// `device`: where the layer's parameters live (they may not be allocated yet). With
+  /// config.param_gather the weight becomes an FP8 parameter (Note [FP8 parameters]).
   void enable_fp8(const Fp8Config& config, Device device);
   /// The layer's FP8 state (null when FP8 is off): its update() is the delayed recipe's step.
   Fp8LinearState* fp8() const { return fp8_.get(); }

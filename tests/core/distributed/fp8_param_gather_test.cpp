@@ -1,0 +1,233 @@
+// --fp8-param-gather on thread-ranks (Note [FP8 parameters]): two FP8 linear layers and a bf16
+// norm weight under DistributedDataParallel and the distributed optimizer, stepped with synthetic
+// gradients (--fp8-cpu-reference's ops: the FP8 ops' CPU reference).
+//   - after every step the FP8 bytes of each weight are the quantisation of its fp32 master,
+//     computed here on its own: the scale from the whole master's amax (tensorwise) or from the
+//     previous master's (delayed, history length 1), x·scale rounded by the runtime's encoder;
+//     scale_inv = 1/scale on every rank;
+//   - data parallelism 2 gives data parallelism 1's bytes and masters bit for bit (every rank has
+//     the same gradient, so the reduced mean is it exactly);
+//   - the FP8 weights' buffer — what the all-gather moves — is half the bytes of the bf16 buffer the
+//     same weights get without the flag, bucket by bucket;
+//   - the FP8 weights need the distributed optimizer (one line).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <thread>
+
+#include "megatron/core/distributed/distributed_data_parallel.h"
+#include "megatron/core/fp8_utils.h"
+#include "megatron/core/optimizer/optimizer.h"
+#include "megatron/core/tensor_parallel/fp8_linear.h"
+#include "megatron/core/tensor_parallel/layers.h"
+#include "megatron/runtime/philox.h"
+#include "tests/test_util.h"
+
+namespace megatron {
+namespace {
+
+void run_dp(int dp, const std::function<void(ParallelState&)>& fn) {
+  auto comms = make_local_group(dp);
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(dp));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < dp; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        ParallelState ps(std::move(comms[size_t(r)]), ParallelConfig{});
+        fn(ps);
+      } catch (...) {
+        errors[size_t(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+Fp8Config fp8_config(Fp8Recipe recipe, bool param_gather) {
+  Fp8Config c;
+  c.format = "hybrid";
+  c.recipe = recipe;
+  c.param_gather = param_gather;
+  return c;
+}
+
+DDPConfig ddp_config(int64_t bucket_size) {
+  DDPConfig c;
+  c.use_distributed_optimizer = true;
+  c.bucket_size = bucket_size;
+  return c;
+}
+
+OptimizerConfig adam_config() {
+  OptimizerConfig c;
+  c.lr = 1e-2;
+  c.weight_decay = 0.1;
+  c.adam_beta2 = 0.95;
+  c.bf16 = true;
+  return c;
+}
+
+// Two FP8 layers (their weights 48x32 and 16x48) and a bf16 norm weight, in bf16.
+struct Model {
+  ParamAndGradBuffer buf{DType::BFloat16, Device::cpu()};
+  Linear fc1, fc2;
+  Parameter* norm;
+  Model(const Fp8Config& fp8, const DDPConfig& cfg, int dp)
+      : fc1(buf, "fc1", 32, 48, false, ParamInit::Normal), fc2(buf, "fc2", 48, 16, false, ParamInit::ScaledNormal) {
+    norm = buf.add("norm.weight", {16}, true, ParamInit::Ones);
+    fc1.enable_fp8(fp8, Device::cpu());
+    fc2.enable_fp8(fp8, Device::cpu());
+    buf.allocate(cfg, dp);
+    buf.init_weights(1234, 0.02f, 2, false);
+  }
+  std::vector<Linear*> linears() { return {&fc1, &fc2}; }
+};
+
+// The same gradient on every rank: the data-parallel mean is it exactly.
+void set_grads(ParamAndGradBuffer& buf, int step) {
+  for (Parameter* p : buf.parameters()) {
+    std::vector<float> g(size_t(p->main_grad.numel()));
+    for (size_t i = 0; i < g.size(); ++i) g[i] = 0.05f * philox_normal(uint64_t(step), std::hash<std::string>{}(p->name), i);
+    p->main_grad.copy_from(Tensor::from_floats(g, p->main_grad.shape()));
+  }
+}
+
+std::vector<uint8_t> bytes_of(const Tensor& t) {
+  const Tensor h = t.to(Device::cpu());
+  std::vector<uint8_t> out(h.nbytes());
+  std::memcpy(out.data(), h.raw_data(), out.size());
+  return out;
+}
+
+float amax_of(const std::vector<float>& v) {
+  float a = 0.0f;
+  for (float x : v) a = std::max(a, std::fabs(x));
+  return a;
+}
+
+// The e4m3 bytes of master · scale, by the runtime's encoder.
+std::vector<uint8_t> quantised(const std::vector<float>& master, float scale) {
+  std::vector<uint8_t> out;
+  for (float x : master) out.push_back(to_fp8_e4m3(x * scale).bits);
+  return out;
+}
+
+struct Result {
+  std::map<std::string, std::vector<uint8_t>> bytes;
+  std::map<std::string, std::vector<float>> masters;
+};
+
+// Trains `steps` steps with data parallelism `dp`; checks every step's FP8 weights against the
+// masters and returns the last step's.
+Result train(Fp8Recipe recipe, int dp, int steps) {
+  Result result;
+  run_dp(dp, [&](ParallelState& ps) {
+    Context ctx;
+    const DDPConfig cfg = ddp_config(700);  // fc2's weight in a bucket of its own, fc1's cut by the shards
+    Model m(fp8_config(recipe, true), cfg, dp);
+    DistributedDataParallel ddp(ps, {&m.buf}, cfg);
+    AdamOptimizer opt(ddp.parameters(), adam_config(), ddp);
+    ASSERT_TRUE(opt.has_fp8_params());
+    opt.copy_main_params_to_model_params(ctx);  // the first FP8 values, from the initial masters
+    std::map<std::string, float> previous_amax;  // delayed: the amax the last quantisation recorded
+    for (Linear* l : m.linears()) {
+      const Parameter& w = *l->weight();
+      EXPECT_EQ(w.data.dtype(), DType::Float8E4M3) << w.name;
+      previous_amax[w.name] = amax_of(opt.gather_state(ctx, w.name).master.to_floats());
+    }
+    EXPECT_EQ(m.norm->data.dtype(), DType::BFloat16);
+    for (int step = 0; step < steps; ++step) {
+      ddp.zero_grad(ctx);
+      set_grads(m.buf, step);
+      finalize_model_grads(ctx, ddp);
+      for (Linear* l : m.linears()) {  // the model's step (GPTModel::finish_fp8_step)
+        if (recipe != Fp8Recipe::Delayed) continue;
+        Tensor h = l->fp8()->forward_scaling().mutable_amax_history();
+        ps.data_context().all_reduce(ctx, h, ReduceOp::Max)->wait();
+        l->fp8()->update(ctx);
+      }
+      ASSERT_TRUE(opt.step(ctx).update_successful);
+      ddp.finish_param_sync(ctx);
+      for (Linear* l : m.linears()) {
+        const Parameter& w = *l->weight();
+        const std::vector<float> master = opt.gather_state(ctx, w.name).master.to_floats();
+        const float amax = amax_of(master);
+        const float scale = 448.0f / (recipe == Fp8Recipe::Tensorwise ? amax : previous_amax[w.name]);
+        previous_amax[w.name] = amax;
+        const std::string what = fmt::format("{} step {} rank {}", w.name, step, ps.dp_rank());
+        EXPECT_EQ(bytes_of(w.data), quantised(master, scale)) << what;
+        EXPECT_EQ(l->fp8()->forward_scaling().scale_inv(1).to_floats()[0], 1.0f / scale) << what;
+        if (ps.dp_rank() == 0 && step + 1 == steps) {
+          result.bytes[w.name] = bytes_of(w.data);
+          result.masters[w.name] = master;
+        }
+      }
+    }
+  });
+  return result;
+}
+
+TEST(Fp8ParamGather, Fp8WeightsAreTheQuantisedMastersAndDp2IsDp1) {
+  for (Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise}) {
+    SCOPED_TRACE(to_string(recipe));
+    const Result one = train(recipe, 1, 3);
+    const Result two = train(recipe, 2, 3);
+    ASSERT_EQ(one.bytes.size(), 2u);
+    EXPECT_EQ(two.bytes, one.bytes);
+    EXPECT_EQ(two.masters, one.masters);
+  }
+}
+
+// The FP8 weights' buffer against the bf16 one the same weights get without the flag: half the
+// bytes in every bucket (the all-gather moves each bucket's bytes), the same layout in elements.
+TEST(Fp8ParamGather, WeightBufferAndAllGatherAreHalfOfBf16) {
+  const int dp = 2;
+  run_dp(dp, [&](ParallelState& ps) {
+    const DDPConfig cfg = ddp_config(700);
+    Model fp8(fp8_config(Fp8Recipe::Delayed, true), cfg, dp);
+    DistributedDataParallel ddp(ps, {&fp8.buf}, cfg);
+    // the reference: bf16 weights of the same shapes, laid out alone
+    std::vector<Parameter> plain(2);
+    std::vector<Parameter*> plain_ptrs;
+    for (size_t i = 0; i < 2; ++i) {
+      const Parameter& w = *fp8.linears()[i]->weight();
+      plain[i].name = w.name;
+      plain[i].data = Tensor::zeros(w.data.shape(), DType::BFloat16);
+      plain[i].main_grad = Tensor::zeros(w.data.shape(), DType::Float32);
+      plain_ptrs.push_back(&plain[i]);
+    }
+    ParamAndGradBuffer bf16(DType::BFloat16, Device::cpu(), plain_ptrs, cfg, dp);
+    ASSERT_EQ(ddp.num_buffers(), 2);  // the bf16 norm weight, the FP8 weights
+    const ParamAndGradBuffer& weights = ddp.buffer(1);
+    ASSERT_EQ(weights.param_buffer().dtype(), DType::Float8E4M3);
+    EXPECT_EQ(ddp.buffer(0).param_buffer().dtype(), DType::BFloat16);
+    EXPECT_EQ(weights.param_buffer().numel(), bf16.param_buffer().numel());
+    EXPECT_EQ(2 * weights.param_buffer().nbytes(), bf16.param_buffer().nbytes());
+    EXPECT_EQ(weights.param_buffer().nbytes(), size_t(weights.param_buffer().numel()));
+    ASSERT_EQ(weights.buckets().size(), bf16.buckets().size());
+    ASSERT_GE(weights.buckets().size(), 2u);
+    for (size_t b = 0; b < weights.buckets().size(); ++b)
+      EXPECT_EQ(2 * weights.buckets()[b].param_data.nbytes(), bf16.buckets()[b].param_data.nbytes()) << "bucket " << b;
+    for (Linear* l : fp8.linears()) {
+      EXPECT_EQ(l->weight()->data.nbytes(), size_t(l->weight()->data.numel())) << l->weight()->name;
+      EXPECT_EQ(l->weight()->main_grad.dtype(), DType::Float32);
+    }
+  });
+}
+
+TEST(Fp8ParamGather, NeedsTheDistributedOptimizer) {
+  run_dp(1, [&](ParallelState& ps) {
+    DDPConfig cfg;
+    Model m(fp8_config(Fp8Recipe::Tensorwise, true), cfg, 1);
+    EXPECT_EQ(testing::error_of([&] { DistributedDataParallel ddp(ps, {&m.buf}, cfg); }),
+              "--fp8-param-gather only works with the distributed optimizer: add --use-distributed-optimizer");
+  });
+}
+
+}  // namespace
+}  // namespace megatron
