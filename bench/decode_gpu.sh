@@ -19,9 +19,9 @@ if [[ ${1:-run} == stage ]]; then
   BD=${GPU_BUILD_DIR:-build}
   grep -q '^MEGATRON_CUDA:[A-Z]*=ON' "$BD/CMakeCache.txt" ||
     { echo "decode_gpu.sh stage: $BD is not a CUDA build; configure one with -DMEGATRON_CUDA=ON (or set GPU_BUILD_DIR)" >&2; exit 1; }
-  ninja -C "$BD" bench_decode_throughput gpu_tests >/dev/null
+  ninja -C "$BD" bench_decode_throughput gpu_tests pretrain_gpt >/dev/null
   rm -rf $D && mkdir -p $D/pkg/bin $D/pkg/lib
-  cp "$BD"/bench/decode_throughput "$BD"/tests/gpu_tests $D/pkg/bin/
+  cp "$BD"/bench/decode_throughput "$BD"/tests/gpu_tests "$BD"/bin/pretrain_gpt $D/pkg/bin/
   strip $D/pkg/bin/*
   ldd "$BD"/bench/decode_throughput |
     awk '$3 ~ /^\// && $1 !~ /^(libc|libm|libstdc\+\+|libgcc_s|libdl|libpthread|librt)\.|^libcu|^libnccl/ {print $3}' |
@@ -47,7 +47,7 @@ BATCH=${DECODE_BATCH:-1,32}
 
 if [[ " $parts " == *" tests "* ]]; then
   echo "== GPU tests of the inference kernels ($(left) s left)"
-  (cd $P && timeout 120 $P/bin/gpu_tests --gtest_filter="${DECODE_TEST_FILTER:-*CudaKvCache*:*CudaLogitsSummary*:*CudaAttention*}" 2>&1 |
+  (cd $P && MEGATRON_BIN_DIR=$P/bin timeout 120 $P/bin/gpu_tests --gtest_filter="${DECODE_TEST_FILTER:-*CudaKvCache*:*CudaLogitsSummary*:*CudaAttention*}" 2>&1 |
     grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|Failure|error" | head -40)
 fi
 
