@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <map>
 
+#include "bench/bench_models.h"
 #include "megatron/core/inference/generation.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/runtime/profiler.h"
@@ -87,17 +88,7 @@ int main(int argc, char** argv) {
     a.hidden_dropout = a.attention_dropout = 0.0f;
     a.bf16 = dtype == "bf16";
     a.make_vocab_size_divisible_by = 128;
-    if (p.llama) {
-      a.swiglu = true;
-      a.group_query_attention = true;
-      a.num_query_groups = p.groups;
-      a.ffn_hidden_size = p.ffn;
-      a.normalization = "RMSNorm";
-      a.norm_epsilon = 1e-5f;
-      a.position_embedding_type = "rope";
-      a.rotary_base = 500000.0f;
-      a.disable_bias_linear = true;
-    }
+    if (p.llama) bench::set_llama_style(a, p.groups, p.ffn, 500000.0f);  // embeddings tied, as Llama-3.2-1B
     validate_args(a);
     Context ctx(select_device(device), 1234);
     TransformerConfig config = transformer_config_from_args(a, p.vocab);

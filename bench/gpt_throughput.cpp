@@ -25,6 +25,7 @@
 #include <functional>
 #include <map>
 
+#include "bench/bench_models.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/kernels/ops.h"
@@ -123,15 +124,7 @@ int main(int argc, char** argv) {
     a.hidden_dropout = a.attention_dropout = 0.0f;
     a.bf16 = dtype == "bf16";
     if (p.llama) {
-      a.swiglu = true;
-      a.group_query_attention = true;
-      a.num_query_groups = p.groups;
-      a.ffn_hidden_size = p.ffn;
-      a.normalization = "RMSNorm";
-      a.norm_epsilon = 1e-5f;
-      a.position_embedding_type = "rope";
-      a.rotary_base = p.rotary_base;
-      a.disable_bias_linear = true;
+      bench::set_llama_style(a, p.groups, p.ffn, p.rotary_base);
       a.untie_embeddings_and_output_weights = true;
     }
     if (!recompute.empty()) {
