@@ -79,10 +79,10 @@ if [[ " $parts " == *" bench "* ]]; then
 fi
 
 if [[ " $parts " == *" converge "* ]]; then
-  echo "== convergence: GPT 125M on real text (Python docs + fortunes), 2000 iterations, bf16 vs each FP8 recipe"
+  echo "== convergence: GPT 125M on real text (Python docs + fortunes), ${CONVERGE_ITERS:-2000} iterations of ${CONVERGE_MBS:-4} x 512 tokens, seed ${CONVERGE_SEED:-1234}, bf16 vs each FP8 recipe"
   D=$PWD/.device/data
   FLAGS="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 512 --max-position-embeddings 512
-    --micro-batch-size 4 --global-batch-size 4 --train-iters ${CONVERGE_ITERS:-2000} --lr 6e-4 --min-lr 6e-5
+    --micro-batch-size ${CONVERGE_MBS:-4} --global-batch-size ${CONVERGE_MBS:-4} --train-iters ${CONVERGE_ITERS:-2000} --lr 6e-4 --min-lr 6e-5
     --lr-decay-style cosine --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
     --hidden-dropout 0.0 --attention-dropout 0.0 --data-path $D/corpus_text_document --split 100,0,0
     --tokenizer-type GPT2BPETokenizer --vocab-file $D/vocab.json --merge-file $D/merges.txt
@@ -92,12 +92,12 @@ if [[ " $parts " == *" converge "* ]]; then
              "fp8_blockwise:--fp8-format e4m3 --fp8-recipe blockwise"; do
     name=${run%%:*}; rm -f "$OUT/loss_$name.jsonl"
     start=$(date +%s)
-    (cd /tmp && MEGATRON_LOSS_LOG="$OUT/loss_$name.jsonl" timeout 150 $B/pretrain_gpt $FLAGS ${run#*:} \
+    (cd /tmp && MEGATRON_LOSS_LOG="$OUT/loss_$name.jsonl" timeout ${CONVERGE_TIMEOUT:-150} $B/pretrain_gpt $FLAGS ${run#*:} \
       > "$OUT/train_$name.txt" 2>&1; echo "$name rc=$? $(( $(date +%s) - start )) s")
     grep -E "iteration +(500|1000|1500|2000)/|error" "$OUT/train_$name.txt" | cut -c1-200
   done
   python3 - "$OUT" <<'PY'
-import json, sys
+import json, os, sys
 load = lambda n: [json.loads(l)["lm_loss"] for l in open(f"{sys.argv[1]}/loss_{n}.jsonl")]
 ref = load("bf16")
 tail = lambda v: sum(v[-100:]) / len(v[-100:])
@@ -106,7 +106,7 @@ for n in ("bf16", "fp8_delayed", "fp8_tensorwise", "fp8_blockwise"):
         got = load(n)
     except OSError:
         print(json.dumps({"bench": "fp8_convergence", "run": n, "error": "no loss log"})); continue
-    print(json.dumps({"bench": "fp8_convergence", "run": n, "iterations": len(got),
+    print(json.dumps({"bench": "fp8_convergence", "run": n, "iterations": len(got), "seed": int(os.environ.get("CONVERGE_SEED", "1234")), "micro_batch": int(os.environ.get("CONVERGE_MBS", "4")),
                       "final100_mean": round(tail(got), 5), "bf16_final100_mean": round(tail(ref), 5),
                       "relative_to_bf16": round(tail(got) / tail(ref) - 1, 5),
                       "max_loss": round(max(got), 4), "finite": all(x == x and abs(x) < 1e9 for x in got)}))
