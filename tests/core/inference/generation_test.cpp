@@ -14,6 +14,7 @@
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/kernels/ops.h"
+#include "tests/core/model_test_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -78,11 +79,7 @@ struct Tiny {
     c.vocab_size = 50;
     c.make_vocab_size_divisible_by = 16;
     c.max_position_embeddings = 40;
-    c.normalization = "RMSNorm";
-    c.activation = "swiglu";
-    c.add_bias_linear = false;
-    c.position_embedding_type = "rope";
-    c.share_embeddings_and_output_weights = false;
+    testing::use_llama_layers(c);
     c.hidden_dropout = c.attention_dropout = 0.0f;
     model = std::make_unique<GPTModel>(c);
     model->init_weights(3);
