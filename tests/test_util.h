@@ -113,6 +113,13 @@ inline Tensor random_tensor(const Shape& shape, uint64_t seed, float std = 1.0f,
   return Tensor::from_floats(v, shape, dtype);
 }
 
+/// [b, s] token ids uniform in [0, vocab) from a Philox stream (reproducible).
+inline Tensor random_ids(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
+  std::vector<int64_t> ids(size_t(b * s));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t(philox_element(seed, 0, i) % uint64_t(vocab));
+  return Tensor::from_ints(ids, {b, s});
+}
+
 /// Largest |a-b| / max(|b|, floor) — relative error with a floor for values near zero.
 inline double max_rel_error(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-3) {
   EXPECT_EQ(a.size(), b.size());
@@ -140,6 +147,19 @@ std::string error_of(Fn&& fn) {
     return e.what();
   }
   return "";
+}
+
+/// Expects `fn` to throw a megatron::Error whose message is one line that mentions `needle`.
+template <typename Fn>
+void expect_one_line_error(Fn&& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << "one line: " << msg;
+  }
 }
 
 }  // namespace megatron::testing

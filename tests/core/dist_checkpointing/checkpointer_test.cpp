@@ -24,6 +24,7 @@
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/distributed/param_and_grad_buffer.h"
+#include "tests/core/thread_ranks.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -146,25 +147,10 @@ struct RankModel {
 /// Runs `fn(parallel_state)` on `world` thread-ranks with tensor- and pipeline-parallel sizes `tp`
 /// and `pp`; rethrows the first rank's exception.
 void run_ranks(int world, int tp, const std::function<void(ParallelState&)>& fn, int pp = 1) {
-  auto comms = make_local_group(world);
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        ParallelConfig config;
-        config.tensor_model_parallel_size = tp;
-        config.pipeline_model_parallel_size = pp;
-        ParallelState ps(std::move(comms[size_t(r)]), config);
-        fn(ps);
-      } catch (...) {
-        errors[size_t(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  ParallelConfig config;
+  config.tensor_model_parallel_size = tp;
+  config.pipeline_model_parallel_size = pp;
+  testing::run_thread_ranks(world, config, fn);
 }
 
 std::string read_text(const fs::path& p) {
@@ -215,6 +201,25 @@ class CheckpointerLayouts : public ::testing::Test {
       EXPECT_EQ(ctx.rng().offset, 4096u);
       m.expect_equals_globals(fmt::format("world {} tp {}, {}", world, tp, ps.describe()));
     });
+  }
+
+  /// Loads into every rank of (world, tp) with models of `defs`; the messages of the ranks whose
+  /// load threw, in the order they threw.
+  std::vector<std::string> load_errors(int world, int tp, const std::vector<ParamDef>& defs = model_defs()) {
+    std::mutex mu;
+    std::vector<std::string> messages;
+    run_ranks(world, tp, [&](ParallelState& ps) {
+      RankModel m(tp, ps.tp_rank(), false, defs);
+      Context ctx;
+      Checkpointer ck(args_, &ps);
+      try {
+        ck.load(ctx, args_.save, m.ptrs, m.optimizer.get(), nullptr);
+      } catch (const Error& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        messages.push_back(e.what());
+      }
+    });
+    return messages;
   }
 
   Arguments args_;
@@ -425,19 +430,7 @@ TEST_F(CheckpointerLayouts, DistributedOptimizerStateMovesBetweenDataParallelSiz
 
 TEST_F(CheckpointerLayouts, AnotherModelIsAnErrorOnEveryRank) {
   save(/*world=*/2, /*tp=*/2, 2);
-  std::mutex mu;
-  std::vector<std::string> messages;
-  run_ranks(2, 2, [&](ParallelState& ps) {
-    RankModel m(2, ps.tp_rank(), false, model_defs(/*fc2_in=*/10));
-    Context ctx;
-    Checkpointer ck(args_, &ps);
-    try {
-      ck.load(ctx, args_.save, m.ptrs, m.optimizer.get(), nullptr);
-    } catch (const Error& e) {
-      std::lock_guard<std::mutex> lock(mu);
-      messages.push_back(e.what());
-    }
-  });
+  const std::vector<std::string> messages = load_errors(/*world=*/2, /*tp=*/2, model_defs(/*fc2_in=*/10));
   ASSERT_EQ(messages.size(), 2u);
   // A vocabulary padded for another tensor-parallel size says which flag restores it.
   RankModel vocab(1, 0, false,
@@ -473,19 +466,7 @@ TEST_F(CheckpointerLayouts, ACorruptRankFileFailsTheLoadOnEveryRank) {
   std::string bytes = read_text(file);
   bytes[bytes.size() - 3] = char(bytes[bytes.size() - 3] ^ 1);
   std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
-  std::mutex mu;
-  std::vector<std::string> messages;
-  run_ranks(2, 2, [&](ParallelState& ps) {
-    RankModel m(2, ps.tp_rank(), false);
-    Context ctx;
-    Checkpointer ck(args_, &ps);
-    try {
-      ck.load(ctx, args_.save, m.ptrs, m.optimizer.get(), nullptr);
-    } catch (const Error& e) {
-      std::lock_guard<std::mutex> lock(mu);
-      messages.push_back(e.what());
-    }
-  });
+  const std::vector<std::string> messages = load_errors(/*world=*/2, /*tp=*/2);
   ASSERT_EQ(messages.size(), 2u);
   bool named = false;
   for (const std::string& msg : messages) named = named || msg.find("model_rank00001.safetensors") != std::string::npos;

@@ -9,35 +9,15 @@
 #include <cmath>
 #include <functional>
 #include <map>
-#include <thread>
 
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/runtime/philox.h"
+#include "tests/core/thread_ranks.h"
 
 namespace megatron {
 namespace {
 
-// Runs fn on one thread per world rank, each with its ParallelState; rethrows a rank's exception.
-void run_world(int size, const ParallelConfig& config, const std::function<void(ParallelState&)>& fn) {
-  auto comms = make_local_group(size);
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        ParallelState ps(std::move(comms[size_t(r)]), config);
-        fn(ps);
-      } catch (...) {
-        errors[size_t(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
-
-void run_dp(int dp, const std::function<void(ParallelState&)>& fn) { run_world(dp, ParallelConfig{}, fn); }
+using testing::run_thread_ranks;
 
 // Five parameters of odd sizes (layout order: c, norm, b, a.bias, a.weight).
 struct ToyModel {
@@ -101,7 +81,7 @@ TEST(DistributedDataParallel, FinishGradSyncGivesTheMeanOrTheOwnedShard) {
   for (int dp : {2, 3, 4}) {
     for (bool dist_opt : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "dp " << dp << (dist_opt ? " distributed optimizer" : " all-reduce"));
-      run_dp(dp, [&](ParallelState& ps) {
+      run_thread_ranks(dp, [&](ParallelState& ps) {
         Context ctx;
         ToyModel m(DType::Float32, ddp_config(dist_opt), dp);
         DistributedDataParallel ddp(ps, {&m.buf}, ddp_config(dist_opt));
@@ -121,7 +101,7 @@ TEST(DistributedDataParallel, FinishGradSyncGivesTheMeanOrTheOwnedShard) {
 
 TEST(DistributedDataParallel, ShardsCoverEveryParameterOnce) {
   for (int dp : {2, 3, 4}) {
-    run_dp(dp, [&](ParallelState& ps) {
+    run_thread_ranks(dp, [&](ParallelState& ps) {
       ToyModel m(DType::Float32, ddp_config(true, 20), dp);
       DistributedDataParallel ddp(ps, {&m.buf}, ddp_config(true, 20));
       if (ps.rank() != 0) return;
@@ -141,7 +121,7 @@ TEST(DistributedDataParallel, OverlapLaunchesBucketsInOrderDuringTheLastMicrobat
   for (bool dist_opt : {false, true}) {
     SCOPED_TRACE(dist_opt ? "distributed optimizer" : "all-reduce");
     const int dp = 2;
-    run_dp(dp, [&](ParallelState& ps) {
+    run_thread_ranks(dp, [&](ParallelState& ps) {
       Context ctx;
       DDPConfig cfg = ddp_config(dist_opt);
       cfg.overlap_grad_reduce = true;
@@ -205,7 +185,7 @@ TEST(DistributedDataParallel, OverlapLaunchesBucketsInOrderDuringTheLastMicrobat
 
 TEST(DistributedDataParallel, ACompleteBucketWaitsForTheEarlierOnes) {
   const int dp = 2;
-  run_dp(dp, [&](ParallelState& ps) {
+  run_thread_ranks(dp, [&](ParallelState& ps) {
     Context ctx;
     DDPConfig cfg = ddp_config(false);
     cfg.overlap_grad_reduce = true;
@@ -229,7 +209,7 @@ TEST(DistributedDataParallel, FinalizeReducesSequenceParallelAndEmbeddingGrads) 
   tp2.tensor_model_parallel_size = 2;
   tp2.sequence_parallel = true;
   for (bool dist_opt : {false, true}) {
-    run_world(4, tp2, [&](ParallelState& ps) {  // tp 2 x dp 2
+    run_thread_ranks(4, tp2, [&](ParallelState& ps) {  // tp 2 x dp 2
       Context ctx;
       ParamAndGradBuffer buf(DType::Float32, Device::cpu());
       Parameter* ln = buf.add("ln.weight", {11}, true, ParamInit::Ones);
@@ -258,7 +238,7 @@ TEST(DistributedDataParallel, FinalizeReducesSequenceParallelAndEmbeddingGrads) 
   ParallelConfig pp2;
   pp2.pipeline_model_parallel_size = 2;
   for (bool dist_opt : {false, true}) {
-    run_world(4, pp2, [&](ParallelState& ps) {  // dp 2 x pp 2
+    run_thread_ranks(4, pp2, [&](ParallelState& ps) {  // dp 2 x pp 2
       Context ctx;
       ParamAndGradBuffer buf(DType::Float32, Device::cpu());
       const bool first = ps.pp_rank() == 0;
@@ -290,7 +270,7 @@ TEST(DistributedDataParallel, GradReduceInBf16ReducesThroughABf16Buffer) {
   for (int dp : {2, 3}) {
     for (bool dist_opt : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "dp " << dp << (dist_opt ? " distributed optimizer" : " all-reduce"));
-      run_dp(dp, [&](ParallelState& ps) {
+      run_thread_ranks(dp, [&](ParallelState& ps) {
         Context ctx;
         DDPConfig cfg = ddp_config(dist_opt);
         cfg.grad_reduce_in_fp32 = false;
@@ -327,7 +307,7 @@ TEST(DistributedDataParallel, GradReduceInBf16ReducesThroughABf16Buffer) {
       });
     }
   }
-  run_dp(2, [&](ParallelState& ps) {
+  run_thread_ranks(2, [&](ParallelState& ps) {
     DDPConfig cfg = ddp_config(false);
     cfg.grad_reduce_in_fp32 = false;
     ToyModel m(DType::Float32, cfg, 2);
@@ -340,7 +320,7 @@ TEST(DistributedDataParallel, GradReduceInBf16ReducesThroughABf16Buffer) {
 // ranks, and finalize_model_grads divides by the token count the last pipeline stage gives.
 TEST(DistributedDataParallel, PerTokenLossSumsThenDividesByTheTokens) {
   for (bool dist_opt : {false, true}) {
-    run_dp(2, [&](ParallelState& ps) {
+    run_thread_ranks(2, [&](ParallelState& ps) {
       Context ctx;
       DDPConfig cfg = ddp_config(dist_opt);
       cfg.calculate_per_token_loss = true;
@@ -359,7 +339,7 @@ TEST(DistributedDataParallel, PerTokenLossSumsThenDividesByTheTokens) {
   }
   ParallelConfig pp2;
   pp2.pipeline_model_parallel_size = 2;
-  run_world(2, pp2, [&](ParallelState& ps) {  // only the last stage knows the tokens
+  run_thread_ranks(2, pp2, [&](ParallelState& ps) {  // only the last stage knows the tokens
     Context ctx;
     DDPConfig cfg = ddp_config(false);
     cfg.calculate_per_token_loss = true;
@@ -396,7 +376,7 @@ TEST(DistributedOptimizer, MatchesSingleProcessAdamOnTheMeanGradient) {
           if (overlap && !dist_opt) continue;
           SCOPED_TRACE(::testing::Message() << to_string(dtype) << " dp " << dp << (dist_opt ? " dist-opt" : "")
                                             << (overlap ? " overlap-param-gather" : ""));
-          run_dp(dp, [&](ParallelState& ps) {
+          run_thread_ranks(dp, [&](ParallelState& ps) {
             Context ctx;
             DDPConfig cfg = ddp_config(dist_opt);
             cfg.overlap_param_gather = overlap;
@@ -442,7 +422,7 @@ TEST(DistributedOptimizer, MatchesSingleProcessAdamOnTheMeanGradient) {
 
 TEST(DistributedOptimizer, GatherAndScatterStateRoundTrip) {
   const int dp = 4;
-  run_dp(dp, [&](ParallelState& ps) {
+  run_thread_ranks(dp, [&](ParallelState& ps) {
     Context ctx;
     ToyModel m(DType::BFloat16, ddp_config(true, 20), dp);
     DistributedDataParallel ddp(ps, {&m.buf}, ddp_config(true, 20));
@@ -487,7 +467,7 @@ TEST(DistributedOptimizer, GatherAndScatterStateRoundTrip) {
 TEST(DistributedOptimizer, FoundInfOnOneRankSkipsTheStepEverywhere) {
   for (bool dist_opt : {true, false}) {
     const int dp = 2;
-    run_dp(dp, [&](ParallelState& ps) {
+    run_thread_ranks(dp, [&](ParallelState& ps) {
       Context ctx;
       ToyModel m(DType::Float16, ddp_config(dist_opt), dp);
       DistributedDataParallel ddp(ps, {&m.buf}, ddp_config(dist_opt));
@@ -524,7 +504,7 @@ TEST(DistributedOptimizer, TensorParallelDuplicatesAreCountedOnce) {
       SCOPED_TRACE(::testing::Message() << "tp 2 dp " << dp << (dist_opt ? " dist-opt" : ""));
       ParallelConfig pc;
       pc.tensor_model_parallel_size = 2;
-      run_world(2 * dp, pc, [&](ParallelState& ps) {
+      run_thread_ranks(2 * dp, pc, [&](ParallelState& ps) {
         Context ctx;
         ParamAndGradBuffer buf(DType::Float32, Device::cpu());
         ShardSpec spec;
@@ -582,7 +562,7 @@ TEST(DistributedDataParallel, ExpertParametersReduceOverTheExpertDataGroup) {
   ep2.expert_model_parallel_size = 2;  // world 4: dense dp 4; expert groups {0,1},{2,3}, expert-data {0,2},{1,3}
   for (bool dist_opt : {false, true}) {
     SCOPED_TRACE(dist_opt ? "distributed optimizer" : "all-reduce");
-    run_world(4, ep2, [&](ParallelState& ps) {
+    run_thread_ranks(4, ep2, [&](ParallelState& ps) {
       Context ctx;
       ParamAndGradBuffer model(DType::Float32, Device::cpu());  // the model's own layout: one bucket, no padding
       Parameter* dense = model.add("decoder.layers.0.mlp.router.weight", {6, 5}, false, ParamInit::Normal);

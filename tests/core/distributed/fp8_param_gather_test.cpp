@@ -16,7 +16,6 @@
 #include <cstring>
 #include <functional>
 #include <map>
-#include <thread>
 
 #include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/fp8_utils.h"
@@ -24,29 +23,13 @@
 #include "megatron/core/tensor_parallel/fp8_linear.h"
 #include "megatron/core/tensor_parallel/layers.h"
 #include "megatron/runtime/philox.h"
+#include "tests/core/thread_ranks.h"
 #include "tests/test_util.h"
 
 namespace megatron {
 namespace {
 
-void run_dp(int dp, const std::function<void(ParallelState&)>& fn) {
-  auto comms = make_local_group(dp);
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(dp));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < dp; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        ParallelState ps(std::move(comms[size_t(r)]), ParallelConfig{});
-        fn(ps);
-      } catch (...) {
-        errors[size_t(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
+using testing::run_thread_ranks;
 
 Fp8Config fp8_config(Fp8Recipe recipe, bool param_gather) {
   Fp8Config c;
@@ -126,7 +109,7 @@ struct Result {
 // masters and returns the last step's.
 Result train(Fp8Recipe recipe, int dp, int steps) {
   Result result;
-  run_dp(dp, [&](ParallelState& ps) {
+  run_thread_ranks(dp, [&](ParallelState& ps) {
     Context ctx;
     const DDPConfig cfg = ddp_config(700);  // fc2's weight in a bucket of its own, fc1's cut by the shards
     Model m(fp8_config(recipe, true), cfg, dp);
@@ -187,7 +170,7 @@ TEST(Fp8ParamGather, Fp8WeightsAreTheQuantisedMastersAndDp2IsDp1) {
 // bytes in every bucket (the all-gather moves each bucket's bytes), the same layout in elements.
 TEST(Fp8ParamGather, WeightBufferAndAllGatherAreHalfOfBf16) {
   const int dp = 2;
-  run_dp(dp, [&](ParallelState& ps) {
+  run_thread_ranks(dp, [&](ParallelState& ps) {
     const DDPConfig cfg = ddp_config(700);
     Model fp8(fp8_config(Fp8Recipe::Delayed, true), cfg, dp);
     DistributedDataParallel ddp(ps, {&fp8.buf}, cfg);
@@ -221,7 +204,7 @@ TEST(Fp8ParamGather, WeightBufferAndAllGatherAreHalfOfBf16) {
 }
 
 TEST(Fp8ParamGather, NeedsTheDistributedOptimizer) {
-  run_dp(1, [&](ParallelState& ps) {
+  run_thread_ranks(1, [&](ParallelState& ps) {
     DDPConfig cfg;
     Model m(fp8_config(Fp8Recipe::Tensorwise, true), cfg, 1);
     EXPECT_EQ(testing::error_of([&] { DistributedDataParallel ddp(ps, {&m.buf}, cfg); }),

@@ -14,6 +14,7 @@
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/kernels/ops.h"
+#include "tests/core/model_test_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -29,6 +30,14 @@ std::unique_ptr<GPTModel> load_fixture_model(const std::string& name) {
   return model;
 }
 
+GenerationRequest greedy(std::vector<int64_t> prompt, int64_t max_new_tokens) {
+  GenerationRequest r;
+  r.prompt = std::move(prompt);
+  r.max_new_tokens = max_new_tokens;
+  r.sampling.greedy = true;
+  return r;
+}
+
 class FixtureGeneration : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(FixtureGeneration, GreedyMatchesHuggingFace) {
@@ -40,11 +49,7 @@ TEST_P(FixtureGeneration, GreedyMatchesHuggingFace) {
   InferenceEngine engine(*model, ctx, model->config().vocab_size, {.max_batch_size = 2});  // 3 prompts: queued
   std::vector<GenerationRequest> requests;
   for (const auto& c : cases) {
-    GenerationRequest r;
-    r.prompt = c.at("prompt").get<std::vector<int64_t>>();
-    r.max_new_tokens = int64_t(c.at("greedy").size());
-    r.sampling.greedy = true;
-    requests.push_back(r);
+    requests.push_back(greedy(c.at("prompt").get<std::vector<int64_t>>(), int64_t(c.at("greedy").size())));
   }
   std::vector<GenerationResult> results = engine.generate(requests);
   double worst = 0;
@@ -74,11 +79,7 @@ struct Tiny {
     c.vocab_size = 50;
     c.make_vocab_size_divisible_by = 16;
     c.max_position_embeddings = 40;
-    c.normalization = "RMSNorm";
-    c.activation = "swiglu";
-    c.add_bias_linear = false;
-    c.position_embedding_type = "rope";
-    c.share_embeddings_and_output_weights = false;
+    testing::use_llama_layers(c);
     c.hidden_dropout = c.attention_dropout = 0.0f;
     model = std::make_unique<GPTModel>(c);
     model->init_weights(3);
@@ -109,10 +110,7 @@ TEST(InferenceEngine, SeededSamplingIsReproducibleWhateverTheBatch) {
 TEST(InferenceEngine, StopTokensMaxLengthAndPromptLogprobs) {
   Tiny t;
   InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 2});
-  GenerationRequest r;
-  r.prompt = {3, 1, 4, 1, 5};
-  r.max_new_tokens = 10;
-  r.sampling.greedy = true;
+  GenerationRequest r = greedy({3, 1, 4, 1, 5}, 10);
   r.prompt_logprobs = true;
   GenerationResult full = engine.generate({r})[0];
   ASSERT_EQ(full.tokens.size(), 10u);
@@ -220,10 +218,7 @@ TEST(InferenceEngine, GreedyRowsOnTheDeviceEqualTheHostPath) {
 TEST(InferenceEngine, StopSequencesBannedPairsPenaltiesAndTopLogprobs) {
   Tiny t;
   InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 2});
-  GenerationRequest r;
-  r.prompt = {3, 1, 4, 1, 5};
-  r.max_new_tokens = 10;
-  r.sampling.greedy = true;
+  GenerationRequest r = greedy({3, 1, 4, 1, 5}, 10);
   r.top_logprobs = 50;  // the whole vocabulary
   r.prompt_logprobs = true;
   GenerationResult full = engine.generate({r})[0];
@@ -291,10 +286,7 @@ TEST(BeamSearch, MatchesANaiveSearchAndGreedyAtWidthOne) {
   Tiny t;
   InferenceEngine engine(*t.model, t.ctx, 50, {.max_batch_size = 4});
   auto next_logprobs = [&](const std::vector<int64_t>& seq) {
-    GenerationRequest r;
-    r.prompt = seq;
-    r.max_new_tokens = 1;
-    r.sampling.greedy = true;
+    GenerationRequest r = greedy(seq, 1);
     r.top_logprobs = 50;
     const GenerationResult result = engine.generate({r})[0];
     std::vector<double> lp(50);
@@ -303,18 +295,14 @@ TEST(BeamSearch, MatchesANaiveSearchAndGreedyAtWidthOne) {
   };
   const std::vector<int64_t> prompt = {3, 1, 4, 1, 5};
   // Width 1 is greedy; the score is the mean logprob (length_penalty 1).
-  GenerationRequest g;
-  g.prompt = prompt;
-  g.max_new_tokens = 6;
-  g.sampling.greedy = true;
-  GenerationResult greedy = engine.generate({g})[0];
+  GenerationResult greedy_run = engine.generate({greedy(prompt, 6)})[0];
   auto one = engine.beam_search({.prompt = prompt, .max_new_tokens = 6, .beam_size = 1});
   ASSERT_EQ(one.size(), 1u);
   std::vector<int64_t> expect = prompt;
-  expect.insert(expect.end(), greedy.tokens.begin(), greedy.tokens.end());
+  expect.insert(expect.end(), greedy_run.tokens.begin(), greedy_run.tokens.end());
   EXPECT_EQ(one[0].tokens, expect);
   double sum = 0;
-  for (double x : greedy.logprobs) sum += x;
+  for (double x : greedy_run.logprobs) sum += x;
   EXPECT_NEAR(one[0].score, sum / 6, 1e-6);
 
   // Width 3, 4 steps, no stop token, length_penalty 2: the 3 best extensions of all beams each step.
@@ -342,10 +330,10 @@ TEST(BeamSearch, MatchesANaiveSearchAndGreedyAtWidthOne) {
 
   // A stop token ranked first at the first step finishes the prompt alone (length 1), and nothing
   // can beat it: the search ends there.
-  auto stopped = engine.beam_search({.prompt = prompt, .max_new_tokens = 6, .beam_size = 1, .stop_token = greedy.tokens[0]});
+  auto stopped = engine.beam_search({.prompt = prompt, .max_new_tokens = 6, .beam_size = 1, .stop_token = greedy_run.tokens[0]});
   ASSERT_EQ(stopped.size(), 1u);
   EXPECT_EQ(stopped[0].tokens, prompt);
-  EXPECT_NEAR(stopped[0].score, greedy.logprobs[0], 1e-6);
+  EXPECT_NEAR(stopped[0].score, greedy_run.logprobs[0], 1e-6);
   EXPECT_THROW(engine.beam_search({.prompt = prompt, .max_new_tokens = 0, .beam_size = 2}), Error);
   EXPECT_THROW(engine.beam_search({.prompt = prompt, .max_new_tokens = 40, .beam_size = 2}), Error);
 }

@@ -7,6 +7,7 @@
 
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/kernels/ops.h"
+#include "tests/core/model_test_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -23,12 +24,8 @@ TransformerConfig tiny_config(bool llama) {
   c.hidden_dropout = c.attention_dropout = 0.0f;
   if (llama) {
     c.num_query_groups = 2;
-    c.normalization = "RMSNorm";
-    c.activation = "swiglu";
+    testing::use_llama_layers(c);
     c.ffn_hidden_size = 96;
-    c.add_bias_linear = false;
-    c.position_embedding_type = "rope";
-    c.share_embeddings_and_output_weights = false;
   }
   return c;
 }

@@ -14,6 +14,7 @@
 #include "megatron/core/inference/generation.h"
 #include "megatron/core/parallel_state.h"
 #include "megatron/runtime/check.h"
+#include "tests/core/model_test_util.h"
 
 namespace megatron {
 namespace {
@@ -32,13 +33,9 @@ TransformerConfig model_config(bool llama) {
   if (llama) {
     c.num_attention_heads = 8;
     c.num_query_groups = 4;
-    c.normalization = "RMSNorm";
-    c.activation = "swiglu";
+    testing::use_llama_layers(c);
     c.ffn_hidden_size = 48;
-    c.add_bias_linear = false;
-    c.position_embedding_type = "rope";
     c.seq_length = 32;
-    c.share_embeddings_and_output_weights = false;
   }
   return c;
 }

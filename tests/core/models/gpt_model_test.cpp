@@ -8,6 +8,7 @@
 #include "megatron/core/dist_checkpointing/safetensors.h"
 #include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/kernels/ops.h"
+#include "tests/core/model_test_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -25,20 +26,10 @@ TransformerConfig tiny_config(bool llama) {
   c.attention_dropout = 0.1f;
   if (llama) {
     c.num_query_groups = 2;
-    c.normalization = "RMSNorm";
-    c.activation = "swiglu";
+    testing::use_llama_layers(c);
     c.ffn_hidden_size = 96;
-    c.add_bias_linear = false;
-    c.position_embedding_type = "rope";
-    c.share_embeddings_and_output_weights = false;
   }
   return c;
-}
-
-Tensor random_ids(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
-  std::vector<int64_t> ids(size_t(b * s));
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t(philox_element(seed, 0, i) % uint64_t(vocab));
-  return Tensor::from_ints(ids, {b, s});
 }
 
 struct RunResult {
@@ -60,7 +51,7 @@ RunResult run(TransformerConfig c, const std::string& granularity, const std::st
   model.params().zero_grad();
   Context ctx(Device::cpu(), /*seed=*/42);
   const int64_t b = 4, s = 64;
-  Tensor tokens = random_ids(b, s, c.vocab_size, 1), labels = random_ids(b, s, c.vocab_size, 2);
+  Tensor tokens = testing::random_ids(b, s, c.vocab_size, 1), labels = testing::random_ids(b, s, c.vocab_size, 2);
   const size_t before = memory_stats(Device::cpu()).allocated;
   reset_peak_memory_stats(Device::cpu());
   GPTModel::Stash stash;
@@ -162,35 +153,22 @@ TEST(TransformerConfig, VocabularyPadding) {
   EXPECT_EQ(padded_vocab_size(32000, 64, 8), 32256);
 }
 
-// Expects megatron::Error whose message contains `needle`.
-template <typename Fn>
-void expect_error(Fn&& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << "one line: " << msg;
-  }
-}
-
 TEST(TransformerConfig, ShapesThatDoNotDivideAreClearErrors) {
   TransformerConfig c = tiny_config(true);
   c.num_query_groups = 3;
-  expect_error([&] { c.finalize(); }, "--num-attention-heads (4) must be divisible by --num-query-groups (3)");
+  testing::expect_one_line_error([&] { c.finalize(); }, "--num-attention-heads (4) must be divisible by --num-query-groups (3)");
   c = tiny_config(false);
   c.hidden_size = 66;
-  expect_error([&] { c.finalize(); }, "--hidden-size (66) must be divisible by --num-attention-heads (4)");
+  testing::expect_one_line_error([&] { c.finalize(); }, "--hidden-size (66) must be divisible by --num-attention-heads (4)");
   c = tiny_config(false);
   c.recompute_granularity = "full";
-  expect_error([&] { c.finalize(); }, "--recompute-method");
+  testing::expect_one_line_error([&] { c.finalize(); }, "--recompute-method");
   c = tiny_config(true);
   c.rotary_percent = 0.05f;
-  expect_error([&] { c.finalize(); }, "--rotary-percent");
+  testing::expect_one_line_error([&] { c.finalize(); }, "--rotary-percent");
   c = tiny_config(false);
   c.bf16 = c.fp16 = true;
-  expect_error([&] { c.finalize(); }, "--bf16 and --fp16");
+  testing::expect_one_line_error([&] { c.finalize(); }, "--bf16 and --fp16");
 }
 
 // Rewrites the fixture GPT-2 weights with one change and loads them as the golden test does.
@@ -220,7 +198,7 @@ class BadWeights : public ::testing::Test {
 };
 
 TEST_F(BadWeights, MissingTensorIsNamed) {
-  expect_error(
+  testing::expect_one_line_error(
       [&] {
         load([](auto& t) {
           std::erase_if(t, [](const auto& p) { return p.first == "transformer.h.1.mlp.c_fc.weight"; });
@@ -230,7 +208,7 @@ TEST_F(BadWeights, MissingTensorIsNamed) {
 }
 
 TEST_F(BadWeights, WrongShapeIsNamed) {
-  expect_error(
+  testing::expect_one_line_error(
       [&] {
         load([](auto& t) {
           for (auto& [n, x] : t)
@@ -241,7 +219,7 @@ TEST_F(BadWeights, WrongShapeIsNamed) {
 }
 
 TEST_F(BadWeights, WrongDtypeIsNamed) {
-  expect_error(
+  testing::expect_one_line_error(
       [&] {
         load([](auto& t) {
           for (auto& [n, x] : t)
@@ -252,8 +230,8 @@ TEST_F(BadWeights, WrongDtypeIsNamed) {
 }
 
 TEST(HFConfig, UnsupportedModelsAreRefused) {
-  expect_error([] { config_from_hf(nlohmann::json{{"model_type", "bert"}}); }, "model_type 'bert' is not supported");
-  expect_error([] { config_from_hf(nlohmann::json::object()); }, "no \"model_type\"");
+  testing::expect_one_line_error([] { config_from_hf(nlohmann::json{{"model_type", "bert"}}); }, "model_type 'bert' is not supported");
+  testing::expect_one_line_error([] { config_from_hf(nlohmann::json::object()); }, "no \"model_type\"");
 }
 
 TEST(HFMapping, RoundTripIsExact) {

@@ -25,6 +25,7 @@
 #include "megatron/core/optimizer/optimizer.h"
 #include "megatron/core/pipeline_parallel/schedules.h"
 #include "megatron/runtime/philox.h"
+#include "tests/core/model_test_util.h"
 
 namespace megatron {
 namespace {
@@ -44,12 +45,8 @@ TransformerConfig config(bool llama) {
   if (llama) {
     c.num_attention_heads = 8;
     c.num_query_groups = 4;  // GQA; TP 4 holds one group of two heads
-    c.normalization = "RMSNorm";
-    c.activation = "swiglu";
+    testing::use_llama_layers(c);
     c.ffn_hidden_size = 48;
-    c.add_bias_linear = false;
-    c.position_embedding_type = "rope";
-    c.share_embeddings_and_output_weights = false;
   }
   return c;
 }

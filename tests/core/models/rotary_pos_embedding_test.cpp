@@ -11,6 +11,7 @@
 
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/core/transformer/kv_cache.h"
+#include "tests/core/model_test_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -27,12 +28,8 @@ TransformerConfig rope_config(int kv_channels, float base) {
   c.kv_channels = kv_channels;
   c.vocab_size = 64;
   c.make_vocab_size_divisible_by = 1;
-  c.normalization = "RMSNorm";
-  c.activation = "swiglu";
-  c.add_bias_linear = false;
-  c.share_embeddings_and_output_weights = false;
+  testing::use_llama_layers(c);
   c.hidden_dropout = c.attention_dropout = 0.0f;
-  c.position_embedding_type = "rope";
   c.rotary_base = base;
   return c;
 }

@@ -44,16 +44,14 @@ const std::vector<std::string> kWindow = concat(kLlama, {"--window-size", "5,0",
 const std::vector<std::string> kPackedWindow = concat(kPacked, {"--window-size", "5,0"});
 
 // Multi-latent attention (Note [MLA context parallelism]): DeepSeek-V3's shape in small, dense.
-const std::vector<std::string> kMla = {
+const std::vector<std::string> kMla = concat({
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96", "--swiglu",
     "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
     "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "20", "--qk-head-dim", "12",
     "--qk-pos-emb-head-dim", "8", "--v-head-dim", "10", "--qk-layernorm", "--rope-type", "yarn",
     "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "8", "--mscale", "1",
-    "--mscale-all-dim", "1", "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-    "--global-batch-size", "16", "--lr", "1e-3", "--vocab-size", "1000", "--mock-data", "--hidden-dropout", "0",
-    "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--device", "cpu",
-    "--split", "100,0,0", "--adam-eps", "1e-4"};
+    "--mscale-all-dim", "1"},
+    kSmallRun);
 
 const std::vector<std::string>& model_flags(const std::string& m) {
   if (m == "gpt") return kGpt;
@@ -78,8 +76,7 @@ class ContextParallel : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new ScratchDir("context_parallel");
     for (const char* m : {"llama", "gpt", "packed", "moe", "yarn", "sinks", "window", "packed_window", "mla"}) {
-      singles_[m] = train(dir_->path, std::string(m) + "_single", 1,
-                          concat(model_flags(m), {"--train-iters", "5", "--save", (dir_->path / (std::string(m) + "_single")).string()}));
+      singles_[m] = train_single(dir_->path, std::string(m) + "_single", model_flags(m));
     }
   }
   static void TearDownTestSuite() {

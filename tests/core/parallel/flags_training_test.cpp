@@ -32,8 +32,7 @@ class FlagsTraining : public ::testing::Test {
     dir_ = new ScratchDir("flags_training");
     for (const auto& [name, flags] : std::vector<std::pair<std::string, std::vector<std::string>>>{
              {"per_token", kPerToken}, {"per_token_moe", kPerTokenMoe}, {"masked", kMasked}}) {
-      singles_[name] = train(dir_->path, name + "_single", 1,
-                             concat(flags, {"--train-iters", "5", "--save", (dir_->path / (name + "_single")).string()}));
+      singles_[name] = train_single(dir_->path, name + "_single", flags);
     }
   }
   static void TearDownTestSuite() {

@@ -36,14 +36,6 @@ const std::vector<std::string> kWideBf16 = {
     "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--device", "cpu", "--split", "100,0,0",
     "--adam-eps", "1e-4", "--bf16"};
 
-fs::path latest(const fs::path& d) {
-  std::string it = read_file(d / "latest_checkpointed_iteration.txt");
-  while (!it.empty() && std::isspace(static_cast<unsigned char>(it.back()))) it.pop_back();
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "iter_%07d", std::stoi(it));
-  return d / buf;
-}
-
 // The saved state of a run with the flag (a) against one without (b): the weights within 1e-6 (the
 // flag's own buffer for the FP8 weights sums the gradient norm in another order, which moves the
 // clipping factor in its last bits), and the delayed recipe's histories equal except row 0 of the
@@ -51,7 +43,8 @@ fs::path latest(const fs::path& d) {
 // weights' shard of each rank (reduced over the ranks by the next step: Note [FP8 parameters]),
 // without it the next forward will record the whole weight's.
 void expect_same_state(const fs::path& a, const fs::path& b, const std::string& what) {
-  dist_checkpointing::ShardIndex ia(latest(a).string(), "model"), ib(latest(b).string(), "model");
+  dist_checkpointing::ShardIndex ia(latest_iteration_dir(a).string(), "model"),
+      ib(latest_iteration_dir(b).string(), "model");
   ASSERT_EQ(ia.names(), ib.names()) << what;
   for (const std::string& name : ia.names()) {
     const Shape shape = ia.tensor(name).shape;

@@ -40,9 +40,7 @@ class Fp8Training : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new ScratchDir("fp8_training");
-    single_ = new TrainRun(train(dir_->path, "fp8_single", 1,
-                                 concat(fp8(kGpt, "delayed"),
-                                        {"--train-iters", "5", "--save", (dir_->path / "fp8_single").string()})));
+    single_ = new TrainRun(train_single(dir_->path, "fp8_single", fp8(kGpt, "delayed")));
   }
   static void TearDownTestSuite() {
     delete single_;
@@ -53,12 +51,6 @@ class Fp8Training : public ::testing::Test {
 };
 ScratchDir* Fp8Training::dir_ = nullptr;
 TrainRun* Fp8Training::single_ = nullptr;
-
-struct Layout {
-  std::string name;
-  int np;
-  std::vector<std::string> flags;
-};
 
 class Fp8Layouts : public Fp8Training, public ::testing::WithParamInterface<Layout> {};
 

@@ -28,22 +28,13 @@ std::vector<std::string> tied_model() {
   return concat(a, {"--mtp-num-layers", "1"});
 }
 
-struct Layout {
-  std::string name;
-  int np;
-  std::vector<std::string> flags;
-};
-
 class MtpTraining : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new ScratchDir("mtp_training");
-    untied_ = new TrainRun(train(dir_->path, "untied_single", 1,
-                                 concat(kMtpUntied, {"--train-iters", "5", "--save", (dir_->path / "untied_single").string()})));
-    tied_ = new TrainRun(train(dir_->path, "tied_single", 1,
-                               concat(tied_model(), {"--train-iters", "5", "--save", (dir_->path / "tied_single").string()})));
-    moe_ = new TrainRun(train(dir_->path, "moe_single", 1,
-                              concat(kMtpMoe, {"--train-iters", "5", "--save", (dir_->path / "moe_single").string()})));
+    untied_ = new TrainRun(train_single(dir_->path, "untied_single", kMtpUntied));
+    tied_ = new TrainRun(train_single(dir_->path, "tied_single", tied_model()));
+    moe_ = new TrainRun(train_single(dir_->path, "moe_single", kMtpMoe));
   }
   static void TearDownTestSuite() {
     delete untied_;
@@ -54,16 +45,8 @@ class MtpTraining : public ::testing::Test {
 
   void check(const std::vector<std::string>& model, const TrainRun& single, const std::string& single_dir,
              const Layout& layout) {
-    ASSERT_EQ(single.losses.size(), 5u) << single.output;
     ASSERT_FALSE(single.aux.empty()) << "no MTP loss in the single run's log";
-    const fs::path save = dir_->path / layout.name;
-    TrainRun r = train(dir_->path, layout.name, layout.np,
-                       concat(concat(model, layout.flags), {"--train-iters", "5", "--save", save.string()}));
-    expect_close(r.losses, single.losses, layout.name + " loss");
-    expect_close(r.grad_norms, single.grad_norms, layout.name + " grad norm");
-    ASSERT_EQ(r.aux.size(), single.aux.size()) << layout.name;
-    for (const auto& [name, values] : single.aux) expect_close(r.aux[name], values, layout.name + " " + name);
-    expect_same_weights(save, dir_->path / single_dir, layout.name);
+    expect_layout_equals_single(dir_->path, model, single, single_dir, layout);
   }
 
   static ScratchDir* dir_;
@@ -129,24 +112,9 @@ TEST_F(MtpTraining, MoeLayoutsEqualSingleProcess) {
 // single run's — in one process, from a pipeline layout into one process, and from one process
 // into TP 2 × PP 2 (the last stage's embedding copy loads from the first stage's tensor).
 TEST_F(MtpTraining, CheckpointsResumeExactly) {
-  struct Case {
-    std::string name;
-    int np_save;
-    std::vector<std::string> save_flags;
-    int np_load;
-    std::vector<std::string> load_flags;
-  };
-  for (const Case& c : {Case{"resume_single", 1, {}, 1, {}}, Case{"resume_pp2_to_single", 2, kPp2, 1, {}},
-                        Case{"resume_single_to_tp2pp2_sp", 1, {}, 4, concat(kTp2Sp, kPp2)}}) {
-    const fs::path ckpt = dir_->path / c.name;
-    train(dir_->path, c.name + "_save", c.np_save,
-          concat(concat(kMtpUntied, c.save_flags), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
-    TrainRun resumed = train(dir_->path, c.name + "_load", c.np_load,
-                             concat(concat(kMtpUntied, c.load_flags),
-                                    {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
-    expect_close(resumed.losses, untied_->losses, c.name, 3);
-    for (const auto& [name, values] : untied_->aux) expect_close(resumed.aux[name], values, c.name + " " + name, 3);
-    expect_same_weights(ckpt, dir_->path / "untied_single", c.name);
+  for (const Reshard& c : {Reshard{"resume_single", 1, {}, 1, {}}, Reshard{"resume_pp2_to_single", 2, kPp2, 1, {}},
+                           Reshard{"resume_single_to_tp2pp2_sp", 1, {}, 4, concat(kTp2Sp, kPp2)}}) {
+    expect_reshard_equals_single(dir_->path, dir_->path / c.name, kMtpUntied, *untied_, "untied_single", c);
   }
 }
 

@@ -13,20 +13,12 @@
 namespace megatron::testing {
 namespace {
 
-struct Layout {
-  std::string name;
-  int np;
-  std::vector<std::string> flags;
-};
-
 class ParallelTraining : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new ScratchDir("parallel_training");
-    gpt_ = new TrainRun(train(dir_->path, "gpt_single", 1,
-                         concat(kGpt, {"--train-iters", "5", "--save", (dir_->path / "gpt_single").string()})));
-    llama_ = new TrainRun(train(dir_->path, "llama_single", 1,
-                           concat(kLlama, {"--train-iters", "5", "--save", (dir_->path / "llama_single").string()})));
+    gpt_ = new TrainRun(train_single(dir_->path, "gpt_single", kGpt));
+    llama_ = new TrainRun(train_single(dir_->path, "llama_single", kLlama));
   }
   static void TearDownTestSuite() {
     delete gpt_;
@@ -37,38 +29,15 @@ class ParallelTraining : public ::testing::Test {
   // Trains `layout` for 5 iterations and compares with the single-process run.
   void check(const std::vector<std::string>& model, const TrainRun& single, const std::string& single_dir,
              const Layout& layout) {
-    ASSERT_EQ(single.losses.size(), 5u) << single.output;
-    const fs::path save = dir_->path / layout.name;
-    TrainRun r = train(dir_->path, layout.name, layout.np,
-                  concat(concat(model, layout.flags), {"--train-iters", "5", "--save", save.string()}));
-    expect_close(r.losses, single.losses, layout.name + " loss");
-    expect_close(r.grad_norms, single.grad_norms, layout.name + " grad norm");
-    ASSERT_EQ(r.aux.size(), single.aux.size()) << layout.name;
-    for (const auto& [name, values] : single.aux) expect_close(r.aux[name], values, layout.name + " " + name);
-    expect_same_weights(save, dir_->path / single_dir, layout.name);
+    expect_layout_equals_single(dir_->path, model, single, single_dir, layout);
   }
 
   // A checkpoint saved by one layout at iteration 3 of a 5-iteration schedule (--exit-interval),
   // resumed under another: iterations 4 and 5 give the single run's losses (and aux losses), and
   // the final weights are the single run's.
-  struct Reshard {
-    std::string name;
-    int np_save;
-    std::vector<std::string> save_flags;
-    int np_load;
-    std::vector<std::string> load_flags;
-  };
   void check_reshard(const std::vector<std::string>& model, const TrainRun& single, const std::string& single_dir,
                      const Reshard& c) {
-    const fs::path ckpt = dir_->path / ("reshard_" + c.name);
-    train(dir_->path, c.name + "_save", c.np_save,
-          concat(concat(model, c.save_flags), {"--train-iters", "5", "--exit-interval", "3", "--save", ckpt.string()}));
-    TrainRun resumed = train(dir_->path, c.name + "_load", c.np_load,
-                             concat(concat(model, c.load_flags),
-                                    {"--train-iters", "5", "--load", ckpt.string(), "--save", ckpt.string()}));
-    expect_close(resumed.losses, single.losses, c.name, 3);
-    for (const auto& [name, values] : single.aux) expect_close(resumed.aux[name], values, c.name + " " + name, 3);
-    expect_same_weights(ckpt, dir_->path / single_dir, c.name);
+    expect_reshard_equals_single(dir_->path, dir_->path / ("reshard_" + c.name), model, single, single_dir, c);
   }
 
   static ScratchDir* dir_;
@@ -165,8 +134,7 @@ TEST_F(ParallelTraining, LlamaTP2DP2DistributedOptimizer) {
 // sequence parallelism, the distributed optimizer and overlapped reduction equals one process.
 TEST_F(ParallelTraining, QkLayernormTP2DP2) {
   const std::vector<std::string> qwen = concat(kLlama, {"--qk-layernorm"});
-  TrainRun single =
-      train(dir_->path, "qk_single", 1, concat(qwen, {"--train-iters", "5", "--save", (dir_->path / "qk_single").string()}));
+  TrainRun single = train_single(dir_->path, "qk_single", qwen);
   check(qwen, single, "qk_single",
         Layout{"qk_tp2dp2_sp_distopt", 4,
                {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
@@ -179,7 +147,7 @@ TEST_F(ParallelTraining, QkLayernormTP2DP2) {
 // their gradients all-reduced; the rope key gathered and its gradient reduce-scattered: Note [MLA
 // tensor parallelism]), and TP 2 without it (MLA without MoE, one q projection), equal one process.
 TEST_F(ParallelTraining, MultiLatentAttentionTP2SequenceParallel) {
-  const std::vector<std::string> deepseek = {
+  const std::vector<std::string> deepseek = concat({
       "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96", "--swiglu",
       "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
       "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "20", "--qk-head-dim", "12",
@@ -188,13 +156,9 @@ TEST_F(ParallelTraining, MultiLatentAttentionTP2SequenceParallel) {
       "--mscale-all-dim", "1", "--num-experts", "4", "--moe-layer-freq", "([0]+[1])", "--moe-ffn-hidden-size", "32",
       "--moe-shared-expert-intermediate-size", "32", "--moe-router-topk", "2", "--moe-router-score-function",
       "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
-      "--moe-router-topk-scaling-factor", "2.5",
-      "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
-      "--lr", "1e-3", "--vocab-size", "1000", "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0",
-      "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--device", "cpu", "--split", "100,0,0",
-      "--adam-eps", "1e-4"};
-  TrainRun single = train(dir_->path, "mla_single", 1,
-                          concat(deepseek, {"--train-iters", "5", "--save", (dir_->path / "mla_single").string()}));
+      "--moe-router-topk-scaling-factor", "2.5"},
+      kSmallRun);
+  TrainRun single = train_single(dir_->path, "mla_single", deepseek);
   check(deepseek, single, "mla_single",
         Layout{"mla_tp2_sp", 2, {"--tensor-model-parallel-size", "2", "--sequence-parallel"}});
   // Without sequence parallelism (MoE under TP needs it, as in Megatron): MLA alone, with one q projection.
@@ -207,8 +171,7 @@ TEST_F(ParallelTraining, MultiLatentAttentionTP2SequenceParallel) {
     }
     dense.push_back(f);
   }
-  TrainRun dense_single = train(dir_->path, "mla_dense_single", 1,
-                                concat(dense, {"--train-iters", "5", "--save", (dir_->path / "mla_dense_single").string()}));
+  TrainRun dense_single = train_single(dir_->path, "mla_dense_single", dense);
   check(dense, dense_single, "mla_dense_single", Layout{"mla_dense_tp2", 2, {"--tensor-model-parallel-size", "2"}});
 }
 
@@ -218,8 +181,7 @@ TEST_F(ParallelTraining, DropoutMatchesAcrossDataAndPipelineParallel) {
   for (size_t i = 0; i + 1 < model.size(); ++i) {
     if (model[i] == "--hidden-dropout" || model[i] == "--attention-dropout") model[i + 1] = "0.1";
   }
-  TrainRun single = train(dir_->path, "dropout_single", 1,
-                     concat(model, {"--train-iters", "5", "--save", (dir_->path / "dropout_single").string()}));
+  TrainRun single = train_single(dir_->path, "dropout_single", model);
   check(model, single, "dropout_single",
         Layout{"dropout_pp2dp2", 4, {"--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"}});
 }
@@ -282,8 +244,7 @@ class MoeGrid : public ParallelTraining, public ::testing::WithParamInterface<La
   static const TrainRun& single() {
     static TrainRun* run = nullptr;
     if (!run) {
-      run = new TrainRun(train(dir_->path, "moe_single", 1,
-                               concat(kMoe, {"--train-iters", "5", "--save", (dir_->path / "moe_single").string()})));
+      run = new TrainRun(train_single(dir_->path, "moe_single", kMoe));
     }
     return *run;
   }
@@ -365,8 +326,7 @@ TEST_F(ParallelTraining, MoeExpertBiasSeqAuxTP2EP2) {
                     "--moe-router-bias-update-rate", "1e-2", "--moe-router-num-groups", "4", "--moe-router-group-topk",
                     "2", "--moe-router-topk-scaling-factor", "2.5", "--moe-router-load-balancing-type",
                     "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"});
-  TrainRun one = train(dir_->path, "moe_bias_single", 1,
-                       concat(model, {"--train-iters", "5", "--save", (dir_->path / "moe_bias_single").string()}));
+  TrainRun one = train_single(dir_->path, "moe_bias_single", model);
   ASSERT_EQ(one.aux.count("seq_load_balancing_loss"), 1u) << one.output;
   const std::vector<std::string> tp2ep2 = {"--tensor-model-parallel-size", "2", "--sequence-parallel",
                                            "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
@@ -389,8 +349,7 @@ TEST_F(ParallelTraining, MoeSharedExpertOverlap) {
   const std::vector<std::string> model =
       concat(kMoe, {"--moe-shared-expert-intermediate-size", "48", "--moe-shared-expert-gate",
                     "--moe-token-dispatcher-type", "alltoall"});
-  TrainRun one = train(dir_->path, "moe_shared_single", 1,
-                       concat(model, {"--train-iters", "5", "--save", (dir_->path / "moe_shared_single").string()}));
+  TrainRun one = train_single(dir_->path, "moe_shared_single", model);
   ASSERT_EQ(one.losses.size(), 5u) << one.output;
   TrainRun overlapped = train(dir_->path, "moe_shared_overlap_single", 1,
                               concat(model, {"--moe-shared-expert-overlap", "--train-iters", "5"}));
@@ -408,8 +367,7 @@ TEST_F(ParallelTraining, MoeSharedExpertOverlap) {
 TEST_F(ParallelTraining, MoeSinkhornEP2) {
   const std::vector<std::string> model =
       concat(kMoe, {"--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0", "--moe-router-topk", "2"});
-  TrainRun one = train(dir_->path, "moe_sinkhorn_single", 1,
-                       concat(model, {"--train-iters", "5", "--save", (dir_->path / "moe_sinkhorn_single").string()}));
+  TrainRun one = train_single(dir_->path, "moe_sinkhorn_single", model);
   check(model, one, "moe_sinkhorn_single",
         Layout{"moe_sinkhorn_ep2_dp4", 4, {"--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"}});
 }
@@ -423,8 +381,7 @@ TEST_F(ParallelTraining, MoeGlobalAuxLossAndJitter) {
   const std::vector<std::string> model =
       concat(kMoe, {"--moe-router-load-balancing-type", "aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "1e-2",
                     "2e-2", "--moe-input-jitter-eps", "0.1"});
-  TrainRun one = train(dir_->path, "moe_global_single", 1,
-                       concat(model, {"--train-iters", "5", "--save", (dir_->path / "moe_global_single").string()}));
+  TrainRun one = train_single(dir_->path, "moe_global_single", model);
   ASSERT_EQ(one.aux.count("global_load_balancing_loss"), 1u) << one.output;
   ASSERT_EQ(one.aux.count("load_balancing_loss"), 1u) << one.output;
   check(model, one, "moe_global_single",
@@ -466,8 +423,7 @@ TEST_F(ParallelTraining, MoeGlobalAuxLossDataParallel) {
 // An MoE checkpoint saved by one expert layout at iteration 3 resumes under another with the
 // single run's losses.
 TEST_F(ParallelTraining, MoeCheckpointsReshardAcrossExpertLayouts) {
-  TrainRun one = train(dir_->path, "moe_reshard_single", 1,
-                       concat(kMoe, {"--train-iters", "5", "--save", (dir_->path / "moe_reshard_single").string()}));
+  TrainRun one = train_single(dir_->path, "moe_reshard_single", kMoe);
   const std::vector<Reshard> cases = {
       {"tp2sp_ep2_etp2_to_ep4_distopt", 4,
        {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",

@@ -21,13 +21,6 @@ using nlohmann::json;
 
 constexpr double kLogprobTolerance = 1e-5;
 
-std::vector<std::string> mpirun(int np) {
-  std::vector<std::string> argv = {"mpirun", "-np", std::to_string(np), "--oversubscribe", "--mca",
-                                   "mpi_yield_when_idle", "1"};
-  if (::geteuid() == 0) argv.push_back("--allow-run-as-root");
-  return argv;
-}
-
 // The process of MPI rank `rank` among mpirun's children (OMPI_COMM_WORLD_RANK in its environment); -1 if none.
 pid_t mpi_rank_pid(pid_t mpirun_pid, int rank) {
   const std::string want = "OMPI_COMM_WORLD_RANK=" + std::to_string(rank);
@@ -80,7 +73,7 @@ struct ServerPair {
     one.start(ckpt, 0, dir / "one.log", {"--max-batch-size", "3"}, tokenizer);
     std::vector<std::string> flags = {"--max-batch-size", "3", "--tensor-model-parallel-size", "2"};
     flags.insert(flags.end(), tp_flags.begin(), tp_flags.end());
-    tp.start(ckpt, 0, dir / "tp.log", flags, tokenizer, mpirun(2));
+    tp.start(ckpt, 0, dir / "tp.log", flags, tokenizer, mpirun_command(2));
     ASSERT_TRUE(one.wait_healthy(60)) << one.output();
     ASSERT_TRUE(tp.wait_healthy(60)) << tp.output();
     EXPECT_NE(tp.output().find("tensor-parallel size 2"), std::string::npos) << tp.output();
@@ -189,7 +182,7 @@ TEST(TensorParallelServerShutdown, SignalToMpirunEndsEveryRank) {
   ScratchDir dir("text_generation_server_tp_signal");
   ServerProcess tp;
   tp.start(fixture_checkpoint(dir.path, "gpt2"), 0, dir.path / "tp.log", {"--tensor-model-parallel-size", "2"},
-           {"--tokenizer-type", "NullTokenizer", "--vocab-size", "512"}, mpirun(2));
+           {"--tokenizer-type", "NullTokenizer", "--vocab-size", "512"}, mpirun_command(2));
   ASSERT_TRUE(tp.wait_healthy(60)) << tp.output();
   const pid_t ranks[] = {mpi_rank_pid(tp.pid, 0), mpi_rank_pid(tp.pid, 1)};
   ASSERT_GT(ranks[0], 0);
@@ -249,7 +242,7 @@ TEST(TensorParallelGenerate, PrintsWhatOneProcessPrints) {
   };
   RunResult one = run(args, dir.path, "OMP_NUM_THREADS=1");
   ASSERT_EQ(one.exit_code, 0) << one.output;
-  std::vector<std::string> tp_args = mpirun(2);
+  std::vector<std::string> tp_args = mpirun_command(2);
   tp_args.insert(tp_args.end(), args.begin(), args.end());
   for (const char* a : {"--tensor-model-parallel-size", "2"}) tp_args.push_back(a);
   RunResult tp = run(tp_args, dir.path, "OMP_NUM_THREADS=1");

@@ -9,11 +9,11 @@
 
 #include <cmath>
 #include <functional>
-#include <thread>
 
 #include "megatron/core/distributed/distributed_data_parallel.h"
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/core/pipeline_parallel/schedules.h"
+#include "tests/core/thread_ranks.h"
 
 namespace megatron {
 namespace {
@@ -107,25 +107,6 @@ std::map<std::string, std::vector<float>> step_grads(ParallelState& ps, bool per
   return grads_of(model);
 }
 
-void run_world(int size, const std::function<void(ParallelState&)>& fn) {
-  auto comms = make_local_group(size);
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        ParallelState ps(std::move(comms[size_t(r)]), ParallelConfig{});
-        fn(ps);
-      } catch (...) {
-        errors[size_t(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
-
 TEST(PerTokenLoss, LossAndGradientAreThoseOfTheGlobalBatchMaskedMean) {
   // The reference loss: the model's per-token losses of both rows, Σ loss·mask / Σ mask, here.
   double want_loss = 0, want_tokens = 0;
@@ -143,7 +124,7 @@ TEST(PerTokenLoss, LossAndGradientAreThoseOfTheGlobalBatchMaskedMean) {
 
   std::map<std::string, std::vector<float>> reference, per_token, mean_of_means, per_token_dp2;
   LossSums sums;
-  run_world(1, [&](ParallelState& ps) {
+  testing::run_thread_ranks(1, [&](ParallelState& ps) {
     // The masked mean over the global batch: both rows in one microbatch (default mode).
     reference = step_grads(ps, false, {rows({0, 1})}, nullptr);
     per_token = step_grads(ps, true, {rows({0}), rows({1})}, &sums);
@@ -155,7 +136,7 @@ TEST(PerTokenLoss, LossAndGradientAreThoseOfTheGlobalBatchMaskedMean) {
   EXPECT_GT(relative_difference(mean_of_means, reference), 1e-2);  // the default mode weighs row 0's tokens more
 
   // Two data-parallel ranks, one row each: the token count is summed over them, the gradients too.
-  run_world(2, [&](ParallelState& ps) {
+  testing::run_thread_ranks(2, [&](ParallelState& ps) {
     LossSums s;
     auto g = step_grads(ps, true, {rows({ps.dp_rank()})}, &s);
     EXPECT_EQ(s.num_tokens, want_tokens) << "rank " << ps.dp_rank();

@@ -54,12 +54,6 @@ TransformerConfig gpt_oss_config(bool grouped = false, const std::string& softma
   return c;
 }
 
-Tensor random_ids(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
-  std::vector<int64_t> ids(size_t(b * s));
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t(philox_element(seed, 0, i) % uint64_t(vocab));
-  return Tensor::from_ints(ids, {b, s});
-}
-
 // Megatron's initialisation, then the biases and sinks away from zero (as trained ones are).
 void init(GPTModel& model) {
   model.init_weights(1234);
@@ -158,7 +152,7 @@ TEST_P(GptOssGradients, MatchFiniteDifferences) {
   GPTModel model(gpt_oss_config(GetParam()));
   init(model);
   Context ctx;
-  const Tensor tokens = random_ids(2, 8, 40, 1), labels = random_ids(2, 8, 40, 2);
+  const Tensor tokens = testing::random_ids(2, 8, 40, 1), labels = testing::random_ids(2, 8, 40, 2);
   testing::GradCheck gc([&] {
     GPTModel::Stash stash;
     return std::vector<Tensor>{model.forward(ctx, tokens, Tensor(), labels, stash)};
@@ -198,7 +192,7 @@ TEST(GptOssModel, GroupedExpertsEqualSequential) {
     Context ctx;
     model.params().zero_grad();
     GPTModel::Stash stash;
-    Tensor l = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash);
+    Tensor l = model.forward(ctx, testing::random_ids(2, 8, 40, 1), Tensor(), testing::random_ids(2, 8, 40, 2), stash);
     model.backward(ctx, testing::random_tensor(l.shape(), 5, 1.0f, DType::Float32), stash);
     losses[grouped] = l.to_floats();
     grads[grouped] = model.params().grad_buffer().to_floats();
@@ -218,7 +212,7 @@ TEST(GptOssModel, SelectiveRecomputationGivesTheSameGradients) {
     Context ctx;
     model.params().zero_grad();
     GPTModel::Stash stash;
-    Tensor l = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash);
+    Tensor l = model.forward(ctx, testing::random_ids(2, 8, 40, 1), Tensor(), testing::random_ids(2, 8, 40, 2), stash);
     model.backward(ctx, testing::random_tensor(l.shape(), 5, 1.0f, DType::Float32), stash);
     grads[recompute] = model.params().grad_buffer().to_floats();
   }
@@ -234,7 +228,7 @@ TEST(GptOssModel, OffByOneChangesTheSoftmax) {
     model.init_weights(1234);
     Context ctx;
     GPTModel::Stash stash;
-    losses[t] = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash).to_floats();
+    losses[t] = model.forward(ctx, testing::random_ids(2, 8, 40, 1), Tensor(), testing::random_ids(2, 8, 40, 2), stash).to_floats();
   }
   EXPECT_GT(testing::max_abs_error(losses[0], losses[1]), 1e-4);
 }
@@ -309,7 +303,7 @@ TpRun tp_run(int tp, bool sp) {
         DistributedDataParallel ddp(ps, {&model.params()}, DDPConfig{});
         ddp.zero_grad(ctx);
         GPTModel::Stash stash;
-        Tensor losses = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash);
+        Tensor losses = model.forward(ctx, testing::random_ids(2, 8, 40, 1), Tensor(), testing::random_ids(2, 8, 40, 2), stash);
         model.backward(ctx, testing::random_tensor(losses.shape(), 5, 1.0f, DType::Float32), stash);
         finalize_model_grads(ctx, ddp);
         Parameter* sinks = model.params().find("decoder.layers.0.self_attention.core_attention.softmax_offset");

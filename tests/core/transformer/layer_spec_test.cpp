@@ -10,7 +10,8 @@
 #include "megatron/core/models/gpt/gpt_model.h"
 #include "megatron/core/tensor_parallel/fp8_linear.h"
 #include "megatron/kernels/ops.h"
-#include "megatron/runtime/philox.h"
+#include "tests/core/model_test_util.h"
+#include "tests/test_util.h"
 
 namespace megatron {
 namespace {
@@ -28,11 +29,7 @@ TransformerConfig tiny_config(bool llama) {
   c.init_method_std = 0.2f;  // large enough that every layer matters to the loss
   if (llama) {
     c.num_query_groups = 1;
-    c.normalization = "RMSNorm";
-    c.activation = "swiglu";
-    c.add_bias_linear = false;
-    c.position_embedding_type = "rope";
-    c.share_embeddings_and_output_weights = false;
+    testing::use_llama_layers(c);
   }
   return c;
 }
@@ -43,12 +40,6 @@ TransformerBlockSpec two_sizes(const TransformerConfig& c) {
   spec.layers[0].mlp.ffn_hidden_size = 24;
   spec.layers[1].mlp.ffn_hidden_size = 40;
   return spec;
-}
-
-Tensor ids(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
-  std::vector<int64_t> v(size_t(b * s));
-  for (size_t i = 0; i < v.size(); ++i) v[i] = int64_t(philox_element(seed, 0, i) % uint64_t(vocab));
-  return Tensor::from_ints(v, {b, s});
 }
 
 // The mean per-token loss; with `backward`, its gradient accumulates into the model's main grads.
@@ -81,7 +72,7 @@ TEST_P(LayerSpecs, LayersOfDifferentSpecsHaveTheirShapesAndExactGradients) {
   EXPECT_EQ(model.params().find("decoder.layers.1.mlp.linear_fc1.weight")->data.shape(), (Shape{glu * 40, 16}));
   EXPECT_EQ(model.params().find("decoder.layers.1.mlp.linear_fc2.weight")->data.shape(), (Shape{16, 40}));
 
-  const Tensor tokens = ids(2, 8, c.vocab_size, 1), labels = ids(2, 8, c.vocab_size, 2);
+  const Tensor tokens = testing::random_ids(2, 8, c.vocab_size, 1), labels = testing::random_ids(2, 8, c.vocab_size, 2);
   model.params().zero_grad();
   loss(model, tokens, labels, true);
   // Central differences on a spread of elements of every parameter of both layers.
@@ -218,7 +209,7 @@ TEST(LayerSpecs, Fp8DelayedStateStepsAndIsCheckpointed) {
   c.finalize();
   GPTModel model(c, Device::cpu());
   model.init_weights(3);
-  loss(model, ids(2, 8, 40, 1), ids(2, 8, 40, 2), /*backward=*/true);
+  loss(model, testing::random_ids(2, 8, 40, 1), testing::random_ids(2, 8, 40, 2), /*backward=*/true);
   Context ctx;
   model.finish_fp8_step(ctx);
   const Linear* qkv = model.decoder().layers()[0]->fp8_linears()[0];

@@ -65,12 +65,6 @@ TransformerConfig mla_config(const Style& st, int layers = 1) {
   return c;
 }
 
-Tensor random_ids(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
-  std::vector<int64_t> ids(size_t(b * s));
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t(philox_element(seed, 0, i) % uint64_t(vocab));
-  return Tensor::from_ints(ids, {b, s});
-}
-
 bool is_mla(const std::string& name) { return name.find("self_attention.") != std::string::npos; }
 
 // Megatron's initialisation, then the latent norms away from ones (a pure function of the name and
@@ -120,7 +114,7 @@ TEST_P(MLA, GradientsMatchFiniteDifferences) {
   GPTModel model(mla_config(GetParam()));
   init(model);
   Context ctx;
-  const Tensor tokens = random_ids(2, 8, 40, 1), labels = random_ids(2, 8, 40, 2);
+  const Tensor tokens = testing::random_ids(2, 8, 40, 1), labels = testing::random_ids(2, 8, 40, 2);
   testing::GradCheck gc([&] {
     GPTModel::Stash stash;
     return std::vector<Tensor>{model.forward(ctx, tokens, Tensor(), labels, stash)};
@@ -161,7 +155,7 @@ TEST_P(MLA, SelectiveRecomputationGivesTheSameGradients) {
     Context ctx;
     model.params().zero_grad();
     GPTModel::Stash stash;
-    Tensor losses = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash);
+    Tensor losses = model.forward(ctx, testing::random_ids(2, 8, 40, 1), Tensor(), testing::random_ids(2, 8, 40, 2), stash);
     model.backward(ctx, testing::random_tensor(losses.shape(), 5, 1.0f, DType::Float32), stash);
     grads[recompute] = model.params().grad_buffer().to_floats();
   }
@@ -222,8 +216,8 @@ std::vector<RankResult> layout_run(const Style& st, const MlaLayout& l) {
         ddp.zero_grad(ctx);
         const int cp_rank = ps.context().rank();
         GPTModel::Stash stash;
-        Tensor losses = model.forward(ctx, cp_split_rows(random_ids(2, 8, 40, 1), cp_rank, l.cp), Tensor(),
-                                      cp_split_rows(random_ids(2, 8, 40, 2), cp_rank, l.cp), stash);
+        Tensor losses = model.forward(ctx, cp_split_rows(testing::random_ids(2, 8, 40, 1), cp_rank, l.cp), Tensor(),
+                                      cp_split_rows(testing::random_ids(2, 8, 40, 2), cp_rank, l.cp), stash);
         Tensor grad = cp_split_rows(testing::random_tensor({2, 8}, 5, float(l.cp), DType::Float32), cp_rank, l.cp);
         model.backward(ctx, grad, stash);
         finalize_model_grads(ctx, ddp);

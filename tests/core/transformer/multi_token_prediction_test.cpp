@@ -17,6 +17,7 @@
 #include "megatron/core/transformer/aux_loss_tracker.h"
 #include "megatron/kernels/ops.h"
 #include "megatron/runtime/philox.h"
+#include "tests/core/model_test_util.h"
 #include "tests/test_util.h"
 
 namespace megatron {
@@ -37,19 +38,9 @@ TransformerConfig tiny_config(bool llama, int mtp_layers) {
   c.mtp_num_layers = mtp_layers;
   c.mtp_loss_scaling_factor = 0.3f;
   if (llama) {
-    c.normalization = "RMSNorm";
-    c.activation = "swiglu";
-    c.add_bias_linear = false;
-    c.position_embedding_type = "rope";
-    c.share_embeddings_and_output_weights = false;
+    testing::use_llama_layers(c);
   }
   return c;
-}
-
-Tensor random_ids(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
-  std::vector<int64_t> ids(size_t(b * s));
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t(philox_element(seed, 0, i) % uint64_t(vocab));
-  return Tensor::from_ints(ids, {b, s});
 }
 
 // A loss mask [b, s] with a few zeros (as --eod-mask-loss leaves them).
@@ -167,7 +158,7 @@ TEST(MultiTokenPrediction, LossEqualsTheDefinition) {
   init(model);
   const TransformerConfig& c = model.config();
   const int64_t b = 2, s = 8, h = c.hidden_size, v = c.padded_vocab_size;
-  const Tensor tokens = random_ids(b, s, c.vocab_size, 1), labels = random_ids(b, s, c.vocab_size, 2);
+  const Tensor tokens = testing::random_ids(b, s, c.vocab_size, 1), labels = testing::random_ids(b, s, c.vocab_size, 2);
   const Tensor mask = some_mask(b, s);
   AuxLossTracker tracker;
   model.set_aux_loss_tracker(&tracker);
@@ -270,7 +261,7 @@ TEST_P(MtpGradients, MatchFiniteDifferences) {
   init(model);
   const TransformerConfig& c = model.config();
   const int64_t b = 2, s = 8;
-  const Tensor tokens = random_ids(b, s, c.vocab_size, 1), labels = random_ids(b, s, c.vocab_size, 2);
+  const Tensor tokens = testing::random_ids(b, s, c.vocab_size, 1), labels = testing::random_ids(b, s, c.vocab_size, 2);
   const Tensor mask = some_mask(b, s);
   const Tensor upstream = testing::random_tensor({b, s}, 77, 1.0f, DType::Float32);
   AuxLossTracker tracker;
@@ -339,7 +330,7 @@ TEST(MultiTokenPrediction, EvaluationReportsNothingAndTheScaleFollowsTheTracker)
   GPTModel model(tiny_config(true, 1));
   init(model);
   const TransformerConfig& c = model.config();
-  const Tensor tokens = random_ids(2, 8, c.vocab_size, 1), labels = random_ids(2, 8, c.vocab_size, 2);
+  const Tensor tokens = testing::random_ids(2, 8, c.vocab_size, 1), labels = testing::random_ids(2, 8, c.vocab_size, 2);
   AuxLossTracker tracker;
   model.set_aux_loss_tracker(&tracker);
   Context ctx;
@@ -385,7 +376,7 @@ TEST(MultiTokenPrediction, RepeatedAccumulationsAreCounted) {
     for (Parameter* p : model.params().parameters()) p->grad_hook = &counter;
     Context ctx;
     GPTModel::Stash stash;
-    Tensor losses = model.forward(ctx, random_ids(2, 8, 30, 1), Tensor(), random_ids(2, 8, 30, 2), stash);
+    Tensor losses = model.forward(ctx, testing::random_ids(2, 8, 30, 1), Tensor(), testing::random_ids(2, 8, 30, 2), stash);
     model.backward(ctx, Tensor::zeros(losses.shape(), DType::Float32), stash);
     std::map<std::string, int> expected;
     for (Parameter* p : model.params().parameters()) expected[p->name] = 1;
@@ -397,34 +388,22 @@ TEST(MultiTokenPrediction, RepeatedAccumulationsAreCounted) {
   }
 }
 
-template <typename Fn>
-void expect_error(Fn&& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << "one line: " << msg;
-  }
-}
-
 TEST(MultiTokenPrediction, UnsupportedCombinationsAreRefused) {
   TransformerConfig c = tiny_config(true, -1);
-  expect_error([&] { c.finalize(); }, "--mtp-num-layers must be a positive number");
+  testing::expect_one_line_error([&] { c.finalize(); }, "--mtp-num-layers must be a positive number");
   c = tiny_config(true, 1);
   c.context_parallel_size = 2;
-  expect_error([&] { c.finalize(); }, "--mtp-num-layers with --context-parallel-size 2 is not supported");
+  testing::expect_one_line_error([&] { c.finalize(); }, "--mtp-num-layers with --context-parallel-size 2 is not supported");
   c = tiny_config(false, 1);
   c.pipeline_model_parallel_size = 2;
-  expect_error([&] { c.finalize(); }, "--mtp-num-layers with learned absolute position embeddings");
+  testing::expect_one_line_error([&] { c.finalize(); }, "--mtp-num-layers with learned absolute position embeddings");
   c = tiny_config(true, 1);
   c.mtp_loss_scaling_factor = -1.0f;
-  expect_error([&] { c.finalize(); }, "--mtp-loss-scaling-factor");
+  testing::expect_one_line_error([&] { c.finalize(); }, "--mtp-loss-scaling-factor");
   // The HF types the converter writes have no MTP modules: refused, not dropped.
   c = tiny_config(true, 1);
   c.finalize();
-  expect_error([&] { hf_config_from_megatron(c); }, "--mtp-num-layers 1 has no HuggingFace export");
+  testing::expect_one_line_error([&] { hf_config_from_megatron(c); }, "--mtp-num-layers 1 has no HuggingFace export");
 }
 
 }  // namespace

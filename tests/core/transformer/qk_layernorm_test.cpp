@@ -55,12 +55,6 @@ TransformerConfig tiny_config(const Style& st, int layers = 1) {
   return c;
 }
 
-Tensor random_ids(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
-  std::vector<int64_t> ids(size_t(b * s));
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t(philox_element(seed, 0, i) % uint64_t(vocab));
-  return Tensor::from_ints(ids, {b, s});
-}
-
 bool is_qk_norm(const std::string& name) {
   return name.find("q_layernorm") != std::string::npos || name.find("k_layernorm") != std::string::npos;
 }
@@ -105,7 +99,7 @@ TEST_P(QKLayernorm, GradientsMatchFiniteDifferences) {
   GPTModel model(tiny_config(GetParam()));
   init(model);
   Context ctx;
-  const Tensor tokens = random_ids(2, 8, 40, 1), labels = random_ids(2, 8, 40, 2);
+  const Tensor tokens = testing::random_ids(2, 8, 40, 1), labels = testing::random_ids(2, 8, 40, 2);
   testing::GradCheck gc([&] {
     GPTModel::Stash stash;
     return std::vector<Tensor>{model.forward(ctx, tokens, Tensor(), labels, stash)};
@@ -146,7 +140,7 @@ TEST_P(QKLayernorm, SelectiveRecomputationGivesTheSameGradients) {
     Context ctx;
     model.params().zero_grad();
     GPTModel::Stash stash;
-    Tensor losses = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash);
+    Tensor losses = model.forward(ctx, testing::random_ids(2, 8, 40, 1), Tensor(), testing::random_ids(2, 8, 40, 2), stash);
     model.backward(ctx, testing::random_tensor(losses.shape(), 5, 1.0f, DType::Float32), stash);
     grads[recompute] = model.params().grad_buffer().to_floats();
   }
@@ -203,7 +197,7 @@ std::map<std::string, std::vector<float>> tp_gradients(const Style& st, int tp, 
         DistributedDataParallel ddp(ps, {&model.params()}, DDPConfig{});
         ddp.zero_grad(ctx);
         GPTModel::Stash stash;
-        Tensor losses = model.forward(ctx, random_ids(2, 8, 40, 1), Tensor(), random_ids(2, 8, 40, 2), stash);
+        Tensor losses = model.forward(ctx, testing::random_ids(2, 8, 40, 1), Tensor(), testing::random_ids(2, 8, 40, 2), stash);
         model.backward(ctx, testing::random_tensor(losses.shape(), 5, 1.0f, DType::Float32), stash);
         finalize_model_grads(ctx, ddp);
         for (Parameter* p : model.params().parameters()) {
