@@ -85,7 +85,7 @@ void moe_config_from_hf(const nlohmann::json& j, const std::string& type, Transf
 
 }  // namespace
 
-// ---- config ----------------------------------------------------------------------------------------
+// ---- HF config -> Megatron-Core config ------------------------------------------------------------
 HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisible_by) {
   MG_CHECK(j.is_object() && j.contains("model_type"), "config.json has no \"model_type\": not a HuggingFace config");
   HFModelInfo info;
@@ -165,6 +165,7 @@ HFModelInfo config_from_hf(const nlohmann::json& j, int make_vocab_size_divisibl
   return info;
 }
 
+// The folder form: the tensors settle what the config alone cannot (Note [HF DeepSeek-V3 MTP]).
 HFModelInfo config_from_hf(const HFFolder& folder, int make_vocab_size_divisible_by) {
   HFModelInfo info = config_from_hf(folder.config(), make_vocab_size_divisible_by);
   TransformerConfig& c = info.config;

@@ -33,9 +33,10 @@ HFModelInfo config_from_hf(const nlohmann::json& hf_config, int make_vocab_size_
 /// The HF config.json of a model trained here (a checkpoint without an HF config): gpt2 (GeLU MLP;
 /// untied with --untie-embeddings-and-output-weights), llama, qwen2 (--add-qkv-bias), qwen3
 /// (--qk-layernorm), mixtral (every layer MoE, no shared experts), qwen2_moe (a gated shared expert),
-/// qwen3_moe (MoE with --qk-layernorm) or gpt_oss (attention sinks, windows or --quick-geglu). One line naming the flag when the model computes something
+/// qwen3_moe (MoE with --qk-layernorm), gpt_oss (attention sinks, windows or --quick-geglu) or
+/// deepseek_v3 (--multi-latent-attention). One line naming the flag when the model computes something
 /// HF cannot (Note [Which HF model a checkpoint exports as] in the .cpp). config_from_hf of the
-/// result, with megatron_to_hf's tensors, gives a model that computes the same.
+/// result, with megatron_to_hf's tensors (hf_mapping.h), gives a model that computes the same.
 nlohmann::json hf_config_from_megatron(const TransformerConfig& config);
 
 }  // namespace megatron

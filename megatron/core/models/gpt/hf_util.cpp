@@ -1,5 +1,6 @@
 // The tensor helpers hf_util.h declares (rows, transposes, the grouped QKV layout, the shape-checked
-// HF reader) and RowParts (hf_mapping.h), the piecewise tensor every HF mapping hands on.
+// HF reader, Megatron's layer names, config.json's floats) and RowParts (hf_mapping.h), the piecewise
+// tensor every HF mapping hands on.
 #include "megatron/core/models/gpt/hf_util.h"
 
 #include <fmt/format.h>
@@ -155,6 +156,7 @@ double shortest(float x) { return std::stod(fmt::format("{}", x)); }
 
 }  // namespace hf_detail
 
+// ---- RowParts (hf_mapping.h) ---------------------------------------------------------------------
 Shape RowParts::shape() const {
   if (blocks) return blocks->shape;
   MG_ASSERT(!parts.empty(), "RowParts without parts");
