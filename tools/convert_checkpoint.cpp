@@ -13,7 +13,7 @@
 // [Converted weights' dtype]) and the round trip is exact; the HF config travels inside the
 // checkpoint's metadata so it comes back unchanged. A model trained here exports as the HF type that
 // computes what it computes, or is refused in one line naming the flag HF cannot express (Note [Which
-// HF model a checkpoint exports as] in hf_mapping.cpp); its weights keep the run's dtype, and the
+// HF model a checkpoint exports as] in hf_config.cpp); its weights keep the run's dtype, and the
 // tokenizer files the run used are copied in HF's layout, with generation_config.json giving its
 // bos/eos ids.
 //

@@ -1,6 +1,6 @@
 // tools/convert_checkpoint --from megatron on checkpoints trained here, one per model flag that
 // changes how the export is written (Note [Which HF model a checkpoint exports as] in
-// hf_mapping.cpp): each export (a) converts back (--from hf) to a checkpoint whose logits equal the
+// hf_config.cpp): each export (a) converts back (--from hf) to a checkpoint whose logits equal the
 // original's within 1e-5, and (b) loaded by transformers' AutoModelForCausalLM gives megatron.cpp's
 // log-probabilities within 1e-5 (tests/tools/hf_export_check.py; a test of its own, skipped with the
 // reason where torch or transformers cannot be imported: $MEGATRON_HF_PYTHON, else python3). Flags HF

@@ -15,7 +15,7 @@
 // q_layernorm and kv_layernorm (the model's --normalization over q_lora_rank / kv_lora_rank) exist
 // with --qk-layernorm, as Megatron's spec builds them; DeepSeek-V3 has them. Megatron refuses
 // --rotary-interleaved with MLA; DeepSeek's interleaved checkpoints are permuted on import instead
-// (Note [Importing DeepSeek's interleaved RoPE] in models/gpt/hf_mapping.cpp). The core attention is
+// (Note [Importing DeepSeek's interleaved RoPE] in models/gpt/hf_deepseek.h). The core attention is
 // ops::attention_forward with query/key heads of qk + pe channels and value heads of dv.
 //
 // Note [MLA tensor parallelism]: the heads are sharded over the tensor-parallel group —

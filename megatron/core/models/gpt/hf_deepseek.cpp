@@ -156,13 +156,12 @@ nlohmann::json deepseek_config_to_hf(const TransformerConfig& c) {
                       {"v_head_dim", c.v_head_dim},
                       {"rope_interleave", true},  // Note [Importing DeepSeek's interleaved RoPE]
                       {"rms_norm_eps", shortest(c.layernorm_epsilon)},
-                      {"rope_theta", shortest(c.rotary_base)},
                       {"max_position_embeddings", c.max_position_embeddings},
                       {"vocab_size", c.vocab_size},
                       {"hidden_act", "silu"},
                       {"attention_bias", false},
                       {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
-  rope_config_to_hf(c, j);
+  rope_config_to_hf(c, j);  // rope_theta, rope_scaling (Note [HF RoPE scaling])
   MG_CHECK(c.is_moe(), "--multi-latent-attention without --num-experts has no HuggingFace export: DeepSeek-V3 has "
                        "MoE layers");
   MG_CHECK(c.moe_router_score_function == "sigmoid" && c.moe_router_enable_expert_bias && !c.moe_router_pre_softmax &&

@@ -1,7 +1,7 @@
 // HuggingFace DeepSeek-V3 (model_type "deepseek_v3", DeepseekV3ForCausalLM) <-> Megatron-Core:
 // multi-latent attention, YaRN, dense first layers then MoE with sigmoid group-limited routing, an
-// expert bias and shared experts. hf_mapping.cpp's config_from_hf / hf_to_megatron / megatron_to_hf /
-// hf_config_from_megatron dispatch here for it.
+// expert bias and shared experts. hf_config.cpp's config_from_hf / hf_config_from_megatron and
+// hf_mapping.cpp's hf_to_megatron / megatron_to_hf dispatch here for it.
 //
 // Note [HF DeepSeek-V3]
 //   config: num_attention_heads -> --num-attention-heads (num_key_value_heads must equal it),

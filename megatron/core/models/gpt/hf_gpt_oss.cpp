@@ -169,10 +169,7 @@ nlohmann::json hf_gpt_oss_config(const TransformerConfig& c) {
                c.moe_expert_capacity_factor == 0.0f,
            "HF gpt_oss routes by softmax over the top-k logits: no --moe-router-pre-softmax, groups, scaling, expert "
            "bias or capacity");
-  const float aux = c.moe_aux_loss_coeff.empty() ? 0.0f : c.moe_aux_loss_coeff[0];
-  MG_CHECK(aux == 0.0f || (c.moe_router_load_balancing_type.size() == 1 &&
-                           c.moe_router_load_balancing_type[0] == "aux_loss"),
-           "only --moe-router-load-balancing-type aux_loss has a HuggingFace equivalent (router_aux_loss_coef)");
+  const float aux = router_aux_loss_coef_to_hf(c);
   std::vector<std::string> types;
   for (int i = 0; i < c.num_layers; ++i)
     types.push_back(c.layer_window_left(i) >= 0 ? "sliding_attention" : "full_attention");
@@ -185,7 +182,6 @@ nlohmann::json hf_gpt_oss_config(const TransformerConfig& c) {
                       {"num_key_value_heads", c.num_query_groups},
                       {"head_dim", c.kv_channels},
                       {"rms_norm_eps", shortest(c.layernorm_epsilon)},
-                      {"rope_theta", shortest(c.rotary_base)},
                       {"max_position_embeddings", c.max_position_embeddings},
                       {"vocab_size", c.vocab_size},
                       {"hidden_act", "silu"},
@@ -200,14 +196,9 @@ nlohmann::json hf_gpt_oss_config(const TransformerConfig& c) {
                       {"layer_types", types},
                       {"sliding_window", c.window_size_left >= 0 ? c.window_size_left + 1 : 128},
                       {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
-  // transformers 5's rope_parameters, rope_theta inside: GptOssConfig takes a missing one for YaRN with
-  // factor 32, so plain RoPE must say "default" (Note [HF RoPE scaling]).
-  rope_config_to_hf(c, j);
-  nlohmann::json rope = j.contains("rope_scaling") ? j["rope_scaling"] : nlohmann::json{{"rope_type", "default"}};
-  rope["rope_theta"] = j["rope_theta"];
-  j.erase("rope_scaling");
-  j.erase("rope_theta");
-  j["rope_parameters"] = rope;
+  // transformers 5's rope_parameters: GptOssConfig takes a missing one for YaRN with factor 32, so
+  // plain RoPE must say "default" (Note [HF RoPE scaling]).
+  rope_config_to_hf(c, j, /*rope_parameters=*/true);
   return j;
 }
 
@@ -215,15 +206,7 @@ void gpt_oss_to_megatron(const TransformerConfig& c, const std::function<Tensor(
                          TensorSink& out) {
   const int64_t h = c.hidden_size, v = c.vocab_size, vp = c.padded_vocab_size, f = c.moe_ffn_hidden_size;
   const int64_t nq = c.num_attention_heads, ng = c.num_query_groups, d = c.kv_channels, e_count = c.num_moe_experts;
-  auto hf = [&](const std::string& name, const Shape& expected) {
-    Tensor t = get_hf(name);
-    MG_CHECK(is_floating(t.dtype()), "HF tensor '{}' has dtype {}, expected a floating-point type", name,
-             to_string(t.dtype()));
-    MG_CHECK(t.shape() == expected,
-             "HF tensor '{}' has shape {}, but the config needs {}: the weights do not belong to this config.json",
-             name, shape_str(t.shape()), shape_str(expected));
-    return host(t);  // in its dtype: the experts are converted one at a time (expert_slice)
-  };
+  const HFReader hf{get_hf};  // in its dtype: the experts are converted one at a time (expert_slice)
   out["embedding.word_embeddings.weight"] = pad_rows(hf("model.embed_tokens.weight", {v, h}), vp);
   for (int i = 0; i < c.num_layers; ++i) {
     auto p = [&](const char* rest) { return hf_layer(i, rest); };

@@ -1,4 +1,5 @@
-// HuggingFace GPT-OSS (model_type "gpt_oss") <-> Megatron-Core, called by hf_mapping.cpp.
+// HuggingFace GPT-OSS (model_type "gpt_oss") <-> Megatron-Core, called by hf_config.cpp (the config)
+// and hf_mapping.cpp (the tensors).
 //
 // Note [HF GPT-OSS]
 // The config: every layer MoE (num_local_experts, num_experts_per_tok; the router is a linear with

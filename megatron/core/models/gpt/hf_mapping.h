@@ -8,7 +8,8 @@
 //   Both:  the fused QKV is regrouped per query group (Note in ops.h on the QKV layout); the word
 //          embeddings (and an untied lm_head) are padded with zero rows to the padded vocabulary
 //          and stripped on the way back.
-// Everything goes through name -> Tensor maps, so checkpoints, converters and tests share it.
+// Everything goes through name -> Tensor maps, so checkpoints, converters and tests share it. The
+// config.json each mapping follows is hf_config.h's (included here).
 //
 // Note [HF mixture of experts]
 // One HF tensor per expert, Megatron's SequentialMLP names with the global expert index:
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "megatron/core/models/gpt/gpt_model.h"
+#include "megatron/core/models/gpt/hf_config.h"
 
 namespace megatron {
 
@@ -90,32 +92,6 @@ struct TensorSource {
   std::function<Tensor(const std::string&)> get;
   std::function<bool(const std::string&)> has;
 };
-
-enum class HFFamily { GPT2, Llama, GptOss, DeepSeek };  // GptOss: hf_gpt_oss.h, DeepSeek: hf_deepseek.h
-
-struct HFModelInfo {
-  HFFamily family = HFFamily::GPT2;
-  std::string model_type;
-  TransformerConfig config;  // finalized
-  /// DeepSeek's rope_interleave (Note [Importing DeepSeek's interleaved RoPE] in hf_deepseek.h).
-  bool rope_interleave = false;
-};
-
-/// Reads a HuggingFace config.json (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
-/// Qwen3-MoE, GPT-OSS: Note [HF GPT-OSS] in hf_gpt_oss.h, DeepSeek-V3: Note [HF DeepSeek-V3] in hf_deepseek.h),
-/// with llama3 and yarn RoPE scaling (Note [HF RoPE scaling] in hf_rope.h). Unknown
-/// model types and unsupported options (e.g. other rope scalings, active sliding windows, router
-/// jitter) are refused with a clear message. make_vocab_size_divisible_by sets the padding
-/// of the vocabulary.
-HFModelInfo config_from_hf(const nlohmann::json& hf_config, int make_vocab_size_divisible_by = 128);
-
-/// The HF config.json of a model trained here (a checkpoint without an HF config): gpt2 (GeLU MLP;
-/// untied with --untie-embeddings-and-output-weights), llama, qwen2 (--add-qkv-bias), qwen3
-/// (--qk-layernorm), mixtral (every layer MoE, no shared experts), qwen2_moe (a gated shared expert),
-/// qwen3_moe (MoE with --qk-layernorm) or gpt_oss (attention sinks, windows or --quick-geglu). One line naming the flag when the model computes something
-/// HF cannot (Note [Which HF model a checkpoint exports as] in the .cpp). config_from_hf of the
-/// result, with megatron_to_hf's tensors, gives a model that computes the same.
-nlohmann::json hf_config_from_megatron(const TransformerConfig& config);
 
 /// A HuggingFace model folder as users download it: config.json and model.safetensors, or the
 /// shards listed in model.safetensors.index.json.

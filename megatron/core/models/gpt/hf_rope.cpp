@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "megatron/core/models/common/embeddings/rotary_pos_embedding.h"
+#include "megatron/core/models/gpt/hf_util.h"
 #include "megatron/runtime/check.h"
 
 namespace megatron {
@@ -173,30 +174,50 @@ void check_hf_attention_window(const nlohmann::json& j, const std::string& model
            model_type, *window, qwen ? " with use_sliding_window true" : "", c.max_position_embeddings, count, layers);
 }
 
-void rope_config_to_hf(const TransformerConfig& c, nlohmann::json& j) {
+namespace {
+
+// The rope_scaling dict of a model trained here (null without scaling).
+nlohmann::json rope_scaling_to_hf(const TransformerConfig& c) {
+  if (c.use_yarn()) {
+    nlohmann::json r = {{"rope_type", "yarn"},
+                        {"factor", c.yarn_rotary_scaling_factor},
+                        {"original_max_position_embeddings", c.yarn_original_max_position_embeddings},
+                        {"beta_fast", c.yarn_beta_fast},
+                        {"beta_slow", c.yarn_beta_slow},
+                        {"truncate", c.yarn_correction_range_round_to_int}};
+    if (c.yarn_mscale != 1.0f || c.yarn_mscale_all_dim != 0.0f) {
+      r["mscale"] = c.yarn_mscale;
+      r["mscale_all_dim"] = c.yarn_mscale_all_dim;
+      // HF computes the ratio itself only when both are non-zero; otherwise it needs the value.
+      if (c.yarn_mscale == 0.0f || c.yarn_mscale_all_dim == 0.0f) r["attention_factor"] = megatron_attention_factor(c);
+    }
+    return r;
+  }
+  if (!c.rope_scaling) return nullptr;
+  const Llama3RopeScaling s{c.rope_scaling_factor};
+  return {{"rope_type", "llama3"},
+          {"factor", s.factor},
+          {"low_freq_factor", s.low_freq_factor},
+          {"high_freq_factor", s.high_freq_factor},
+          {"original_max_position_embeddings", int(s.original_max_position_embeddings)}};
+}
+
+}  // namespace
+
+void rope_config_to_hf(const TransformerConfig& c, nlohmann::json& j, bool rope_parameters) {
+  const double theta = hf_detail::shortest(c.rotary_base);
   if (c.rotary_percent != 1.0f) j["partial_rotary_factor"] = c.rotary_percent;
-  if (c.rope_scaling) {
-    const Llama3RopeScaling s{c.rope_scaling_factor};
-    j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", s.factor},
-                         {"low_freq_factor", s.low_freq_factor},
-                         {"high_freq_factor", s.high_freq_factor},
-                         {"original_max_position_embeddings", int(s.original_max_position_embeddings)}};
+  nlohmann::json scaling = rope_scaling_to_hf(c);
+  if (!rope_parameters) {
+    j["rope_theta"] = theta;
+    if (!scaling.is_null()) j["rope_scaling"] = scaling;
+    return;
   }
-  if (!c.use_yarn()) return;
-  nlohmann::json r = {{"rope_type", "yarn"},
-                      {"factor", c.yarn_rotary_scaling_factor},
-                      {"original_max_position_embeddings", c.yarn_original_max_position_embeddings},
-                      {"beta_fast", c.yarn_beta_fast},
-                      {"beta_slow", c.yarn_beta_slow},
-                      {"truncate", c.yarn_correction_range_round_to_int}};
-  if (c.yarn_mscale != 1.0f || c.yarn_mscale_all_dim != 0.0f) {
-    r["mscale"] = c.yarn_mscale;
-    r["mscale_all_dim"] = c.yarn_mscale_all_dim;
-    // HF computes the ratio itself only when both are non-zero; otherwise it needs the value.
-    if (c.yarn_mscale == 0.0f || c.yarn_mscale_all_dim == 0.0f) r["attention_factor"] = megatron_attention_factor(c);
-  }
-  j["rope_scaling"] = r;
+  // transformers 5: rope_theta inside; a missing dict means a type's default scaling to some
+  // configs (GptOssConfig takes it for YaRN with factor 32), so plain RoPE says "default".
+  nlohmann::json r = scaling.is_null() ? nlohmann::json{{"rope_type", "default"}} : scaling;
+  r["rope_theta"] = theta;
+  j["rope_parameters"] = r;
 }
 
 }  // namespace megatron

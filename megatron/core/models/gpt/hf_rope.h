@@ -1,7 +1,7 @@
 // The position and attention-window fields of a Llama-family HF config.json (llama, mistral, qwen2,
 // qwen3 and their MoE relatives) <-> TransformerConfig: rope_theta, partial_rotary_factor, the RoPE
-// scaling, and the sliding window that must not be active. hf_mapping.cpp's config_from_hf and
-// hf_config_from_megatron call these.
+// scaling, and the sliding window that must not be active. hf_config.cpp's config_from_hf and
+// hf_config_from_megatron call these (and the GPT-OSS and DeepSeek-V3 readers and writers).
 //
 // Note [HF RoPE scaling]
 // transformers 4 writes `rope_theta` and `rope_scaling` ({"rope_type" (older files: "type"),
@@ -42,8 +42,10 @@ void rope_config_from_hf(const nlohmann::json& hf_config, TransformerConfig& con
 void check_hf_attention_window(const nlohmann::json& hf_config, const std::string& model_type,
                                const TransformerConfig& config);
 
-/// The RoPE fields of the HF config of a model trained here besides rope_theta: partial_rotary_factor
-/// (when not 1) and rope_scaling (llama3 or yarn; absent without scaling).
-void rope_config_to_hf(const TransformerConfig& config, nlohmann::json& hf_config);
+/// The RoPE fields of the HF config of a model trained here: rope_theta, partial_rotary_factor (when
+/// not 1) and rope_scaling (llama3 or yarn; absent without scaling), as transformers 4 writes them; with
+/// rope_parameters, transformers 5's form instead: rope_theta and the scaling inside rope_parameters,
+/// whose rope_type is "default" without scaling (Note [HF RoPE scaling]).
+void rope_config_to_hf(const TransformerConfig& config, nlohmann::json& hf_config, bool rope_parameters = false);
 
 }  // namespace megatron

@@ -1,6 +1,7 @@
-// Host helpers the HF converters share (hf_mapping.cpp, hf_deepseek.cpp, hf_gpt_oss.cpp): fp32
-// row-major tensors, row concatenation and padding, the grouped QKV layout, the shape-checked HF
-// reader and Megatron's layer names. Not a public API.
+// Host helpers the HF converters share (hf_config.cpp, hf_mapping.cpp, hf_deepseek.cpp,
+// hf_gpt_oss.cpp): fp32 row-major tensors, row concatenation and padding, the grouped QKV layout, the
+// shape-checked HF reader and Megatron's layer names (hf_util.cpp); the config fields more than one
+// HF type writes (hf_config.cpp). Not a public API.
 #pragma once
 
 #include <functional>
@@ -53,5 +54,13 @@ std::string layer(int i, const char* rest);
 
 /// A float as the shortest decimal that reads back as it (1e-05, not 9.999999747378752e-06), for config.json.
 double shortest(float x);
+
+/// Whether an HF model_type is one of the Llama family's mixture-of-experts types (mixtral, qwen2_moe,
+/// qwen3_moe; Note [HF mixture of experts]).
+bool is_hf_moe(const std::string& model_type);
+
+/// --moe-aux-loss-coeff as config.json's router_aux_loss_coef (0: none), for the HF types whose aux
+/// loss is Megatron's aux_loss (Mixtral, the Qwen MoE types, GPT-OSS); one line for another balancing type.
+float router_aux_loss_coef_to_hf(const TransformerConfig& config);
 
 }  // namespace megatron::hf_detail
