@@ -98,16 +98,21 @@ struct RowChoice {
   double logprob;
 };
 
+// logits_summary's argmax and log_norm -> each row's token and its log-probability (-log_norm).
+std::vector<RowChoice> read_choices(const Tensor& argmax, const Tensor& log_norm) {
+  const std::vector<int64_t> ids = argmax.to_ints(), norms = log_norm.to_ints();
+  std::vector<RowChoice> out;
+  for (size_t r = 0; r < ids.size(); ++r) out.push_back({ids[r], -std::bit_cast<double>(norms[r])});
+  return out;
+}
+
 // rows [n, V'] on the model's device -> each row's argmax and its log-probability over [0, vocab).
 std::vector<RowChoice> greedy_choices(Context& ctx, const Tensor& rows, int64_t vocab) {
   const int64_t n = rows.size(0);
   Tensor argmax = Tensor::empty({n}, DType::Int64, rows.device()), max_logit = Tensor::empty({n}, DType::Float32, rows.device());
   Tensor log_norm = Tensor::empty({n}, DType::Int64, rows.device());
   ops::logits_summary(ctx, rows, vocab, argmax, max_logit, log_norm);
-  const std::vector<int64_t> ids = argmax.to_ints(), norms = log_norm.to_ints();
-  std::vector<RowChoice> out(static_cast<size_t>(n));
-  for (int64_t r = 0; r < n; ++r) out[size_t(r)] = {ids[size_t(r)], -std::bit_cast<double>(norms[size_t(r)])};
-  return out;
+  return read_choices(argmax, log_norm);
 }
 }  // namespace
 
@@ -245,8 +250,7 @@ void InferenceEngine::decode() {
   if (use_graphs_) {
     const DecodeGraph& g = decode_through_graph(model_.inference_inputs(ctx_, t, slots, starts, cache_));
     if (greedy) {
-      const std::vector<int64_t> ids = g.argmax.to_ints(), norms = g.log_norm.to_ints();
-      for (int64_t i = 0; i < b; ++i) choice.push_back({ids[size_t(i)], -std::bit_cast<double>(norms[size_t(i)])});
+      choice = read_choices(g.argmax, g.log_norm);
     } else {
       logits = g.logits.to_floats();
     }
