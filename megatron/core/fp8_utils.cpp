@@ -7,6 +7,7 @@
 
 #include "megatron/core/comm/communicator.h"
 #include "megatron/runtime/check.h"
+#include "megatron/runtime/dtype.h"
 
 namespace megatron {
 
@@ -39,9 +40,6 @@ void Fp8Config::validate(int num_layers, int pipeline_model_parallel_size, bool 
   MG_CHECK(!param_gather || use_distributed_optimizer,
            "--fp8-param-gather only works with the distributed optimizer: add --use-distributed-optimizer");
   if (!enabled()) return;
-  MG_CHECK(!(param_gather && recipe == Fp8Recipe::Blockwise),
-           "--fp8-param-gather with --fp8-recipe blockwise is not supported: its 128x128 weight scales would need the "
-           "distributed optimizer's shards cut at block boundaries; use delayed or tensorwise, or drop the flag");
   MG_CHECK(amax_history_len >= 1, "--fp8-amax-history-len must be at least 1 (got {})", amax_history_len);
   MG_CHECK(interval >= 1, "--fp8-interval must be at least 1 (got {})", interval);
   MG_CHECK(!(first_last_layers_bf16 && recipe == Fp8Recipe::Delayed),
@@ -118,40 +116,96 @@ void Fp8TensorScaling::update(Context& ctx) {
   ops::fp8_delayed_scale_update(ctx, amax_history_, scale_, params_);
 }
 
+namespace {
+// Fp8Param::block_scale_inv's shape for a weight of `shape` (the forward's and the transposed
+// copy's scale layouts both fit in it: Note [FP8 parameters]).
+Shape block_grid_shape(const Shape& shape) {
+  auto tiles4 = [](int64_t n) { return ((n + kFp8BlockLen - 1) / kFp8BlockLen + 3) / 4 * 4; };
+  return {tiles4(shape[0]), tiles4(shape[1])};
+}
+}  // namespace
+
+void Fp8Param::dequantize(Context& ctx, const Tensor& data, Tensor& out) const {
+  if (!blockwise()) {
+    ops::fp8_dequantize(ctx, data, scaling->scale_inv(index), out);
+    return;
+  }
+  MG_CHECK(block_scale_inv.defined(), "an FP8 weight read before the optimizer quantised it");
+  // Tile by tile on the host (checkpoints without the optimizer: not a hot path).
+  const Tensor q = data.to(Device::cpu()), si = block_scale_inv.to(Device::cpu());
+  const int64_t rows = q.size(0), cols = q.size(1), ld = si.size(1);
+  const auto* b = static_cast<const uint8_t*>(q.raw_data());
+  std::vector<float> v(size_t(q.numel()));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      v[size_t(r * cols + c)] = to_float(fp8_e4m3{b[r * cols + c]}) *
+                                si.data<float>()[(r / kFp8BlockLen) * ld + c / kFp8BlockLen];
+  out.copy_from(Tensor::from_floats(v, q.shape()).to(out.dtype()));
+}
+
 // Note [FP8 parameters].
 void quantize_fp8_param_shards(Context& ctx, const std::vector<Fp8ParamShard>& shards, Communicator* amax_group) {
   Tensor none;
-  std::vector<const Fp8ParamShard*> current;
+  // Tensorwise and blockwise: the shards' amaxes (one per weight, or its tile grid), side by side
+  // in one buffer for one all-reduce.
+  std::vector<const Fp8ParamShard*> reduced;
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
   for (const Fp8ParamShard& sh : shards) {
-    MG_ASSERT(sh.param && sh.param->scaling, "an FP8 parameter without its scaling state");
+    MG_ASSERT(sh.param, "an FP8 parameter shard without its parameter");
     MG_ASSERT(sh.main.numel() == sh.data.numel(), "FP8 parameter shard of {} main and {} fp8 elements",
               sh.main.numel(), sh.data.numel());
-    Fp8TensorScaling& s = *sh.param->scaling;
-    const int64_t i = sh.param->index;
-    sh.param->transpose = Tensor();  // Fp8Param::transpose: made again by the next backward
-    sh.param->quantized = true;
-    if (s.recipe() == Fp8Recipe::Tensorwise) {
-      current.push_back(&sh);
+    Fp8Param& p = *sh.param;
+    p.transpose = Tensor();  // Fp8Param::transpose: made again by the next backward
+    p.transpose_scale_inv = Tensor();
+    p.quantized = true;
+    if (p.blockwise()) {
+      MG_ASSERT(sh.shape.size() == 2, "a blockwise FP8 weight of shape {}", shape_str(sh.shape));
+      const Shape grid = block_grid_shape(sh.shape);
+      if (!p.block_scale_inv.defined()) p.block_scale_inv = Tensor::empty(grid, DType::Float32, ctx.device());
+    } else if (p.scaling->recipe() == Fp8Recipe::Delayed) {
+      Fp8TensorScaling& s = *p.scaling;
+      Tensor q = sh.data, amax = s.amax(p.index), scale_inv = s.scale_inv(p.index);
+      ops::fp8_quantize(ctx, sh.main, s.scale(p.index), q, none, amax, scale_inv);
       continue;
     }
-    MG_ASSERT(s.recipe() == Fp8Recipe::Delayed, "FP8 parameters with the {} recipe", to_string(s.recipe()));
-    Tensor q = sh.data, amax = s.amax(i), scale_inv = s.scale_inv(i);
-    ops::fp8_quantize(ctx, sh.main, s.scale(i), q, none, amax, scale_inv);
+    reduced.push_back(&sh);
+    offsets.push_back(total);
+    total += p.blockwise() ? p.block_scale_inv.numel() : 1;
   }
-  if (current.empty()) return;
-  // Current scaling: the whole weight's amax from its shards', for every weight in one all-reduce.
-  Tensor amaxes = Tensor::zeros({int64_t(current.size())}, DType::Float32, ctx.device());
-  for (size_t j = 0; j < current.size(); ++j) {
-    Tensor a = amaxes.flat_slice(int64_t(j), 1);
-    if (current[j]->main.numel() > 0) ops::fp8_amax(ctx, current[j]->main, a);
+  if (reduced.empty()) return;
+  Tensor amaxes = Tensor::zeros({total}, DType::Float32, ctx.device());
+  auto slot = [&](Tensor& t, size_t j) {
+    const Fp8Param& p = *reduced[j]->param;
+    return p.blockwise() ? t.flat_slice(offsets[j], p.block_scale_inv.numel()).view(p.block_scale_inv.shape())
+                         : t.flat_slice(offsets[j], 1);
+  };
+  for (size_t j = 0; j < reduced.size(); ++j) {
+    const Fp8ParamShard& sh = *reduced[j];
+    if (sh.main.numel() == 0) continue;
+    Tensor a = slot(amaxes, j);
+    if (sh.param->blockwise()) {
+      ops::fp8_block_partial_amax(ctx, sh.main, sh.start, sh.shape[1], a);
+    } else {
+      ops::fp8_amax(ctx, sh.main, a);
+    }
   }
   if (amax_group && amax_group->size() > 1) amax_group->all_reduce(ctx, amaxes, ReduceOp::Max)->wait();
-  for (size_t j = 0; j < current.size(); ++j) {
-    Fp8TensorScaling& s = *current[j]->param->scaling;
-    const int64_t i = current[j]->param->index;
-    Tensor a = amaxes.flat_slice(int64_t(j), 1), scale = s.scale(i), scale_inv = s.scale_inv(i), q = current[j]->data;
+  for (size_t j = 0; j < reduced.size(); ++j) {
+    const Fp8ParamShard& sh = *reduced[j];
+    Fp8Param& p = *sh.param;
+    Tensor a = slot(amaxes, j), q = sh.data;
+    if (p.blockwise()) {  // power-of-two tile scales (Note [Block scaling recipe])
+      Tensor scale = Tensor::empty(p.block_scale_inv.shape(), DType::Float32, ctx.device());
+      ops::fp8_scale_from_amax(ctx, a, fp8_max_of(DType::Float8E4M3), /*power_of_two_scales=*/true, scale,
+                               p.block_scale_inv);
+      if (sh.main.numel() > 0) ops::fp8_block_partial_quantize(ctx, sh.main, sh.start, sh.shape[1], scale, q);
+      continue;
+    }
+    Fp8TensorScaling& s = *p.scaling;
+    Tensor scale = s.scale(p.index), scale_inv = s.scale_inv(p.index);
     ops::fp8_scale_from_amax(ctx, a, fp8_max_of(s.dtype()), /*power_of_two_scales=*/false, scale, scale_inv);
-    ops::fp8_quantize(ctx, current[j]->main, scale, q, none, none, none);
+    ops::fp8_quantize(ctx, sh.main, scale, q, none, none, none);
   }
 }
 

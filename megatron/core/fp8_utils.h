@@ -27,26 +27,32 @@
 //
 // Note [FP8 parameters] (--fp8-param-gather: Megatron's fp8_param_gather over TE's fp8_model_init
 // and the distributed optimizer's quantize_param_shard): the weights of the FP8 linear layers are
-// held as FP8 data (e4m3, 1 byte per element) and the scale_inv of their layer's weight tensor —
-// no bf16 copy. DistributedDataParallel gives them a parameter buffer of their own (fp8 bytes; the
-// fp32 grad buffer as for any parameter) and the optimizer's fp32 main params are the weights'
-// only high-precision values (initialised from the model's bf16/fp32 initial values, as Megatron's
-// get_high_precision_init_val). After each Adam step every data-parallel rank quantises its own
-// shard of the fp32 main params straight into its shard of the FP8 buffer with the weight's scale,
-// then the all-gather moves FP8 bytes (half of bf16's traffic):
-//   delayed     the scale the step's update just set from the amax history; the shard's amax goes
-//               into the history's row 0, and the next step's reduction over tensor × context ×
-//               data parallelism (Note [FP8 scaling under parallelism]) makes it the whole weight's;
+// held as FP8 data (e4m3, 1 byte per element) and their scale inverses (the layer's weight tensor's,
+// or the weight's 128x128 tiles') — no bf16 copy. DistributedDataParallel gives them a parameter
+// buffer of their own (fp8 bytes; the fp32 grad buffer as for any parameter) and the optimizer's
+// fp32 main params are the weights' only high-precision values (initialised from the model's
+// bf16/fp32 initial values, as Megatron's get_high_precision_init_val). After each Adam step every
+// data-parallel rank quantises its own shard of the fp32 main params straight into its shard of the
+// FP8 buffer, then the all-gather moves FP8 bytes (half of bf16's traffic):
+//   delayed     with the scale the step's update just set from the amax history; the shard's amax
+//               goes into the history's row 0, and the next step's reduction over tensor × context
+//               × data parallelism (Note [FP8 scaling under parallelism]) makes it the whole weight's;
 //   tensorwise  amax of the whole weight = max over the data-parallel group of the shards' amaxes
 //               (one all-reduce for every FP8 weight), then scale = fp8_max / amax;
-// and scale_inv = 1 / scale on every rank, whether or not it holds a piece of the weight. The
-// scales are then the ones the forward would have computed from the bf16 weight without the flag,
-// so the only difference in the math is the rounding: fp32 -> fp8 once instead of fp32 -> bf16 ->
-// fp8. The forward uses the FP8 weight as it is; the backward's transposed copy (Hopper's GEMMs
-// are TN only: Note [FP8 GEMM layouts]) is a byte transpose made by the first backward after the
-// values change and kept until the next optimizer step (Fp8Param::transpose). The blockwise recipe
-// is refused with the flag (its 128x128 weight tiles would need shards cut at tile boundaries or an
-// amax gathered per tile); the MoE experts are not FP8 layers, so they stay bf16 in bf16 buffers.
+//   blockwise   each 128x128 tile's amax over the whole weight = max over the group of the shards'
+//               partial tile amaxes (fp8_block_partial_amax: a shard is cut anywhere, so a tile may
+//               lie across ranks; one all-reduce for every tile of every FP8 weight, as TE's
+//               _cast_master_weights_to_fp8_blockwise_scaling), then the tiles' power-of-two scales
+//               and fp8_block_partial_quantize of the shard with its tiles' scales;
+// and the scale inverses on every rank, whether or not it holds a piece of the weight. The scales
+// are then the ones the forward would have computed from the bf16 weight without the flag, so the
+// only difference in the math is the rounding: fp32 -> fp8 once instead of fp32 -> bf16 -> fp8.
+// The forward uses the FP8 weight as it is; the backward's transposed copy (Hopper's GEMMs are TN
+// only: Note [FP8 GEMM layouts]) is a byte transpose made by the first backward after the values
+// change and kept until the next optimizer step (Fp8Param::transpose; blockwise with the tile
+// grid's transpose: a 128x128 tile of Wᵀ is a tile of W transposed, with the same scale). The MoE
+// experts' FP8 weights are FP8 parameters the same way, in an FP8 buffer of the expert-data-parallel
+// group: their shards and amaxes span that group, the ranks that hold the same expert weight.
 #pragma once
 
 #include <string>
@@ -82,9 +88,8 @@ struct Fp8Config {
   /// Megatron's checks of the options (TransformerConfig.__post_init__, validate_args), one line
   /// each: formats and recipes by name (mxfp8: Blackwell only), the history length, delayed scaling
   /// with bf16 first/last layers, the bf16 layer counts against the layers of a pipeline stage,
-  /// --fp8-param-gather without FP8, without the distributed optimizer or with the blockwise recipe
-  /// (Note [FP8 parameters]), and blockwise with a
-  /// hidden or MLP size that is not a multiple of the 128 block.
+  /// --fp8-param-gather without FP8 or without the distributed optimizer (Note [FP8 parameters]),
+  /// and blockwise with a hidden or MLP size that is not a multiple of the 128 block.
   void validate(int num_layers, int pipeline_model_parallel_size, bool use_distributed_optimizer, int hidden_size,
                 int ffn_hidden_size) const;
 };
@@ -143,7 +148,9 @@ class Fp8TensorScaling {
 /// A weight held in FP8 under --fp8-param-gather (Note [FP8 parameters]): Parameter::fp8 points at
 /// this, owned by the weight's layer (Fp8LinearState).
 struct Fp8Param {
-  Fp8TensorScaling* scaling = nullptr;  // the layer's forward state; the weight is its tensor `index`
+  /// Per-tensor recipes: the layer's forward state; the weight is its tensor `index`. Null under
+  /// the blockwise recipe, whose scales are the weight's own tiles' (block_scale_inv).
+  Fp8TensorScaling* scaling = nullptr;
   int64_t index = 1;
   /// The weight's dtype without FP8 parameters (the run's bf16 or fp32): its checkpoints store it so.
   DType model_dtype = DType::BFloat16;
@@ -151,15 +158,27 @@ struct Fp8Param {
   bool quantized = false;
   /// The transposed FP8 copy for the input-gradient GEMM; undefined when the values changed since.
   Tensor transpose;
+  /// Blockwise: the 128x128 tiles' scale inverses, fp32 [roundup(ceil(out/128), 4), roundup(ceil(in/128), 4)]
+  /// — the forward GEMM reads its first ceil(out/128) rows (fp8_block_scale_shape), and its
+  /// transpose's first ceil(in/128) rows are the transposed copy's (transpose_scale_inv).
+  Tensor block_scale_inv, transpose_scale_inv;
+  bool blockwise() const { return scaling == nullptr; }
+  /// The weight's FP8 data `data` dequantised to `out` (its shape, fp32/bf16): with the weight's
+  /// scale_inv, or tile by tile.
+  void dequantize(Context& ctx, const Tensor& data, Tensor& out) const;
 };
 
 /// The FP8 parameters' quantisation from their fp32 main values (Note [FP8 parameters]): for each
-/// weight, `main` is this rank's shard of its fp32 main params and `data` the same elements of its
-/// FP8 data (both may be empty). Tensorwise: `amax_group` (the data-parallel group, or null with
-/// one rank) takes one all-reduce (max) of every shard's amax.
+/// weight, `main` is this rank's shard of its fp32 main params — elements [start, start + n) of the
+/// flattened weight of `shape` — and `data` the same elements of its FP8 data (both may be empty).
+/// Tensorwise and blockwise: `amax_group` (the group the weight's shards span — data-parallel for a
+/// dense weight, expert-data-parallel for an expert's — or null with one rank) takes one all-reduce
+/// (max) of every shard's amax, or of every shard's tile amaxes.
 struct Fp8ParamShard {
   Fp8Param* param = nullptr;
   Tensor main, data;
+  int64_t start = 0;
+  Shape shape;
 };
 class Communicator;
 void quantize_fp8_param_shards(Context& ctx, const std::vector<Fp8ParamShard>& shards, Communicator* amax_group);

@@ -106,6 +106,24 @@ std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_
   return {m, k};
 }
 
+void check_fp8_block_partial(const char* op, const Tensor& x, int64_t start, int64_t cols, const Tensor& grid,
+                             const Tensor& q) {
+  MG_CHECK(x.defined() && (x.dtype() == DType::Float32 || x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16),
+           "{}: x must be fp32, bf16 or fp16, got {}", op, str_of(x));
+  MG_CHECK(start >= 0 && cols > 0, "{}: start ({}) must be >= 0 and cols ({}) > 0", op, start, cols);
+  MG_CHECK(grid.defined() && grid.dtype() == DType::Float32 && grid.dim() == 2 && grid.device() == x.device(),
+           "{}: the tile grid must be fp32 [R, ld] beside x ({}), got {}", op, x.device().str(), str_of(grid));
+  MG_CHECK(grid.size(1) * kFp8BlockLen >= cols, "{}: the tile grid {} has fewer than ceil({} / {}) columns", op,
+           shape_str(grid.shape()), cols, kFp8BlockLen);
+  if (x.numel() > 0) {
+    const int64_t last_row = (start + x.numel() - 1) / cols;
+    MG_CHECK(last_row / kFp8BlockLen < grid.size(0), "{}: elements [{}, {}) of a weight {} wide reach row {}, past "
+             "the tile grid {}", op, start, start + x.numel(), cols, last_row, shape_str(grid.shape()));
+  }
+  MG_CHECK(!q.defined() || (is_fp8(q.dtype()) && q.numel() == x.numel() && q.device() == x.device()),
+           "{}: q must be fp8 of x's {} elements on {}, got {}", op, x.numel(), x.device().str(), str_of(q));
+}
+
 std::pair<int64_t, int64_t> check_fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale) {
   MG_CHECK(amax_history.defined() && amax_history.dtype() == DType::Float32 && amax_history.dim() == 2 &&
                amax_history.size(0) >= 1,

@@ -100,6 +100,11 @@ std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_
                                                      const Tensor& scale_inv);
 /// The checks of fp8_delayed_scale_update's tensors; returns L and n.
 std::pair<int64_t, int64_t> check_fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale);
+/// fp8_block_partial_amax / fp8_block_partial_quantize: x a shard of a [rows, cols] weight (rows from
+/// the grid: the checks need only that the shard's last tile is in it); grid the amax or scale tiles;
+/// q (undefined for the amax) fp8 of x's size.
+void check_fp8_block_partial(const char* op, const Tensor& x, int64_t start, int64_t cols, const Tensor& grid,
+                             const Tensor& q);
 
 #define MG_OP(ret, name, params, args) ret name params;
 #define MG_OP_AS(ret, name, label, params, args) ret name params;

@@ -106,7 +106,7 @@ Tensor host_copy(const Tensor& t) { return t.to(Device::cpu()); }
 Tensor fp8_param_value(Context& ctx, const Parameter& p, const AdamOptimizer* optimizer) {
   if (optimizer) return optimizer->gather_state(ctx, p.name).master.to(p.fp8->model_dtype);
   Tensor out = Tensor::empty(p.data.shape(), p.fp8->model_dtype, p.data.device());
-  ops::fp8_dequantize(ctx, p.data, p.fp8->scaling->scale_inv(p.fp8->index), out);
+  p.fp8->dequantize(ctx, p.data, out);
   return out;
 }
 
@@ -502,12 +502,14 @@ void Checkpointer::save(Context& ctx, const std::vector<Parameter*>& params, con
   auto writer = [&](const Parameter& p) { return p.reduce_group == GradReduceGroup::ExpertData ? edp_writer : dp_writer; };
   auto owned = [&](const Parameter& p) { return !p.shared_embedding_copy && !(p.tp_duplicate && tp_rank != 0); };
   for (const Parameter* p : params) {
-    if (!owned(*p)) continue;
     if (p->fp8) {
-      const Tensor value = fp8_param_value(ctx, *p, optimizer);  // collective with an optimizer
-      if (writer(*p)) job->model_tensors.push_back({p->name, host_copy(value), p->shard});
+      // Collective over the weight's group with an optimizer: every rank of it calls (an expert's
+      // group may span dense tensor-parallel ranks that do not own it).
+      const Tensor value = fp8_param_value(ctx, *p, optimizer);
+      if (owned(*p) && writer(*p)) job->model_tensors.push_back({p->name, host_copy(value), p->shard});
       continue;
     }
+    if (!owned(*p)) continue;
     if (writer(*p)) job->model_tensors.push_back({p->name, host_copy(p->data), p->shard});
   }
   const int etp_rank = distributed() ? parallel_->etp_rank() : 0;

@@ -220,6 +220,40 @@ TEST_F(CudaFp8, BlockQuantizeBitEqualToCpu) {
   }
 }
 
+// The shard ops of --fp8-param-gather's blockwise recipe (fp8_block_partial_amax /
+// fp8_block_partial_quantize) on shards cut anywhere in weights with partial tiles: the tile amaxes
+// and the codes equal the CPU's bit for bit.
+TEST_F(CudaFp8, BlockPartialShardsBitEqualToCpu) {
+  Context cpu, gpu(kGpu);
+  uint64_t seed = 90;
+  for (DType xt : {DType::Float32, DType::BFloat16}) {
+    for (const Shape& shape : std::vector<Shape>{{300, 200}, {128, 4096}, {1000, 130}, {5, 7}}) {
+      const int64_t n = shape[0] * shape[1], cols = shape[1];
+      const Shape grid{(shape[0] + 127) / 128 + 3, (cols + 127) / 128 + 3};
+      const Tensor w = hard_values(shape, ++seed, xt).view({-1}), dw = w.to(kGpu);
+      std::vector<int64_t> cuts = {0, n / 3, n / 3 + 1, n - 129, n};
+      for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+        const int64_t start = cuts[i], len = cuts[i + 1] - cuts[i];
+        SCOPED_TRACE(shape_str(shape) + " " + std::string(to_string(xt)) + " shard " + std::to_string(start) + "+" +
+                     std::to_string(len));
+        Tensor amax = Tensor::zeros(grid, DType::Float32), damax = Tensor::zeros(grid, DType::Float32, kGpu);
+        cpu::fp8_block_partial_amax(cpu, w.flat_slice(start, len), start, cols, amax);
+        cuda::fp8_block_partial_amax(gpu, dw.flat_slice(start, len), start, cols, damax);
+        gpu.synchronize();
+        expect_same_floats(damax, amax, "tile amax");
+        Tensor scale = Tensor::empty(grid, DType::Float32);
+        Tensor none;
+        cpu::fp8_scale_from_amax(cpu, amax, 448.0f, true, scale, none);
+        Tensor q = Tensor::empty({len}, DType::Float8E4M3), dq = Tensor::empty({len}, DType::Float8E4M3, kGpu);
+        cpu::fp8_block_partial_quantize(cpu, w.flat_slice(start, len), start, cols, scale, q);
+        cuda::fp8_block_partial_quantize(gpu, dw.flat_slice(start, len), start, cols, scale.to(kGpu), dq);
+        gpu.synchronize();
+        expect_same_codes(dq, q, "q");
+      }
+    }
+  }
+}
+
 Fp8Operand quantized_operand(Context& ctx, const Tensor& x, Fp8ScaleMode mode, DType t, float scale) {
   Fp8Operand o;
   o.mode = mode;

@@ -99,7 +99,10 @@ TEST(Fp8PretrainGpu, MoeExpertsMatchTheCpuReference) {
       {"tensorwise", {"--fp8-recipe", "tensorwise"}},
       {"blockwise", {"--fp8-recipe", "blockwise"}},
       {"delayed_grouped", {"--fp8-recipe", "delayed", "--moe-grouped-gemm"}},
-      {"delayed_router_padding", {"--fp8-recipe", "delayed", "--moe-router-padding-for-fp8"}}};
+      {"delayed_router_padding", {"--fp8-recipe", "delayed", "--moe-router-padding-for-fp8"}},
+      // the experts' (and every FP8 layer's) weights as FP8 parameters (Note [FP8 parameters])
+      {"tensorwise_param_gather", {"--fp8-recipe", "tensorwise", "--use-distributed-optimizer", "--fp8-param-gather"}},
+      {"blockwise_param_gather", {"--fp8-recipe", "blockwise", "--use-distributed-optimizer", "--fp8-param-gather"}}};
   for (const Case& c : cases) {
     const std::vector<std::string> f = with(with(moe, c.flags), {"--train-iters", "4"});
     const auto cpu = train(dir.path, "moe_cpu_" + c.name, with(f, {"--fp8-cpu-reference"}), "cpu", 4);
@@ -118,11 +121,12 @@ TEST(Fp8PretrainGpu, MoeExpertsMatchTheCpuReference) {
 // --fp8-param-gather on the GPU (Note [FP8 parameters]): the fp8 buffer, the shard quantisation and
 // the byte transpose on CUDA. fp32 on CUDA against the CPU reference with the flag, as above; bf16
 // with the flag against bf16 without it, within the flag's rounding (fp32 -> fp8 instead of
-// through bf16); and a resumed run with the flag continues exactly.
+// through bf16); and a resumed run with the flag continues exactly. For each recipe (blockwise: the
+// shards' tile amaxes and the tile grid's transpose on CUDA).
 TEST(Fp8PretrainGpu, ParamGatherMatchesTheCpuReferenceAndTheRunWithoutIt) {
   if (cuda_device_count() == 0 || cuda_compute_capability(0) < 90) GTEST_SKIP() << "no Hopper GPU";
   ScratchDir dir("fp8_pretrain_param_gather");
-  for (const char* recipe : {"delayed", "tensorwise"}) {
+  for (const char* recipe : {"delayed", "tensorwise", "blockwise"}) {
     const std::vector<std::string> f = {"--fp8-format", "hybrid", "--fp8-recipe", recipe, "--use-distributed-optimizer",
                                         "--deterministic-mode"};
     const std::vector<std::string> pg = with(f, {"--fp8-param-gather"});

@@ -1,6 +1,7 @@
 // The FP8 formats and ops on the CPU against values computed here from the formats' definitions:
 // every code's value, round-to-nearest-even at every tie, saturation, NaN; quantisation with
-// scale, transpose and amax; dequantisation; current scaling's scale; block scales; the GEMM.
+// scale, transpose and amax; dequantisation; current scaling's scale; block scales (of a whole
+// tensor, and of a weight's shards); the GEMM.
 #include <gtest/gtest.h>
 
 #include <cfloat>
@@ -277,6 +278,64 @@ TEST(Fp8Ops, BlockQuantizeScalesEachTile) {
       }
     }
   }
+}
+
+// A weight cut into shards anywhere (the distributed optimizer's cuts: mid-row, mid-tile, a tile
+// across three shards, an empty shard): the shards' partial tile amaxes, maxed together as the
+// all-reduce does, give each tile the whole weight's amax, and the shards quantised with the
+// tiles' power-of-two scales are fp8_block_quantize's bytes of the whole weight; its scale
+// inverses are the tiles'. For fp32 and bf16 masters.
+TEST(Fp8Ops, BlockPartialShardsQuantiseAsTheWholeWeight) {
+  Context ctx;
+  const int64_t rows = 300, cols = 200;  // tiles 3 x 2, the last row and column of tiles partial
+  std::vector<float> wv(size_t(rows * cols));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) wv[size_t(r * cols + c)] = nd(rng) * std::ldexp(1.0f, int(r / 128) - 2 * int(c / 128));
+  for (int64_t r = 256; r < rows; ++r)  // the tile (2, 1) all zeros: scale 1
+    for (int64_t c = 128; c < cols; ++c) wv[size_t(r * cols + c)] = 0.0f;
+  wv[size_t(130 * cols + 3)] = std::nanf("");  // NaN is ignored by the amax, as fp8_block_quantize's
+  const std::vector<int64_t> cuts = {0, 77, 25600 + 130, 25600 + 130, 40000, 51234, rows * cols};
+  for (DType dt : {DType::Float32, DType::BFloat16}) {
+    SCOPED_TRACE(to_string(dt));
+    const Tensor w = Tensor::from_floats(wv, {rows, cols}).to(dt);
+    const Shape whole_shape = fp8_block_scale_shape(rows, cols, true);  // [3, 4]
+    Tensor q_whole = Tensor::empty({rows, cols}, DType::Float8E4M3), si_whole = Tensor::zeros(whole_shape, DType::Float32);
+    ops::fp8_block_quantize(ctx, w.to(DType::Float32), true, true, q_whole, si_whole);
+    const Shape grid{4, 4};  // Fp8Param's padded grid
+    Tensor amax = Tensor::zeros(grid, DType::Float32);
+    const Tensor flat = w.view({-1});
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      Tensor part = Tensor::zeros(grid, DType::Float32);  // each rank's own grid, then the max
+      ops::fp8_block_partial_amax(ctx, flat.flat_slice(cuts[i], cuts[i + 1] - cuts[i]), cuts[i], cols, part);
+      std::vector<float> a = amax.to_floats(), b = part.to_floats();
+      for (size_t j = 0; j < a.size(); ++j) a[j] = std::max(a[j], b[j]);
+      amax = Tensor::from_floats(a, grid);
+    }
+    Tensor scale = Tensor::empty(grid, DType::Float32), scale_inv = Tensor::empty(grid, DType::Float32);
+    ops::fp8_scale_from_amax(ctx, amax, 448.0f, true, scale, scale_inv);
+    const std::vector<float> got_inv = scale_inv.to_floats(), want_inv = si_whole.to_floats();
+    for (int64_t i = 0; i < 3; ++i)
+      for (int64_t j = 0; j < 2; ++j)
+        EXPECT_EQ(got_inv[size_t(i * 4 + j)], want_inv[size_t(i * whole_shape[1] + j)]) << "tile " << i << "," << j;
+    EXPECT_EQ(got_inv[size_t(2 * 4 + 1)], 1.0f) << "the all-zero tile";
+    Tensor q = Tensor::empty({rows * cols}, DType::Float8E4M3);
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      Tensor qs = q.flat_slice(cuts[i], cuts[i + 1] - cuts[i]);
+      ops::fp8_block_partial_quantize(ctx, flat.flat_slice(cuts[i], cuts[i + 1] - cuts[i]), cuts[i], cols, scale, qs);
+    }
+    ASSERT_EQ(std::memcmp(q.raw_data(), q_whole.raw_data(), size_t(rows * cols)), 0);
+  }
+  // A shard past the grid, a grid too narrow, a q of another size: one line each.
+  Tensor x = Tensor::zeros({100}, DType::Float32), small = Tensor::zeros({2, 4}, DType::Float32),
+         narrow = Tensor::zeros({4, 1}, DType::Float32);
+  Tensor q = Tensor::empty({99}, DType::Float8E4M3);
+  EXPECT_NE(error_of([&] { ops::fp8_block_partial_amax(ctx, x, 256 * cols, cols, small); }).find("past the tile grid"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ops::fp8_block_partial_amax(ctx, x, 0, cols, narrow); }).find("fewer than"), std::string::npos);
+  EXPECT_NE(error_of([&] { ops::fp8_block_partial_quantize(ctx, x, 0, cols, small, q); }).find("q must be fp8"),
+            std::string::npos);
 }
 
 // The GEMM against a double-precision sum over the definition's values of the same codes.

@@ -39,15 +39,15 @@ void DistributedDataParallel::build_buffers() {
   for (size_t c = 0; c < chunks_.size(); ++c) {
     ParamAndGradBuffer& chunk = *chunks_[c];
     MG_ASSERT(chunk.allocated(), "DistributedDataParallel: model chunk {} is not allocated", c);
-    std::vector<Parameter*> dense, fp8, expert;
+    std::vector<Parameter*> dense, fp8, expert, fp8_expert;
     for (Parameter* p : chunk.parameters()) {
       MG_CHECK(!p->fp8 || config_.use_distributed_optimizer,
                "--fp8-param-gather only works with the distributed optimizer: add --use-distributed-optimizer");
-      MG_ASSERT(!p->fp8 || p->reduce_group == GradReduceGroup::DataContext, "FP8 parameter {} is an expert's", p->name);
-      (p->reduce_group == GradReduceGroup::ExpertData ? expert : p->fp8 ? fp8 : dense).push_back(p);
+      const bool is_expert = p->reduce_group == GradReduceGroup::ExpertData;
+      (is_expert ? (p->fp8 ? fp8_expert : expert) : (p->fp8 ? fp8 : dense)).push_back(p);
     }
     const int dense_dp = reduction_group(GradReduceGroup::DataContext).size();
-    if (expert.empty() && fp8.empty() && chunk.has_layout(config_, dense_dp)) {
+    if (expert.empty() && fp8.empty() && fp8_expert.empty() && chunk.has_layout(config_, dense_dp)) {
       buffers_.push_back(GradBuffer{int(c), GradReduceGroup::DataContext, &chunk, nullptr});
       continue;
     }
@@ -55,14 +55,17 @@ void DistributedDataParallel::build_buffers() {
     const Tensor& any = chunk.parameters().front()->data;
     // Note [FP8 parameters]: the FP8 weights' buffer holds fp8 bytes; their model values stay
     // here (views of the chunk's released storage) until the optimizer has taken them.
-    for (Parameter* p : fp8) {
-      has_fp8_params_ = true;
-      fp8_init_values_[p->name] = p->data;
-      p->fp8->model_dtype = p->data.dtype();
+    for (const std::vector<Parameter*>* group : {&fp8, &fp8_expert}) {
+      for (Parameter* p : *group) {
+        has_fp8_params_ = true;
+        fp8_init_values_[p->name] = p->data;
+        p->fp8->model_dtype = p->data.dtype();
+      }
     }
     for (auto [g, params, dtype] : {std::tuple{GradReduceGroup::DataContext, &dense, any.dtype()},
                                     std::tuple{GradReduceGroup::DataContext, &fp8, DType::Float8E4M3},
-                                    std::tuple{GradReduceGroup::ExpertData, &expert, any.dtype()}}) {
+                                    std::tuple{GradReduceGroup::ExpertData, &expert, any.dtype()},
+                                    std::tuple{GradReduceGroup::ExpertData, &fp8_expert, DType::Float8E4M3}}) {
       if (params->empty()) continue;
       auto owned = std::make_unique<ParamAndGradBuffer>(dtype, any.device(), *params, config_, reduction_group(g).size());
       buffers_.push_back(GradBuffer{int(c), g, owned.get(), std::move(owned)});

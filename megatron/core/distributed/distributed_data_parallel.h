@@ -8,8 +8,9 @@
 // parameter names the group its gradient reduces over (Parameter::reduce_group): data × context
 // parallel for dense parameters, expert-data parallel for the experts of a mixture of experts. For
 // every chunk, the parameters of each group get a ParamAndGradBuffer of their own, laid out for
-// that group's size (Note [Buckets and padding]) — dense first, then expert, in registration order
-// within each — and the distributed optimizer shards each buffer over its own group. The model's
+// that group's size (Note [Buckets and padding]) — dense, FP8 dense, expert, FP8 expert (the FP8
+// ones under --fp8-param-gather: Note [FP8 parameters]), in registration order within each — and
+// the distributed optimizer shards each buffer over its own group. The model's
 // values are copied in and its own storage released, so the parameters live in exactly one place.
 // A chunk whose parameters are all dense and whose buffer the caller already laid out for this
 // config and group size is used as it is.

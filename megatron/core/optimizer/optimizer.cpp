@@ -294,15 +294,19 @@ bool AdamOptimizer::has_fp8_params() const {
   return std::any_of(params_.begin(), params_.end(), [](const Parameter& p) { return p.fp8 != nullptr; });
 }
 
-// Note [FP8 parameters]: every rank's shard of each FP8 weight from its masters, before the all-gather.
+// Note [FP8 parameters]: every rank's shard of each FP8 weight from its masters, before the
+// all-gather; the dense weights' amaxes reduce over the data-parallel group, the experts' over the
+// expert-data-parallel one.
 void AdamOptimizer::quantize_fp8_params(Context& ctx) {
-  std::vector<Fp8ParamShard> shards;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].fp8) continue;
-    shards.push_back({params_[i].fp8, states_[i].master, model_shard(i)});
+  for (GradReduceGroup g : {GradReduceGroup::DataContext, GradReduceGroup::ExpertData}) {
+    std::vector<Fp8ParamShard> shards;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Parameter& p = params_[i];
+      if (!p.fp8 || p.reduce_group != g) continue;
+      shards.push_back({p.fp8, states_[i].master, model_shard(i), shard_start_[i], p.data.shape()});
+    }
+    if (!shards.empty()) quantize_fp8_param_shards(ctx, shards, &ddp_->reduction_group(g));
   }
-  if (shards.empty()) return;
-  quantize_fp8_param_shards(ctx, shards, &ddp_->reduction_group(GradReduceGroup::DataContext));
 }
 
 void AdamOptimizer::copy_main_params_to_model_params() {

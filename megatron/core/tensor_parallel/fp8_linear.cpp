@@ -48,19 +48,36 @@ Fp8Operand Fp8LinearState::quantize(Context& ctx, bool backward, int64_t index, 
 }
 
 // Note [FP8 parameters]: the weight as the optimizer quantised it, or its transposed copy (made
-// once after each optimizer step, a byte transpose: the same scale).
+// once after each optimizer step, a byte transpose: the same scales — per tensor, or the tile grid
+// transposed).
 Fp8Operand Fp8LinearState::fp8_weight(Context& ctx, const Tensor& weight, bool transposed) {
-  MG_ASSERT(config_.recipe != Fp8Recipe::Blockwise && weight.dtype() == config_.forward_dtype(),
-            "an FP8 weight of {} under the {} recipe", to_string(weight.dtype()), to_string(config_.recipe));
+  MG_ASSERT(weight.dtype() == config_.forward_dtype(), "an FP8 weight of {}", to_string(weight.dtype()));
   MG_CHECK(param_.quantized,
            "an FP8 weight was used before the optimizer quantised it from its main params: call "
            "AdamOptimizer::copy_main_params_to_model_params(ctx) once the optimizer is built");
-  if (!transposed) return {weight, fwd_.scale_inv(1)};
-  if (!param_.transpose.defined()) {
-    param_.transpose = Tensor::empty({weight.size(1), weight.size(0)}, weight.dtype(), weight.device());
-    ops::transpose_01(ctx, weight, param_.transpose);
+  const int64_t out = weight.size(0), in = weight.size(1);
+  const bool blockwise = config_.recipe == Fp8Recipe::Blockwise;
+  // The first rows of a padded tile grid, in the GEMM's layout of a [rows, cols] operand.
+  auto grid_rows = [](const Tensor& grid, int64_t rows, int64_t cols) {
+    const Shape shape = fp8_block_scale_shape(rows, cols, /*tile_2d=*/true);
+    MG_ASSERT(shape[1] == grid.size(1), "a tile grid {} for an operand [{}, {}]", shape_str(grid.shape()), rows, cols);
+    return grid.flat_slice(0, shape[0] * shape[1]).view(shape);
+  };
+  if (!transposed) {
+    if (!blockwise) return {weight, fwd_.scale_inv(1)};
+    return {weight, grid_rows(param_.block_scale_inv, out, in), Fp8ScaleMode::Block128x128};
   }
-  return {param_.transpose, fwd_.scale_inv(1)};
+  if (!param_.transpose.defined()) {
+    param_.transpose = Tensor::empty({in, out}, weight.dtype(), weight.device());
+    ops::transpose_01(ctx, weight, param_.transpose);
+    if (blockwise) {
+      const Tensor& grid = param_.block_scale_inv;
+      param_.transpose_scale_inv = Tensor::empty({grid.size(1), grid.size(0)}, DType::Float32, grid.device());
+      ops::transpose_01(ctx, grid, param_.transpose_scale_inv);
+    }
+  }
+  if (!blockwise) return {param_.transpose, fwd_.scale_inv(1)};
+  return {param_.transpose, grid_rows(param_.transpose_scale_inv, in, out), Fp8ScaleMode::Block128x128};
 }
 
 void Fp8LinearState::forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y) {

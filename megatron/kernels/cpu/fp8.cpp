@@ -186,6 +186,37 @@ void fp8_block_quantize(Context& ctx, const Tensor& x, bool tile_2d, bool power_
   }
 }
 
+void fp8_block_partial_amax(Context& ctx, const Tensor& x, int64_t start, int64_t cols, Tensor& amax) {
+  Tensor none;
+  ops::check_fp8_block_partial("fp8_block_partial_amax", x, start, cols, amax, none);
+  assert_host(x, "x");
+  assert_host(amax, "amax");
+  FloatIn xin(x);
+  float* a = amax.data<float>();
+  const int64_t ld = amax.size(1);
+  for (int64_t j = 0; j < x.numel(); ++j) {
+    const int64_t f = start + j, tile = (f / cols / kFp8BlockLen) * ld + (f % cols) / kFp8BlockLen;
+    a[tile] = std::fmax(a[tile], std::fabs(xin[j]));
+  }
+}
+
+void fp8_block_partial_quantize(Context& ctx, const Tensor& x, int64_t start, int64_t cols, const Tensor& scale,
+                                Tensor& q) {
+  ops::check_fp8_block_partial("fp8_block_partial_quantize", x, start, cols, scale, q);
+  MG_CHECK(q.defined(), "fp8_block_partial_quantize: q must be given");
+  assert_host(x, "x");
+  assert_host(scale, "scale");
+  assert_host(q, "q");
+  FloatIn xin(x);
+  const float* s = scale.data<float>();
+  uint8_t* qd = bytes(q);
+  const int64_t ld = scale.size(1);
+  for (int64_t j = 0; j < x.numel(); ++j) {
+    const int64_t f = start + j, tile = (f / cols / kFp8BlockLen) * ld + (f % cols) / kFp8BlockLen;
+    qd[j] = encode(xin[j] * s[tile], q.dtype());
+  }
+}
+
 void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
               bool accumulate, bool /*fast_accumulation: a GPU rounding mode*/) {
   ops::check_fp8_gemm(a, b, bias, out, accumulate, /*cuda=*/false);

@@ -5,7 +5,8 @@
 //                 amax (a block reduction, then one atomic max per block) and scale_inv;
 //   recipes       the delayed update (one thread per tensor over its history) and current
 //                 scaling's scale from amax, both reading and writing device memory only;
-//   block scaling one warp per 1x128 tile, one block per 128x128 tile;
+//   block scaling one warp per 1x128 tile, one block per 128x128 tile; a weight's shard (the
+//                 distributed optimizer's) one warp per row segment of a tile;
 //   GEMM          cuBLASLt's FP8 matmul in the TN form (Note [FP8 GEMM layouts]) with device scale
 //                 pointers, per tensor or per block (Note [FP8 block scaling]).
 #include <cuda_fp8.h>
@@ -260,6 +261,35 @@ __global__ void block_quantize_128x128_kernel(const T* __restrict__ x, int64_t m
   if (threadIdx.x == 0) scale_inv[int64_t(blockIdx.y) * ld + blockIdx.x] = __frcp_rn(s);
 }
 
+// The distributed optimizer's shards of a 128x128-tiled weight (fp8_block_partial_amax /
+// fp8_block_partial_quantize): one warp per segment — one row's columns inside one 128-column tile,
+// cut to the shard [start, start + n) — so the tile, its scale and its amax are one lookup per warp
+// (no per-element 64-bit division), loads and stores are coalesced, and the amax is one atomic max
+// per segment (a warp reduction first). Segment s of the weight is row s / tiles_c, column tile
+// s % tiles_c; the shard covers segments first .. first + segs - 1.
+template <typename T>
+__global__ void block_partial_kernel(const T* __restrict__ x, int64_t start, int64_t n, int64_t cols, int64_t ld,
+                                     int64_t first, int64_t segs, float* __restrict__ amax,
+                                     const float* __restrict__ scale, uint8_t* __restrict__ q, bool e4m3) {
+  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= segs) return;  // whole warps leave together
+  const int64_t tiles_c = (cols + kFp8BlockLen - 1) / kFp8BlockLen;
+  const int64_t seg = first + warp, row = seg / tiles_c, ct = seg % tiles_c;
+  const int64_t lo = max(start, row * cols + ct * kFp8BlockLen);
+  const int64_t hi = min(start + n, row * cols + min(cols, (ct + 1) * kFp8BlockLen));
+  const int64_t tile = (row / kFp8BlockLen) * ld + ct;
+  if (amax != nullptr) {
+    float local = 0.0f;
+    for (int64_t f = lo + lane; f < hi; f += 32) local = fmaxf(local, fabsf(load_float(x[f - start])));
+    for (int o = 16; o > 0; o /= 2) local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
+    if (lane == 0) atomic_max_nonneg(amax + tile, local);
+  } else {
+    const float s = scale[tile];
+    for (int64_t f = lo + lane; f < hi; f += 32) q[f - start] = encode_fp8(load_float(x[f - start]) * s, e4m3);
+  }
+}
+
 template <typename T>
 float max_finite() {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -416,6 +446,41 @@ void fp8_block_quantize(Context& ctx, const Tensor& x, bool tile_2d, bool power_
     }
     CUDA_CHECK(cudaGetLastError());
   });
+}
+
+namespace {
+// block_partial_kernel over the segments that the shard [start, start + n) touches.
+void launch_block_partial(Context& ctx, const Tensor& x, int64_t start, int64_t cols, int64_t ld, float* amax,
+                          const float* scale, uint8_t* q, bool e4m3) {
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const int64_t tiles_c = (cols + kFp8BlockLen - 1) / kFp8BlockLen;
+  auto segment = [&](int64_t f) { return (f / cols) * tiles_c + (f % cols) / kFp8BlockLen; };
+  const int64_t first = segment(start), segs = segment(start + n - 1) - first + 1;
+  const int64_t blocks = (segs * 32 + 255) / 256;
+  MG_CHECK(blocks <= INT32_MAX, "fp8_block_partial: too many segments ({})", segs);
+  dispatch_float(x.dtype(), [&]<typename T>() {
+    block_partial_kernel<T><<<unsigned(blocks), 256, 0, stream_of(ctx)>>>(dev_ptr<const T>(x), start, n, cols, ld,
+                                                                          first, segs, amax, scale, q, e4m3);
+    CUDA_CHECK(cudaGetLastError());
+  });
+}
+}  // namespace
+
+void fp8_block_partial_amax(Context& ctx, const Tensor& x, int64_t start, int64_t cols, Tensor& amax) {
+  Tensor none;
+  ops::check_fp8_block_partial("fp8_block_partial_amax", x, start, cols, amax, none);
+  check_on_gpu({&x, &amax}, "fp8_block_partial_amax");
+  launch_block_partial(ctx, x, start, cols, amax.size(1), f32_ptr(amax), nullptr, nullptr, true);
+}
+
+void fp8_block_partial_quantize(Context& ctx, const Tensor& x, int64_t start, int64_t cols, const Tensor& scale,
+                                Tensor& q) {
+  ops::check_fp8_block_partial("fp8_block_partial_quantize", x, start, cols, scale, q);
+  MG_CHECK(q.defined(), "fp8_block_partial_quantize: q must be given");
+  check_on_gpu({&x, &scale, &q}, "fp8_block_partial_quantize");
+  launch_block_partial(ctx, x, start, cols, scale.size(1), nullptr, f32_ptr(scale), fp8_ptr(q),
+                       q.dtype() == DType::Float8E4M3);
 }
 
 // ---- GEMM ------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 //   - data parallelism 2 with the flag agrees with one process with the flag as the FP8 layouts do
 //     without it (core/parallel/fp8_training_test.cpp: within 2e-4 of the loss; at the first step's
 //     scales of 1 a data-parallel rank's larger per-rank gradients underflow e5m2 differently);
+//   - the same for the blockwise recipe (tiles cut by the shards), and for the MoE experts' weights
+//     under expert parallelism;
 //   - in bf16 it trains like the run without the flag: every loss within 0.3% (the difference is only
 //     fp32 -> fp8 against fp32 -> bf16 -> fp8);
 //   - stopped and resumed, it continues with exactly the uninterrupted run's losses and weights;
@@ -63,6 +65,13 @@ void expect_same_state(const fs::path& a, const fs::path& b, const std::string& 
   }
 }
 
+// kWideBf16 in fp32 (the blockwise recipe needs the 128 multiples).
+std::vector<std::string> wide_fp32() {
+  std::vector<std::string> a = kWideBf16;
+  a.pop_back();
+  return a;
+}
+
 class Fp8ParamGatherTraining : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { dir_ = new ScratchDir("fp8_param_gather"); }
@@ -90,6 +99,51 @@ TEST_F(Fp8ParamGatherTraining, Fp32RunsAreUnchangedAndDp2AgreesWithOneProcess) {
     ASSERT_EQ(one.losses.size(), 4u) << one.output;
     EXPECT_EQ(one.losses[0], a.losses[0]) << "the first forward";
     for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(a.losses[i], one.losses[i], 2e-4 * one.losses[i]) << "iteration " << i + 1;
+  }
+}
+
+// The blockwise recipe (Note [FP8 parameters]): each 128x128 tile's amax from the shards' partial
+// tile amaxes, reduced over the data-parallel group (the shards cut tiles: a bucket of 20000
+// elements splits the 128-wide weights mid-tile), then the tiles' power-of-two scales — in fp32 the
+// same bytes as quantising the fp32 weight without the flag, so the same losses bit for bit, and
+// the transposed copy (bytes and tile grid transposed) gives the input gradient's GEMM the
+// operand the run without the flag quantises from the transposed weight.
+TEST_F(Fp8ParamGatherTraining, BlockwiseFp32RunsAreUnchanged) {
+  const fs::path with = dir_->path / "block_with", without = dir_->path / "block_without";
+  const std::vector<std::string> steps = {"--train-iters", "3", "--ddp-bucket-size", "20000"};
+  TrainRun a = train(dir_->path, "block_with", 2,
+                     concat(concat(fp8(wide_fp32(), "blockwise", true), steps), {"--save", with.string()}));
+  TrainRun b = train(dir_->path, "block_without", 2,
+                     concat(concat(fp8(wide_fp32(), "blockwise", false), steps), {"--save", without.string()}));
+  ASSERT_EQ(a.losses.size(), 3u) << a.output;
+  ASSERT_EQ(b.losses.size(), 3u) << b.output;
+  EXPECT_EQ(a.losses, b.losses);
+  expect_same_state(with, without, "blockwise with and without --fp8-param-gather");
+}
+
+// The MoE experts' weights are FP8 parameters too, in an FP8 buffer of the expert-data-parallel
+// group (Note [FP8 parameters]): with expert parallelism 2 on 4 ranks (expert data parallelism 2:
+// each expert weight sharded over two ranks) an fp32 run with the flag gives the losses of the run
+// without it, for the per-tensor recipes, and its checkpoint holds the experts' weights as the
+// run without the flag does.
+TEST_F(Fp8ParamGatherTraining, ExpertWeightsUnderExpertParallelism) {
+  const std::vector<std::string> moe = {
+      "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+      "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "([0]+[1]*3)", "--moe-aux-loss-coeff",
+      "1e-2", "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2", "--train-iters", "3",
+      "--ddp-bucket-size", "20000"};
+  for (const char* recipe : {"delayed", "tensorwise"}) {
+    SCOPED_TRACE(recipe);
+    const std::string r = recipe;
+    const fs::path with = dir_->path / ("moe_with_" + r), without = dir_->path / ("moe_without_" + r);
+    TrainRun a = train(dir_->path, "moe_with_" + r, 4,
+                       concat(concat(fp8(kLlama, r, true), moe), {"--save", with.string()}));
+    TrainRun b = train(dir_->path, "moe_without_" + r, 4,
+                       concat(concat(fp8(kLlama, r, false), moe), {"--save", without.string()}));
+    ASSERT_EQ(a.losses.size(), 3u) << a.output;
+    ASSERT_EQ(b.losses.size(), 3u) << b.output;
+    EXPECT_EQ(a.losses, b.losses);
+    if (r == "tensorwise") expect_same_state(with, without, "MoE EP 2 with and without --fp8-param-gather");
   }
 }
 
