@@ -352,7 +352,10 @@ struct Parser {
     opt(g, "--num-layers-at-end-in-bf16", a.num_layers_at_end_in_bf16,
         "Layers kept in bf16 at the end with --first-last-layers-bf16");
     flag(g, "--fp8-param-gather", a.fp8_param_gather,
-         "Keep the FP8 layers' weights in fp8 and all-gather them in fp8 (distributed optimizer; delayed or tensorwise)");
+         "Keep the FP8 layers' weights in fp8 and all-gather them in fp8 (distributed optimizer)");
+    flag(g, "--disable-parameter-transpose-cache", a.disable_parameter_transpose_cache,
+         "Quantise the FP8 weights at every microbatch instead of once a step (TransformerConfig's "
+         "disable_parameter_transpose_cache)");
     flag(g, "--fp8-cpu-reference", a.fp8_cpu_reference,
          "Allow --fp8-format on the CPU: the FP8 ops' reference implementation (slow; for tests)");
 

@@ -160,6 +160,7 @@ struct Arguments {
   int num_layers_at_end_in_bf16 = 1;
   bool fp8_param_gather = false;
   bool fp8_cpu_reference = false;  // ours: FP8 on the CPU through the reference ops (tests)
+  bool disable_parameter_transpose_cache = false;  // Megatron's TransformerConfig field (Note [FP8 weight cache])
 
   // ---- activation recomputation
   std::string recompute_granularity;

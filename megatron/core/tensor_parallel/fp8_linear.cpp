@@ -80,12 +80,28 @@ Fp8Operand Fp8LinearState::fp8_weight(Context& ctx, const Tensor& weight, bool t
   return {param_.transpose, grid_rows(param_.transpose_scale_inv, in, out), Fp8ScaleMode::Block128x128};
 }
 
+// The weight's transposed copy is quantised again with the scale its forward set (`again`: the
+// weight has not changed since).
+Fp8Operand Fp8LinearState::weight_operand(Context& ctx, const Tensor& weight, bool transposed) {
+  if (is_fp8(weight.dtype())) return fp8_weight(ctx, weight, transposed);
+  Fp8Operand& cached = transposed ? cached_w_t_ : cached_w_;  // Note [FP8 weight cache]
+  if (cached.data.defined()) return cached;
+  Fp8Operand o = quantize(ctx, false, 1, weight, transposed, true, /*again=*/transposed);
+  if (cache_weights_) cached = o;
+  return o;
+}
+
+void Fp8LinearState::set_weight_cache(bool on) {
+  cache_weights_ = on;
+  if (!on) cached_w_ = cached_w_t_ = Fp8Operand();
+}
+
 void Fp8LinearState::forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y) {
   const int64_t in = weight.size(1);
   const Tensor x2 = x.view({-1, in});
   Tensor y2 = y.view({-1, weight.size(0)});
   const Fp8Operand qx = quantize(ctx, false, 0, x2, false, false);
-  const Fp8Operand qw = is_fp8(weight.dtype()) ? fp8_weight(ctx, weight, false) : quantize(ctx, false, 1, weight, false, true);
+  const Fp8Operand qw = weight_operand(ctx, weight, false);
   ops::fp8_gemm(ctx, qx, qw, bias, y2, false, /*fast_accumulation=*/true);  // Note [FP8 GEMM accumulation]
 }
 
@@ -104,8 +120,7 @@ void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor
   if (grad_in.defined()) {
     Tensor gi2 = grad_in.view({-1, in});
     if (!qg.data.defined()) qg = quantize(ctx, true, 0, g2, false, false);
-    const Fp8Operand qw_t = is_fp8(weight.dtype()) ? fp8_weight(ctx, weight, true)
-                                                   : quantize(ctx, false, 1, weight, true, true, /*again=*/true);
+    const Fp8Operand qw_t = weight_operand(ctx, weight, true);
     ops::fp8_gemm(ctx, qg, qw_t, none, gi2, false, false);
   }
   if (weight_grad.defined()) {

@@ -21,9 +21,22 @@
 // update() is the delayed recipe's step, once per training step after its last backward (the
 // model reduces the amax over its ranks first: Note [FP8 scaling under parallelism]). The weights
 // stay in their bf16 (or fp32) parameters and are quantised at each use — once in forward, once
-// transposed in backward — which costs a pass over them per microbatch and no memory between;
-// under --fp8-param-gather a weight given in FP8 (Note [FP8 parameters]) is used as it is with the
-// weight's scale_inv, and its transposed copy is made once after each optimizer step.
+// transposed in backward — which costs a pass over them per microbatch and no memory between,
+// unless the step caches them (Note [FP8 weight cache]); under --fp8-param-gather a weight given
+// in FP8 (Note [FP8 parameters]) is used as it is with the weight's scale_inv, and its transposed
+// copy is made once after each optimizer step.
+//
+// Note [FP8 weight cache] (TE's is_first_microbatch, which Megatron's TE layers pass unless
+// disable_parameter_transpose_cache): a training step with several microbatches quantises each
+// weight once — its first forward makes the FP8 copy, its first backward the transposed one — and
+// every later microbatch of the step reuses them; the model turns the cache on before the step's
+// first microbatch (ModelChunk::begin_fp8_step) and off, dropping the copies, once the step's
+// gradients are final (finish_fp8_step), before the optimizer changes the weights. The copies are
+// the bytes every microbatch would make (the weight and its scale do not change within a step; the
+// delayed recipe's amax of the weight is its max over the step's uses either way), so a step gives
+// the same result with or without the cache. It costs the copies' memory (1 byte per weight element
+// each) for the length of the step, so a step of one microbatch does not use it; nor does a step
+// captured whole in a CUDA graph (its replays would write into copies the step had dropped).
 #pragma once
 
 #include "megatron/core/fp8_utils.h"
@@ -45,6 +58,10 @@ class Fp8LinearState {
                 Tensor& weight_grad, Tensor& bias_grad);
   /// The delayed recipe's history roll and scale update for this layer (a no-op for the others).
   void update(Context& ctx);
+  /// Note [FP8 weight cache]: on, the weight's FP8 copies (forward, and the transposed one) are made
+  /// at their first use and reused until the cache is turned off; off drops them.
+  void set_weight_cache(bool on);
+  bool has_cached_weight() const { return cached_w_.data.defined() || cached_w_t_.data.defined(); }
 
   const Fp8Config& config() const { return config_; }
   /// Per-tensor recipes: the forward (input, weight) and backward (output gradient) state.
@@ -60,9 +77,14 @@ class Fp8LinearState {
   /// The FP8 weight (Note [FP8 parameters]) as a GEMM operand, or its transposed copy.
   Fp8Operand fp8_weight(Context& ctx, const Tensor& weight, bool transposed);
 
+  /// The weight's operand (transposed: the input gradient's), from the cache or quantised now.
+  Fp8Operand weight_operand(Context& ctx, const Tensor& weight, bool transposed);
+
   Fp8Config config_;
   Fp8TensorScaling fwd_, bwd_;
   Fp8Param param_;
+  bool cache_weights_ = false;      // Note [FP8 weight cache]
+  Fp8Operand cached_w_, cached_w_t_;
 };
 
 }  // namespace megatron

@@ -77,6 +77,9 @@ class ModelChunk {
   /// histories reduced over the chunk's tensor × context and data-parallel groups, then rolled and
   /// the scales updated, on the device (Note [FP8 scaling under parallelism] in gpt_model.cpp).
   virtual void finish_fp8_step(Context&) {}
+  /// Before a training step's first microbatch: whether the FP8 layers keep their weights' FP8
+  /// copies for the step's later microbatches (Note [FP8 weight cache]; finish_fp8_step drops them).
+  virtual void begin_fp8_step(bool /*cache_weights*/) {}
   /// State that is not a parameter but belongs in checkpoints (the routers' expert biases, the FP8
   /// scaling state), by name.
   virtual std::vector<ModelBuffer> buffers() { return {}; }

@@ -1,6 +1,7 @@
 // One FP8 linear layer on the CPU (Note [FP8 linear layer]): forward and backward against the fp32
 // linear math on the dequantised operands, for each recipe and format; the delayed recipe's scales
-// across steps; the GeLU paths; and the FP8 result near the unquantised one.
+// across steps; the weight cache of a step's microbatches; the GeLU paths; and the FP8 result near
+// the unquantised one.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -172,6 +173,64 @@ TEST(Fp8Linear, DelayedScalesFollowTheLastStepsAmax) {
     want_w = 448.0f / amax(L.w()->data);
     want_g = 57344.0f / amax(dy);
   }
+}
+
+// Note [FP8 weight cache]: a step of three microbatches with the weight cache gives the outputs,
+// input gradients, accumulated weight gradient and (delayed) amax history of the same step without
+// it, bit for bit, for each recipe; the copies are made at the first forward and backward and
+// dropped when the cache is turned off. In the middle of the step the weight changes under the
+// cache without the layer seeing it — the cached copy is what the step uses — so the cache must
+// be off whenever the weights change (the optimizer runs after finish_fp8_step).
+TEST(Fp8Linear, WeightCacheGivesTheUncachedStep) {
+  for (Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise}) {
+    SCOPED_TRACE(to_string(recipe));
+    Context ctx;
+    Fp8Config c;
+    c.format = "hybrid";
+    c.recipe = recipe;
+    struct Run {
+      std::vector<std::vector<float>> y, dx;
+      std::vector<float> dw, history;
+    };
+    auto step = [&](bool cache) {
+      Layer L;
+      L.lin.enable_fp8(c, Device::cpu());
+      Fp8LinearState& s = *L.lin.fp8();
+      s.set_weight_cache(cache);
+      Run r;
+      for (int mb = 0; mb < 3; ++mb) {
+        const Tensor x = random_tensor({kTokens, kIn}, uint64_t(30 + mb), 1.0f);
+        const Tensor dy = random_tensor({kTokens, kOut}, uint64_t(40 + mb), 1e-3f);
+        r.y.push_back(L.lin.forward(ctx, x).to_floats());
+        EXPECT_EQ(s.has_cached_weight(), cache) << "after forward " << mb;
+        r.dx.push_back(L.lin.backward(ctx, dy, x).to_floats());
+      }
+      r.dw = L.w()->main_grad.to_floats();
+      if (recipe == Fp8Recipe::Delayed) r.history = s.forward_scaling().amax_history().to_floats();
+      s.set_weight_cache(false);
+      EXPECT_FALSE(s.has_cached_weight());
+      return r;
+    };
+    const Run cached = step(true), plain = step(false);
+    EXPECT_EQ(cached.y, plain.y);
+    EXPECT_EQ(cached.dx, plain.dx);
+    EXPECT_EQ(cached.dw, plain.dw);
+    EXPECT_EQ(cached.history, plain.history);
+  }
+  // The cached copy is used as it is: a weight changed under the cache is not seen.
+  Context ctx;
+  Fp8Config c;
+  c.format = "e4m3";
+  c.recipe = Fp8Recipe::Tensorwise;
+  Layer L;
+  L.lin.enable_fp8(c, Device::cpu());
+  L.lin.fp8()->set_weight_cache(true);
+  const Tensor x = random_tensor({kTokens, kIn}, 50, 1.0f);
+  const std::vector<float> before = L.lin.forward(ctx, x).to_floats();
+  L.w()->data.copy_from(random_tensor({kOut, kIn}, 51, 0.05f));
+  EXPECT_EQ(L.lin.forward(ctx, x).to_floats(), before);
+  L.lin.fp8()->set_weight_cache(false);
+  EXPECT_NE(L.lin.forward(ctx, x).to_floats(), before);
 }
 
 TEST(Fp8Linear, GeluPathsAreTheGemmThenTheActivation) {
