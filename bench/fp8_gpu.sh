@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # FP8 training on one H200: the FP8 GPU tests, throughput of our FP8 recipes against our bf16 and
-# PyTorch + torch.compile (bf16) in the same call, and convergence on real text (GPT ~125M, bf16
-# against each FP8 recipe).
+# PyTorch + torch.compile (bf16) in the same call, whole training steps of several microbatches
+# (weight cache, distributed optimizer, FP8 parameters), and convergence on real text (GPT ~125M,
+# bf16 against each FP8 recipe).
 #
 #   here:            FP8_STAGE=.device bench/fp8_gpu.sh stage     # build (sm_90a), binaries + the corpus
-#   the GPU machine: bench/fp8_gpu.sh run [tests] [bench] [converge]
+#   the GPU machine: bench/fp8_gpu.sh run [tests] [bench] [steps] [converge]
 #
 # Output: JSON lines on stdout and under $OUT (loss logs of the convergence runs: loss_<run>.jsonl).
 set -uo pipefail
@@ -76,6 +77,42 @@ if [[ " $parts " == *" bench "* ]]; then
     [[ ${FP8_TORCH:-1} == 1 ]] && timeout 300 python3 .device/pytorch_reference.py --preset "$preset" $torch_shape --modes compile --steps 12 2>&1 |
       grep '^{' | tee -a "$OUT/fp8_throughput.jsonl"
   done
+fi
+
+if [[ " $parts " == *" steps "* ]]; then
+  # Whole training steps through pretrain_gpt (mock data, GPT 1.3B shape, bf16, 4 microbatches of 8 x
+  # 2048 a step): what gpt_throughput's single-microbatch step cannot show — the FP8 weight cache
+  # over a step's microbatches (Note [FP8 weight cache]) and --fp8-param-gather with the
+  # distributed optimizer (Note [FP8 parameters]): step time and peak memory against bf16.
+  echo "== training steps: bf16 vs FP8, weight cache, distributed optimizer, FP8 parameters (GPT 1.3B, 4 x 8 x 2048 a step)"
+  FLAGS="--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048
+    --micro-batch-size 8 --global-batch-size 32 --train-iters ${STEPS_ITERS:-8} --lr 1e-4 --mock-data --vocab-size 50257
+    --hidden-dropout 0.0 --attention-dropout 0.0 --split 100,0,0 --log-interval 1 --eval-iters 0 --bf16 --device cuda"
+  for run in "bf16:" "bf16_distopt:--use-distributed-optimizer" \
+             "delayed:--fp8-format hybrid --fp8-recipe delayed" \
+             "delayed_nocache:--fp8-format hybrid --fp8-recipe delayed --disable-parameter-transpose-cache" \
+             "delayed_distopt:--fp8-format hybrid --fp8-recipe delayed --use-distributed-optimizer" \
+             "delayed_param_gather:--fp8-format hybrid --fp8-recipe delayed --use-distributed-optimizer --fp8-param-gather" \
+             "blockwise_distopt:--fp8-format e4m3 --fp8-recipe blockwise --use-distributed-optimizer" \
+             "blockwise_param_gather:--fp8-format e4m3 --fp8-recipe blockwise --use-distributed-optimizer --fp8-param-gather"; do
+    name=${run%%:*}
+    (cd /tmp && timeout ${STEPS_TIMEOUT:-150} $B/pretrain_gpt $FLAGS ${run#*:} > "$OUT/steps_$name.txt" 2>&1; echo "$name rc=$?")
+    python3 - "$OUT/steps_$name.txt" "$name" "${run#*:}" <<'PY'
+import json, re, statistics, sys
+text = open(sys.argv[1]).read()
+ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)][2:]  # past the warmup
+peak = re.findall(r"max allocated: ([0-9.]+)", text)
+out = {"bench": "fp8_training_steps", "run": sys.argv[2], "flags": sys.argv[3], "tokens_per_step": 32 * 2048}
+if ms:
+    med = statistics.median(ms)
+    out.update({"iterations_timed": len(ms), "ms_per_step": round(med, 1), "tokens_per_s": round(32 * 2048 / med * 1000)})
+if peak:
+    out["max_allocated_mb"] = float(peak[0])
+if not ms:
+    out["error"] = (re.findall(r".*(?:error|Error|refused).*", text) or ["no iteration lines"])[0][:200]
+print(json.dumps(out))
+PY
+  done | tee -a "$OUT/fp8_steps.jsonl"
 fi
 
 if [[ " $parts " == *" converge "* ]]; then
