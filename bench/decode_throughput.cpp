@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
     validate_args(a);
     Context ctx(select_device(device), 1234);
     TransformerConfig config = transformer_config_from_args(a, p.vocab);
+    config.inference_only = true;  // the weights alone, as the server's model
     GPTModel model(config, ctx.device());
     model.init_weights(1234);
 

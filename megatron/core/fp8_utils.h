@@ -78,6 +78,10 @@ struct Fp8Config {
   int num_layers_at_start_in_bf16 = 1;   // --num-layers-at-start-in-bf16
   int num_layers_at_end_in_bf16 = 1;     // --num-layers-at-end-in-bf16
   bool param_gather = false;        // --fp8-param-gather
+  /// The weight-gradient GEMM in FP8 (Megatron's fp8_wgrad; --no-fp8-wgrad: in the activations'
+  /// precision, TE's override_linear_precision). Megatron honours it with the delayed recipe only;
+  /// we honour it with every recipe (Note [FP8 linear layer]).
+  bool wgrad = true;
 
   bool enabled() const { return !format.empty(); }
   /// The dtype of activations and weights (e4m3 for both formats).

@@ -353,6 +353,8 @@ struct Parser {
         "Layers kept in bf16 at the end with --first-last-layers-bf16");
     flag(g, "--fp8-param-gather", a.fp8_param_gather,
          "Keep the FP8 layers' weights in fp8 and all-gather them in fp8 (distributed optimizer)");
+    flag(g, "--no-fp8-wgrad,--disable-fp8-wgrad", a.no_fp8_wgrad,
+         "Run the FP8 layers' weight-gradient GEMMs in bf16 (Megatron applies it to the delayed recipe only)");
     flag(g, "--disable-parameter-transpose-cache", a.disable_parameter_transpose_cache,
          "Quantise the FP8 weights at every microbatch instead of once a step (TransformerConfig's "
          "disable_parameter_transpose_cache)");

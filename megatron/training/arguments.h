@@ -159,6 +159,7 @@ struct Arguments {
   int num_layers_at_start_in_bf16 = 1;
   int num_layers_at_end_in_bf16 = 1;
   bool fp8_param_gather = false;
+  bool no_fp8_wgrad = false;  // --no-fp8-wgrad / --disable-fp8-wgrad (Megatron's fp8_wgrad = False)
   bool fp8_cpu_reference = false;  // ours: FP8 on the CPU through the reference ops (tests)
   bool disable_parameter_transpose_cache = false;  // Megatron's TransformerConfig field (Note [FP8 weight cache])
 

@@ -126,6 +126,7 @@ Fp8Config fp8_config_from_args(const Arguments& a) {
   c.num_layers_at_start_in_bf16 = a.num_layers_at_start_in_bf16;
   c.num_layers_at_end_in_bf16 = a.num_layers_at_end_in_bf16;
   c.param_gather = a.fp8_param_gather;
+  c.wgrad = !a.no_fp8_wgrad;
   return c;
 }
 

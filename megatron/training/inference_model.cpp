@@ -52,6 +52,7 @@ InferenceModel load_inference_model(Arguments args, const LaunchInfo& launch, in
   TransformerConfig config = transformer_config_from_args(args, vocab_size);
   config.hidden_dropout = config.attention_dropout = 0.0f;
   config.recompute_granularity.clear();
+  config.inference_only = true;  // the weights alone: no gradient buffer
   m.model = std::make_unique<GPTModel>(config, device, m.ps.get());
   Checkpointer checkpointer(args, m.ps.get());
   MG_CHECK(checkpointer.load(*m.ctx, args.load, *m.model, nullptr, nullptr).has_value(), "no checkpoint in {}",

@@ -40,7 +40,18 @@ TEST(Fp8Arguments, MegatronDefaults) {
   EXPECT_EQ(c.num_layers_at_start_in_bf16, 1);
   EXPECT_EQ(c.num_layers_at_end_in_bf16, 1);
   EXPECT_FALSE(c.param_gather);
+  EXPECT_TRUE(c.wgrad);
+  EXPECT_FALSE(parse(base({})).disable_parameter_transpose_cache);
   EXPECT_EQ(validate_error({}), "");
+}
+
+// --no-fp8-wgrad (argparse's) and --disable-fp8-wgrad (the config field's flag) both clear
+// fp8_wgrad; --disable-parameter-transpose-cache reaches the arguments (Note [FP8 weight cache]).
+TEST(Fp8Arguments, WgradAndTransposeCacheFlags) {
+  for (const char* flag : {"--no-fp8-wgrad", "--disable-fp8-wgrad"}) {
+    EXPECT_FALSE(fp8_config_from_args(parse(base({"--fp8-format", "e4m3", flag}))).wgrad) << flag;
+  }
+  EXPECT_TRUE(parse(base({"--disable-parameter-transpose-cache"})).disable_parameter_transpose_cache);
 }
 
 TEST(Fp8Arguments, FlagsReachTheConfig) {

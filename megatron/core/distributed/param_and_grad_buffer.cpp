@@ -67,8 +67,9 @@ ParamAndGradBuffer::ParamAndGradBuffer(DType param_dtype, Device device, const s
   for (size_t i = 0; i < params_.size(); ++i) params_[i]->data.copy_from(values[i]);
 }
 
-void ParamAndGradBuffer::allocate(const DDPConfig& config, int dp_size) {
+void ParamAndGradBuffer::allocate(const DDPConfig& config, int dp_size, bool with_grads) {
   MG_ASSERT(!allocated(), "buffer allocated twice");
+  with_grads_ = with_grads;
   lay_out(config, dp_size);
 }
 
@@ -79,7 +80,7 @@ void ParamAndGradBuffer::release_storage() {
 }
 
 bool ParamAndGradBuffer::has_layout(const DDPConfig& config, int dp_size) const {
-  return param_buffer_.defined() && dp_size_ == dp_size &&
+  return param_buffer_.defined() && with_grads_ && dp_size_ == dp_size &&
          config_.use_distributed_optimizer == config.use_distributed_optimizer &&
          config_.grad_reduce_in_fp32 == config.grad_reduce_in_fp32 &&
          effective_bucket_size(config_, dp_size) == effective_bucket_size(config, dp_size);
@@ -126,10 +127,10 @@ void ParamAndGradBuffer::lay_out(const DDPConfig& config, int dp_size) {
   const int64_t total = offset;
 
   param_buffer_ = Tensor::zeros({total}, param_dtype_, device_);  // init_weights or a checkpoint fills it
-  grad_buffer_ = Tensor::zeros({total}, DType::Float32, device_);
+  grad_buffer_ = with_grads_ ? Tensor::zeros({total}, DType::Float32, device_) : Tensor();
   // Note [Gradient reduction dtype]: Megatron reduces in the parameters' dtype unless in fp32.
   // FP8 weights' gradients are reduced in bf16 (Note [FP8 parameters]: their model dtype's).
-  const bool low_precision_reduce = !config.grad_reduce_in_fp32 && param_dtype_ != DType::Float32;
+  const bool low_precision_reduce = with_grads_ && !config.grad_reduce_in_fp32 && param_dtype_ != DType::Float32;
   const DType reduce_dtype = is_fp8(param_dtype_) ? DType::BFloat16 : param_dtype_;
   reduce_buffer_ = low_precision_reduce ? Tensor::zeros({total}, reduce_dtype, device_) : Tensor();
   buckets_.clear();
@@ -138,12 +139,12 @@ void ParamAndGradBuffer::lay_out(const DDPConfig& config, int dp_size) {
     bucket.start = cuts[b].start;
     bucket.end = b + 1 < cuts.size() ? cuts[b + 1].start : total;
     bucket.param_data = param_buffer_.flat_slice(bucket.start, bucket.numel());
-    bucket.grad_data = grad_buffer_.flat_slice(bucket.start, bucket.numel());
+    if (with_grads_) bucket.grad_data = grad_buffer_.flat_slice(bucket.start, bucket.numel());
     bucket.reduce_data = low_precision_reduce ? reduce_buffer_.flat_slice(bucket.start, bucket.numel()) : bucket.grad_data;
     for (Entry* e : cuts[b].entries) {
       const int64_t n = shape_numel(e->shape);
       e->param->data = param_buffer_.flat_slice(e->location.offset, n).view(e->shape);
-      e->param->main_grad = grad_buffer_.flat_slice(e->location.offset, n).view(e->shape);
+      e->param->main_grad = with_grads_ ? grad_buffer_.flat_slice(e->location.offset, n).view(e->shape) : Tensor();
       bucket.params.push_back(e->param);
     }
     buckets_.push_back(std::move(bucket));
@@ -202,6 +203,7 @@ void ParamAndGradBuffer::init_weights(uint64_t seed, float std, int num_layers, 
 
 void ParamAndGradBuffer::zero_grad() {
   MG_ASSERT(allocated());
+  MG_CHECK(with_grads_, "the parameters have no gradients: the model was built for inference only");
   if (grad_buffer_.defined()) {
     grad_buffer_.zero_();
     return;

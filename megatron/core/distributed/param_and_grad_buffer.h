@@ -102,8 +102,11 @@ class ParamAndGradBuffer {
   /// gives it the values of its piece of the full tensor.
   Parameter* add(const std::string& name, const ShardSpec& spec, bool no_weight_decay, ParamInit init);
   /// Creates the buffers and buckets (Note [Buckets and padding]); `dp_size` is the number of ranks
-  /// that reduce gradients together (data × context parallel).
-  void allocate(const DDPConfig& config = {}, int dp_size = 1);
+  /// that reduce gradients together (data × context parallel). `with_grads` false: the parameters
+  /// only, no gradient buffer and no main_grad (a model for inference).
+  void allocate(const DDPConfig& config = {}, int dp_size = 1, bool with_grads = true);
+  /// Whether the parameters have gradients (main_grad): allocate's with_grads.
+  bool has_grads() const { return with_grads_; }
   bool allocated() const { return param_buffer_.defined() || released_; }
   /// After another buffer adopted every parameter: drops this buffer's storage (the parameters
   /// keep their new views; zero_grad() then zeros each one's main_grad).
@@ -165,6 +168,7 @@ class ParamAndGradBuffer {
   Tensor reduce_buffer_;  // undefined when gradients are reduced in fp32
   int64_t numel_ = 0;
   bool released_ = false;
+  bool with_grads_ = true;
 };
 
 }  // namespace megatron

@@ -111,7 +111,7 @@ void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor
   const Tensor x2 = x.view({-1, in}), g2 = grad_out.view({-1, out});
   Tensor none;
   Fp8Operand qg, qg_t;
-  if (config_.recipe != Fp8Recipe::Blockwise && grad_in.defined() && weight_grad.defined()) {
+  if (config_.recipe != Fp8Recipe::Blockwise && grad_in.defined() && weight_grad.defined() && config_.wgrad) {
     // one pass over dy for both copies
     qg = {Tensor::empty(g2.shape(), config_.backward_dtype(), ctx.device()), bwd_.scale_inv(0)};
     qg_t = {Tensor::empty({out, g2.size(0)}, config_.backward_dtype(), ctx.device()), bwd_.scale_inv(0)};
@@ -123,7 +123,9 @@ void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor
     const Fp8Operand qw_t = weight_operand(ctx, weight, true);
     ops::fp8_gemm(ctx, qg, qw_t, none, gi2, false, false);
   }
-  if (weight_grad.defined()) {
+  if (weight_grad.defined() && !config_.wgrad) {  // --no-fp8-wgrad: dyᵀ·x as the bf16 layer's
+    ops::linear_backward(ctx, g2, x2, weight, none, weight_grad, none);
+  } else if (weight_grad.defined()) {
     if (!qg_t.data.defined()) qg_t = quantize(ctx, true, 0, g2, true, false);
     const Fp8Operand qx_t =
         quantize(ctx, false, 0, x2, true, false, /*again=*/config_.recipe == Fp8Recipe::Delayed);

@@ -126,6 +126,10 @@ struct TransformerConfig {
   /// the MLP, in the layers the block spec marks (Note [FP8 layers]).
   Fp8Config fp8;
 
+  /// Ours: a model for inference only (generation, the text server): its parameters get no fp32
+  /// gradient buffer (no main_grad), so it holds the weights alone; backward is refused.
+  bool inference_only = false;
+
   // ---- activation recomputation
   std::string recompute_granularity;  // "" | full | selective
   std::string recompute_method;       // uniform | block (with full)

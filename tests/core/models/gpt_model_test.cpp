@@ -1,5 +1,6 @@
 // GPTModel: activation recomputation (identical gradients, lower peak memory), Megatron's
-// initialisation, vocabulary padding, bf16 storage, and the bad-input errors of config and weights.
+// initialisation, vocabulary padding, bf16 storage, the inference-only model's memory, and the
+// bad-input errors of config and weights.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -100,6 +101,47 @@ TEST(GPTModel, Bf16StorageTracksFp32) {
     RunResult b16 = run(c, "", "", 0, DType::BFloat16);
     EXPECT_NEAR(b16.loss, f32.loss, 0.02 * f32.loss) << (llama ? "llama" : "gpt");
   }
+}
+
+// A model built for inference only (TransformerConfig::inference_only, as the server and generate
+// load theirs) holds its bf16 weights and nothing else: the bytes allocated for it are the
+// parameter buffer's (the training model adds the fp32 gradient buffer: three times as much), no
+// parameter has a main_grad, its forward equals the training model's, and backward or zero_grad
+// is one line.
+TEST(GPTModel, InferenceOnlyModelHoldsTheWeightsAlone) {
+  TransformerConfig c = tiny_config(true);
+  c.bf16 = true;
+  c.hidden_dropout = c.attention_dropout = 0.0f;
+  auto bytes_of_model = [&](bool inference_only, std::unique_ptr<GPTModel>& out) {
+    TransformerConfig k = c;
+    k.inference_only = inference_only;
+    const size_t before = memory_stats(Device::cpu()).allocated;
+    reset_peak_memory_stats(Device::cpu());
+    out = std::make_unique<GPTModel>(k);
+    return memory_stats(Device::cpu()).peak_allocated - before;
+  };
+  std::unique_ptr<GPTModel> inference, training;
+  const size_t inference_bytes = bytes_of_model(true, inference);
+  const size_t training_bytes = bytes_of_model(false, training);
+  const size_t weights = inference->params().param_buffer().nbytes();
+  EXPECT_EQ(weights, size_t(inference->params().param_buffer().numel()) * 2);
+  EXPECT_GE(inference_bytes, weights);
+  EXPECT_LT(inference_bytes, weights + weights / 4) << "more than the weights: " << inference_bytes;
+  EXPECT_GE(training_bytes, 3 * weights) << "the training model's fp32 gradients";
+  EXPECT_FALSE(inference->params().has_grads());
+  for (const Parameter* p : inference->params().parameters()) EXPECT_FALSE(p->main_grad.defined()) << p->name;
+  inference->init_weights(1234);
+  training->init_weights(1234);
+  Context ctx(Device::cpu(), 42);
+  const Tensor tokens = testing::random_ids(2, 16, c.vocab_size, 1), labels = testing::random_ids(2, 16, c.vocab_size, 2);
+  GPTModel::Stash a, b;
+  const Tensor la = inference->forward(ctx, tokens, Tensor(), labels, a);
+  const Tensor lb = training->forward(ctx, tokens, Tensor(), labels, b);
+  EXPECT_EQ(la.to_floats(), lb.to_floats());
+  EXPECT_EQ(testing::error_of([&] { inference->backward(ctx, Tensor::zeros(la.shape(), DType::Float32), a); }),
+            "backward through a model built for inference only (no gradients)");
+  EXPECT_NE(testing::error_of([&] { inference->params().zero_grad(); }).find("built for inference only"),
+            std::string::npos);
 }
 
 TEST(GPTModel, MegatronInitialisation) {

@@ -233,6 +233,39 @@ TEST(Fp8Linear, WeightCacheGivesTheUncachedStep) {
   EXPECT_NE(L.lin.forward(ctx, x).to_floats(), before);
 }
 
+// --no-fp8-wgrad (Fp8Config::wgrad false): the weight gradient is the unquantised layer's dyᵀ·x
+// (the fp32 linear_backward, bit for bit), while the forward and the input gradient stay the FP8
+// layer's, for each recipe.
+TEST(Fp8Linear, NoFp8WgradRunsTheWeightGradientUnquantised) {
+  for (Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise}) {
+    SCOPED_TRACE(to_string(recipe));
+    Context ctx;
+    Fp8Config c;
+    c.format = "hybrid";
+    c.recipe = recipe;
+    const Tensor x = random_tensor({kTokens, kIn}, 60, 1.0f), dy = random_tensor({kTokens, kOut}, 61, 1e-3f);
+    auto run = [&](bool wgrad, std::vector<float>& dx, std::vector<float>& dw, std::vector<float>& y) {
+      Fp8Config k = c;
+      k.wgrad = wgrad;
+      Layer L;
+      L.lin.enable_fp8(k, Device::cpu());
+      y = L.lin.forward(ctx, x).to_floats();
+      dx = L.lin.backward(ctx, dy, x).to_floats();
+      dw = L.w()->main_grad.to_floats();
+      Tensor want = Tensor::zeros({kOut, kIn}, DType::Float32), none;
+      cpu::linear_backward(ctx, dy, x, L.w()->data, none, want, none);
+      return want.to_floats();
+    };
+    std::vector<float> dx_fp8, dw_fp8, y_fp8, dx_hp, dw_hp, y_hp;
+    run(true, dx_fp8, dw_fp8, y_fp8);
+    const std::vector<float> unquantised = run(false, dx_hp, dw_hp, y_hp);
+    EXPECT_EQ(dw_hp, unquantised);
+    EXPECT_NE(dw_fp8, unquantised);
+    EXPECT_EQ(dx_hp, dx_fp8);
+    EXPECT_EQ(y_hp, y_fp8);
+  }
+}
+
 TEST(Fp8Linear, GeluPathsAreTheGemmThenTheActivation) {
   Context ctx;
   Fp8Config c;

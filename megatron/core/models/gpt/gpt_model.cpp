@@ -91,7 +91,7 @@ GPTModel::GPTModel(TransformerConfig config, Device device, const ParallelState*
   for (const char* name : {"embedding.word_embeddings.weight", "output_layer.weight"}) {
     if (Parameter* p = params_->find(name)) p->is_embedding_or_output_parameter = true;
   }
-  params_->allocate();
+  params_->allocate({}, 1, /*with_grads=*/!config_.inference_only);
 }
 
 void GPTModel::set_aux_loss_tracker(AuxLossTracker* tracker) {
@@ -488,6 +488,7 @@ void GPTModel::backward(Context& ctx, const Tensor& grad_losses, Stash& stash) c
 }
 
 Tensor GPTModel::backward_step(Context& ctx, const Tensor& output_grad, Stash& stash) const {
+  MG_CHECK(!config_.inference_only, "backward through a model built for inference only (no gradients)");
   const int64_t h = config_.hidden_size;
   Tensor grad_hidden;
   if (post_process_) {

@@ -33,6 +33,25 @@ float router_aux_loss_coef_to_hf(const TransformerConfig& c) {
   return aux;
 }
 
+nlohmann::json llama_family_config(const TransformerConfig& c, const std::string& model_type,
+                                   const std::string& architecture, int64_t intermediate_size, int64_t kv_heads,
+                                   int64_t head_dim, bool attention_bias) {
+  return {{"model_type", model_type},
+          {"architectures", {architecture}},
+          {"hidden_size", c.hidden_size},
+          {"intermediate_size", intermediate_size},
+          {"num_hidden_layers", c.num_layers},
+          {"num_attention_heads", c.num_attention_heads},
+          {"num_key_value_heads", kv_heads},
+          {"head_dim", head_dim},
+          {"rms_norm_eps", shortest(c.layernorm_epsilon)},
+          {"max_position_embeddings", c.max_position_embeddings},
+          {"vocab_size", c.vocab_size},
+          {"hidden_act", "silu"},
+          {"attention_bias", attention_bias},
+          {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
+}
+
 }  // namespace hf_detail
 
 namespace {
@@ -285,20 +304,8 @@ nlohmann::json hf_config_from_megatron(const TransformerConfig& c) {
                                                                     {"mixtral", "MixtralForCausalLM"},
                                                                     {"qwen2_moe", "Qwen2MoeForCausalLM"},
                                                                     {"qwen3_moe", "Qwen3MoeForCausalLM"}};
-  nlohmann::json j = {{"model_type", model_type},
-                      {"architectures", {architectures.at(model_type)}},
-                      {"hidden_size", c.hidden_size},
-                      {"intermediate_size", c.ffn_hidden_size},
-                      {"num_hidden_layers", c.num_layers},
-                      {"num_attention_heads", c.num_attention_heads},
-                      {"num_key_value_heads", c.num_query_groups},
-                      {"head_dim", c.kv_channels},
-                      {"rms_norm_eps", shortest(c.layernorm_epsilon)},
-                      {"max_position_embeddings", c.max_position_embeddings},
-                      {"vocab_size", c.vocab_size},
-                      {"hidden_act", "silu"},
-                      {"attention_bias", c.add_qkv_bias},
-                      {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
+  nlohmann::json j = llama_family_config(c, model_type, architectures.at(model_type), c.ffn_hidden_size,
+                                         c.num_query_groups, c.kv_channels, c.add_qkv_bias);
   if (model_type == "qwen2") {
     j.erase("attention_bias");  // HF Qwen2 always biases q, k and v
     j["use_sliding_window"] = false;

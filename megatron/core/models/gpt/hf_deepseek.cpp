@@ -140,27 +140,15 @@ nlohmann::json deepseek_config_to_hf(const TransformerConfig& c) {
   MG_CHECK(c.layernorm_epsilon == 1e-6f,
            "--norm-epsilon {} has no DeepSeek-V3 export: HF's latent norms always use 1e-6 (give --norm-epsilon 1e-6)",
            c.layernorm_epsilon);
-  nlohmann::json j = {{"model_type", "deepseek_v3"},
-                      {"architectures", {"DeepseekV3ForCausalLM"}},
-                      {"hidden_size", c.hidden_size},
-                      {"intermediate_size", c.ffn_hidden_size},
-                      {"num_hidden_layers", c.num_layers},
-                      {"num_attention_heads", c.num_attention_heads},
-                      {"num_key_value_heads", c.num_attention_heads},
-                      {"q_lora_rank", c.q_lora_rank > 0 ? nlohmann::json(c.q_lora_rank) : nlohmann::json(nullptr)},
-                      {"kv_lora_rank", c.kv_lora_rank},
-                      {"qk_nope_head_dim", c.qk_head_dim},
-                      {"qk_rope_head_dim", c.qk_pos_emb_head_dim},
-                      {"qk_head_dim", c.qk_head_dim + c.qk_pos_emb_head_dim},
-                      {"head_dim", c.qk_pos_emb_head_dim},
-                      {"v_head_dim", c.v_head_dim},
-                      {"rope_interleave", true},  // Note [Importing DeepSeek's interleaved RoPE]
-                      {"rms_norm_eps", shortest(c.layernorm_epsilon)},
-                      {"max_position_embeddings", c.max_position_embeddings},
-                      {"vocab_size", c.vocab_size},
-                      {"hidden_act", "silu"},
-                      {"attention_bias", false},
-                      {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
+  nlohmann::json j = llama_family_config(c, "deepseek_v3", "DeepseekV3ForCausalLM", c.ffn_hidden_size,
+                                         c.num_attention_heads, c.qk_pos_emb_head_dim, /*attention_bias=*/false);
+  j["q_lora_rank"] = c.q_lora_rank > 0 ? nlohmann::json(c.q_lora_rank) : nlohmann::json(nullptr);
+  j["kv_lora_rank"] = c.kv_lora_rank;
+  j["qk_nope_head_dim"] = c.qk_head_dim;
+  j["qk_rope_head_dim"] = c.qk_pos_emb_head_dim;
+  j["qk_head_dim"] = c.qk_head_dim + c.qk_pos_emb_head_dim;
+  j["v_head_dim"] = c.v_head_dim;
+  j["rope_interleave"] = true;  // Note [Importing DeepSeek's interleaved RoPE]
   rope_config_to_hf(c, j);  // rope_theta, rope_scaling (Note [HF RoPE scaling])
   MG_CHECK(c.is_moe(), "--multi-latent-attention without --num-experts has no HuggingFace export: DeepSeek-V3 has "
                        "MoE layers");

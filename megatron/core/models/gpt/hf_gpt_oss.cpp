@@ -173,29 +173,17 @@ nlohmann::json hf_gpt_oss_config(const TransformerConfig& c) {
   std::vector<std::string> types;
   for (int i = 0; i < c.num_layers; ++i)
     types.push_back(c.layer_window_left(i) >= 0 ? "sliding_attention" : "full_attention");
-  nlohmann::json j = {{"model_type", "gpt_oss"},
-                      {"architectures", {"GptOssForCausalLM"}},
-                      {"hidden_size", c.hidden_size},
-                      {"intermediate_size", c.moe_ffn_hidden_size},
-                      {"num_hidden_layers", c.num_layers},
-                      {"num_attention_heads", c.num_attention_heads},
-                      {"num_key_value_heads", c.num_query_groups},
-                      {"head_dim", c.kv_channels},
-                      {"rms_norm_eps", shortest(c.layernorm_epsilon)},
-                      {"max_position_embeddings", c.max_position_embeddings},
-                      {"vocab_size", c.vocab_size},
-                      {"hidden_act", "silu"},
-                      {"attention_bias", true},
-                      {"attention_dropout", shortest(c.attention_dropout)},
-                      {"swiglu_limit", shortest(c.activation_func_clamp_value)},
-                      {"swiglu_alpha", shortest(kQuickGeluAlpha)},
-                      {"num_local_experts", c.num_moe_experts},
-                      {"num_experts_per_tok", c.moe_router_topk},
-                      {"router_aux_loss_coef", aux},
-                      {"output_router_logits", aux > 0.0f},
-                      {"layer_types", types},
-                      {"sliding_window", c.window_size_left >= 0 ? c.window_size_left + 1 : 128},
-                      {"tie_word_embeddings", c.share_embeddings_and_output_weights}};
+  nlohmann::json j = llama_family_config(c, "gpt_oss", "GptOssForCausalLM", c.moe_ffn_hidden_size, c.num_query_groups,
+                                         c.kv_channels, /*attention_bias=*/true);
+  j["attention_dropout"] = shortest(c.attention_dropout);
+  j["swiglu_limit"] = shortest(c.activation_func_clamp_value);
+  j["swiglu_alpha"] = shortest(kQuickGeluAlpha);
+  j["num_local_experts"] = c.num_moe_experts;
+  j["num_experts_per_tok"] = c.moe_router_topk;
+  j["router_aux_loss_coef"] = aux;
+  j["output_router_logits"] = aux > 0.0f;
+  j["layer_types"] = types;
+  j["sliding_window"] = c.window_size_left >= 0 ? c.window_size_left + 1 : 128;
   // transformers 5's rope_parameters: GptOssConfig takes a missing one for YaRN with factor 32, so
   // plain RoPE must say "default" (Note [HF RoPE scaling]).
   rope_config_to_hf(c, j, /*rope_parameters=*/true);

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "megatron/core/models/gpt/hf_mapping.h"
 #include "megatron/runtime/tensor.h"
 
@@ -62,5 +64,13 @@ bool is_hf_moe(const std::string& model_type);
 /// --moe-aux-loss-coeff as config.json's router_aux_loss_coef (0: none), for the HF types whose aux
 /// loss is Megatron's aux_loss (Mixtral, the Qwen MoE types, GPT-OSS); one line for another balancing type.
 float router_aux_loss_coef_to_hf(const TransformerConfig& config);
+
+/// The config.json fields every Llama-family type we export writes alike (Llama, Qwen2/3, Mixtral,
+/// the Qwen MoE types, DeepSeek-V3, GPT-OSS): the type and its architecture, the sizes (with the
+/// type's intermediate size, key/value heads and head dim), RMSNorm's epsilon, SiLU, attention_bias
+/// and tied embeddings. Each writer adds its own fields.
+nlohmann::json llama_family_config(const TransformerConfig& c, const std::string& model_type,
+                                   const std::string& architecture, int64_t intermediate_size, int64_t kv_heads,
+                                   int64_t head_dim, bool attention_bias);
 
 }  // namespace megatron::hf_detail
