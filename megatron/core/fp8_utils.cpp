@@ -117,11 +117,13 @@ void Fp8TensorScaling::update(Context& ctx) {
 }
 
 namespace {
-// Fp8Param::block_scale_inv's shape for a weight of `shape` (the forward's and the transposed
-// copy's scale layouts both fit in it: Note [FP8 parameters]).
+// Fp8Param::block_scale_inv's shape for a weight of `shape`: the forward GEMM's 128x128 scale
+// layout with as many rows as the transposed copy's layout has columns, so that both fit in it
+// (Note [FP8 parameters]).
 Shape block_grid_shape(const Shape& shape) {
-  auto tiles4 = [](int64_t n) { return ((n + kFp8BlockLen - 1) / kFp8BlockLen + 3) / 4 * 4; };
-  return {tiles4(shape[0]), tiles4(shape[1])};
+  Shape grid = fp8_block_scale_shape(shape[0], shape[1], /*tile_2d=*/true);
+  grid[0] = fp8_block_scale_shape(shape[1], shape[0], /*tile_2d=*/true)[1];
+  return grid;
 }
 }  // namespace
 

@@ -72,6 +72,24 @@ std::vector<std::string> wide_fp32() {
   return a;
 }
 
+// An fp32 run with --fp8-param-gather and the same run without it, on `np` ranks for `iterations`
+// iterations (`extra` after the model and FP8 flags), each saved under dir/<name>_with(out): the
+// same losses bit for bit and, with `same_state`, the same saved state. Returns both runs.
+std::pair<TrainRun, TrainRun> unchanged_by_the_flag(const fs::path& dir, const std::string& name, int np,
+                                                    const std::vector<std::string>& model, const std::string& recipe,
+                                                    const std::vector<std::string>& extra, size_t iterations,
+                                                    bool same_state = true) {
+  const fs::path with = dir / (name + "_with"), without = dir / (name + "_without");
+  TrainRun a = train(dir, name + "_with", np, concat(concat(fp8(model, recipe, true), extra), {"--save", with.string()}));
+  TrainRun b =
+      train(dir, name + "_without", np, concat(concat(fp8(model, recipe, false), extra), {"--save", without.string()}));
+  EXPECT_EQ(a.losses.size(), iterations) << a.output;
+  EXPECT_EQ(b.losses.size(), iterations) << b.output;
+  EXPECT_EQ(a.losses, b.losses);
+  if (same_state) expect_same_state(with, without, name + " with and without --fp8-param-gather");
+  return {std::move(a), std::move(b)};
+}
+
 class Fp8ParamGatherTraining : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { dir_ = new ScratchDir("fp8_param_gather"); }
@@ -84,17 +102,11 @@ TEST_F(Fp8ParamGatherTraining, Fp32RunsAreUnchangedAndDp2AgreesWithOneProcess) {
   for (const char* recipe : {"delayed", "tensorwise"}) {
     SCOPED_TRACE(recipe);
     const std::string r = recipe;
-    const fs::path with = dir_->path / ("fp32_with_" + r), without = dir_->path / ("fp32_without_" + r);
     const std::vector<std::string> steps = {"--train-iters", "4", "--ddp-bucket-size", "20000"};
-    TrainRun a = train(dir_->path, "fp32_with_" + r, 2,
-                       concat(concat(fp8(kGpt, r, true), steps), {"--save", with.string()}));
-    TrainRun b = train(dir_->path, "fp32_without_" + r, 2,
-                       concat(concat(fp8(kGpt, r, false), steps), {"--save", without.string()}));
-    ASSERT_EQ(a.losses.size(), 4u) << a.output;
-    ASSERT_EQ(b.losses.size(), 4u) << b.output;
-    EXPECT_EQ(a.losses, b.losses);
+    const auto [a, b] = unchanged_by_the_flag(dir_->path, "fp32_" + r, 2, kGpt, r, steps, 4);
+    ASSERT_EQ(a.losses.size(), 4u);
+    ASSERT_EQ(a.grad_norms.size(), 4u);
     for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(a.grad_norms[i], b.grad_norms[i], 1e-6 * b.grad_norms[i]);
-    expect_same_state(with, without, "fp32 with and without --fp8-param-gather");
     TrainRun one = train(dir_->path, "fp32_one_" + r, 1, concat(fp8(kGpt, r, true), steps));
     ASSERT_EQ(one.losses.size(), 4u) << one.output;
     EXPECT_EQ(one.losses[0], a.losses[0]) << "the first forward";
@@ -109,16 +121,8 @@ TEST_F(Fp8ParamGatherTraining, Fp32RunsAreUnchangedAndDp2AgreesWithOneProcess) {
 // the transposed copy (bytes and tile grid transposed) gives the input gradient's GEMM the
 // operand the run without the flag quantises from the transposed weight.
 TEST_F(Fp8ParamGatherTraining, BlockwiseFp32RunsAreUnchanged) {
-  const fs::path with = dir_->path / "block_with", without = dir_->path / "block_without";
-  const std::vector<std::string> steps = {"--train-iters", "3", "--ddp-bucket-size", "20000"};
-  TrainRun a = train(dir_->path, "block_with", 2,
-                     concat(concat(fp8(wide_fp32(), "blockwise", true), steps), {"--save", with.string()}));
-  TrainRun b = train(dir_->path, "block_without", 2,
-                     concat(concat(fp8(wide_fp32(), "blockwise", false), steps), {"--save", without.string()}));
-  ASSERT_EQ(a.losses.size(), 3u) << a.output;
-  ASSERT_EQ(b.losses.size(), 3u) << b.output;
-  EXPECT_EQ(a.losses, b.losses);
-  expect_same_state(with, without, "blockwise with and without --fp8-param-gather");
+  unchanged_by_the_flag(dir_->path, "block", 2, wide_fp32(), "blockwise",
+                        {"--train-iters", "3", "--ddp-bucket-size", "20000"}, 3);
 }
 
 // The MoE experts' weights are FP8 parameters too, in an FP8 buffer of the expert-data-parallel
@@ -135,15 +139,7 @@ TEST_F(Fp8ParamGatherTraining, ExpertWeightsUnderExpertParallelism) {
   for (const char* recipe : {"delayed", "tensorwise"}) {
     SCOPED_TRACE(recipe);
     const std::string r = recipe;
-    const fs::path with = dir_->path / ("moe_with_" + r), without = dir_->path / ("moe_without_" + r);
-    TrainRun a = train(dir_->path, "moe_with_" + r, 4,
-                       concat(concat(fp8(kLlama, r, true), moe), {"--save", with.string()}));
-    TrainRun b = train(dir_->path, "moe_without_" + r, 4,
-                       concat(concat(fp8(kLlama, r, false), moe), {"--save", without.string()}));
-    ASSERT_EQ(a.losses.size(), 3u) << a.output;
-    ASSERT_EQ(b.losses.size(), 3u) << b.output;
-    EXPECT_EQ(a.losses, b.losses);
-    if (r == "tensorwise") expect_same_state(with, without, "MoE EP 2 with and without --fp8-param-gather");
+    unchanged_by_the_flag(dir_->path, "moe_" + r, 4, kLlama, r, moe, 3, /*same_state=*/r == "tensorwise");
   }
 }
 
@@ -152,18 +148,10 @@ TEST_F(Fp8ParamGatherTraining, ExpertWeightsUnderExpertParallelism) {
 // scale is the tensor-parallel rank's own, as without the flag); with the all-gathers overlapped
 // (the FP8 weights are waited for before each chunk's forward, as bf16 ones).
 TEST_F(Fp8ParamGatherTraining, Fp32RunsAreUnchangedUnderTensorAndDataParallelism) {
-  const fs::path with = dir_->path / "tp2dp2_with", without = dir_->path / "tp2dp2_without";
-  const std::vector<std::string> layout = {"--train-iters", "3", "--tensor-model-parallel-size", "2",
-                                           "--sequence-parallel", "--ddp-bucket-size", "20000",
-                                           "--overlap-grad-reduce", "--overlap-param-gather"};
-  TrainRun a = train(dir_->path, "tp2dp2_with", 4,
-                     concat(concat(fp8(kGpt, "tensorwise", true), layout), {"--save", with.string()}));
-  TrainRun b = train(dir_->path, "tp2dp2_without", 4,
-                     concat(concat(fp8(kGpt, "tensorwise", false), layout), {"--save", without.string()}));
-  ASSERT_EQ(a.losses.size(), 3u) << a.output;
-  ASSERT_EQ(b.losses.size(), 3u) << b.output;
-  EXPECT_EQ(a.losses, b.losses);
-  expect_same_state(with, without, "tp 2 x dp 2 with and without --fp8-param-gather");
+  unchanged_by_the_flag(dir_->path, "tp2dp2", 4, kGpt, "tensorwise",
+                        {"--train-iters", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                         "--ddp-bucket-size", "20000", "--overlap-grad-reduce", "--overlap-param-gather"},
+                        3);
 }
 
 // bf16: the flag rounds the masters to FP8 once instead of through bf16; the loss falls and stays

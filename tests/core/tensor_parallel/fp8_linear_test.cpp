@@ -77,12 +77,17 @@ struct Layer {
   Parameter* b() { return params.find("l.bias"); }
 };
 
-void check_layer(Fp8Recipe recipe, const std::string& format) {
-  SCOPED_TRACE(to_string(recipe) + " " + format);
-  Context ctx;
+Fp8Config fp8_config(Fp8Recipe recipe, const std::string& format) {
   Fp8Config c;
   c.format = format;
   c.recipe = recipe;
+  return c;
+}
+
+void check_layer(Fp8Recipe recipe, const std::string& format) {
+  SCOPED_TRACE(to_string(recipe) + " " + format);
+  Context ctx;
+  const Fp8Config c = fp8_config(recipe, format);
   Layer L;
   L.lin.enable_fp8(c, Device::cpu());
   ASSERT_NE(L.lin.fp8(), nullptr);
@@ -144,9 +149,7 @@ TEST(Fp8Linear, EachRecipeEqualsTheDequantizedFp32Math) {
 
 TEST(Fp8Linear, DelayedScalesFollowTheLastStepsAmax) {
   Context ctx;
-  Fp8Config c;
-  c.format = "hybrid";
-  c.recipe = Fp8Recipe::Delayed;
+  const Fp8Config c = fp8_config(Fp8Recipe::Delayed, "hybrid");
   Layer L;
   L.lin.enable_fp8(c, Device::cpu());
   Fp8LinearState& s = *L.lin.fp8();
@@ -185,9 +188,7 @@ TEST(Fp8Linear, WeightCacheGivesTheUncachedStep) {
   for (Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise}) {
     SCOPED_TRACE(to_string(recipe));
     Context ctx;
-    Fp8Config c;
-    c.format = "hybrid";
-    c.recipe = recipe;
+    const Fp8Config c = fp8_config(recipe, "hybrid");
     struct Run {
       std::vector<std::vector<float>> y, dx;
       std::vector<float> dw, history;
@@ -219,9 +220,7 @@ TEST(Fp8Linear, WeightCacheGivesTheUncachedStep) {
   }
   // The cached copy is used as it is: a weight changed under the cache is not seen.
   Context ctx;
-  Fp8Config c;
-  c.format = "e4m3";
-  c.recipe = Fp8Recipe::Tensorwise;
+  const Fp8Config c = fp8_config(Fp8Recipe::Tensorwise, "e4m3");
   Layer L;
   L.lin.enable_fp8(c, Device::cpu());
   L.lin.fp8()->set_weight_cache(true);
@@ -240,9 +239,7 @@ TEST(Fp8Linear, NoFp8WgradRunsTheWeightGradientUnquantised) {
   for (Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise}) {
     SCOPED_TRACE(to_string(recipe));
     Context ctx;
-    Fp8Config c;
-    c.format = "hybrid";
-    c.recipe = recipe;
+    const Fp8Config c = fp8_config(recipe, "hybrid");
     const Tensor x = random_tensor({kTokens, kIn}, 60, 1.0f), dy = random_tensor({kTokens, kOut}, 61, 1e-3f);
     auto run = [&](bool wgrad, std::vector<float>& dx, std::vector<float>& dw, std::vector<float>& y) {
       Fp8Config k = c;
@@ -268,9 +265,7 @@ TEST(Fp8Linear, NoFp8WgradRunsTheWeightGradientUnquantised) {
 
 TEST(Fp8Linear, GeluPathsAreTheGemmThenTheActivation) {
   Context ctx;
-  Fp8Config c;
-  c.format = "e4m3";
-  c.recipe = Fp8Recipe::Tensorwise;
+  const Fp8Config c = fp8_config(Fp8Recipe::Tensorwise, "e4m3");
   Layer L;
   L.lin.enable_fp8(c, Device::cpu());
   const Tensor x = random_tensor({kTokens, kIn}, 5, 1.0f);
