@@ -93,22 +93,28 @@ Tensor Fp8TensorScaling::amax(int64_t i) const {
   return recipe_ == Fp8Recipe::Delayed ? amax_history_.flat_slice(i, 1) : amax_.flat_slice(i, 1);
 }
 
-void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const Tensor& x, Tensor& q, Tensor& q_t, bool again) {
+void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const Tensor& x, Tensor& q, Tensor& q_t, bool again,
+                                Tensor dbias) {
   MG_ASSERT(i >= 0 && i < size(), "FP8 tensor {} of {}", i, size());
-  Tensor s = scale(i), si = scale_inv(i), a = amax(i);
+  Tensor s = scale(i), si = scale_inv(i), a = amax(i), none;
+  auto pass = [&](Tensor& amax_out, Tensor& scale_inv_out) {
+    if (dbias.defined()) {
+      ops::fp8_quantize_dbias(ctx, x, s, q, q_t, amax_out, scale_inv_out, dbias);
+    } else {
+      ops::fp8_quantize(ctx, x, s, q, q_t, amax_out, scale_inv_out);
+    }
+  };
   if (again) {
-    Tensor none;
-    ops::fp8_quantize(ctx, x, s, q, q_t, none, none);
+    pass(none, none);
     return;
   }
   if (recipe_ == Fp8Recipe::Tensorwise) {
     ops::fp8_amax(ctx, x, a);
     ops::fp8_scale_from_amax(ctx, a, params_.fp8_max, /*power_of_two_scales=*/false, s, si);
-    Tensor none;
-    ops::fp8_quantize(ctx, x, s, q, q_t, none, none);
+    pass(none, none);
     return;
   }
-  ops::fp8_quantize(ctx, x, s, q, q_t, a, si);
+  pass(a, si);
 }
 
 void Fp8TensorScaling::update(Context& ctx) {

@@ -124,8 +124,10 @@ class Fp8TensorScaling {
   /// (delayed: into the history's row 0; current scaling: scale_i from this x first) and writing
   /// scale_inv_i — Note [Delayed scaling], Note [Current scaling]. `again`: x was quantised with
   /// tensor i's current scale already (the backward pass's transposed copies of the weight, and
-  /// of the input under the delayed recipe): quantise with that scale and record nothing.
-  void quantize(Context& ctx, int64_t i, const Tensor& x, Tensor& q, Tensor& q_t, bool again = false);
+  /// of the input under the delayed recipe): quantise with that scale and record nothing. dbias
+  /// (fp32 [K]; undefined: none) += x's column sums in the same pass (fp8_quantize_dbias).
+  void quantize(Context& ctx, int64_t i, const Tensor& x, Tensor& q, Tensor& q_t, bool again = false,
+                Tensor dbias = Tensor());
   /// The delayed recipe's step after the forward or backward pass that used these tensors (a no-op
   /// for current scaling): roll the histories and update the scales, on the device.
   void update(Context& ctx);

@@ -90,6 +90,16 @@ std::pair<int64_t, int64_t> check_fp8_quantize(const Tensor& x, const Tensor& sc
   return {m, k};
 }
 
+std::pair<int64_t, int64_t> check_fp8_quantize_dbias(const Tensor& x, const Tensor& scale, const Tensor& q,
+                                                     const Tensor& q_t, const Tensor& amax, const Tensor& scale_inv,
+                                                     const Tensor& dbias) {
+  const auto mk = check_fp8_quantize(x, scale, q, q_t, amax, scale_inv);
+  MG_CHECK(dbias.defined() && dbias.dtype() == DType::Float32 && dbias.numel() == mk.second &&
+               dbias.device() == x.device(),
+           "fp8_quantize_dbias: dbias must be fp32 [{}] on {}, got {}", mk.second, x.device().str(), str_of(dbias));
+  return mk;
+}
+
 std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_2d, const Tensor& q,
                                                      const Tensor& scale_inv) {
   MG_CHECK(x.defined() && x.dim() == 2 &&

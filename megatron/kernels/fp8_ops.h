@@ -95,6 +95,10 @@ void check_fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias
 /// both fp8 of one dtype, amax / scale_inv [1] fp32 (each output may be undefined). Returns M and K.
 std::pair<int64_t, int64_t> check_fp8_quantize(const Tensor& x, const Tensor& scale, const Tensor& q,
                                                const Tensor& q_t, const Tensor& amax, const Tensor& scale_inv);
+/// check_fp8_quantize and dbias fp32 [K] beside x.
+std::pair<int64_t, int64_t> check_fp8_quantize_dbias(const Tensor& x, const Tensor& scale, const Tensor& q,
+                                                     const Tensor& q_t, const Tensor& amax, const Tensor& scale_inv,
+                                                     const Tensor& dbias);
 /// The checks of fp8_block_quantize's tensors; returns M and K.
 std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_2d, const Tensor& q,
                                                      const Tensor& scale_inv);

@@ -200,6 +200,38 @@ TEST(Fp8Ops, QuantizeWritesCodesTransposeAmaxAndScaleInverse) {
   }
 }
 
+// fp8_quantize_dbias: fp8_quantize's outputs, and dbias += the column sums of x (fp32), onto what
+// it held; a dbias of the wrong size is refused.
+TEST(Fp8Ops, QuantizeDbiasAddsTheColumnSums) {
+  Context ctx;
+  for (DType xt : {DType::Float32, DType::BFloat16}) {
+    const int64_t m = 29, k = 40;
+    const Tensor x = random_tensor({m, k}, 21, 3.0f, xt);
+    const std::vector<float> xv = x.to_floats();
+    Tensor scale = scalar(2.0f), none;
+    Tensor q = Tensor::empty({m, k}, DType::Float8E5M2), qt = Tensor::empty({k, m}, DType::Float8E5M2);
+    Tensor q_ref = Tensor::empty({m, k}, DType::Float8E5M2), qt_ref = Tensor::empty({k, m}, DType::Float8E5M2);
+    Tensor amax = scalar(0.0f), amax_ref = scalar(0.0f), si = scalar(0.0f), si_ref = scalar(0.0f);
+    Tensor db = Tensor::from_floats(std::vector<float>(size_t(k), 0.5f), {k});
+    ops::fp8_quantize_dbias(ctx, x, scale, q, qt, amax, si, db);
+    ops::fp8_quantize(ctx, x, scale, q_ref, qt_ref, amax_ref, si_ref);
+    EXPECT_EQ(std::memcmp(q.raw_data(), q_ref.raw_data(), size_t(m * k)), 0);
+    EXPECT_EQ(std::memcmp(qt.raw_data(), qt_ref.raw_data(), size_t(m * k)), 0);
+    EXPECT_EQ(amax.item(), amax_ref.item());
+    EXPECT_EQ(si.item(), 0.5f);
+    const std::vector<float> got = db.to_floats();
+    for (int64_t c = 0; c < k; ++c) {
+      double want = 0.5;
+      for (int64_t r = 0; r < m; ++r) want += xv[size_t(r * k + c)];
+      EXPECT_NEAR(got[size_t(c)], want, 1e-4) << "column " << c;
+    }
+    Tensor short_db = Tensor::zeros({k - 1}, DType::Float32);
+    EXPECT_NE(error_of([&] { ops::fp8_quantize_dbias(ctx, x, scale, q, qt, none, none, short_db); })
+                  .find("dbias must be fp32 [40]"),
+              std::string::npos);
+  }
+}
+
 TEST(Fp8Ops, AmaxIgnoresNaNAndDequantizeScales) {
   Context ctx;
   const float nan = std::numeric_limits<float>::quiet_NaN();

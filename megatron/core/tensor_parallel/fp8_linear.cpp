@@ -111,11 +111,13 @@ void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor
   const Tensor x2 = x.view({-1, in}), g2 = grad_out.view({-1, out});
   Tensor none;
   Fp8Operand qg, qg_t;
+  bool bias_done = false;
   if (config_.recipe != Fp8Recipe::Blockwise && grad_in.defined() && weight_grad.defined() && config_.wgrad) {
-    // one pass over dy for both copies
+    // one pass over dy for both copies, and the bias gradient's column sums in it
     qg = {Tensor::empty(g2.shape(), config_.backward_dtype(), ctx.device()), bwd_.scale_inv(0)};
     qg_t = {Tensor::empty({out, g2.size(0)}, config_.backward_dtype(), ctx.device()), bwd_.scale_inv(0)};
-    bwd_.quantize(ctx, 0, g2, qg.data, qg_t.data);
+    bwd_.quantize(ctx, 0, g2, qg.data, qg_t.data, /*again=*/false, bias_grad);
+    bias_done = bias_grad.defined();
   }
   if (grad_in.defined()) {
     Tensor gi2 = grad_in.view({-1, in});
@@ -132,7 +134,7 @@ void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor
     Tensor wg = weight_grad;
     ops::fp8_gemm(ctx, qg_t, qx_t, none, wg, true, false);
   }
-  if (bias_grad.defined()) ops::linear_backward(ctx, g2, x2, weight, none, none, bias_grad);
+  if (bias_grad.defined() && !bias_done) ops::linear_backward(ctx, g2, x2, weight, none, none, bias_grad);
 }
 
 void Fp8LinearState::update(Context& ctx) {

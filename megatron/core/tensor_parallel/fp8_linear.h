@@ -9,7 +9,8 @@
 //   grad_in      dy (the backward dtype: e5m2 with hybrid) · the transposed weight copy W_t;
 //   weight_grad  dy_t · x_t, accumulated into the fp32 main_grad (with --no-fp8-wgrad dyᵀ·x in the
 //                activations' precision, the unquantised layer's GEMM); the bias gradient is the
-//                column sum of dy in its own precision (not quantised), as TE's bgrad.
+//                column sum of dy in its own precision (not quantised), as TE's bgrad — summed in
+//                the pass that quantises dy (fp8_quantize_dbias) when that pass makes both copies.
 // Per-tensor recipes quantise with Fp8TensorScaling (forward: tensors 0 = input, 1 = weight;
 // backward: 0 = output gradient); the transposed copies x_t and W_t are made in backward by
 // quantising the kept bf16 tensors again with the same state, recording no amax (delayed: the

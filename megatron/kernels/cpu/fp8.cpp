@@ -91,6 +91,19 @@ void fp8_quantize(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& q,
   if (scale_inv.defined()) scale_inv.data<float>()[0] = 1.0f / s;
 }
 
+void fp8_quantize_dbias(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax,
+                        Tensor& scale_inv, Tensor& dbias) {
+  const auto [m, k] = ops::check_fp8_quantize_dbias(x, scale, q, q_t, amax, scale_inv, dbias);
+  assert_host(dbias, "dbias");
+  fp8_quantize(ctx, x, scale, q, q_t, amax, scale_inv);
+  FloatIn xin(x);
+  std::vector<float> sums(size_t(k), 0.0f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < k; ++c) sums[size_t(c)] += xin[r * k + c];
+  float* db = dbias.data<float>();
+  for (int64_t c = 0; c < k; ++c) db[c] += sums[size_t(c)];
+}
+
 void fp8_amax(Context& ctx, const Tensor& x, Tensor& amax) {
   assert_float(x, "x");
   assert_fp32(amax, "amax");

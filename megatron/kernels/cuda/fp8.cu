@@ -166,6 +166,123 @@ __global__ void quantize_transpose_kernel(const T* __restrict__ x, int64_t m, in
   }
 }
 
+// Note [Vectorised transposed quantise]: the pass that writes q_t (every output gradient; x's and
+// the weight's transposed copies) moves 16 bytes of x per thread, as the flat pass does. Block
+// (bx, by) takes the 64x64 tile x[by·64 .. +64, bx·64 .. +64] with 256 threads: each loads its
+// rows' 16-byte vectors (all loads issued before any conversion), stores the codes to q and into a
+// shared tile, and then writes 16 consecutive bytes of one q_t row (a column of the tile; a warp
+// reads 32 neighbouring tile columns: no bank conflicts). With col_partial it also sums the tile's
+// columns in a fixed order — each thread its rows, then the threads in row order — into
+// col_partial [gridDim.y, k], which column_partials_finish_kernel adds up tile by tile: the bias
+// gradient of the output gradient at no extra pass over it (TE's cast_transpose_dbias), and
+// deterministic. Needs k % (16 / sizeof(T)) == 0 and 16-byte aligned x; the codes' stores need q
+// aligned to the vector; q_t's 16-byte stores need m % 16 == 0 (else bytes).
+constexpr int kVecTile = 64, kVecThreads = 256;
+template <typename T>
+__global__ void __launch_bounds__(kVecThreads)
+    quantize_transpose_vec_kernel(const T* __restrict__ x, int64_t m, int64_t k, const float* __restrict__ scale,
+                                  uint8_t* __restrict__ q, uint8_t* __restrict__ q_t, bool e4m3,
+                                  float* __restrict__ amax, bool wide_store, float* __restrict__ col_partial) {
+  constexpr int V = int(16 / sizeof(T));                     // elements per 16-byte load
+  constexpr int kLanesPerRow = kVecTile / V;                 // 8 (16-bit x) or 16 (fp32)
+  constexpr int kRowsPerPass = kVecThreads / kLanesPerRow;   // 32 or 16
+  constexpr int kPasses = kVecTile / kRowsPerPass;           // 2 or 4
+  static_assert(V == 4 || V == 8, "16-byte vectors of 2- or 4-byte elements");
+  using Codes = std::conditional_t<V == 8, uint2, uint32_t>;
+  __shared__ __align__(16) uint8_t tile[kVecTile][kVecTile + 8];
+  __shared__ float sums[kRowsPerPass][kVecTile + 1];
+  const float s = *scale;
+  const int64_t r0 = int64_t(blockIdx.y) * kVecTile, c0 = int64_t(blockIdx.x) * kVecTile;
+  const int lane_c = int(threadIdx.x) % kLanesPerRow * V, lane_r = int(threadIdx.x) / kLanesPerRow;
+  const int64_t c = c0 + lane_c;
+  const bool col_in = c < k;  // k % V == 0: a vector is wholly inside or outside
+  uint4 raw[kPasses];
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int64_t r = r0 + p * kRowsPerPass + lane_r;
+    raw[p] = col_in && r < m ? *reinterpret_cast<const uint4*>(x + r * k + c) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  float local = 0.0f;
+  float colsum[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) colsum[e] = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int i = p * kRowsPerPass + lane_r;
+    const int64_t r = r0 + i;
+    const T* v = reinterpret_cast<const T*>(&raw[p]);
+    union {
+      Codes packed;
+      uint8_t b[V];
+    } codes;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float f = load_float(v[e]);
+      local = fmaxf(local, fabsf(f));
+      colsum[e] += f;
+      codes.b[e] = encode_fp8(f * s, e4m3);
+    }
+    if (col_in && r < m) {
+      if (q != nullptr) *reinterpret_cast<Codes*>(q + r * k + c) = codes.packed;
+      *reinterpret_cast<Codes*>(&tile[i][lane_c]) = codes.packed;
+    }
+  }
+  if (col_partial != nullptr) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) sums[lane_r][lane_c + e] = colsum[e];
+  }
+  __syncthreads();
+  {  // q_t[col, r .. r + 16) for the tile's column cc, rows seg .. seg + 16
+    const int cc = int(threadIdx.x) % kVecTile, seg = int(threadIdx.x) / kVecTile * 16;
+    const int64_t col = c0 + cc, r = r0 + seg;
+    if (col < k && r < m) {
+      uint8_t* dst = q_t + col * m + r;
+      if (wide_store) {
+        union {
+          uint4 v;
+          uint8_t b[16];
+        } out;
+#pragma unroll
+        for (int e = 0; e < 16; ++e) out.b[e] = tile[seg + e][cc];
+        *reinterpret_cast<uint4*>(dst) = out.v;
+      } else {
+        for (int e = 0; e < 16 && r + e < m; ++e) dst[e] = tile[seg + e][cc];
+      }
+    }
+  }
+  if (col_partial != nullptr && threadIdx.x < kVecTile) {
+    const int64_t col = c0 + threadIdx.x;
+    float total = 0.0f;
+    for (int j = 0; j < kRowsPerPass; ++j) total += sums[j][threadIdx.x];
+    if (col < k) col_partial[int64_t(blockIdx.y) * k + col] = total;
+  }
+  if (amax != nullptr) {
+    local = block_max(local);
+    if (threadIdx.x == 0) atomic_max_nonneg(amax, local);
+  }
+}
+
+// dbias[c] += Σ_t partial[t·k + c], the row tiles in order.
+__global__ void column_partials_finish_kernel(const float* __restrict__ partial, int64_t tiles, int64_t k,
+                                              float* __restrict__ dbias) {
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= k) return;
+  float total = 0.0f;
+  for (int64_t t = 0; t < tiles; ++t) total += partial[t * k + c];
+  dbias[c] += total;
+}
+
+// dbias[c] += Σ_r x[r·k + c] (the scalar fallback of fp8_quantize_dbias: shapes the vector pass
+// does not take).
+template <typename T>
+__global__ void column_sums_plain_kernel(const T* __restrict__ x, int64_t m, int64_t k, float* __restrict__ dbias) {
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= k) return;
+  float total = 0.0f;
+  for (int64_t r = 0; r < m; ++r) total += load_float(x[r * k + c]);
+  dbias[c] += total;
+}
+
 __global__ void reciprocal_kernel(const float* __restrict__ scale, float* __restrict__ scale_inv, int64_t n) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i < n) scale_inv[i] = __frcp_rn(scale[i]);
@@ -344,6 +461,30 @@ void launch_quantize_flat(cudaStream_t st, const T* x, int64_t n, const float* s
   }
 }
 
+// The vector pass of Note [Vectorised transposed quantise] when the shape and pointers allow it
+// (false: the caller takes the scalar tiled pass). col_partial: the dbias partials, [tiles, k].
+template <typename T>
+bool launch_quantize_transpose_vec(cudaStream_t st, const Tensor& x, int64_t m, int64_t k, const Tensor& scale,
+                                   const Tensor& q, const Tensor& q_t, bool e4m3, const Tensor& amax,
+                                   float* col_partial) {
+  if constexpr (sizeof(T) != 2 && sizeof(T) != 4) {
+    return false;
+  } else {
+    constexpr int64_t V = int64_t(16 / sizeof(T));
+    const auto addr = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.raw_data()); };
+    const int64_t tiles_r = (m + kVecTile - 1) / kVecTile;
+    if (k % V != 0 || addr(x) % 16 != 0 || (q.defined() && addr(q) % uintptr_t(V) != 0) || tiles_r > 65535) {
+      return false;
+    }
+    const bool wide_store = m % 16 == 0 && addr(q_t) % 16 == 0;
+    const dim3 grid(unsigned((k + kVecTile - 1) / kVecTile), unsigned(tiles_r));
+    quantize_transpose_vec_kernel<T><<<grid, kVecThreads, 0, st>>>(dev_ptr<const T>(x), m, k, f32_ptr(scale),
+                                                                    fp8_ptr(q), fp8_ptr(q_t), e4m3, f32_ptr(amax),
+                                                                    wide_store, col_partial);
+    return true;
+  }
+}
+
 }  // namespace
 
 void fp8_quantize(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax,
@@ -356,7 +497,9 @@ void fp8_quantize(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& q,
   const int64_t n = m * k;
   if (n > 0) {
     dispatch_float(x.dtype(), [&]<typename T>() {
-      if (q_t.defined()) {
+      if (q_t.defined() && launch_quantize_transpose_vec<T>(st, x, m, k, scale, q, q_t, e4m3, amax, nullptr)) {
+        // the vector pass took it
+      } else if (q_t.defined()) {
         const dim3 grid(unsigned((k + kTileCols - 1) / kTileCols), unsigned((m + kTileRowsQ - 1) / kTileRowsQ));
         MG_CHECK(grid.y <= 65535u, "fp8_quantize: {} rows are too many for one transposed pass", m);
         const bool vector_store = m % 4 == 0 && reinterpret_cast<uintptr_t>(q_t.raw_data()) % 4 == 0;
@@ -372,6 +515,41 @@ void fp8_quantize(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& q,
     reciprocal_kernel<<<1, 32, 0, st>>>(f32_ptr(scale), f32_ptr(scale_inv), 1);
     CUDA_CHECK(cudaGetLastError());
   }
+}
+
+void fp8_quantize_dbias(Context& ctx, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax,
+                        Tensor& scale_inv, Tensor& dbias) {
+  const auto [m, k] = ops::check_fp8_quantize_dbias(x, scale, q, q_t, amax, scale_inv, dbias);
+  check_on_gpu({&x, &scale, &q, &q_t, &amax, &scale_inv, &dbias}, "fp8_quantize_dbias");
+  cudaStream_t st = stream_of(ctx);
+  bool fused = false;
+  if (m > 0 && k > 0 && q_t.defined()) {  // Note [Vectorised transposed quantise]
+    const int64_t tiles_r = (m + kVecTile - 1) / kVecTile;
+    Tensor partial = ctx.workspace(size_t(tiles_r * k) * sizeof(float));
+    float* pp = static_cast<float*>(partial.raw_data());
+    const bool e4m3 = q_t.dtype() == DType::Float8E4M3;
+    dispatch_float(x.dtype(), [&]<typename T>() {
+      fused = launch_quantize_transpose_vec<T>(st, x, m, k, scale, q, q_t, e4m3, amax, pp);
+    });
+    if (fused) {
+      CUDA_CHECK(cudaGetLastError());
+      column_partials_finish_kernel<<<unsigned((k + kBlockSize - 1) / kBlockSize), kBlockSize, 0, st>>>(
+          pp, tiles_r, k, f32_ptr(dbias));
+      CUDA_CHECK(cudaGetLastError());
+      if (scale_inv.defined()) {
+        reciprocal_kernel<<<1, 32, 0, st>>>(f32_ptr(scale), f32_ptr(scale_inv), 1);
+        CUDA_CHECK(cudaGetLastError());
+      }
+    }
+  }
+  if (fused) return;
+  fp8_quantize(ctx, x, scale, q, q_t, amax, scale_inv);
+  if (m == 0 || k == 0) return;
+  dispatch_float(x.dtype(), [&]<typename T>() {
+    column_sums_plain_kernel<T><<<unsigned((k + kBlockSize - 1) / kBlockSize), kBlockSize, 0, st>>>(
+        dev_ptr<const T>(x), m, k, f32_ptr(dbias));
+    CUDA_CHECK(cudaGetLastError());
+  });
 }
 
 void fp8_amax(Context& ctx, const Tensor& x, Tensor& amax) {
