@@ -71,6 +71,28 @@ __device__ __forceinline__ float scale_from_amax(float amax, float fp8_max, bool
 // serialises: it made the transposed pass ~7x slower than the memory allows), and (3) the
 // transposed copy is written 4 bytes per thread (a warp writes 128 consecutive bytes of q_t).
 
+// One 16-byte vector of x (V = 16 / sizeof(T) elements) quantised: the V codes packed into Codes,
+// amax = fmax(amax, |x|) over them, and colsum[e] += x_e where colsum is given.
+template <typename T, typename Codes>
+__device__ __forceinline__ Codes quantize_vector(const uint4& raw, float s, bool e4m3, float& amax,
+                                                 float* colsum = nullptr) {
+  constexpr int V = int(16 / sizeof(T));
+  static_assert(sizeof(Codes) == V, "one code byte per element");
+  const T* v = reinterpret_cast<const T*>(&raw);
+  union {
+    Codes packed;
+    uint8_t b[V];
+  } codes;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    const float f = load_float(v[e]);
+    amax = fmaxf(amax, fabsf(f));
+    if (colsum != nullptr) colsum[e] += f;
+    codes.b[e] = encode_fp8(f * s, e4m3);
+  }
+  return codes.packed;
+}
+
 // Flat pass, scalar: q (optional) and the amax (optional); also the tail of the vector pass.
 template <typename T>
 __global__ void quantize_flat_kernel(const T* __restrict__ x, int64_t n, const float* __restrict__ scale,
@@ -98,19 +120,8 @@ __global__ void quantize_flat_vec_kernel(const T* __restrict__ x, int64_t nvec, 
   const float s = scale != nullptr ? *scale : 1.0f;
   float local = 0.0f;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nvec; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint4 raw = reinterpret_cast<const uint4*>(x)[i];
-    const T* v = reinterpret_cast<const T*>(&raw);
-    union {
-      Codes packed;
-      uint8_t b[V];
-    } codes;
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float f = load_float(v[e]);
-      local = fmaxf(local, fabsf(f));
-      codes.b[e] = encode_fp8(f * s, e4m3);
-    }
-    if (q != nullptr) reinterpret_cast<Codes*>(q)[i] = codes.packed;
+    const Codes codes = quantize_vector<T, Codes>(reinterpret_cast<const uint4*>(x)[i], s, e4m3, local);
+    if (q != nullptr) reinterpret_cast<Codes*>(q)[i] = codes;
   }
   if (amax != nullptr) {
     local = block_max(local);
@@ -210,21 +221,10 @@ __global__ void __launch_bounds__(kVecThreads)
   for (int p = 0; p < kPasses; ++p) {
     const int i = p * kRowsPerPass + lane_r;
     const int64_t r = r0 + i;
-    const T* v = reinterpret_cast<const T*>(&raw[p]);
-    union {
-      Codes packed;
-      uint8_t b[V];
-    } codes;
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float f = load_float(v[e]);
-      local = fmaxf(local, fabsf(f));
-      colsum[e] += f;
-      codes.b[e] = encode_fp8(f * s, e4m3);
-    }
+    const Codes codes = quantize_vector<T, Codes>(raw[p], s, e4m3, local, colsum);
     if (col_in && r < m) {
-      if (q != nullptr) *reinterpret_cast<Codes*>(q + r * k + c) = codes.packed;
-      *reinterpret_cast<Codes*>(&tile[i][lane_c]) = codes.packed;
+      if (q != nullptr) *reinterpret_cast<Codes*>(q + r * k + c) = codes;
+      *reinterpret_cast<Codes*>(&tile[i][lane_c]) = codes;
     }
   }
   if (col_partial != nullptr) {
