@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "megatron/core/comm/communicator.h"
+#include "megatron/runtime/allocator.h"
 #include "megatron/runtime/check.h"
 #include "megatron/runtime/dtype.h"
 
@@ -93,28 +94,36 @@ Tensor Fp8TensorScaling::amax(int64_t i) const {
   return recipe_ == Fp8Recipe::Delayed ? amax_history_.flat_slice(i, 1) : amax_.flat_slice(i, 1);
 }
 
-void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const Tensor& x, Tensor& q, Tensor& q_t, bool again,
+void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const ProducedTensor& x, Tensor& q, Tensor& q_t, bool again,
                                 Tensor dbias) {
   MG_ASSERT(i >= 0 && i < size(), "FP8 tensor {} of {}", i, size());
   Tensor s = scale(i), si = scale_inv(i), a = amax(i), none;
-  auto pass = [&](Tensor& amax_out, Tensor& scale_inv_out) {
-    if (dbias.defined()) {
-      ops::fp8_quantize_dbias(ctx, x, s, q, q_t, amax_out, scale_inv_out, dbias);
+  auto pass = [&](Tensor& out_q, Tensor& out_q_t, Tensor& amax_out, Tensor& scale_inv_out, Tensor& sums) {
+    if (!x.is_tensor()) {  // Note [Quantising inside SwiGLU]
+      ops::fp8_quantize_swiglu(ctx, x.fc1(), x.grad(), s, out_q, out_q_t, amax_out, scale_inv_out, sums);
+    } else if (sums.defined()) {
+      ops::fp8_quantize_dbias(ctx, x.tensor(), s, out_q, out_q_t, amax_out, scale_inv_out, sums);
     } else {
-      ops::fp8_quantize(ctx, x, s, q, q_t, amax_out, scale_inv_out);
+      ops::fp8_quantize(ctx, x.tensor(), s, out_q, out_q_t, amax_out, scale_inv_out);
     }
   };
   if (again) {
-    pass(none, none);
+    pass(q, q_t, none, none, dbias);
     return;
   }
   if (recipe_ == Fp8Recipe::Tensorwise) {
-    ops::fp8_amax(ctx, x, a);
+    if (x.is_tensor()) {
+      ops::fp8_amax(ctx, x.tensor(), a);
+    } else {  // the amax pass makes x too: fp8_quantize's amax accumulates, so from zero
+      fill_bytes(a.raw_data(), a.device(), 0, sizeof(float), ctx.stream());
+      Tensor no_q, no_q_t, no_sums;
+      pass(no_q, no_q_t, a, none, no_sums);
+    }
     ops::fp8_scale_from_amax(ctx, a, params_.fp8_max, /*power_of_two_scales=*/false, s, si);
-    pass(none, none);
+    pass(q, q_t, none, none, dbias);
     return;
   }
-  pass(a, si);
+  pass(q, q_t, a, si, dbias);
 }
 
 void Fp8TensorScaling::update(Context& ctx) {

@@ -58,6 +58,7 @@
 #include <string>
 #include <vector>
 
+#include "megatron/core/tensor_parallel/produced_tensor.h"
 #include "megatron/kernels/fp8_ops.h"
 #include "megatron/runtime/context.h"
 #include "megatron/runtime/tensor.h"
@@ -125,8 +126,9 @@ class Fp8TensorScaling {
   /// scale_inv_i — Note [Delayed scaling], Note [Current scaling]. `again`: x was quantised with
   /// tensor i's current scale already (the backward pass's transposed copies of the weight, and
   /// of the input under the delayed recipe): quantise with that scale and record nothing. dbias
-  /// (fp32 [K]; undefined: none) += x's column sums in the same pass (fp8_quantize_dbias).
-  void quantize(Context& ctx, int64_t i, const Tensor& x, Tensor& q, Tensor& q_t, bool again = false,
+  /// (fp32 [K]; undefined: none) += x's column sums in the same pass (fp8_quantize_dbias). A
+  /// produced x is made inside the passes (Note [Produced tensors]).
+  void quantize(Context& ctx, int64_t i, const ProducedTensor& x, Tensor& q, Tensor& q_t, bool again = false,
                 Tensor dbias = Tensor());
   /// The delayed recipe's step after the forward or backward pass that used these tensors (a no-op
   /// for current scaling): roll the histories and update the scales, on the device.

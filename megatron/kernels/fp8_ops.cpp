@@ -67,27 +67,58 @@ bool is_fp32_scalar(const Tensor& t, const Device& d) {
 #undef MG_OP_AS
 #undef MG_DISPATCH_CUDA
 
-std::pair<int64_t, int64_t> check_fp8_quantize(const Tensor& x, const Tensor& scale, const Tensor& q,
-                                               const Tensor& q_t, const Tensor& amax, const Tensor& scale_inv) {
-  MG_CHECK(x.defined() && (x.dtype() == DType::Float32 || x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16),
-           "fp8_quantize: x must be fp32, bf16 or fp16, got {}", str_of(x));
-  const Device& d = x.device();
-  const int64_t k = x.dim() == 0 ? 1 : x.size(-1);
-  const int64_t m = k == 0 ? 0 : x.numel() / k;
-  MG_CHECK(is_fp32_scalar(scale, d), "fp8_quantize: scale must be fp32 [1] beside x ({}), got {}", d.str(),
-           str_of(scale));
-  MG_CHECK(!q.defined() || (is_fp8(q.dtype()) && q.shape() == x.shape() && q.device() == d),
-           "fp8_quantize: q must be fp8 of x's shape {} on {}, got {}", shape_str(x.shape()), d.str(), q.str());
+namespace {
+// fp8_quantize's outputs for an x of `shape` on d (`op` names the caller in the message).
+std::pair<int64_t, int64_t> check_quantize_outputs(const char* op, const Shape& shape, const Device& d,
+                                                   const Tensor& scale, const Tensor& q, const Tensor& q_t,
+                                                   const Tensor& amax, const Tensor& scale_inv) {
+  const int64_t k = shape.empty() ? 1 : shape.back();
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  const int64_t m = k == 0 ? 0 : numel / k;
+  MG_CHECK(is_fp32_scalar(scale, d), "{}: scale must be fp32 [1] beside x ({}), got {}", op, d.str(), str_of(scale));
+  MG_CHECK(!q.defined() || (is_fp8(q.dtype()) && q.shape() == shape && q.device() == d),
+           "{}: q must be fp8 of x's shape {} on {}, got {}", op, shape_str(shape), d.str(), q.str());
   const Shape transposed{k, m};
   MG_CHECK(!q_t.defined() || (is_fp8(q_t.dtype()) && q_t.shape() == transposed && q_t.device() == d),
-           "fp8_quantize: q_t must be fp8 [{}, {}] on {}, got {}", k, m, d.str(), q_t.str());
-  MG_CHECK(!q.defined() || !q_t.defined() || q.dtype() == q_t.dtype(), "fp8_quantize: q is {} but q_t {}",
+           "{}: q_t must be fp8 [{}, {}] on {}, got {}", op, k, m, d.str(), q_t.str());
+  MG_CHECK(!q.defined() || !q_t.defined() || q.dtype() == q_t.dtype(), "{}: q is {} but q_t {}", op,
            to_string(q.dtype()), to_string(q_t.dtype()));
-  MG_CHECK(!amax.defined() || is_fp32_scalar(amax, d), "fp8_quantize: amax must be fp32 [1] on {}, got {}", d.str(),
+  MG_CHECK(!amax.defined() || is_fp32_scalar(amax, d), "{}: amax must be fp32 [1] on {}, got {}", op, d.str(),
            amax.str());
-  MG_CHECK(!scale_inv.defined() || is_fp32_scalar(scale_inv, d),
-           "fp8_quantize: scale_inv must be fp32 [1] on {}, got {}", d.str(), scale_inv.str());
+  MG_CHECK(!scale_inv.defined() || is_fp32_scalar(scale_inv, d), "{}: scale_inv must be fp32 [1] on {}, got {}", op,
+           d.str(), scale_inv.str());
   return {m, k};
+}
+
+bool is_float(const Tensor& t) {
+  return t.defined() && (t.dtype() == DType::Float32 || t.dtype() == DType::BFloat16 || t.dtype() == DType::Float16);
+}
+}  // namespace
+
+std::pair<int64_t, int64_t> check_fp8_quantize(const Tensor& x, const Tensor& scale, const Tensor& q,
+                                               const Tensor& q_t, const Tensor& amax, const Tensor& scale_inv) {
+  MG_CHECK(is_float(x), "fp8_quantize: x must be fp32, bf16 or fp16, got {}", str_of(x));
+  return check_quantize_outputs("fp8_quantize", x.shape(), x.device(), scale, q, q_t, amax, scale_inv);
+}
+
+std::pair<int64_t, int64_t> check_fp8_quantize_swiglu(const Tensor& fc1, const Tensor& grad, const Tensor& scale,
+                                                      const Tensor& q, const Tensor& q_t, const Tensor& amax,
+                                                      const Tensor& scale_inv, const Tensor& dbias) {
+  MG_CHECK(is_float(fc1) && fc1.dim() >= 1 && fc1.size(-1) % 2 == 0,
+           "fp8_quantize_swiglu: fc1 must be fp32, bf16 or fp16 [..., 2f], got {}", str_of(fc1));
+  Shape half = fc1.shape();
+  half.back() /= 2;
+  MG_CHECK(!grad.defined() || (grad.dtype() == fc1.dtype() && grad.shape() == half && grad.device() == fc1.device()),
+           "fp8_quantize_swiglu: grad must be {} {} on {} (fc1's rows, half its width), got {}",
+           to_string(fc1.dtype()), shape_str(half), fc1.device().str(), grad.str());
+  const auto mk = check_quantize_outputs("fp8_quantize_swiglu", grad.defined() ? fc1.shape() : half, fc1.device(),
+                                         scale, q, q_t, amax, scale_inv);
+  MG_CHECK(!dbias.defined() ||
+               (dbias.dtype() == DType::Float32 && dbias.numel() == mk.second && dbias.device() == fc1.device()),
+           "fp8_quantize_swiglu: dbias must be fp32 [{}] on {} or undefined, got {}", mk.second, fc1.device().str(),
+           dbias.str());
+  return mk;
 }
 
 std::pair<int64_t, int64_t> check_fp8_quantize_dbias(const Tensor& x, const Tensor& scale, const Tensor& q,

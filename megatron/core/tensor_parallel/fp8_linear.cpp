@@ -17,10 +17,11 @@ Fp8LinearState::Fp8LinearState(const Fp8Config& config, Device device) : config_
 
 // x [rows, cols] quantised for a GEMM operand [rows, cols] (transposed: [cols, rows], the copy of
 // xᵀ); per-tensor recipes through the state's tensor `index`, blockwise per tile.
-Fp8Operand Fp8LinearState::quantize(Context& ctx, bool backward, int64_t index, const Tensor& x, bool transposed,
-                                    bool tile_2d, bool again) {
+Fp8Operand Fp8LinearState::quantize(Context& ctx, bool backward, int64_t index, const ProducedTensor& x,
+                                    bool transposed, bool tile_2d, bool again) {
   const DType t = backward ? config_.backward_dtype() : config_.forward_dtype();
-  const int64_t rows = x.size(0), cols = x.size(1);
+  const Shape shape = x.shape();
+  const int64_t rows = shape[0], cols = shape[1];
   Fp8Operand o;
   if (config_.recipe != Fp8Recipe::Blockwise) {
     Fp8TensorScaling& s = backward ? bwd_ : fwd_;
@@ -35,10 +36,11 @@ Fp8Operand Fp8LinearState::quantize(Context& ctx, bool backward, int64_t index, 
     o.scale_inv = s.scale_inv(index);
     return o;
   }
-  Tensor src = x;
+  Tensor src = x.materialize(ctx);
   if (transposed) {
+    Tensor values = src;
     src = Tensor::empty({cols, rows}, x.dtype(), ctx.device());
-    ops::transpose_01(ctx, x, src);
+    ops::transpose_01(ctx, values, src);
   }
   o.mode = tile_2d ? Fp8ScaleMode::Block128x128 : Fp8ScaleMode::Block1x128;
   o.data = Tensor::empty(src.shape(), t, ctx.device());
@@ -96,26 +98,32 @@ void Fp8LinearState::set_weight_cache(bool on) {
   if (!on) cached_w_ = cached_w_t_ = Fp8Operand();
 }
 
-void Fp8LinearState::forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y) {
-  const int64_t in = weight.size(1);
-  const Tensor x2 = x.view({-1, in});
+void Fp8LinearState::forward(Context& ctx, const ProducedTensor& x, const Tensor& weight, const Tensor& bias,
+                             Tensor& y) {
+  const ProducedTensor x2 = x.flat_rows();
   Tensor y2 = y.view({-1, weight.size(0)});
   const Fp8Operand qx = quantize(ctx, false, 0, x2, false, false);
   const Fp8Operand qw = weight_operand(ctx, weight, false);
   ops::fp8_gemm(ctx, qx, qw, bias, y2, false, /*fast_accumulation=*/true);  // Note [FP8 GEMM accumulation]
 }
 
-void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight,
-                              Tensor& grad_in, Tensor& weight_grad, Tensor& bias_grad) {
+void Fp8LinearState::backward(Context& ctx, const ProducedTensor& grad_out, const ProducedTensor& x,
+                              const Tensor& weight, Tensor& grad_in, Tensor& weight_grad, Tensor& bias_grad) {
   const int64_t in = weight.size(1), out = weight.size(0);
-  const Tensor x2 = x.view({-1, in}), g2 = grad_out.view({-1, out});
+  ProducedTensor x2 = x.flat_rows(), g2 = grad_out.flat_rows();
+  const bool per_tensor = config_.recipe != Fp8Recipe::Blockwise;
+  if (!per_tensor || !config_.wgrad) {  // tensors in memory: the block quantisation, the bf16 weight gradient
+    x2 = x2.materialize(ctx);
+    g2 = g2.materialize(ctx);
+  }
+  const int64_t rows = g2.shape()[0];
   Tensor none;
   Fp8Operand qg, qg_t;
   bool bias_done = false;
-  if (config_.recipe != Fp8Recipe::Blockwise && grad_in.defined() && weight_grad.defined() && config_.wgrad) {
+  if (per_tensor && grad_in.defined() && weight_grad.defined() && config_.wgrad) {
     // one pass over dy for both copies, and the bias gradient's column sums in it
-    qg = {Tensor::empty(g2.shape(), config_.backward_dtype(), ctx.device()), bwd_.scale_inv(0)};
-    qg_t = {Tensor::empty({out, g2.size(0)}, config_.backward_dtype(), ctx.device()), bwd_.scale_inv(0)};
+    qg = {Tensor::empty({rows, out}, config_.backward_dtype(), ctx.device()), bwd_.scale_inv(0)};
+    qg_t = {Tensor::empty({out, rows}, config_.backward_dtype(), ctx.device()), bwd_.scale_inv(0)};
     bwd_.quantize(ctx, 0, g2, qg.data, qg_t.data, /*again=*/false, bias_grad);
     bias_done = bias_grad.defined();
   }
@@ -126,7 +134,7 @@ void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor
     ops::fp8_gemm(ctx, qg, qw_t, none, gi2, false, false);
   }
   if (weight_grad.defined() && !config_.wgrad) {  // --no-fp8-wgrad: dyᵀ·x as the bf16 layer's
-    ops::linear_backward(ctx, g2, x2, weight, none, weight_grad, none);
+    ops::linear_backward(ctx, g2.tensor(), x2.tensor(), weight, none, weight_grad, none);
   } else if (weight_grad.defined()) {
     if (!qg_t.data.defined()) qg_t = quantize(ctx, true, 0, g2, true, false);
     const Fp8Operand qx_t =
@@ -134,7 +142,9 @@ void Fp8LinearState::backward(Context& ctx, const Tensor& grad_out, const Tensor
     Tensor wg = weight_grad;
     ops::fp8_gemm(ctx, qg_t, qx_t, none, wg, true, false);
   }
-  if (bias_grad.defined() && !bias_done) ops::linear_backward(ctx, g2, x2, weight, none, none, bias_grad);
+  if (bias_grad.defined() && !bias_done) {
+    ops::linear_backward(ctx, g2.materialize(ctx), x2.materialize(ctx), weight, none, none, bias_grad);
+  }
 }
 
 void Fp8LinearState::update(Context& ctx) {

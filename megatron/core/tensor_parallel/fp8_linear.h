@@ -53,11 +53,14 @@ class Fp8LinearState {
 
   /// y [N, out] (x's dtype) = x [N, in] · weight [out, in]ᵀ + bias (undefined: none). The weight
   /// is bf16/fp32, or fp8 with param() (Note [FP8 parameters]).
-  void forward(Context& ctx, const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& y);
+  /// x may be produced in its quantisation pass (Note [Produced tensors]).
+  void forward(Context& ctx, const ProducedTensor& x, const Tensor& weight, const Tensor& bias, Tensor& y);
   /// grad_in [N, in] = grad_out · weight (undefined: skipped); weight_grad [out, in] fp32 +=
   /// grad_outᵀ · x (undefined: skipped); bias_grad [out] fp32 += Σ_rows grad_out (undefined: skipped).
-  void backward(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& weight, Tensor& grad_in,
-                Tensor& weight_grad, Tensor& bias_grad);
+  /// grad_out and x may be produced in their quantisation passes (the blockwise recipe and
+  /// --no-fp8-wgrad materialise them).
+  void backward(Context& ctx, const ProducedTensor& grad_out, const ProducedTensor& x, const Tensor& weight,
+                Tensor& grad_in, Tensor& weight_grad, Tensor& bias_grad);
   /// The delayed recipe's history roll and scale update for this layer (a no-op for the others).
   void update(Context& ctx);
   /// Note [FP8 weight cache]: on, the weight's FP8 copies (forward, and the transposed one) are made
@@ -74,8 +77,8 @@ class Fp8LinearState {
 
  private:
   /// again: x was quantised with tensor `index`'s scale earlier in this step (Fp8TensorScaling::quantize).
-  Fp8Operand quantize(Context& ctx, bool backward, int64_t index, const Tensor& x, bool transposed, bool tile_2d,
-                      bool again = false);
+  Fp8Operand quantize(Context& ctx, bool backward, int64_t index, const ProducedTensor& x, bool transposed,
+                      bool tile_2d, bool again = false);
   /// The FP8 weight (Note [FP8 parameters]) as a GEMM operand, or its transposed copy.
   Fp8Operand fp8_weight(Context& ctx, const Tensor& weight, bool transposed);
 

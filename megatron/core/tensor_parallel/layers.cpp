@@ -56,32 +56,34 @@ void Linear::enable_fp8(const Fp8Config& config, Device device) {
   if (config.param_gather) weight_->fp8 = fp8_->param();
 }
 
-void Linear::gemm_forward(Context& ctx, const Tensor& x, const Tensor& bias, Tensor& y) const {
+void Linear::gemm_forward(Context& ctx, const ProducedTensor& x, const Tensor& bias, Tensor& y) const {
   if (fp8_) {
     fp8_->forward(ctx, x, weight_->data, bias, y);
   } else {
-    ops::linear_forward(ctx, x, weight_->data, bias, y);
+    ops::linear_forward(ctx, x.materialize(ctx), weight_->data, bias, y);
   }
 }
 
-void Linear::gemm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tensor& grad_in,
+void Linear::gemm_backward(Context& ctx, const ProducedTensor& grad_out, const ProducedTensor& x, Tensor& grad_in,
                            Tensor& bias_grad) const {
   if (fp8_) {
     fp8_->backward(ctx, grad_out, x, weight_->data, grad_in, weight_->main_grad, bias_grad);
   } else {
-    ops::linear_backward(ctx, grad_out, x, weight_->data, grad_in, weight_->main_grad, bias_grad);
+    ops::linear_backward(ctx, grad_out.materialize(ctx), x.materialize(ctx), weight_->data, grad_in,
+                         weight_->main_grad, bias_grad);
   }
 }
 
-Tensor Linear::forward(Context& ctx, const Tensor& x) const {
+Tensor Linear::forward(Context& ctx, const ProducedTensor& x) const {
   Communicator* tp = tp_group();
+  const int64_t rows = x.shape()[0];
   if (mode_ == ParallelMode::Column && tp && sequence_parallel()) {
-    Tensor x_full = tensor_parallel::all_gather_sequence(ctx, *tp, x);
+    Tensor x_full = tensor_parallel::all_gather_sequence(ctx, *tp, x.materialize(ctx));
     Tensor y = Tensor::empty({x_full.size(0), out_features()}, x.dtype(), ctx.device());
     gemm_forward(ctx, x_full, bias_ ? bias_->data : Tensor(), y);
     return y;
   }
-  Tensor y = Tensor::empty({x.size(0), out_features()}, x.dtype(), ctx.device());
+  Tensor y = Tensor::empty({rows, out_features()}, x.dtype(), ctx.device());
   if (mode_ == ParallelMode::Row && tp) {
     gemm_forward(ctx, x, bias_ && tp->rank() == 0 ? bias_->data : Tensor(), y);
     if (sequence_parallel()) return tensor_parallel::reduce_scatter_sequence(ctx, *tp, y);
@@ -128,13 +130,15 @@ Tensor Linear::backward_through_gelu(Context& ctx, const Tensor& grad_out, const
   return grad_pre;
 }
 
-Tensor Linear::backward(Context& ctx, const Tensor& grad_out, const Tensor& x, bool need_grad_in) const {
+Tensor Linear::backward(Context& ctx, const ProducedTensor& grad_out, const ProducedTensor& x,
+                        bool need_grad_in) const {
   Communicator* tp = tp_group();
   Tensor no_grad;
   Tensor& bias_grad = bias_ ? bias_->main_grad : no_grad;
   Tensor grad_in;
   if (mode_ == ParallelMode::Column && tp) {
-    const Tensor x_full = sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, x) : x;
+    const ProducedTensor x_full =
+        sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, x.materialize(ctx)) : x;
     Tensor grad_full = need_grad_in ? Tensor::empty(x_full.shape(), x.dtype(), ctx.device()) : Tensor();
     gemm_backward(ctx, grad_out, x_full, grad_full, bias_grad);
     if (need_grad_in) {
@@ -146,7 +150,8 @@ Tensor Linear::backward(Context& ctx, const Tensor& grad_out, const Tensor& x, b
       }
     }
   } else if (mode_ == ParallelMode::Row && tp) {
-    const Tensor g = sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, grad_out) : grad_out;
+    const ProducedTensor g =
+        sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, grad_out.materialize(ctx)) : grad_out;
     grad_in = need_grad_in ? Tensor::empty(x.shape(), x.dtype(), ctx.device()) : Tensor();
     gemm_backward(ctx, g, x, grad_in, bias_grad);
   } else {

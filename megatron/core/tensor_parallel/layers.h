@@ -23,6 +23,7 @@
 
 #include "megatron/core/distributed/param_and_grad_buffer.h"
 #include "megatron/core/process_groups_config.h"
+#include "megatron/core/tensor_parallel/produced_tensor.h"
 #include "megatron/runtime/context.h"
 
 namespace megatron {
@@ -45,14 +46,18 @@ class Linear {
   Linear(Parameter* shared_weight, ParallelMode mode = ParallelMode::None, Communicator* tp = nullptr,
          bool sequence_parallel = false);
 
-  /// Forward as described above. The caller keeps x (as given) for backward.
-  Tensor forward(Context& ctx, const Tensor& x) const;
+  /// Forward as described above. The caller keeps x (as given) for backward. x may be a produced
+  /// tensor (Note [Produced tensors]: SwiGLU's output into fc2), made in the FP8 quantisation pass
+  /// or else materialised.
+  Tensor forward(Context& ctx, const ProducedTensor& x) const;
   /// Forward followed by GeLU, in one GEMM where the kernels allow (ops::linear_gelu_forward):
   /// returns gelu(y) and sets `pre` to y, which backward_through_gelu needs. Not for a row-parallel
   /// layer (its y is a partial sum before the reduction).
   Tensor forward_gelu(Context& ctx, const Tensor& x, Tensor& pre) const;
   /// Returns grad_in shaped like x (undefined when !need_grad_in); accumulates the parameter gradients.
-  Tensor backward(Context& ctx, const Tensor& grad_out, const Tensor& x, bool need_grad_in = true) const;
+  /// grad_out and x may be produced tensors (Note [Produced tensors]).
+  Tensor backward(Context& ctx, const ProducedTensor& grad_out, const ProducedTensor& x,
+                  bool need_grad_in = true) const;
   /// Backward of a layer whose input x is gelu(pre) (the MLP's fc2): returns the gradient of pre,
   /// gelu'(pre) ⊙ grad_x, in one GEMM where the kernels allow (ops::linear_dgelu_backward). Not for a
   /// column-parallel layer (its input gradient is reduced across ranks first).
@@ -76,8 +81,9 @@ class Linear {
  private:
   Communicator* tp_group() const { return tp_; }
   // The layer's GEMMs on local tensors: ops::linear_* or, with FP8, fp8_'s.
-  void gemm_forward(Context& ctx, const Tensor& x, const Tensor& bias, Tensor& y) const;
-  void gemm_backward(Context& ctx, const Tensor& grad_out, const Tensor& x, Tensor& grad_in, Tensor& bias_grad) const;
+  void gemm_forward(Context& ctx, const ProducedTensor& x, const Tensor& bias, Tensor& y) const;
+  void gemm_backward(Context& ctx, const ProducedTensor& grad_out, const ProducedTensor& x, Tensor& grad_in,
+                     Tensor& bias_grad) const;
   bool sequence_parallel() const { return sequence_parallel_; }
 
   Parameter* weight_;

@@ -51,6 +51,8 @@ class MLP {
 
  private:
   Tensor activation(Context& ctx, const Tensor& fc1) const;
+  /// fc2's input: swiglu(fc1) as a produced tensor (Note [Produced tensors]), other activations computed.
+  ProducedTensor fc2_input(Context& ctx, const Tensor& fc1) const;
 
   MlpActivation act_;
   bool swiglu_;  // gated (SwiGLU or quick-GeGLU)

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "megatron/kernels/cpu/cpu_common.h"
+#include "megatron/kernels/cpu/cpu_ops.h"
 #include "megatron/kernels/fp8_ops.h"
 
 namespace megatron::cpu {
@@ -102,6 +103,27 @@ void fp8_quantize_dbias(Context& ctx, const Tensor& x, const Tensor& scale, Tens
     for (int64_t c = 0; c < k; ++c) sums[size_t(c)] += xin[r * k + c];
   float* db = dbias.data<float>();
   for (int64_t c = 0; c < k; ++c) db[c] += sums[size_t(c)];
+}
+
+// The reference is the definition: x made by the SwiGLU op into fc1's dtype, then quantised.
+void fp8_quantize_swiglu(Context& ctx, const Tensor& fc1, const Tensor& grad, const Tensor& scale, Tensor& q,
+                         Tensor& q_t, Tensor& amax, Tensor& scale_inv, Tensor& dbias) {
+  ops::check_fp8_quantize_swiglu(fc1, grad, scale, q, q_t, amax, scale_inv, dbias);
+  Tensor x;
+  if (grad.defined()) {
+    x = Tensor::empty(fc1.shape(), fc1.dtype(), fc1.device());
+    swiglu_backward(ctx, grad, fc1, x);
+  } else {
+    Shape half = fc1.shape();
+    half.back() /= 2;
+    x = Tensor::empty(half, fc1.dtype(), fc1.device());
+    swiglu_forward(ctx, fc1, x);
+  }
+  if (dbias.defined()) {
+    fp8_quantize_dbias(ctx, x, scale, q, q_t, amax, scale_inv, dbias);
+  } else {
+    fp8_quantize(ctx, x, scale, q, q_t, amax, scale_inv);
+  }
 }
 
 void fp8_amax(Context& ctx, const Tensor& x, Tensor& amax) {

@@ -11,6 +11,7 @@
 // pass-through channel of a head row, several rows per block.
 #include <algorithm>
 
+#include "megatron/kernels/cuda/activations.cuh"
 #include "megatron/kernels/cuda/cuda_common.cuh"
 #include "megatron/kernels/cuda/cuda_ops.h"
 #include "megatron/runtime/philox.h"
@@ -34,8 +35,6 @@ __device__ __forceinline__ float gelu_grad(float x) {
   const float t = tanhf(u);
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * x * x);
 }
-
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // u[k] = philox_uniform(seed, offset, i0 + k); for N % 4 == 0, i0 must be a multiple of 4.
 template <int N>
@@ -177,7 +176,7 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ x, int64_t rows, int
     load_pack<VEC>(x + r * 2 * f + c, g);
     load_pack<VEC>(x + r * 2 * f + f + c, u);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) y[k] = g[k] * sigmoid(g[k]) * u[k];
+    for (int k = 0; k < VEC; ++k) y[k] = swiglu_value(g[k], u[k]);
     store_pack<VEC>(out + r * f + c, y);
   }
 }
@@ -193,11 +192,7 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ dy, const T* __rest
     load_pack<VEC>(x + r * 2 * f + f + c, u);
     load_pack<VEC>(dy + r * f + c, d);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      const float s = sigmoid(g[k]);
-      dg[k] = d[k] * u[k] * s * (1.0f + g[k] * (1.0f - s));
-      du[k] = d[k] * g[k] * s;
-    }
+    for (int k = 0; k < VEC; ++k) swiglu_grads(d[k], g[k], u[k], dg[k], du[k]);
     store_pack<VEC>(dx + r * 2 * f + c, dg);
     store_pack<VEC>(dx + r * 2 * f + f + c, du);
   }

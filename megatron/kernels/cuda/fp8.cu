@@ -18,7 +18,9 @@
 #include <tuple>
 #include <type_traits>
 
+#include "megatron/kernels/cuda/activations.cuh"
 #include "megatron/kernels/cuda/cuda_common.cuh"
+#include "megatron/kernels/cuda/cuda_ops.h"
 #include "megatron/kernels/fp8_ops.h"
 
 namespace megatron::cuda {
@@ -93,6 +95,75 @@ __device__ __forceinline__ Codes quantize_vector(const uint4& raw, float s, bool
   return codes.packed;
 }
 
+// Note [Quantisation sources]: where the vector passes get x [m, k], one 16-byte vector (V =
+// 16 / sizeof(T) elements, c a multiple of V) at a time — load(r, c), or load_vec(i) for the i-th
+// vector in row-major order: a tensor, or values computed in the pass from SwiGLU's operands
+// (Note [Quantising inside SwiGLU], fp8_ops.h), rounded to T as the SwiGLU kernels store them.
+template <typename T>
+struct TensorRows {  // x itself
+  const T* x;
+  int64_t k;
+  __device__ uint4 load(int64_t r, int64_t c) const { return *reinterpret_cast<const uint4*>(x + r * k + c); }
+  __device__ uint4 load_vec(int64_t i) const { return reinterpret_cast<const uint4*>(x)[i]; }
+};
+
+template <typename T>
+__device__ __forceinline__ uint4 pack_vector(const float (&v)[16 / sizeof(T)]) {
+  union {
+    Pack<T, int(16 / sizeof(T))> p;
+    uint4 raw;
+  } out;
+#pragma unroll
+  for (int e = 0; e < int(16 / sizeof(T)); ++e) out.p.v[e] = store_float<T>(v[e]);
+  return out.raw;
+}
+
+template <typename T>
+struct SwigluRows {  // x = swiglu(fc1) [m, f], fc1 [m, 2f] = [gate | up] rows
+  static constexpr int V = int(16 / sizeof(T));
+  const T* fc1;
+  int64_t f;
+  __device__ uint4 load(int64_t r, int64_t c) const {
+    float g[V], u[V], y[V];
+    load_pack<V>(fc1 + r * 2 * f + c, g);
+    load_pack<V>(fc1 + r * 2 * f + f + c, u);
+#pragma unroll
+    for (int e = 0; e < V; ++e) y[e] = swiglu_value(g[e], u[e]);
+    return pack_vector<T>(y);
+  }
+  __device__ uint4 load_vec(int64_t i) const {
+    const int64_t per_row = f / V;
+    return load(i / per_row, i % per_row * V);
+  }
+};
+
+template <typename T>
+struct SwigluGradRows {  // x = swiglu's input gradient [m, 2f] for the output gradient grad [m, f]
+  static constexpr int V = int(16 / sizeof(T));
+  const T* grad;
+  const T* fc1;
+  int64_t f;
+  __device__ uint4 load(int64_t r, int64_t c) const {
+    const bool up = c >= f;  // a vector lies wholly in one half (f % V == 0)
+    const int64_t j = up ? c - f : c;
+    float g[V], u[V], d[V], x[V];
+    load_pack<V>(fc1 + r * 2 * f + j, g);
+    load_pack<V>(fc1 + r * 2 * f + f + j, u);
+    load_pack<V>(grad + r * f + j, d);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      float dg, du;
+      swiglu_grads(d[e], g[e], u[e], dg, du);
+      x[e] = up ? du : dg;
+    }
+    return pack_vector<T>(x);
+  }
+  __device__ uint4 load_vec(int64_t i) const {
+    const int64_t per_row = 2 * f / V;
+    return load(i / per_row, i % per_row * V);
+  }
+};
+
 // Flat pass, scalar: q (optional) and the amax (optional); also the tail of the vector pass.
 template <typename T>
 __global__ void quantize_flat_kernel(const T* __restrict__ x, int64_t n, const float* __restrict__ scale,
@@ -111,8 +182,8 @@ __global__ void quantize_flat_kernel(const T* __restrict__ x, int64_t n, const f
 }
 
 // Flat pass, vectorised: element vectors of 16 bytes (V = 16 / sizeof(T) elements), V codes stored at once.
-template <typename T>
-__global__ void quantize_flat_vec_kernel(const T* __restrict__ x, int64_t nvec, const float* __restrict__ scale,
+template <typename T, typename Src>
+__global__ void quantize_flat_vec_kernel(Src x, int64_t nvec, const float* __restrict__ scale,
                                          uint8_t* __restrict__ q, bool e4m3, float* __restrict__ amax) {
   constexpr int V = int(16 / sizeof(T));
   static_assert(V == 4 || V == 8, "16-byte vectors of 2- or 4-byte elements");
@@ -120,7 +191,7 @@ __global__ void quantize_flat_vec_kernel(const T* __restrict__ x, int64_t nvec, 
   const float s = scale != nullptr ? *scale : 1.0f;
   float local = 0.0f;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nvec; i += int64_t(gridDim.x) * blockDim.x) {
-    const Codes codes = quantize_vector<T, Codes>(reinterpret_cast<const uint4*>(x)[i], s, e4m3, local);
+    const Codes codes = quantize_vector<T, Codes>(x.load_vec(i), s, e4m3, local);
     if (q != nullptr) reinterpret_cast<Codes*>(q)[i] = codes;
   }
   if (amax != nullptr) {
@@ -186,12 +257,13 @@ __global__ void quantize_transpose_kernel(const T* __restrict__ x, int64_t m, in
 // columns in a fixed order — each thread its rows, then the threads in row order — into
 // col_partial [gridDim.y, k], which column_partials_finish_kernel adds up tile by tile: the bias
 // gradient of the output gradient at no extra pass over it (TE's cast_transpose_dbias), and
-// deterministic. Needs k % (16 / sizeof(T)) == 0 and 16-byte aligned x; the codes' stores need q
-// aligned to the vector; q_t's 16-byte stores need m % 16 == 0 (else bytes).
+// deterministic. Needs k % (16 / sizeof(T)) == 0 and 16-byte aligned x (Note [Quantisation
+// sources]: or the tensors it is computed from); the codes' stores need q aligned to the vector;
+// q_t's 16-byte stores need m % 16 == 0 (else bytes).
 constexpr int kVecTile = 64, kVecThreads = 256;
-template <typename T>
+template <typename T, typename Src>
 __global__ void __launch_bounds__(kVecThreads)
-    quantize_transpose_vec_kernel(const T* __restrict__ x, int64_t m, int64_t k, const float* __restrict__ scale,
+    quantize_transpose_vec_kernel(Src x, int64_t m, int64_t k, const float* __restrict__ scale,
                                   uint8_t* __restrict__ q, uint8_t* __restrict__ q_t, bool e4m3,
                                   float* __restrict__ amax, bool wide_store, float* __restrict__ col_partial) {
   constexpr int V = int(16 / sizeof(T));                     // elements per 16-byte load
@@ -211,7 +283,7 @@ __global__ void __launch_bounds__(kVecThreads)
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int64_t r = r0 + p * kRowsPerPass + lane_r;
-    raw[p] = col_in && r < m ? *reinterpret_cast<const uint4*>(x + r * k + c) : make_uint4(0u, 0u, 0u, 0u);
+    raw[p] = col_in && r < m ? x.load(r, c) : make_uint4(0u, 0u, 0u, 0u);
   }
   float local = 0.0f;
   float colsum[V];
@@ -450,8 +522,8 @@ void launch_quantize_flat(cudaStream_t st, const T* x, int64_t n, const float* s
   }
   if (nvec > 0) {
     if constexpr (sizeof(T) == 2 || sizeof(T) == 4) {
-      quantize_flat_vec_kernel<T><<<grid_for(nvec, kBlockSize, 2048), kBlockSize, 0, st>>>(x, nvec, scale, q, e4m3,
-                                                                                         amax);
+      quantize_flat_vec_kernel<T><<<grid_for(nvec, kBlockSize, 2048), kBlockSize, 0, st>>>(
+          TensorRows<T>{x, 0}, nvec, scale, q, e4m3, amax);
     }
   }
   const int64_t done = nvec * V;
@@ -462,27 +534,36 @@ void launch_quantize_flat(cudaStream_t st, const T* x, int64_t n, const float* s
 }
 
 // The vector pass of Note [Vectorised transposed quantise] when the shape and pointers allow it
-// (false: the caller takes the scalar tiled pass). col_partial: the dbias partials, [tiles, k].
-template <typename T>
-bool launch_quantize_transpose_vec(cudaStream_t st, const Tensor& x, int64_t m, int64_t k, const Tensor& scale,
-                                   const Tensor& q, const Tensor& q_t, bool e4m3, const Tensor& amax,
-                                   float* col_partial) {
+// (false: the caller takes the scalar tiled pass). src_aligned: x's source is 16-byte aligned
+// (Note [Quantisation sources]); col_partial: the dbias partials, [tiles, k].
+template <typename T, typename Src>
+bool launch_quantize_transpose_vec(cudaStream_t st, const Src& src, bool src_aligned, int64_t m, int64_t k,
+                                   const Tensor& scale, const Tensor& q, const Tensor& q_t, bool e4m3,
+                                   const Tensor& amax, float* col_partial) {
   if constexpr (sizeof(T) != 2 && sizeof(T) != 4) {
     return false;
   } else {
     constexpr int64_t V = int64_t(16 / sizeof(T));
     const auto addr = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.raw_data()); };
     const int64_t tiles_r = (m + kVecTile - 1) / kVecTile;
-    if (k % V != 0 || addr(x) % 16 != 0 || (q.defined() && addr(q) % uintptr_t(V) != 0) || tiles_r > 65535) {
+    if (k % V != 0 || !src_aligned || (q.defined() && addr(q) % uintptr_t(V) != 0) || tiles_r > 65535) {
       return false;
     }
     const bool wide_store = m % 16 == 0 && addr(q_t) % 16 == 0;
     const dim3 grid(unsigned((k + kVecTile - 1) / kVecTile), unsigned(tiles_r));
-    quantize_transpose_vec_kernel<T><<<grid, kVecThreads, 0, st>>>(dev_ptr<const T>(x), m, k, f32_ptr(scale),
-                                                                    fp8_ptr(q), fp8_ptr(q_t), e4m3, f32_ptr(amax),
-                                                                    wide_store, col_partial);
+    quantize_transpose_vec_kernel<T><<<grid, kVecThreads, 0, st>>>(src, m, k, f32_ptr(scale), fp8_ptr(q), fp8_ptr(q_t),
+                                                                   e4m3, f32_ptr(amax), wide_store, col_partial);
     return true;
   }
+}
+
+template <typename T>
+bool launch_quantize_transpose_vec(cudaStream_t st, const Tensor& x, int64_t m, int64_t k, const Tensor& scale,
+                                   const Tensor& q, const Tensor& q_t, bool e4m3, const Tensor& amax,
+                                   float* col_partial) {
+  const bool aligned = reinterpret_cast<uintptr_t>(x.raw_data()) % 16 == 0;
+  return launch_quantize_transpose_vec<T>(st, TensorRows<T>{dev_ptr<const T>(x), k}, aligned, m, k, scale, q, q_t,
+                                          e4m3, amax, col_partial);
 }
 
 }  // namespace
@@ -552,6 +633,70 @@ void fp8_quantize_dbias(Context& ctx, const Tensor& x, const Tensor& scale, Tens
   });
 }
 
+// Note [Quantising inside SwiGLU]: the vector passes over a SwiGLU source; other shapes make x with
+// the SwiGLU kernel and quantise it.
+void fp8_quantize_swiglu(Context& ctx, const Tensor& fc1, const Tensor& grad, const Tensor& scale, Tensor& q,
+                         Tensor& q_t, Tensor& amax, Tensor& scale_inv, Tensor& dbias) {
+  const auto [m, k] = ops::check_fp8_quantize_swiglu(fc1, grad, scale, q, q_t, amax, scale_inv, dbias);
+  check_on_gpu({&fc1, &grad, &scale, &q, &q_t, &amax, &scale_inv, &dbias}, "fp8_quantize_swiglu");
+  const int64_t f = fc1.size(-1) / 2;
+  const bool e4m3 = (q.defined() ? q.dtype() : (q_t.defined() ? q_t.dtype() : DType::Float8E4M3)) ==
+                    DType::Float8E4M3;
+  const auto addr = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.raw_data()); };
+  cudaStream_t st = stream_of(ctx);
+  bool done = false;
+  dispatch_float(fc1.dtype(), [&]<typename T>() {
+    constexpr int64_t V = int64_t(16 / sizeof(T));
+    const bool vectors = m > 0 && f > 0 && f % V == 0 && addr(fc1) % 16 == 0 &&
+                         (!grad.defined() || addr(grad) % 16 == 0) && (!q.defined() || addr(q) % uintptr_t(V) == 0);
+    if (!vectors || (dbias.defined() && !q_t.defined())) return;  // the flat pass sums no columns
+    const int64_t tiles_r = (m + kVecTile - 1) / kVecTile;
+    float* partial = nullptr;
+    if (dbias.defined()) partial = static_cast<float*>(ctx.workspace(size_t(tiles_r * k) * sizeof(float)).raw_data());
+    auto run = [&](const auto& src) {
+      if (q_t.defined()) {
+        done = launch_quantize_transpose_vec<T>(st, src, true, m, k, scale, q, q_t, e4m3, amax, partial);
+      } else {
+        const int64_t nvec = m * k / V;
+        quantize_flat_vec_kernel<T><<<grid_for(nvec, kBlockSize, 2048), kBlockSize, 0, st>>>(
+            src, nvec, f32_ptr(scale), fp8_ptr(q), e4m3, f32_ptr(amax));
+        done = true;
+      }
+    };
+    if (grad.defined()) {
+      run(SwigluGradRows<T>{dev_ptr<const T>(grad), dev_ptr<const T>(fc1), f});
+    } else {
+      run(SwigluRows<T>{dev_ptr<const T>(fc1), f});
+    }
+    CUDA_CHECK(cudaGetLastError());
+    if (done && partial != nullptr) {
+      column_partials_finish_kernel<<<unsigned((k + kBlockSize - 1) / kBlockSize), kBlockSize, 0, st>>>(
+          partial, tiles_r, k, f32_ptr(dbias));
+      CUDA_CHECK(cudaGetLastError());
+    }
+  });
+  if (done) {
+    if (scale_inv.defined()) {
+      reciprocal_kernel<<<1, 32, 0, st>>>(f32_ptr(scale), f32_ptr(scale_inv), 1);
+      CUDA_CHECK(cudaGetLastError());
+    }
+    return;
+  }
+  Shape shape = fc1.shape();
+  if (!grad.defined()) shape.back() = f;
+  Tensor x = Tensor::empty(shape, fc1.dtype(), fc1.device());
+  if (grad.defined()) {
+    swiglu_backward(ctx, grad, fc1, x);
+  } else {
+    swiglu_forward(ctx, fc1, x);
+  }
+  if (dbias.defined()) {
+    fp8_quantize_dbias(ctx, x, scale, q, q_t, amax, scale_inv, dbias);
+  } else {
+    fp8_quantize(ctx, x, scale, q, q_t, amax, scale_inv);
+  }
+}
+
 void fp8_amax(Context& ctx, const Tensor& x, Tensor& amax) {
   check_float_cuda(x, "x");
   check_fp32(amax, 1, "amax");
@@ -564,7 +709,8 @@ void fp8_amax(Context& ctx, const Tensor& x, Tensor& amax) {
 }
 
 void fp8_dequantize(Context& ctx, const Tensor& q, const Tensor& scale_inv, Tensor& out) {
-  MG_CHECK(q.defined() && is_fp8(q.dtype()), "fp8_dequantize: q must be fp8, got {}", q.defined() ? q.str() : "undefined");
+  MG_CHECK(q.defined() && is_fp8(q.dtype()), "fp8_dequantize: q must be fp8, got {}",
+           q.defined() ? q.str() : "undefined");
   check_cuda(q, "q");
   check_fp32(scale_inv, 1, "scale_inv");
   check_float_cuda(out, "out");

@@ -1,7 +1,8 @@
 // One FP8 linear layer on the CPU (Note [FP8 linear layer]): forward and backward against the fp32
 // linear math on the dequantised operands, for each recipe and format; the delayed recipe's scales
 // across steps; the weight cache of a step's microbatches; the GeLU paths; and the FP8 result near
-// the unquantised one.
+// the unquantised one; SwiGLU's produced operands (Note [Produced tensors]) equal to the
+// materialised ones.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -293,6 +294,59 @@ TEST(Fp8Linear, GeluPathsAreTheGemmThenTheActivation) {
   Tensor want = Tensor::empty(pre.shape(), DType::Float32);
   cpu::gelu_backward(ctx, grad_x, pre, want);
   EXPECT_EQ(grad_pre.to_floats(), want.to_floats());
+}
+
+// Note [Produced tensors]: an FP8 layer given SwiGLU's output (fc2's input) or SwiGLU's input
+// gradient (fc1's output gradient) as produced tensors gives the bits it gives for the
+// materialised tensors, in every recipe and with --no-fp8-wgrad, over two steps (the delayed
+// recipe's second step quantises with the first one's amax).
+TEST(Fp8Linear, ProducedSwigluOperandsEqualTheMaterialisedOnes) {
+  constexpr int64_t f = 128;
+  for (Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise}) {
+    for (bool wgrad : {true, false}) {
+      SCOPED_TRACE(to_string(recipe) + (wgrad ? "" : " --no-fp8-wgrad"));
+      Context ctx;
+      Fp8Config c = fp8_config(recipe, "hybrid");
+      c.wgrad = wgrad;
+      const Tensor fc1_out = random_tensor({kTokens, 2 * f}, 70, 2.0f);
+      const Tensor x = random_tensor({kTokens, kIn}, 71, 1.0f);
+      // fc2: input swiglu(fc1_out); fc1: output gradient swiglu'(fc1_out) · grad_act
+      auto run = [&](bool produced) {
+        std::vector<std::vector<float>> out;
+        ParamAndGradBuffer params(DType::Float32, Device::cpu());
+        Linear fc1(params, "fc1", kIn, 2 * f, /*bias=*/true, ParamInit::Normal);
+        Linear fc2(params, "fc2", f, kOut, /*bias=*/true, ParamInit::Normal);
+        params.allocate();
+        params.init_weights(5, 0.05f, 2, false);
+        params.zero_grad();
+        fc1.enable_fp8(c, Device::cpu());
+        fc2.enable_fp8(c, Device::cpu());
+        Tensor act = Tensor::empty({kTokens, f}, DType::Float32);
+        cpu::swiglu_forward(ctx, fc1_out, act);
+        const ProducedTensor act_in = produced ? ProducedTensor::swiglu(fc1_out) : ProducedTensor(act);
+        for (int step = 0; step < 2; ++step) {
+          const Tensor dy = random_tensor({kTokens, kOut}, 72 + step, 1e-2f);
+          out.push_back(fc2.forward(ctx, act_in).to_floats());
+          const Tensor grad_act = fc2.backward(ctx, dy, act_in);
+          out.push_back(grad_act.to_floats());
+          Tensor grad_fc1 = Tensor::empty(fc1_out.shape(), DType::Float32);
+          cpu::swiglu_backward(ctx, grad_act, fc1_out, grad_fc1);
+          fc1.forward(ctx, x);
+          const ProducedTensor g = produced ? ProducedTensor::swiglu_grad(grad_act, fc1_out) : ProducedTensor(grad_fc1);
+          out.push_back(fc1.backward(ctx, g, x).to_floats());
+          for (const char* name : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}) {
+            out.push_back(params.find(name)->main_grad.to_floats());
+          }
+          fc1.fp8()->update(ctx);
+          fc2.fp8()->update(ctx);
+        }
+        return out;
+      };
+      const auto want = run(false), got = run(true);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "output " << i;
+    }
+  }
 }
 
 }  // namespace
