@@ -5,7 +5,7 @@
 # bf16 against each FP8 recipe).
 #
 #   here:            FP8_STAGE=.device bench/fp8_gpu.sh stage     # build (sm_90a), binaries + the corpus
-#   the GPU machine: bench/fp8_gpu.sh run [tests] [bench] [steps] [converge]
+#   the GPU machine: bench/fp8_gpu.sh run [tests] [bench] [experts] [steps] [converge]
 #
 # Output: JSON lines on stdout and under $OUT (loss logs of the convergence runs: loss_<run>.jsonl).
 set -uo pipefail
@@ -61,7 +61,7 @@ if [[ " $parts " == *" bench "* ]]; then
       grep -E '^\{"bench": "gpt_throughput"|error' | tee -a "$OUT/fp8_throughput.jsonl"
   }
   # FP8_BENCH: "preset:flags;preset:flags" (default both shapes of the issue)
-  IFS=';' read -ra specs <<< "${FP8_BENCH:-gpt-1.3B:;llama-8B-layers:--seq 4096 --micro-batch-size 2}"
+  IFS=';' read -ra specs <<< "${FP8_BENCH:-gpt-1.3B:;llama-8B-layers:--seq 4096 --micro-batch-size 2;llama-8B-layers:--seq 4096 --micro-batch-size 2 --layers 16}"
   for spec in "${specs[@]}"; do
     preset=${spec%%:*}; shape=${spec#*:}
     run_ours "$preset" $shape
@@ -72,10 +72,23 @@ if [[ " $parts " == *" bench "* ]]; then
     [[ $preset == gpt-1.3B ]] && timeout 240 $B/gpt_throughput --preset "$preset" --steps 3 --warmup 2 --device cuda \
       --dtype bf16 --fp8-format hybrid --fp8-recipe delayed --profile 2>&1 | grep '"op_profile"' | head -25 |
       tee -a "$OUT/fp8_profile.jsonl"
-    torch_shape=""
-    [[ $preset == llama-8B-layers ]] && torch_shape="--seq 4096 --mbs 2"
+    torch_shape=${shape//--micro-batch-size/--mbs}  # the same shape flags, the reference's spelling
     [[ ${FP8_TORCH:-1} == 1 ]] && timeout 300 python3 .device/pytorch_reference.py --preset "$preset" $torch_shape --modes compile --steps 12 2>&1 |
       grep '^{' | tee -a "$OUT/fp8_throughput.jsonl"
+  done
+fi
+
+if [[ " $parts " == *" experts "* ]]; then
+  # The routed experts in FP8 (Note [FP8 experts]): gpt_throughput's MoE presets with the grouped
+  # experts, bf16 against each per-tensor recipe (tokens/s and peak memory, one microbatch a step).
+  echo "== MoE experts: bf16 vs FP8 (--moe-grouped-gemm)"
+  IFS=';' read -ra specs <<< "${FP8_MOE_BENCH:-mixtral-small:;moe-fine-64x6:}"
+  for spec in "${specs[@]}"; do
+    preset=${spec%%:*}; shape=${spec#*:}
+    for fp8 in "" "--fp8-format hybrid --fp8-recipe delayed" "--fp8-format hybrid --fp8-recipe tensorwise"; do
+      (cd /tmp && timeout 200 $B/gpt_throughput --preset "$preset" --moe-grouped-gemm --steps 8 --warmup 3 --device cuda \
+        --dtype bf16 $shape $fp8 2>&1 | grep -E '^\{"bench": "gpt_throughput"|error' | tee -a "$OUT/fp8_experts.jsonl")
+    done
   done
 fi
 

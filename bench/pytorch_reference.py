@@ -239,7 +239,7 @@ if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = True
     if a.preset in LLAMA_PRESETS:
         L, h, nh, ng, ffn, S, mbs, V, base = LLAMA_PRESETS[a.preset]
-        S, mbs = a.seq or S, a.mbs or mbs
+        L, S, mbs = a.layers or L, a.seq or S, a.mbs or mbs
         V = a.vocab or V
         V = (V + 127) // 128 * 128  # Megatron's padding (make_vocab_size_divisible_by 128, TP 1)
         native = flash_takes_gqa(h // nh) if a.gqa == "auto" else a.gqa == "native"

@@ -147,6 +147,23 @@ std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_
   return {m, k};
 }
 
+std::pair<int64_t, int64_t> check_fp8_block_quantize_transposed(const Tensor& x, const Tensor& q_t,
+                                                                const Tensor& scale_inv) {
+  MG_CHECK(is_float(x) && x.dim() == 2, "fp8_block_quantize_transposed: x must be fp32, bf16 or fp16 [M, K], got {}",
+           str_of(x));
+  const int64_t m = x.size(0), k = x.size(1);
+  const Shape t{k, m};
+  MG_CHECK(q_t.defined() && is_fp8(q_t.dtype()) && q_t.shape() == t && q_t.device() == x.device(),
+           "fp8_block_quantize_transposed: q_t must be fp8 {} on {}, got {}", shape_str(t), x.device().str(),
+           str_of(q_t));
+  const Shape ss = fp8_block_scale_shape(k, m, false);
+  MG_CHECK(scale_inv.defined() && scale_inv.dtype() == DType::Float32 && scale_inv.shape() == ss &&
+               scale_inv.device() == x.device(),
+           "fp8_block_quantize_transposed: scale_inv must be fp32 {} for the 1x128 tiles of {}, got {}",
+           shape_str(ss), shape_str(t), str_of(scale_inv));
+  return {m, k};
+}
+
 void check_fp8_block_partial(const char* op, const Tensor& x, int64_t start, int64_t cols, const Tensor& grid,
                              const Tensor& q) {
   MG_CHECK(x.defined() && (x.dtype() == DType::Float32 || x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16),

@@ -120,6 +120,10 @@ std::pair<int64_t, int64_t> check_fp8_quantize_swiglu(const Tensor& fc1, const T
 /// The checks of fp8_block_quantize's tensors; returns M and K.
 std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_2d, const Tensor& q,
                                                      const Tensor& scale_inv);
+/// fp8_block_quantize_transposed's: x float [M, K], q_t fp8 [K, M], scale_inv fp32 of the 1x128
+/// tiles of [K, M]. Returns M and K.
+std::pair<int64_t, int64_t> check_fp8_block_quantize_transposed(const Tensor& x, const Tensor& q_t,
+                                                                const Tensor& scale_inv);
 /// The checks of fp8_delayed_scale_update's tensors; returns L and n.
 std::pair<int64_t, int64_t> check_fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale);
 /// fp8_block_partial_amax / fp8_block_partial_quantize: x a shard of a [rows, cols] weight (rows from

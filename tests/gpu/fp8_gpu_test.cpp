@@ -311,6 +311,33 @@ TEST_F(CudaFp8, BlockQuantizeBitEqualToCpu) {
   }
 }
 
+// The transposing 1x128 quantisation (the weight gradient's operands) against the CPU's transpose
+// and block quantisation: partial tiles both ways, the wide and the byte stores of q_t.
+TEST_F(CudaFp8, BlockQuantizeTransposedBitEqualToCpu) {
+  Context cpu, gpu(kGpu);
+  const std::vector<Shape> shapes = {{130, 300}, {128, 128}, {4096, 1024}, {1, 5}, {515, 130}, {8192, 64}};
+  uint64_t seed = 80;
+  for (DType xt : {DType::BFloat16, DType::Float32}) {
+    for (DType qt : {DType::Float8E4M3, DType::Float8E5M2}) {
+      for (const Shape& shape : shapes) {
+        for (bool pow2 : {true, false}) {
+          SCOPED_TRACE(shape_str(shape) + (pow2 ? " pow2 " : " fp32 ") + std::string(to_string(xt)) + " -> " +
+                       std::string(to_string(qt)));
+          const Tensor x = hard_values(shape, ++seed, xt);
+          const Shape t{shape[1], shape[0]}, ss = fp8_block_scale_shape(shape[1], shape[0], false);
+          Tensor q = Tensor::empty(t, qt), si = Tensor::zeros(ss, DType::Float32);
+          Tensor dq = Tensor::empty(t, qt, kGpu), dsi = Tensor::zeros(ss, DType::Float32, kGpu);
+          cpu::fp8_block_quantize_transposed(cpu, x, pow2, q, si);
+          cuda::fp8_block_quantize_transposed(gpu, x.to(kGpu), pow2, dq, dsi);
+          gpu.synchronize();
+          expect_same_codes(dq, q, "q_t");
+          expect_same_floats(dsi, si, "scale_inv");
+        }
+      }
+    }
+  }
+}
+
 // The shard ops of --fp8-param-gather's blockwise recipe (fp8_block_partial_amax /
 // fp8_block_partial_quantize) on shards cut anywhere in weights with partial tiles: the tile amaxes
 // and the codes equal the CPU's bit for bit.

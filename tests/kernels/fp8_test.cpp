@@ -290,6 +290,29 @@ TEST(Fp8Ops, QuantizeSwigluIsTheActivationThenTheQuantisation) {
             std::string::npos);
 }
 
+// fp8_block_quantize_transposed is the transpose and then the 1x128 block quantisation (a ragged
+// shape: partial tiles both ways), and refuses a scale grid of the untransposed layout.
+TEST(Fp8Ops, BlockQuantizeTransposedIsTheTransposeThenTheBlocks) {
+  Context ctx;
+  for (DType xt : {DType::Float32, DType::BFloat16}) {
+    const int64_t m = 300, k = 70;
+    const Tensor x = random_tensor({m, k}, 41, 5.0f, xt);
+    Tensor xt_ = Tensor::empty({k, m}, xt);
+    ops::transpose_01(ctx, x, xt_);
+    Tensor q = Tensor::empty({k, m}, DType::Float8E4M3), q_ref = Tensor::empty({k, m}, DType::Float8E4M3);
+    Tensor si = Tensor::zeros(fp8_block_scale_shape(k, m, false), DType::Float32);
+    Tensor si_ref = Tensor::zeros(fp8_block_scale_shape(k, m, false), DType::Float32);
+    ops::fp8_block_quantize_transposed(ctx, x, true, q, si);
+    ops::fp8_block_quantize(ctx, xt_, false, true, q_ref, si_ref);
+    EXPECT_EQ(std::memcmp(q.raw_data(), q_ref.raw_data(), size_t(m * k)), 0);
+    EXPECT_EQ(si.to_floats(), si_ref.to_floats());
+    Tensor wrong = Tensor::zeros(fp8_block_scale_shape(m, k, false), DType::Float32);
+    EXPECT_NE(error_of([&] { ops::fp8_block_quantize_transposed(ctx, x, true, q, wrong); })
+                  .find("scale_inv must be fp32 [3, 72] for the 1x128 tiles of [70, 300]"),
+              std::string::npos);
+  }
+}
+
 TEST(Fp8Ops, AmaxIgnoresNaNAndDequantizeScales) {
   Context ctx;
   const float nan = std::numeric_limits<float>::quiet_NaN();

@@ -37,6 +37,13 @@ Fp8Operand Fp8LinearState::quantize(Context& ctx, bool backward, int64_t index, 
     return o;
   }
   Tensor src = x.materialize(ctx);
+  if (transposed && !tile_2d) {  // the 1x128 copies along the tokens, without the bf16 transpose
+    o.mode = Fp8ScaleMode::Block1x128;
+    o.data = Tensor::empty({cols, rows}, t, ctx.device());
+    o.scale_inv = Tensor::empty(fp8_block_scale_shape(cols, rows, false), DType::Float32, ctx.device());
+    ops::fp8_block_quantize_transposed(ctx, src, /*power_of_two_scales=*/true, o.data, o.scale_inv);
+    return o;
+  }
   if (transposed) {
     Tensor values = src;
     src = Tensor::empty({cols, rows}, x.dtype(), ctx.device());

@@ -221,6 +221,15 @@ void fp8_block_quantize(Context& ctx, const Tensor& x, bool tile_2d, bool power_
   }
 }
 
+// The reference is the definition: the transpose, then its 1x128 quantisation.
+void fp8_block_quantize_transposed(Context& ctx, const Tensor& x, bool power_of_two_scales, Tensor& q_t,
+                                   Tensor& scale_inv) {
+  const auto [m, k] = ops::check_fp8_block_quantize_transposed(x, q_t, scale_inv);
+  Tensor xt = Tensor::empty({k, m}, x.dtype(), x.device());
+  transpose_01(ctx, x, xt);
+  fp8_block_quantize(ctx, xt, /*tile_2d=*/false, power_of_two_scales, q_t, scale_inv);
+}
+
 void fp8_block_partial_amax(Context& ctx, const Tensor& x, int64_t start, int64_t cols, Tensor& amax) {
   Tensor none;
   ops::check_fp8_block_partial("fp8_block_partial_amax", x, start, cols, amax, none);

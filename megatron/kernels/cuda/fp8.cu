@@ -446,6 +446,59 @@ __global__ void block_quantize_128x128_kernel(const T* __restrict__ x, int64_t m
   if (threadIdx.x == 0) scale_inv[int64_t(blockIdx.y) * ld + blockIdx.x] = __frcp_rn(s);
 }
 
+// fp8_block_quantize_transposed: block (bx, by) takes x[by·128 .. +128, bx·64 .. +64] into shared
+// memory (loads along x's rows); each of its 64 columns is one 1x128 tile of q_t's row — its amax
+// by 4 threads of 32 rows and two shuffles, the scale as block_quantize_1x128_kernel's — and q_t is
+// written 16 consecutive bytes per thread (8 threads per q_t row segment of 128 bytes).
+constexpr int kBlockTCols = 64, kBlockTThreads = 256;
+template <typename T>
+__global__ void __launch_bounds__(kBlockTThreads)
+    block_quantize_1x128_t_kernel(const T* __restrict__ x, int64_t m, int64_t k, bool e4m3, bool pow2, float fp8_max,
+                                  float inf_scale, uint8_t* __restrict__ q_t, float* __restrict__ scale_inv,
+                                  int64_t ld, bool wide_store) {
+  constexpr int R = int(kFp8BlockLen), C = kBlockTCols;
+  __shared__ float tile[R][C + 1];
+  __shared__ float col_scale[C];
+  const int64_t r0 = int64_t(blockIdx.y) * R, c0 = int64_t(blockIdx.x) * C;
+  for (int e = threadIdx.x; e < R * C; e += kBlockTThreads) {
+    const int i = e / C, j = e % C;
+    const int64_t r = r0 + i, c = c0 + j;
+    tile[i][j] = r < m && c < k ? load_float(x[r * k + c]) : 0.0f;
+  }
+  __syncthreads();
+  {
+    const int j = int(threadIdx.x) / 4, part = int(threadIdx.x) % 4;  // 4 neighbouring lanes per column
+    float a = 0.0f;
+    for (int i = part * (R / 4); i < (part + 1) * (R / 4); ++i) a = fmaxf(a, fabsf(tile[i][j]));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+    if (part == 0) {
+      const float s = scale_from_amax(a, fp8_max, pow2, inf_scale);
+      col_scale[j] = s;
+      if (c0 + j < k) scale_inv[int64_t(blockIdx.y) * ld + c0 + j] = __frcp_rn(s);
+    }
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < C * 8; p += kBlockTThreads) {
+    const int j = p / 8, seg = p % 8 * 16;
+    const int64_t c = c0 + j, r = r0 + seg;
+    if (c >= k || r >= m) continue;
+    const float s = col_scale[j];
+    union {
+      uint4 v;
+      uint8_t b[16];
+    } out;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) out.b[e] = encode_fp8(tile[seg + e][j] * s, e4m3);
+    uint8_t* dst = q_t + c * m + r;
+    if (wide_store && r + 16 <= m) {
+      *reinterpret_cast<uint4*>(dst) = out.v;
+    } else {
+      for (int e = 0; e < 16 && r + e < m; ++e) dst[e] = out.b[e];
+    }
+  }
+}
+
 // The distributed optimizer's shards of a 128x128-tiled weight (fp8_block_partial_amax /
 // fp8_block_partial_quantize): one warp per segment — one row's columns inside one 128-column tile,
 // cut to the shard [start, start + n) — so the tile, its scale and its amax are one lookup per warp
@@ -746,6 +799,22 @@ void fp8_block_quantize(Context& ctx, const Tensor& x, bool tile_2d, bool power_
                                                                        power_of_two_scales, fp8_max, max_finite<T>(),
                                                                        fp8_ptr(q), f32_ptr(scale_inv), ld);
     }
+    CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void fp8_block_quantize_transposed(Context& ctx, const Tensor& x, bool power_of_two_scales, Tensor& q_t,
+                                   Tensor& scale_inv) {
+  const auto [m, k] = ops::check_fp8_block_quantize_transposed(x, q_t, scale_inv);
+  check_on_gpu({&x, &q_t, &scale_inv}, "fp8_block_quantize_transposed");
+  if (m == 0 || k == 0) return;
+  const dim3 grid(unsigned((k + kBlockTCols - 1) / kBlockTCols), unsigned((m + kFp8BlockLen - 1) / kFp8BlockLen));
+  MG_CHECK(grid.y <= 65535u, "fp8_block_quantize_transposed: {} rows are too many", m);
+  const bool wide_store = m % 16 == 0 && reinterpret_cast<uintptr_t>(q_t.raw_data()) % 16 == 0;
+  dispatch_float(x.dtype(), [&]<typename T>() {
+    block_quantize_1x128_t_kernel<T><<<grid, kBlockTThreads, 0, stream_of(ctx)>>>(
+        dev_ptr<const T>(x), m, k, q_t.dtype() == DType::Float8E4M3, power_of_two_scales, fp8_max_of(q_t.dtype()),
+        max_finite<T>(), fp8_ptr(q_t), f32_ptr(scale_inv), scale_inv.size(1), wide_store);
     CUDA_CHECK(cudaGetLastError());
   });
 }
