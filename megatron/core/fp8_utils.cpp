@@ -99,8 +99,8 @@ void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const ProducedTensor& x
   MG_ASSERT(i >= 0 && i < size(), "FP8 tensor {} of {}", i, size());
   Tensor s = scale(i), si = scale_inv(i), a = amax(i), none;
   auto pass = [&](Tensor& out_q, Tensor& out_q_t, Tensor& amax_out, Tensor& scale_inv_out, Tensor& sums) {
-    if (!x.is_tensor()) {  // Note [Quantising inside SwiGLU]
-      ops::fp8_quantize_swiglu(ctx, x.fc1(), x.grad(), s, out_q, out_q_t, amax_out, scale_inv_out, sums);
+    if (!x.is_tensor()) {  // Note [Quantising inside the activation]
+      ops::fp8_quantize_activation(ctx, x.act(), x.pre(), x.grad(), s, out_q, out_q_t, amax_out, scale_inv_out, sums);
     } else if (sums.defined()) {
       ops::fp8_quantize_dbias(ctx, x.tensor(), s, out_q, out_q_t, amax_out, scale_inv_out, sums);
     } else {

@@ -102,22 +102,25 @@ std::pair<int64_t, int64_t> check_fp8_quantize(const Tensor& x, const Tensor& sc
   return check_quantize_outputs("fp8_quantize", x.shape(), x.device(), scale, q, q_t, amax, scale_inv);
 }
 
-std::pair<int64_t, int64_t> check_fp8_quantize_swiglu(const Tensor& fc1, const Tensor& grad, const Tensor& scale,
-                                                      const Tensor& q, const Tensor& q_t, const Tensor& amax,
-                                                      const Tensor& scale_inv, const Tensor& dbias) {
-  MG_CHECK(is_float(fc1) && fc1.dim() >= 1 && fc1.size(-1) % 2 == 0,
-           "fp8_quantize_swiglu: fc1 must be fp32, bf16 or fp16 [..., 2f], got {}", str_of(fc1));
-  Shape half = fc1.shape();
-  half.back() /= 2;
-  MG_CHECK(!grad.defined() || (grad.dtype() == fc1.dtype() && grad.shape() == half && grad.device() == fc1.device()),
-           "fp8_quantize_swiglu: grad must be {} {} on {} (fc1's rows, half its width), got {}",
-           to_string(fc1.dtype()), shape_str(half), fc1.device().str(), grad.str());
-  const auto mk = check_quantize_outputs("fp8_quantize_swiglu", grad.defined() ? fc1.shape() : half, fc1.device(),
+std::pair<int64_t, int64_t> check_fp8_quantize_activation(Fp8Activation act, const Tensor& pre, const Tensor& grad,
+                                                          const Tensor& scale, const Tensor& q, const Tensor& q_t,
+                                                          const Tensor& amax, const Tensor& scale_inv,
+                                                          const Tensor& dbias) {
+  const bool swiglu = act == Fp8Activation::Swiglu;
+  MG_CHECK(is_float(pre) && pre.dim() >= 1 && (!swiglu || pre.size(-1) % 2 == 0),
+           "fp8_quantize_activation: pre must be fp32, bf16 or fp16{}, got {}", swiglu ? " [..., 2f] (SwiGLU)" : "",
+           str_of(pre));
+  Shape out = pre.shape();
+  if (swiglu) out.back() /= 2;
+  MG_CHECK(!grad.defined() || (grad.dtype() == pre.dtype() && grad.shape() == out && grad.device() == pre.device()),
+           "fp8_quantize_activation: grad must be {} {} on {} (the activation's output), got {}",
+           to_string(pre.dtype()), shape_str(out), pre.device().str(), grad.str());
+  const auto mk = check_quantize_outputs("fp8_quantize_activation", grad.defined() ? pre.shape() : out, pre.device(),
                                          scale, q, q_t, amax, scale_inv);
   MG_CHECK(!dbias.defined() ||
-               (dbias.dtype() == DType::Float32 && dbias.numel() == mk.second && dbias.device() == fc1.device()),
-           "fp8_quantize_swiglu: dbias must be fp32 [{}] on {} or undefined, got {}", mk.second, fc1.device().str(),
-           dbias.str());
+               (dbias.dtype() == DType::Float32 && dbias.numel() == mk.second && dbias.device() == pre.device()),
+           "fp8_quantize_activation: dbias must be fp32 [{}] on {} or undefined, got {}", mk.second,
+           pre.device().str(), dbias.str());
   return mk;
 }
 

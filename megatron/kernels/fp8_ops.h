@@ -43,17 +43,17 @@
 // fp8_block_quantize of Wᵀ with the same scales transposed; a 1x128 copy along the other dimension
 // (the weight gradient's dy_t and x_t) is a quantisation of its own.
 //
-// Note [Quantising inside SwiGLU] (TE's fused activation casts): two of a SwiGLU MLP's FP8 operands
-// are made by SwiGLU — fc2's input act = swiglu(fc1) (forward; again in backward for its transposed
-// copy, Note [Activation recomputed in backward]) and fc1's output gradient swiglu'(fc1)·d_act —
-// and each would be written in bf16 by one pass only to be read by the quantisation pass after
-// it. fp8_quantize_swiglu computes them inside the quantisation pass from fc1 (and d_act) instead:
-// per Llama-3-8B layer at 8192 tokens that removes ~1.9 GB of memory traffic per step (act written
-// and read twice, the [M, 2f] gradient written and read once). The values are computed by the
-// same device functions (kernels/cuda/activations.cuh) and rounded to fc1's dtype before they are
-// quantised, so the codes and amax equal the unfused ops' bit for bit; shapes the vector pass
-// does not take (f not a multiple of the 16-byte vector, unaligned tensors) materialise x and
-// quantise it.
+// Note [Quantising inside the activation] (TE's fused activation casts): two of an MLP's FP8
+// operands are made by its activation — fc2's input act(fc1) (forward; again in backward for its
+// transposed copy, Note [Activation recomputed in backward]) and fc1's output gradient
+// act'(fc1)·d_act — and each would be written in bf16 by one pass only to be read by the
+// quantisation pass after it. fp8_quantize_activation computes them inside the quantisation pass
+// from fc1's output (and d_act) instead: per Llama-3-8B layer at 8192 tokens (SwiGLU) that removes
+// ~1.9 GB of memory traffic per step (act written and read twice, the [M, 2f] gradient written
+// and read once). The values are computed by the same device functions
+// (kernels/cuda/activations.cuh) and rounded to the tensors' dtype before they are quantised, so
+// the codes and amax equal the unfused ops' bit for bit; shapes the vector pass does not take (a
+// width not a multiple of the 16-byte vector, unaligned tensors) materialise x and quantise it.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +65,9 @@ namespace megatron {
 /// The largest finite value of an fp8 dtype (448 for e4m3, 57344 for e5m2); throws for others.
 float fp8_max_of(DType t);
 inline bool is_fp8(DType t) { return t == DType::Float8E4M3 || t == DType::Float8E5M2; }
+
+/// The activations fp8_quantize_activation computes (Note [Quantising inside the activation]).
+enum class Fp8Activation : uint8_t { Swiglu, Gelu };
 
 /// The tile edge of block scaling.
 inline constexpr int64_t kFp8BlockLen = 128;
@@ -111,12 +114,13 @@ std::pair<int64_t, int64_t> check_fp8_quantize(const Tensor& x, const Tensor& sc
 std::pair<int64_t, int64_t> check_fp8_quantize_dbias(const Tensor& x, const Tensor& scale, const Tensor& q,
                                                      const Tensor& q_t, const Tensor& amax, const Tensor& scale_inv,
                                                      const Tensor& dbias);
-/// fp8_quantize_swiglu's: fc1 float [..., 2f], grad undefined or fc1's [..., f], the outputs as
-/// check_fp8_quantize's for x [..., f] (grad undefined) or [..., 2f], dbias undefined or fp32 [K].
-/// Returns x's M and K.
-std::pair<int64_t, int64_t> check_fp8_quantize_swiglu(const Tensor& fc1, const Tensor& grad, const Tensor& scale,
-                                                      const Tensor& q, const Tensor& q_t, const Tensor& amax,
-                                                      const Tensor& scale_inv, const Tensor& dbias);
+/// fp8_quantize_activation's: pre float (SwiGLU: [..., 2f]), grad undefined or pre's dtype in the
+/// activation's output shape, the outputs as check_fp8_quantize's for x (act(pre)'s shape without
+/// grad, pre's with it), dbias undefined or fp32 [K]. Returns x's M and K.
+std::pair<int64_t, int64_t> check_fp8_quantize_activation(Fp8Activation act, const Tensor& pre, const Tensor& grad,
+                                                          const Tensor& scale, const Tensor& q, const Tensor& q_t,
+                                                          const Tensor& amax, const Tensor& scale_inv,
+                                                          const Tensor& dbias);
 /// The checks of fp8_block_quantize's tensors; returns M and K.
 std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_2d, const Tensor& q,
                                                      const Tensor& scale_inv);

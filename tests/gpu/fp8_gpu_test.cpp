@@ -163,51 +163,55 @@ TEST_F(CudaFp8, QuantizeDbiasEqualsCpu) {
   }
 }
 
-// Note [Quantising inside SwiGLU]: the fused pass equals SwiGLU's kernel and then the quantisation
-// on the GPU bit for bit — codes, transposed codes, amax, scale_inv and the column sums — for the
-// vector passes and the shapes that fall back (bf16 with f % 8 != 0).
-TEST_F(CudaFp8, QuantizeSwigluBitEqualToTheUnfusedOps) {
+// Note [Quantising inside the activation]: the fused pass equals the activation's kernel and then
+// the quantisation on the GPU bit for bit — codes, transposed codes, amax, scale_inv and the column
+// sums — for SwiGLU and GeLU, the vector passes and the shapes that fall back (bf16 with a width
+// not a multiple of 8).
+TEST_F(CudaFp8, QuantizeActivationBitEqualToTheUnfusedOps) {
   Context gpu(kGpu);
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{37, 24}, {256, 768}, {130, 100}, {4096, 1792}};
   uint64_t seed = 900;
-  for (DType xt : {DType::Float32, DType::BFloat16}) {
-    for (const auto& [m, f] : shapes) {
-      for (bool gradient : {false, true}) {
-        SCOPED_TRACE(std::string(to_string(xt)) + " m=" + std::to_string(m) + " f=" + std::to_string(f) +
-                     (gradient ? " gradient" : " activation"));
-        const Tensor fc1 = random_tensor({m, 2 * f}, ++seed, 3.0f, xt).to(kGpu);
-        const Tensor grad = gradient ? random_tensor({m, f}, ++seed, 0.5f, xt).to(kGpu) : Tensor();
-        const int64_t k = gradient ? 2 * f : f;
-        Tensor x = Tensor::empty({m, k}, xt, kGpu);
-        if (gradient) {
-          cuda::swiglu_backward(gpu, grad, fc1, x);
-        } else {
-          cuda::swiglu_forward(gpu, fc1, x);
-        }
-        const DType t = gradient ? DType::Float8E5M2 : DType::Float8E4M3;
-        const Tensor start = random_tensor({k}, ++seed, 1.0f).to(kGpu);
-        for (int outputs = 0; outputs < 3; ++outputs) {  // q and q_t (and dbias); q only; amax only
-          Tensor q = outputs < 2 ? Tensor::empty({m, k}, t, kGpu) : Tensor();
-          Tensor q_t = outputs == 0 ? Tensor::empty({k, m}, t, kGpu) : Tensor();
-          Tensor q_ref = q.defined() ? Tensor::empty({m, k}, t, kGpu) : Tensor();
-          Tensor q_t_ref = q_t.defined() ? Tensor::empty({k, m}, t, kGpu) : Tensor();
-          Tensor amax = scalar(0.0f, kGpu), amax_ref = scalar(0.0f, kGpu), si = scalar(0.0f, kGpu),
-                 si_ref = scalar(0.0f, kGpu);
-          const bool sums = gradient && outputs == 0;
-          Tensor db = sums ? start.clone() : Tensor(), db_ref = sums ? start.clone() : Tensor();
-          const Tensor sc = scalar(16.0f, kGpu);
-          cuda::fp8_quantize_swiglu(gpu, fc1, grad, sc, q, q_t, amax, si, db);
-          if (sums) {
-            cuda::fp8_quantize_dbias(gpu, x, sc, q_ref, q_t_ref, amax_ref, si_ref, db_ref);
-          } else {
-            cuda::fp8_quantize(gpu, x, sc, q_ref, q_t_ref, amax_ref, si_ref);
+  for (Fp8Activation act : {Fp8Activation::Swiglu, Fp8Activation::Gelu}) {
+    const bool swiglu = act == Fp8Activation::Swiglu;
+    for (DType xt : {DType::Float32, DType::BFloat16}) {
+      for (const auto& [m, f] : shapes) {
+        for (bool gradient : {false, true}) {
+          SCOPED_TRACE(std::string(swiglu ? "swiglu " : "gelu ") + std::string(to_string(xt)) + " m=" +
+                       std::to_string(m) + " f=" + std::to_string(f) + (gradient ? " gradient" : " activation"));
+          const int64_t width = swiglu ? 2 * f : f;
+          const Tensor pre = random_tensor({m, width}, ++seed, 3.0f, xt).to(kGpu);
+          const Tensor grad = gradient ? random_tensor({m, f}, ++seed, 0.5f, xt).to(kGpu) : Tensor();
+          const int64_t k = gradient ? width : f;
+          Tensor x = Tensor::empty({m, k}, xt, kGpu);
+          if (swiglu && gradient) cuda::swiglu_backward(gpu, grad, pre, x);
+          if (swiglu && !gradient) cuda::swiglu_forward(gpu, pre, x);
+          if (!swiglu && gradient) cuda::gelu_backward(gpu, grad, pre, x);
+          if (!swiglu && !gradient) cuda::gelu_forward(gpu, pre, x);
+          const DType t = gradient ? DType::Float8E5M2 : DType::Float8E4M3;
+          const Tensor start = random_tensor({k}, ++seed, 1.0f).to(kGpu);
+          for (int outputs = 0; outputs < 3; ++outputs) {  // q and q_t (and dbias); q only; amax only
+            Tensor q = outputs < 2 ? Tensor::empty({m, k}, t, kGpu) : Tensor();
+            Tensor q_t = outputs == 0 ? Tensor::empty({k, m}, t, kGpu) : Tensor();
+            Tensor q_ref = q.defined() ? Tensor::empty({m, k}, t, kGpu) : Tensor();
+            Tensor q_t_ref = q_t.defined() ? Tensor::empty({k, m}, t, kGpu) : Tensor();
+            Tensor amax = scalar(0.0f, kGpu), amax_ref = scalar(0.0f, kGpu), si = scalar(0.0f, kGpu),
+                   si_ref = scalar(0.0f, kGpu);
+            const bool sums = gradient && outputs == 0;
+            Tensor db = sums ? start.clone() : Tensor(), db_ref = sums ? start.clone() : Tensor();
+            const Tensor sc = scalar(16.0f, kGpu);
+            cuda::fp8_quantize_activation(gpu, act, pre, grad, sc, q, q_t, amax, si, db);
+            if (sums) {
+              cuda::fp8_quantize_dbias(gpu, x, sc, q_ref, q_t_ref, amax_ref, si_ref, db_ref);
+            } else {
+              cuda::fp8_quantize(gpu, x, sc, q_ref, q_t_ref, amax_ref, si_ref);
+            }
+            gpu.synchronize();
+            if (q.defined()) expect_same_codes(q, q_ref.to(Device::cpu()), "q");
+            if (q_t.defined()) expect_same_codes(q_t, q_t_ref.to(Device::cpu()), "q_t");
+            expect_same_floats(amax, amax_ref.to(Device::cpu()), "amax");
+            expect_same_floats(si, si_ref.to(Device::cpu()), "scale_inv");
+            if (sums) expect_same_floats(db, db_ref.to(Device::cpu()), "dbias");
           }
-          gpu.synchronize();
-          if (q.defined()) expect_same_codes(q, q_ref.to(Device::cpu()), "q");
-          if (q_t.defined()) expect_same_codes(q_t, q_t_ref.to(Device::cpu()), "q_t");
-          expect_same_floats(amax, amax_ref.to(Device::cpu()), "amax");
-          expect_same_floats(si, si_ref.to(Device::cpu()), "scale_inv");
-          if (sums) expect_same_floats(db, db_ref.to(Device::cpu()), "dbias");
         }
       }
     }

@@ -232,60 +232,65 @@ TEST(Fp8Ops, QuantizeDbiasAddsTheColumnSums) {
   }
 }
 
-// Note [Quantising inside SwiGLU]: fp8_quantize_swiglu is swiglu_forward / swiglu_backward into
-// fc1's dtype and then fp8_quantize (fp8_quantize_dbias with dbias): codes, the transposed copy,
-// amax, scale_inv and the column sums.
-TEST(Fp8Ops, QuantizeSwigluIsTheActivationThenTheQuantisation) {
+// Note [Quantising inside the activation]: fp8_quantize_activation is swiglu_* / gelu_* into pre's
+// dtype and then fp8_quantize (fp8_quantize_dbias with dbias): codes, the transposed copy, amax,
+// scale_inv and the column sums.
+TEST(Fp8Ops, QuantizeActivationIsTheActivationThenTheQuantisation) {
   Context ctx;
-  for (DType xt : {DType::Float32, DType::BFloat16}) {
-    for (bool gradient : {false, true}) {
-      SCOPED_TRACE(std::string(to_string(xt)) + (gradient ? " gradient" : " activation"));
-      const int64_t m = 29, f = 24;
-      const Tensor fc1 = random_tensor({m, 2 * f}, 31, 3.0f, xt);
-      const Tensor grad = gradient ? random_tensor({m, f}, 32, 0.5f, xt) : Tensor();
-      const int64_t k = gradient ? 2 * f : f;
-      Tensor x = Tensor::empty({m, k}, xt);
-      if (gradient) {
-        ops::swiglu_backward(ctx, grad, fc1, x);
-      } else {
-        ops::swiglu_forward(ctx, fc1, x);
+  for (Fp8Activation act : {Fp8Activation::Swiglu, Fp8Activation::Gelu}) {
+    const bool swiglu = act == Fp8Activation::Swiglu;
+    for (DType xt : {DType::Float32, DType::BFloat16}) {
+      for (bool gradient : {false, true}) {
+        SCOPED_TRACE(std::string(swiglu ? "swiglu " : "gelu ") + std::string(to_string(xt)) +
+                     (gradient ? " gradient" : " activation"));
+        const int64_t m = 29, f = 24, width = swiglu ? 2 * f : f;
+        const Tensor pre = random_tensor({m, width}, 31, 3.0f, xt);
+        const Tensor grad = gradient ? random_tensor({m, f}, 32, 0.5f, xt) : Tensor();
+        const int64_t k = gradient ? width : f;
+        Tensor x = Tensor::empty({m, k}, xt);
+        if (swiglu && gradient) ops::swiglu_backward(ctx, grad, pre, x);
+        if (swiglu && !gradient) ops::swiglu_forward(ctx, pre, x);
+        if (!swiglu && gradient) ops::gelu_backward(ctx, grad, pre, x);
+        if (!swiglu && !gradient) ops::gelu_forward(ctx, pre, x);
+        const DType t = gradient ? DType::Float8E5M2 : DType::Float8E4M3;
+        Tensor scale = scalar(4.0f), none;
+        Tensor q = Tensor::empty({m, k}, t), qt = Tensor::empty({k, m}, t);
+        Tensor q_ref = Tensor::empty({m, k}, t), qt_ref = Tensor::empty({k, m}, t);
+        Tensor amax = scalar(0.0f), amax_ref = scalar(0.0f), si = scalar(0.0f), si_ref = scalar(0.0f);
+        Tensor db = Tensor::zeros({k}, DType::Float32), db_ref = Tensor::zeros({k}, DType::Float32);
+        Tensor no_db;
+        ops::fp8_quantize_activation(ctx, act, pre, grad, scale, q, qt, amax, si, gradient ? db : no_db);
+        if (gradient) {
+          ops::fp8_quantize_dbias(ctx, x, scale, q_ref, qt_ref, amax_ref, si_ref, db_ref);
+          EXPECT_EQ(db.to_floats(), db_ref.to_floats());
+        } else {
+          ops::fp8_quantize(ctx, x, scale, q_ref, qt_ref, amax_ref, si_ref);
+        }
+        EXPECT_EQ(std::memcmp(q.raw_data(), q_ref.raw_data(), size_t(m * k)), 0);
+        EXPECT_EQ(std::memcmp(qt.raw_data(), qt_ref.raw_data(), size_t(m * k)), 0);
+        EXPECT_GT(amax.item(), 0.0f);
+        EXPECT_EQ(amax.item(), amax_ref.item());
+        EXPECT_EQ(si.item(), 0.25f);
+        Tensor amax_only = scalar(0.0f);
+        ops::fp8_quantize_activation(ctx, act, pre, grad, scale, none, none, amax_only, none, none);
+        EXPECT_EQ(amax_only.item(), amax_ref.item());
       }
-      const DType t = gradient ? DType::Float8E5M2 : DType::Float8E4M3;
-      Tensor scale = scalar(4.0f), none;
-      Tensor q = Tensor::empty({m, k}, t), qt = Tensor::empty({k, m}, t);
-      Tensor q_ref = Tensor::empty({m, k}, t), qt_ref = Tensor::empty({k, m}, t);
-      Tensor amax = scalar(0.0f), amax_ref = scalar(0.0f), si = scalar(0.0f), si_ref = scalar(0.0f);
-      Tensor db = Tensor::zeros({k}, DType::Float32), db_ref = Tensor::zeros({k}, DType::Float32);
-      Tensor no_db;
-      ops::fp8_quantize_swiglu(ctx, fc1, grad, scale, q, qt, amax, si, gradient ? db : no_db);
-      if (gradient) {
-        ops::fp8_quantize_dbias(ctx, x, scale, q_ref, qt_ref, amax_ref, si_ref, db_ref);
-        EXPECT_EQ(db.to_floats(), db_ref.to_floats());
-      } else {
-        ops::fp8_quantize(ctx, x, scale, q_ref, qt_ref, amax_ref, si_ref);
-      }
-      EXPECT_EQ(std::memcmp(q.raw_data(), q_ref.raw_data(), size_t(m * k)), 0);
-      EXPECT_EQ(std::memcmp(qt.raw_data(), qt_ref.raw_data(), size_t(m * k)), 0);
-      EXPECT_GT(amax.item(), 0.0f);
-      EXPECT_EQ(amax.item(), amax_ref.item());
-      EXPECT_EQ(si.item(), 0.25f);
-      Tensor amax_only = scalar(0.0f);
-      ops::fp8_quantize_swiglu(ctx, fc1, grad, scale, none, none, amax_only, none, none);
-      EXPECT_EQ(amax_only.item(), amax_ref.item());
     }
   }
   // the shapes, one line each
   const Tensor odd = random_tensor({4, 7}, 33, 1.0f);
   Tensor scale = scalar(1.0f), none;
-  EXPECT_NE(error_of([&] { ops::fp8_quantize_swiglu(ctx, odd, none, scale, none, none, none, none, none); })
-                .find("fc1 must be fp32, bf16 or fp16 [..., 2f]"),
+  const Fp8Activation sw = Fp8Activation::Swiglu;
+  EXPECT_NE(error_of([&] { ops::fp8_quantize_activation(ctx, sw, odd, none, scale, none, none, none, none, none); })
+                .find("pre must be fp32, bf16 or fp16 [..., 2f] (SwiGLU)"),
             std::string::npos);
-  const Tensor fc1 = random_tensor({4, 8}, 34, 1.0f), wrong_grad = random_tensor({4, 8}, 35, 1.0f);
-  EXPECT_NE(error_of([&] { ops::fp8_quantize_swiglu(ctx, fc1, wrong_grad, scale, none, none, none, none, none); })
-                .find("grad must be fp32 [4, 4]"),
-            std::string::npos);
+  const Tensor pre = random_tensor({4, 8}, 34, 1.0f), wrong_grad = random_tensor({4, 8}, 35, 1.0f);
+  EXPECT_NE(
+      error_of([&] { ops::fp8_quantize_activation(ctx, sw, pre, wrong_grad, scale, none, none, none, none, none); })
+          .find("grad must be fp32 [4, 4]"),
+      std::string::npos);
   Tensor q_wide = Tensor::empty({4, 8}, DType::Float8E4M3);
-  EXPECT_NE(error_of([&] { ops::fp8_quantize_swiglu(ctx, fc1, none, scale, q_wide, none, none, none, none); })
+  EXPECT_NE(error_of([&] { ops::fp8_quantize_activation(ctx, sw, pre, none, scale, q_wide, none, none, none, none); })
                 .find("q must be fp8 of x's shape [4, 4]"),
             std::string::npos);
 }

@@ -96,33 +96,22 @@ Tensor Linear::forward(Context& ctx, const ProducedTensor& x) const {
 
 Tensor Linear::forward_gelu(Context& ctx, const Tensor& x, Tensor& pre) const {
   MG_ASSERT(!(mode_ == ParallelMode::Row && tp_group()), "forward_gelu on a row-parallel layer");
+  MG_ASSERT(!fp8_, "forward_gelu on an FP8 layer: give the next layer the produced GeLU (Note [Produced tensors])");
   Communicator* tp = tp_group();
   const Tensor x_full = tp && sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, x) : x;
   pre = Tensor::empty({x_full.size(0), out_features()}, x.dtype(), ctx.device());
   Tensor out = Tensor::empty(pre.shape(), x.dtype(), ctx.device());
-  if (fp8_) {
-    gemm_forward(ctx, x_full, bias_ ? bias_->data : Tensor(), pre);
-    ops::gelu_forward(ctx, pre, out);
-    return out;
-  }
   ops::linear_gelu_forward(ctx, x_full, weight_->data, bias_ ? bias_->data : Tensor(), pre, out);
   return out;
 }
 
 Tensor Linear::backward_through_gelu(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& pre) const {
   MG_ASSERT(!(mode_ == ParallelMode::Column && tp_group()), "backward_through_gelu on a column-parallel layer");
+  MG_ASSERT(!fp8_, "backward_through_gelu on an FP8 layer: give fc1 the produced GeLU gradient (Note [Produced tensors])");
   Communicator* tp = tp_group();
   const Tensor g = tp && sequence_parallel() ? tensor_parallel::all_gather_sequence(ctx, *tp, grad_out) : grad_out;
   Tensor grad_pre = Tensor::empty(pre.shape(), pre.dtype(), ctx.device());
   Tensor none;
-  if (fp8_) {
-    Tensor grad_x = Tensor::empty(pre.shape(), pre.dtype(), ctx.device());
-    gemm_backward(ctx, g, x, grad_x, bias_ ? bias_->main_grad : none);
-    ops::gelu_backward(ctx, grad_x, pre, grad_pre);
-    notify_grad_accumulated(ctx, weight_);
-    notify_grad_accumulated(ctx, bias_);
-    return grad_pre;
-  }
   ops::linear_dgelu_backward(ctx, g, weight_->data, pre, grad_pre);
   ops::linear_backward(ctx, g, x, weight_->data, none, weight_->main_grad, bias_ ? bias_->main_grad : none);
   notify_grad_accumulated(ctx, weight_);

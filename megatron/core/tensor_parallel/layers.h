@@ -52,7 +52,7 @@ class Linear {
   Tensor forward(Context& ctx, const ProducedTensor& x) const;
   /// Forward followed by GeLU, in one GEMM where the kernels allow (ops::linear_gelu_forward):
   /// returns gelu(y) and sets `pre` to y, which backward_through_gelu needs. Not for a row-parallel
-  /// layer (its y is a partial sum before the reduction).
+  /// layer (its y is a partial sum before the reduction), nor an FP8 one.
   Tensor forward_gelu(Context& ctx, const Tensor& x, Tensor& pre) const;
   /// Returns grad_in shaped like x (undefined when !need_grad_in); accumulates the parameter gradients.
   /// grad_out and x may be produced tensors (Note [Produced tensors]).
@@ -60,12 +60,12 @@ class Linear {
                   bool need_grad_in = true) const;
   /// Backward of a layer whose input x is gelu(pre) (the MLP's fc2): returns the gradient of pre,
   /// gelu'(pre) ⊙ grad_x, in one GEMM where the kernels allow (ops::linear_dgelu_backward). Not for a
-  /// column-parallel layer (its input gradient is reduced across ranks first).
+  /// column-parallel layer (its input gradient is reduced across ranks first), nor an FP8 one.
   Tensor backward_through_gelu(Context& ctx, const Tensor& grad_out, const Tensor& x, const Tensor& pre) const;
 
   /// Runs this layer's GEMMs in FP8 with the recipe of `config` (Note [FP8 linear layer],
-  /// fp8_linear.h): Megatron's choice for the linear layers of attention and MLP. The GeLU fusions
-  /// then run as a GEMM and the elementwise op.
+  /// fp8_linear.h): Megatron's choice for the linear layers of attention and MLP. The GeLU epilogue
+  /// fusions are bf16 only: in FP8 the MLP hands GeLU to the layers as produced tensors.
   /// `device`: where the layer's parameters live (they may not be allocated yet). With
   /// config.param_gather the weight becomes an FP8 parameter (Note [FP8 parameters]).
   void enable_fp8(const Fp8Config& config, Device device);

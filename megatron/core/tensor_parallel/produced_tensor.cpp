@@ -5,17 +5,25 @@
 
 namespace megatron {
 
-ProducedTensor ProducedTensor::swiglu(const Tensor& fc1) {
-  MG_ASSERT(fc1.defined() && fc1.dim() >= 1 && fc1.size(-1) % 2 == 0, "swiglu of {}: an even last dimension",
-            fc1.str());
-  return ProducedTensor(Kind::Swiglu, fc1, Tensor());
+namespace {
+// The activation's output shape for input pre.
+Shape output_shape(Fp8Activation act, const Tensor& pre) {
+  Shape s = pre.shape();
+  if (act == Fp8Activation::Swiglu) s.back() /= 2;
+  return s;
+}
+}  // namespace
+
+ProducedTensor ProducedTensor::activation(Fp8Activation act, const Tensor& pre) {
+  MG_ASSERT(pre.defined() && pre.dim() >= 1 && (act != Fp8Activation::Swiglu || pre.size(-1) % 2 == 0),
+            "a produced activation of {}", pre.str());
+  return ProducedTensor(act, pre, Tensor());
 }
 
-ProducedTensor ProducedTensor::swiglu_grad(const Tensor& grad, const Tensor& fc1) {
-  MG_ASSERT(fc1.defined() && fc1.dim() >= 1 && fc1.size(-1) % 2 == 0 && grad.defined() &&
-                grad.numel() * 2 == fc1.numel(),
-            "swiglu_grad of {} at {}", grad.str(), fc1.str());
-  return ProducedTensor(Kind::SwigluGrad, fc1, grad);
+ProducedTensor ProducedTensor::activation_grad(Fp8Activation act, const Tensor& grad, const Tensor& pre) {
+  MG_ASSERT(pre.defined() && grad.defined() && pre.dim() >= 1 && grad.shape() == output_shape(act, pre),
+            "a produced activation gradient {} at {}", grad.str(), pre.str());
+  return ProducedTensor(act, pre, grad);
 }
 
 const Tensor& ProducedTensor::tensor() const {
@@ -24,28 +32,31 @@ const Tensor& ProducedTensor::tensor() const {
 }
 
 Shape ProducedTensor::shape() const {
-  Shape s = tensor_.shape();
-  if (kind_ == Kind::Swiglu) s.back() /= 2;
-  return s;
+  return produced_ && !grad_.defined() ? output_shape(act_, tensor_) : tensor_.shape();
 }
 
 ProducedTensor ProducedTensor::flat_rows() const {
   const int64_t k = tensor_.size(-1);
-  switch (kind_) {
-    case Kind::Tensor: return ProducedTensor(tensor_.view({-1, k}));
-    case Kind::Swiglu: return swiglu(tensor_.view({-1, k}));
-    case Kind::SwigluGrad: return swiglu_grad(grad_.view({-1, k / 2}), tensor_.view({-1, k}));
-  }
-  return *this;
+  if (!produced_) return ProducedTensor(tensor_.view({-1, k}));
+  const Tensor pre = tensor_.view({-1, k});
+  if (!grad_.defined()) return activation(act_, pre);
+  return activation_grad(act_, grad_.view({-1, grad_.size(-1)}), pre);
 }
 
 Tensor ProducedTensor::materialize(Context& ctx) const {
-  if (kind_ == Kind::Tensor) return tensor_;
+  if (!produced_) return tensor_;
   Tensor out = Tensor::empty(shape(), tensor_.dtype(), ctx.device());
-  if (kind_ == Kind::Swiglu) {
+  const bool swiglu = act_ == Fp8Activation::Swiglu;
+  if (grad_.defined()) {
+    if (swiglu) {
+      ops::swiglu_backward(ctx, grad_, tensor_, out);
+    } else {
+      ops::gelu_backward(ctx, grad_, tensor_, out);
+    }
+  } else if (swiglu) {
     ops::swiglu_forward(ctx, tensor_, out);
   } else {
-    ops::swiglu_backward(ctx, grad_, tensor_, out);
+    ops::gelu_forward(ctx, tensor_, out);
   }
   return out;
 }

@@ -1,6 +1,7 @@
 #include "megatron/core/transformer/mlp.h"
 
 #include <limits>
+#include <optional>
 
 #include "megatron/kernels/ops.h"
 
@@ -73,14 +74,24 @@ Tensor MLP::activation(Context& ctx, const Tensor& fc1) const {
   return act;
 }
 
+// Note [Produced tensors]: SwiGLU's and GeLU's outputs and input gradients go to the linear layers
+// as the passes that make them; QuickGeGLU's are computed here.
+std::optional<Fp8Activation> MLP::produced_activation() const {
+  if (act_.kind == MlpActivation::Kind::Swiglu) return Fp8Activation::Swiglu;
+  if (act_.kind == MlpActivation::Kind::Gelu) return Fp8Activation::Gelu;
+  return std::nullopt;
+}
+
 ProducedTensor MLP::fc2_input(Context& ctx, const Tensor& fc1) const {
-  if (act_.kind == MlpActivation::Kind::Swiglu) return ProducedTensor::swiglu(fc1);  // Note [Produced tensors]
+  if (const auto a = produced_activation()) return ProducedTensor::activation(*a, fc1);
   return activation(ctx, fc1);
 }
 
 Tensor MLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
   saved.x = x;
-  if (!swiglu_) return linear_fc2_.forward(ctx, linear_fc1_.forward_gelu(ctx, x, saved.fc1));
+  // GeLU in bf16 rides fc1's GEMM epilogue (Note [GeLU in the GEMM epilogue]); in FP8 it is a
+  // produced tensor like SwiGLU's.
+  if (!swiglu_ && !linear_fc1_.fp8()) return linear_fc2_.forward(ctx, linear_fc1_.forward_gelu(ctx, x, saved.fc1));
   saved.fc1 = linear_fc1_.forward(ctx, x);
   return linear_fc2_.forward(ctx, fc2_input(ctx, saved.fc1));
 }
@@ -88,17 +99,18 @@ Tensor MLP::forward(Context& ctx, const Tensor& x, Saved& saved) const {
 Tensor MLP::backward(Context& ctx, const Tensor& grad_out, const Saved& saved) const {
   // Note [Activation recomputed in backward]: the activation's output is not kept: fc2's weight
   // gradient needs it, and one elementwise pass recomputes it from fc1's output, saving an
-  // [N, ffn] tensor per layer. With SwiGLU the activation and its gradient are produced tensors
-  // (Note [Produced tensors]): fc2's FP8 layer makes its transposed input copy straight from fc1's
-  // output, fc1's makes both copies of its output gradient inside SwiGLU's backward pass.
-  // GeLU's gradient is applied inside fc2's input-gradient GEMM (Note [GeLU in the GEMM epilogue]).
-  if (!swiglu_) {
+  // [N, ffn] tensor per layer. With SwiGLU, and with GeLU in FP8, the activation and its gradient
+  // are produced tensors (Note [Produced tensors]): fc2's FP8 layer makes its transposed input copy
+  // straight from fc1's output, fc1's makes both copies of its output gradient inside the
+  // activation's backward pass. GeLU in bf16: its gradient is applied inside fc2's input-gradient
+  // GEMM (Note [GeLU in the GEMM epilogue]).
+  if (!swiglu_ && !linear_fc1_.fp8()) {
     Tensor grad_fc1 = linear_fc2_.backward_through_gelu(ctx, grad_out, activation(ctx, saved.fc1), saved.fc1);
     return linear_fc1_.backward(ctx, grad_fc1, saved.x);
   }
   Tensor grad_act = linear_fc2_.backward(ctx, grad_out, fc2_input(ctx, saved.fc1));
-  if (act_.kind == MlpActivation::Kind::Swiglu) {
-    return linear_fc1_.backward(ctx, ProducedTensor::swiglu_grad(grad_act, saved.fc1), saved.x);
+  if (const auto a = produced_activation()) {
+    return linear_fc1_.backward(ctx, ProducedTensor::activation_grad(*a, grad_act, saved.fc1), saved.x);
   }
   Tensor grad_fc1 = Tensor::empty(saved.fc1.shape(), saved.fc1.dtype(), ctx.device());
   act_.backward(ctx, grad_act, saved.fc1, grad_fc1);

@@ -5,6 +5,8 @@
 // (GPT-OSS; ops::quick_geglu_*), with --glu-linear-offset and --activation-func-clamp-value.
 #pragma once
 
+#include <optional>
+
 #include <string>
 #include <vector>
 
@@ -51,7 +53,9 @@ class MLP {
 
  private:
   Tensor activation(Context& ctx, const Tensor& fc1) const;
-  /// fc2's input: swiglu(fc1) as a produced tensor (Note [Produced tensors]), other activations computed.
+  /// The activation when the linear layers take its tensors as produced ones (SwiGLU, GeLU).
+  std::optional<Fp8Activation> produced_activation() const;
+  /// fc2's input: act(fc1) as a produced tensor (Note [Produced tensors]), or computed.
   ProducedTensor fc2_input(Context& ctx, const Tensor& fc1) const;
 
   MlpActivation act_;

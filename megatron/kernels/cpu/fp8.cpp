@@ -105,19 +105,24 @@ void fp8_quantize_dbias(Context& ctx, const Tensor& x, const Tensor& scale, Tens
   for (int64_t c = 0; c < k; ++c) db[c] += sums[size_t(c)];
 }
 
-// The reference is the definition: x made by the SwiGLU op into fc1's dtype, then quantised.
-void fp8_quantize_swiglu(Context& ctx, const Tensor& fc1, const Tensor& grad, const Tensor& scale, Tensor& q,
-                         Tensor& q_t, Tensor& amax, Tensor& scale_inv, Tensor& dbias) {
-  ops::check_fp8_quantize_swiglu(fc1, grad, scale, q, q_t, amax, scale_inv, dbias);
-  Tensor x;
-  if (grad.defined()) {
-    x = Tensor::empty(fc1.shape(), fc1.dtype(), fc1.device());
-    swiglu_backward(ctx, grad, fc1, x);
+// The reference is the definition: x made by the activation's op into pre's dtype, then quantised.
+void fp8_quantize_activation(Context& ctx, Fp8Activation act, const Tensor& pre, const Tensor& grad,
+                             const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax, Tensor& scale_inv,
+                             Tensor& dbias) {
+  const auto [m, k] = ops::check_fp8_quantize_activation(act, pre, grad, scale, q, q_t, amax, scale_inv, dbias);
+  Shape shape = pre.shape();
+  shape.back() = k;
+  Tensor x = Tensor::empty(shape, pre.dtype(), pre.device());
+  if (act == Fp8Activation::Swiglu) {
+    if (grad.defined()) {
+      swiglu_backward(ctx, grad, pre, x);
+    } else {
+      swiglu_forward(ctx, pre, x);
+    }
+  } else if (grad.defined()) {
+    gelu_backward(ctx, grad, pre, x);
   } else {
-    Shape half = fc1.shape();
-    half.back() /= 2;
-    x = Tensor::empty(half, fc1.dtype(), fc1.device());
-    swiglu_forward(ctx, fc1, x);
+    gelu_forward(ctx, pre, x);
   }
   if (dbias.defined()) {
     fp8_quantize_dbias(ctx, x, scale, q, q_t, amax, scale_inv, dbias);

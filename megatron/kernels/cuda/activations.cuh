@@ -1,9 +1,24 @@
-// The gated activations' pointwise math on the GPU, shared by the activation kernels
+// The MLP activations' pointwise math on the GPU, shared by the activation kernels
 // (elementwise.cu) and the FP8 quantisation passes that compute the activation themselves
-// (fp8.cu, Note [Quantising inside SwiGLU]): one definition, so both write the same bits.
+// (fp8.cu, Note [Quantising inside the activation]): one definition, so both write the same bits.
 #pragma once
 
 namespace megatron::cuda {
+
+inline constexpr float kSqrt2OverPi = 0.7978845608028654f;
+inline constexpr float kGeluCoeff = 0.044715f;
+
+// GeLU, tanh approximation (Megatron's openai_gelu / bias_gelu), and its derivative.
+__device__ __forceinline__ float gelu(float x) {
+  const float u = kSqrt2OverPi * (x + kGeluCoeff * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_grad(float x) {
+  const float u = kSqrt2OverPi * (x + kGeluCoeff * x * x * x);
+  const float t = tanhf(u);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * x * x);
+}
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 

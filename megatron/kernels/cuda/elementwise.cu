@@ -20,22 +20,6 @@ namespace megatron::cuda {
 
 namespace {
 
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluCoeff = 0.044715f;
-
-
-
-__device__ __forceinline__ float gelu(float x) {
-  const float u = kSqrt2OverPi * (x + kGeluCoeff * x * x * x);
-  return 0.5f * x * (1.0f + tanhf(u));
-}
-
-__device__ __forceinline__ float gelu_grad(float x) {
-  const float u = kSqrt2OverPi * (x + kGeluCoeff * x * x * x);
-  const float t = tanhf(u);
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * x * x);
-}
-
 // u[k] = philox_uniform(seed, offset, i0 + k); for N % 4 == 0, i0 must be a multiple of 4.
 template <int N>
 __device__ __forceinline__ void uniforms(uint64_t seed, uint64_t offset, int64_t i0, float (&u)[N]) {

@@ -93,8 +93,9 @@ __device__ __forceinline__ Codes quantize_vector(const uint4& raw, float s, bool
 
 // Note [Quantisation sources]: where the vector passes get x [m, k], one 16-byte vector (V =
 // 16 / sizeof(T) elements, c a multiple of V) at a time — load(r, c), or load_vec(i) for the i-th
-// vector in row-major order: a tensor, or values computed in the pass from SwiGLU's operands
-// (Note [Quantising inside SwiGLU], fp8_ops.h), rounded to T as the SwiGLU kernels store them.
+// vector in row-major order: a tensor, or values computed in the pass from the activation's
+// operands (Note [Quantising inside the activation], fp8_ops.h), rounded to T as the activation
+// kernels store them.
 template <typename T>
 struct TensorRows {  // x itself
   const T* x;
@@ -158,6 +159,29 @@ struct SwigluGradRows {  // x = swiglu's input gradient [m, 2f] for the output g
     const int64_t per_row = 2 * f / V;
     return load(i / per_row, i % per_row * V);
   }
+};
+
+template <typename T>
+struct GeluRows {  // x = gelu(pre) [m, k] (grad null), or its input gradient grad · gelu'(pre)
+  static constexpr int V = int(16 / sizeof(T));
+  const T* grad;
+  const T* pre;
+  int64_t k;
+  __device__ uint4 load_vec(int64_t i) const {
+    float p[V], x[V];
+    load_pack<V>(pre + i * V, p);
+    if (grad != nullptr) {
+      float d[V];
+      load_pack<V>(grad + i * V, d);
+#pragma unroll
+      for (int e = 0; e < V; ++e) x[e] = d[e] * gelu_grad(p[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) x[e] = gelu(p[e]);
+    }
+    return pack_vector<T>(x);
+  }
+  __device__ uint4 load(int64_t r, int64_t c) const { return load_vec((r * k + c) / V); }
 };
 
 // Flat pass, scalar: q (optional) and the amax (optional); also the tail of the vector pass.
@@ -664,21 +688,23 @@ void fp8_quantize_dbias(Context& ctx, const Tensor& x, const Tensor& scale, Tens
   });
 }
 
-// Note [Quantising inside SwiGLU]: the vector passes over a SwiGLU source; other shapes make x with
-// the SwiGLU kernel and quantise it.
-void fp8_quantize_swiglu(Context& ctx, const Tensor& fc1, const Tensor& grad, const Tensor& scale, Tensor& q,
-                         Tensor& q_t, Tensor& amax, Tensor& scale_inv, Tensor& dbias) {
-  const auto [m, k] = ops::check_fp8_quantize_swiglu(fc1, grad, scale, q, q_t, amax, scale_inv, dbias);
-  check_on_gpu({&fc1, &grad, &scale, &q, &q_t, &amax, &scale_inv, &dbias}, "fp8_quantize_swiglu");
-  const int64_t f = fc1.size(-1) / 2;
+// Note [Quantising inside the activation]: the vector passes over the activation's source; other
+// shapes make x with the activation's kernel and quantise it.
+void fp8_quantize_activation(Context& ctx, Fp8Activation act, const Tensor& pre, const Tensor& grad,
+                             const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax, Tensor& scale_inv,
+                             Tensor& dbias) {
+  const auto [m, k] = ops::check_fp8_quantize_activation(act, pre, grad, scale, q, q_t, amax, scale_inv, dbias);
+  check_on_gpu({&pre, &grad, &scale, &q, &q_t, &amax, &scale_inv, &dbias}, "fp8_quantize_activation");
+  const bool swiglu = act == Fp8Activation::Swiglu;
+  const int64_t f = swiglu ? pre.size(-1) / 2 : k;  // the width a source's vector must not straddle
   const bool e4m3 = (q.defined() ? q.dtype() : (q_t.defined() ? q_t.dtype() : DType::Float8E4M3)) ==
                     DType::Float8E4M3;
   const auto addr = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.raw_data()); };
   cudaStream_t st = stream_of(ctx);
   bool done = false;
-  dispatch_float(fc1.dtype(), [&]<typename T>() {
+  dispatch_float(pre.dtype(), [&]<typename T>() {
     constexpr int64_t V = int64_t(16 / sizeof(T));
-    const bool vectors = m > 0 && f > 0 && f % V == 0 && addr(fc1) % 16 == 0 &&
+    const bool vectors = m > 0 && f > 0 && f % V == 0 && addr(pre) % 16 == 0 &&
                          (!grad.defined() || addr(grad) % 16 == 0) && (!q.defined() || addr(q) % uintptr_t(V) == 0);
     if (!vectors || (dbias.defined() && !q_t.defined())) return;  // the flat pass sums no columns
     const int64_t tiles_r = (m + kVecTile - 1) / kVecTile;
@@ -694,10 +720,13 @@ void fp8_quantize_swiglu(Context& ctx, const Tensor& fc1, const Tensor& grad, co
         done = true;
       }
     };
-    if (grad.defined()) {
-      run(SwigluGradRows<T>{dev_ptr<const T>(grad), dev_ptr<const T>(fc1), f});
+    const T* g = grad.defined() ? dev_ptr<const T>(grad) : nullptr;
+    if (!swiglu) {
+      run(GeluRows<T>{g, dev_ptr<const T>(pre), k});
+    } else if (grad.defined()) {
+      run(SwigluGradRows<T>{g, dev_ptr<const T>(pre), f});
     } else {
-      run(SwigluRows<T>{dev_ptr<const T>(fc1), f});
+      run(SwigluRows<T>{dev_ptr<const T>(pre), f});
     }
     CUDA_CHECK(cudaGetLastError());
     if (done && partial != nullptr) {
@@ -713,13 +742,19 @@ void fp8_quantize_swiglu(Context& ctx, const Tensor& fc1, const Tensor& grad, co
     }
     return;
   }
-  Shape shape = fc1.shape();
-  if (!grad.defined()) shape.back() = f;
-  Tensor x = Tensor::empty(shape, fc1.dtype(), fc1.device());
-  if (grad.defined()) {
-    swiglu_backward(ctx, grad, fc1, x);
+  Shape shape = pre.shape();
+  shape.back() = k;
+  Tensor x = Tensor::empty(shape, pre.dtype(), pre.device());
+  if (swiglu) {
+    if (grad.defined()) {
+      swiglu_backward(ctx, grad, pre, x);
+    } else {
+      swiglu_forward(ctx, pre, x);
+    }
+  } else if (grad.defined()) {
+    gelu_backward(ctx, grad, pre, x);
   } else {
-    swiglu_forward(ctx, fc1, x);
+    gelu_forward(ctx, pre, x);
   }
   if (dbias.defined()) {
     fp8_quantize_dbias(ctx, x, scale, q, q_t, amax, scale_inv, dbias);

@@ -1,7 +1,7 @@
 // One FP8 linear layer on the CPU (Note [FP8 linear layer]): forward and backward against the fp32
 // linear math on the dequantised operands, for each recipe and format; the delayed recipe's scales
-// across steps; the weight cache of a step's microbatches; the GeLU paths; and the FP8 result near
-// the unquantised one; SwiGLU's produced operands (Note [Produced tensors]) equal to the
+// across steps; the weight cache of a step's microbatches; and the FP8 result near
+// the unquantised one; the activation's produced operands (Note [Produced tensors]) equal to the
 // materialised ones.
 #include <gtest/gtest.h>
 
@@ -264,90 +264,77 @@ TEST(Fp8Linear, NoFp8WgradRunsTheWeightGradientUnquantised) {
   }
 }
 
-TEST(Fp8Linear, GeluPathsAreTheGemmThenTheActivation) {
-  Context ctx;
-  const Fp8Config c = fp8_config(Fp8Recipe::Tensorwise, "e4m3");
-  Layer L;
-  L.lin.enable_fp8(c, Device::cpu());
-  const Tensor x = random_tensor({kTokens, kIn}, 5, 1.0f);
-  Tensor pre;
-  const Tensor out = L.lin.forward_gelu(ctx, x, pre);
-  const Tensor y = L.lin.forward(ctx, x);
-  EXPECT_EQ(pre.to_floats(), y.to_floats());
-  Tensor g = Tensor::empty(y.shape(), DType::Float32);
-  cpu::gelu_forward(ctx, y, g);
-  EXPECT_EQ(out.to_floats(), g.to_floats());
-
-  // fc2's backward through the GeLU: the FP8 input gradient, then gelu'
-  ParamAndGradBuffer p2(DType::Float32, Device::cpu());
-  Linear fc2(p2, "fc2", kOut, kIn, false, ParamInit::Normal);
-  p2.allocate();
-  p2.init_weights(4, 0.05f, 2, false);
-  p2.zero_grad();
-  fc2.enable_fp8(c, Device::cpu());
-  const Tensor dy = random_tensor({kTokens, kIn}, 6, 1e-2f);
-  const Tensor grad_pre = fc2.backward_through_gelu(ctx, dy, out, pre);
-  const Tensor wg = p2.find("fc2.weight")->main_grad.clone();
-  p2.zero_grad();
-  const Tensor grad_x = fc2.backward(ctx, dy, out);
-  EXPECT_EQ(p2.find("fc2.weight")->main_grad.to_floats(), wg.to_floats());
-  Tensor want = Tensor::empty(pre.shape(), DType::Float32);
-  cpu::gelu_backward(ctx, grad_x, pre, want);
-  EXPECT_EQ(grad_pre.to_floats(), want.to_floats());
-}
-
-// Note [Produced tensors]: an FP8 layer given SwiGLU's output (fc2's input) or SwiGLU's input
+// Note [Produced tensors]: an FP8 layer given the activation's output (fc2's input) or its input
 // gradient (fc1's output gradient) as produced tensors gives the bits it gives for the
-// materialised tensors, in every recipe and with --no-fp8-wgrad, over two steps (the delayed
-// recipe's second step quantises with the first one's amax).
-TEST(Fp8Linear, ProducedSwigluOperandsEqualTheMaterialisedOnes) {
+// materialised tensors — SwiGLU and GeLU, every recipe, with and without --no-fp8-wgrad, over two
+// steps (the delayed recipe's second step quantises with the first one's amax).
+TEST(Fp8Linear, ProducedActivationOperandsEqualTheMaterialisedOnes) {
   constexpr int64_t f = 128;
-  for (Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise}) {
-    for (bool wgrad : {true, false}) {
-      SCOPED_TRACE(to_string(recipe) + (wgrad ? "" : " --no-fp8-wgrad"));
-      Context ctx;
-      Fp8Config c = fp8_config(recipe, "hybrid");
-      c.wgrad = wgrad;
-      const Tensor fc1_out = random_tensor({kTokens, 2 * f}, 70, 2.0f);
-      const Tensor x = random_tensor({kTokens, kIn}, 71, 1.0f);
-      // fc2: input swiglu(fc1_out); fc1: output gradient swiglu'(fc1_out) · grad_act
-      auto run = [&](bool produced) {
-        std::vector<std::vector<float>> out;
-        ParamAndGradBuffer params(DType::Float32, Device::cpu());
-        Linear fc1(params, "fc1", kIn, 2 * f, /*bias=*/true, ParamInit::Normal);
-        Linear fc2(params, "fc2", f, kOut, /*bias=*/true, ParamInit::Normal);
-        params.allocate();
-        params.init_weights(5, 0.05f, 2, false);
-        params.zero_grad();
-        fc1.enable_fp8(c, Device::cpu());
-        fc2.enable_fp8(c, Device::cpu());
-        Tensor act = Tensor::empty({kTokens, f}, DType::Float32);
-        cpu::swiglu_forward(ctx, fc1_out, act);
-        const ProducedTensor act_in = produced ? ProducedTensor::swiglu(fc1_out) : ProducedTensor(act);
-        for (int step = 0; step < 2; ++step) {
-          const Tensor dy = random_tensor({kTokens, kOut}, 72 + step, 1e-2f);
-          out.push_back(fc2.forward(ctx, act_in).to_floats());
-          const Tensor grad_act = fc2.backward(ctx, dy, act_in);
-          out.push_back(grad_act.to_floats());
-          Tensor grad_fc1 = Tensor::empty(fc1_out.shape(), DType::Float32);
-          cpu::swiglu_backward(ctx, grad_act, fc1_out, grad_fc1);
-          fc1.forward(ctx, x);
-          const ProducedTensor g = produced ? ProducedTensor::swiglu_grad(grad_act, fc1_out) : ProducedTensor(grad_fc1);
-          out.push_back(fc1.backward(ctx, g, x).to_floats());
-          for (const char* name : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}) {
-            out.push_back(params.find(name)->main_grad.to_floats());
+  for (Fp8Activation act : {Fp8Activation::Swiglu, Fp8Activation::Gelu}) {
+    const bool swiglu = act == Fp8Activation::Swiglu;
+    const int64_t width = swiglu ? 2 * f : f;  // fc1's output
+    for (Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise}) {
+      for (bool wgrad : {true, false}) {
+        SCOPED_TRACE(std::string(swiglu ? "swiglu " : "gelu ") + to_string(recipe) + (wgrad ? "" : " --no-fp8-wgrad"));
+        Context ctx;
+        Fp8Config c = fp8_config(recipe, "hybrid");
+        c.wgrad = wgrad;
+        const Tensor fc1_out = random_tensor({kTokens, width}, 70, 2.0f);
+        const Tensor x = random_tensor({kTokens, kIn}, 71, 1.0f);
+        auto run = [&](bool produced) {
+          std::vector<std::vector<float>> out;
+          ParamAndGradBuffer params(DType::Float32, Device::cpu());
+          Linear fc1(params, "fc1", kIn, width, /*bias=*/true, ParamInit::Normal);
+          Linear fc2(params, "fc2", f, kOut, /*bias=*/true, ParamInit::Normal);
+          params.allocate();
+          params.init_weights(5, 0.05f, 2, false);
+          params.zero_grad();
+          fc1.enable_fp8(c, Device::cpu());
+          fc2.enable_fp8(c, Device::cpu());
+          Tensor a = Tensor::empty({kTokens, f}, DType::Float32);
+          if (swiglu) {
+            cpu::swiglu_forward(ctx, fc1_out, a);
+          } else {
+            cpu::gelu_forward(ctx, fc1_out, a);
           }
-          fc1.fp8()->update(ctx);
-          fc2.fp8()->update(ctx);
-        }
-        return out;
-      };
-      const auto want = run(false), got = run(true);
-      ASSERT_EQ(got.size(), want.size());
-      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "output " << i;
+          const ProducedTensor act_in = produced ? ProducedTensor::activation(act, fc1_out) : ProducedTensor(a);
+          for (int step = 0; step < 2; ++step) {
+            const Tensor dy = random_tensor({kTokens, kOut}, 72 + step, 1e-2f);
+            out.push_back(fc2.forward(ctx, act_in).to_floats());
+            const Tensor grad_act = fc2.backward(ctx, dy, act_in);
+            out.push_back(grad_act.to_floats());
+            Tensor grad_fc1 = Tensor::empty(fc1_out.shape(), DType::Float32);
+            if (swiglu) {
+              cpu::swiglu_backward(ctx, grad_act, fc1_out, grad_fc1);
+            } else {
+              cpu::gelu_backward(ctx, grad_act, fc1_out, grad_fc1);
+            }
+            fc1.forward(ctx, x);
+            const ProducedTensor g =
+                produced ? ProducedTensor::activation_grad(act, grad_act, fc1_out) : ProducedTensor(grad_fc1);
+            out.push_back(fc1.backward(ctx, g, x).to_floats());
+            for (const char* name : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}) {
+              out.push_back(params.find(name)->main_grad.to_floats());
+            }
+            fc1.fp8()->update(ctx);
+            fc2.fp8()->update(ctx);
+          }
+          return out;
+        };
+        const auto want = run(false), got = run(true);
+        ASSERT_EQ(got.size(), want.size());
+        for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "output " << i;
+      }
     }
   }
+  // the bf16 GeLU epilogue fusions are not for FP8 layers
+  ParamAndGradBuffer params(DType::Float32, Device::cpu());
+  Linear fc1(params, "fc1", kIn, f, true, ParamInit::Normal);
+  params.allocate();
+  fc1.enable_fp8(fp8_config(Fp8Recipe::Delayed, "hybrid"), Device::cpu());
+  Context ctx;
+  Tensor pre;
+  EXPECT_THROW(fc1.forward_gelu(ctx, random_tensor({kTokens, kIn}, 74, 1.0f), pre), std::exception);
 }
-
 }  // namespace
 }  // namespace megatron
