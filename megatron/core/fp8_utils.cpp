@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 
 #include "megatron/core/comm/communicator.h"
-#include "megatron/runtime/allocator.h"
 #include "megatron/runtime/check.h"
 #include "megatron/runtime/dtype.h"
 
@@ -112,15 +111,17 @@ void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const ProducedTensor& x
     return;
   }
   if (recipe_ == Fp8Recipe::Tensorwise) {
-    if (x.is_tensor()) {
-      ops::fp8_amax(ctx, x.tensor(), a);
-    } else {  // the amax pass makes x too: fp8_quantize's amax accumulates, so from zero
-      fill_bytes(a.raw_data(), a.device(), 0, sizeof(float), ctx.stream());
-      Tensor no_q, no_q_t, no_sums;
-      pass(no_q, no_q_t, a, none, no_sums);
-    }
+    // Current scaling reads x twice (its amax, then the codes): a produced x is written once and
+    // read twice rather than computed twice — the activation twice measured slower (GPT 1.3B
+    // tensorwise 1.18x of bf16 against 1.21x; Note [Quantising inside the activation]).
+    const Tensor values = x.materialize(ctx);
+    ops::fp8_amax(ctx, values, a);
     ops::fp8_scale_from_amax(ctx, a, params_.fp8_max, /*power_of_two_scales=*/false, s, si);
-    pass(q, q_t, none, none, dbias);
+    if (dbias.defined()) {
+      ops::fp8_quantize_dbias(ctx, values, s, q, q_t, none, none, dbias);
+    } else {
+      ops::fp8_quantize(ctx, values, s, q, q_t, none, none);
+    }
     return;
   }
   pass(q, q_t, a, si, dbias);

@@ -54,6 +54,9 @@
 // (kernels/cuda/activations.cuh) and rounded to the tensors' dtype before they are quantised, so
 // the codes and amax equal the unfused ops' bit for bit; shapes the vector pass does not take (a
 // width not a multiple of the 16-byte vector, unaligned tensors) materialise x and quantise it.
+// The delayed recipe uses it (one pass: the scale is known); current scaling needs x's amax before
+// its codes, and computing the activation twice measured slower than writing it once and reading
+// it twice, so the tensorwise recipe materialises (Fp8TensorScaling::quantize).
 #pragma once
 
 #include <cstdint>

@@ -92,8 +92,8 @@ __device__ __forceinline__ Codes quantize_vector(const uint4& raw, float s, bool
 }
 
 // Note [Quantisation sources]: where the vector passes get x [m, k], one 16-byte vector (V =
-// 16 / sizeof(T) elements, c a multiple of V) at a time — load(r, c), or load_vec(i) for the i-th
-// vector in row-major order: a tensor, or values computed in the pass from the activation's
+// 16 / sizeof(T) elements, c a multiple of V) at a time — load(r, c), or (a tensor) load_vec(i) for
+// the i-th vector in row-major order: a tensor, or values computed in the pass from the activation's
 // operands (Note [Quantising inside the activation], fp8_ops.h), rounded to T as the activation
 // kernels store them.
 template <typename T>
@@ -128,10 +128,6 @@ struct SwigluRows {  // x = swiglu(fc1) [m, f], fc1 [m, 2f] = [gate | up] rows
     for (int e = 0; e < V; ++e) y[e] = swiglu_value(g[e], u[e]);
     return pack_vector<T>(y);
   }
-  __device__ uint4 load_vec(int64_t i) const {
-    const int64_t per_row = f / V;
-    return load(i / per_row, i % per_row * V);
-  }
 };
 
 template <typename T>
@@ -155,10 +151,6 @@ struct SwigluGradRows {  // x = swiglu's input gradient [m, 2f] for the output g
     }
     return pack_vector<T>(x);
   }
-  __device__ uint4 load_vec(int64_t i) const {
-    const int64_t per_row = 2 * f / V;
-    return load(i / per_row, i % per_row * V);
-  }
 };
 
 template <typename T>
@@ -167,12 +159,13 @@ struct GeluRows {  // x = gelu(pre) [m, k] (grad null), or its input gradient gr
   const T* grad;
   const T* pre;
   int64_t k;
-  __device__ uint4 load_vec(int64_t i) const {
+  __device__ uint4 load(int64_t r, int64_t c) const {
+    const int64_t i = r * k + c;
     float p[V], x[V];
-    load_pack<V>(pre + i * V, p);
+    load_pack<V>(pre + i, p);
     if (grad != nullptr) {
       float d[V];
-      load_pack<V>(grad + i * V, d);
+      load_pack<V>(grad + i, d);
 #pragma unroll
       for (int e = 0; e < V; ++e) x[e] = d[e] * gelu_grad(p[e]);
     } else {
@@ -181,7 +174,6 @@ struct GeluRows {  // x = gelu(pre) [m, k] (grad null), or its input gradient gr
     }
     return pack_vector<T>(x);
   }
-  __device__ uint4 load(int64_t r, int64_t c) const { return load_vec((r * k + c) / V); }
 };
 
 // Flat pass, scalar: q (optional) and the amax (optional); also the tail of the vector pass.
@@ -213,6 +205,28 @@ __global__ void quantize_flat_vec_kernel(Src x, int64_t nvec, const float* __res
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nvec; i += int64_t(gridDim.x) * blockDim.x) {
     const Codes codes = quantize_vector<T, Codes>(x.load_vec(i), s, e4m3, local);
     if (q != nullptr) reinterpret_cast<Codes*>(q)[i] = codes;
+  }
+  if (amax != nullptr) {
+    local = block_max(local);
+    if (threadIdx.x == 0) atomic_max_nonneg(amax, local);
+  }
+}
+
+// Flat pass over a computed source (Note [Quantisation sources]): block (bx, by) takes rows by, by +
+// gridDim.y, ... and in each the vectors bx·blockDim.x + tid, ... — no division per vector (a 64-bit
+// one per vector made the flat walk of a [rows, k] source compute-bound).
+template <typename T, typename Src>
+__global__ void quantize_rows_vec_kernel(Src x, int64_t m, int64_t per_row, const float* __restrict__ scale,
+                                         uint8_t* __restrict__ q, bool e4m3, float* __restrict__ amax) {
+  constexpr int V = int(16 / sizeof(T));
+  using Codes = std::conditional_t<V == 8, uint2, uint32_t>;
+  const float s = scale != nullptr ? *scale : 1.0f;
+  float local = 0.0f;
+  for (int64_t r = blockIdx.y; r < m; r += gridDim.y) {
+    for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < per_row; v += int64_t(gridDim.x) * blockDim.x) {
+      const Codes codes = quantize_vector<T, Codes>(x.load(r, v * V), s, e4m3, local);
+      if (q != nullptr) reinterpret_cast<Codes*>(q)[r * per_row + v] = codes;
+    }
   }
   if (amax != nullptr) {
     local = block_max(local);
@@ -714,9 +728,11 @@ void fp8_quantize_activation(Context& ctx, Fp8Activation act, const Tensor& pre,
       if (q_t.defined()) {
         done = launch_quantize_transpose_vec<T>(st, src, true, m, k, scale, q, q_t, e4m3, amax, partial);
       } else {
-        const int64_t nvec = m * k / V;
-        quantize_flat_vec_kernel<T><<<grid_for(nvec, kBlockSize, 2048), kBlockSize, 0, st>>>(
-            src, nvec, f32_ptr(scale), fp8_ptr(q), e4m3, f32_ptr(amax));
+        const int64_t per_row = k / V;
+        const int64_t bx = std::min<int64_t>((per_row + kBlockSize - 1) / kBlockSize, 64);
+        const dim3 grid(unsigned(bx), unsigned(std::min<int64_t>(m, std::max<int64_t>(1, 4096 / bx))));
+        quantize_rows_vec_kernel<T><<<grid, kBlockSize, 0, st>>>(src, m, per_row, f32_ptr(scale), fp8_ptr(q), e4m3,
+                                                                 f32_ptr(amax));
         done = true;
       }
     };
