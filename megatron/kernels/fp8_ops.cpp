@@ -124,6 +124,23 @@ std::pair<int64_t, int64_t> check_fp8_quantize_activation(Fp8Activation act, con
   return mk;
 }
 
+Tensor fp8_activation_values(Context& ctx, Fp8Activation act, const Tensor& pre, const Tensor& grad) {
+  const bool swiglu = act == Fp8Activation::Swiglu;
+  Shape shape = pre.shape();
+  if (swiglu && !grad.defined()) shape.back() /= 2;
+  Tensor x = Tensor::empty(shape, pre.dtype(), ctx.device());
+  if (swiglu && grad.defined()) {
+    swiglu_backward(ctx, grad, pre, x);
+  } else if (swiglu) {
+    swiglu_forward(ctx, pre, x);
+  } else if (grad.defined()) {
+    gelu_backward(ctx, grad, pre, x);
+  } else {
+    gelu_forward(ctx, pre, x);
+  }
+  return x;
+}
+
 std::pair<int64_t, int64_t> check_fp8_quantize_dbias(const Tensor& x, const Tensor& scale, const Tensor& q,
                                                      const Tensor& q_t, const Tensor& amax, const Tensor& scale_inv,
                                                      const Tensor& dbias) {

@@ -124,6 +124,11 @@ std::pair<int64_t, int64_t> check_fp8_quantize_activation(Fp8Activation act, con
                                                           const Tensor& scale, const Tensor& q, const Tensor& q_t,
                                                           const Tensor& amax, const Tensor& scale_inv,
                                                           const Tensor& dbias);
+/// The tensor fp8_quantize_activation quantises, in memory: act(pre) (grad undefined) or the
+/// activation's input gradient for grad, in pre's dtype on ctx's device, through the dispatching
+/// ops (the CPU reference, the GPU's fallback for shapes its passes do not take, and
+/// ProducedTensor::materialize).
+Tensor fp8_activation_values(Context& ctx, Fp8Activation act, const Tensor& pre, const Tensor& grad);
 /// The checks of fp8_block_quantize's tensors; returns M and K.
 std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_2d, const Tensor& q,
                                                      const Tensor& scale_inv);

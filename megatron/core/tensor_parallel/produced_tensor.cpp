@@ -45,20 +45,7 @@ ProducedTensor ProducedTensor::flat_rows() const {
 
 Tensor ProducedTensor::materialize(Context& ctx) const {
   if (!produced_) return tensor_;
-  Tensor out = Tensor::empty(shape(), tensor_.dtype(), ctx.device());
-  const bool swiglu = act_ == Fp8Activation::Swiglu;
-  if (grad_.defined()) {
-    if (swiglu) {
-      ops::swiglu_backward(ctx, grad_, tensor_, out);
-    } else {
-      ops::gelu_backward(ctx, grad_, tensor_, out);
-    }
-  } else if (swiglu) {
-    ops::swiglu_forward(ctx, tensor_, out);
-  } else {
-    ops::gelu_forward(ctx, tensor_, out);
-  }
-  return out;
+  return ops::fp8_activation_values(ctx, act_, tensor_, grad_);
 }
 
 }  // namespace megatron

@@ -109,21 +109,8 @@ void fp8_quantize_dbias(Context& ctx, const Tensor& x, const Tensor& scale, Tens
 void fp8_quantize_activation(Context& ctx, Fp8Activation act, const Tensor& pre, const Tensor& grad,
                              const Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax, Tensor& scale_inv,
                              Tensor& dbias) {
-  const auto [m, k] = ops::check_fp8_quantize_activation(act, pre, grad, scale, q, q_t, amax, scale_inv, dbias);
-  Shape shape = pre.shape();
-  shape.back() = k;
-  Tensor x = Tensor::empty(shape, pre.dtype(), pre.device());
-  if (act == Fp8Activation::Swiglu) {
-    if (grad.defined()) {
-      swiglu_backward(ctx, grad, pre, x);
-    } else {
-      swiglu_forward(ctx, pre, x);
-    }
-  } else if (grad.defined()) {
-    gelu_backward(ctx, grad, pre, x);
-  } else {
-    gelu_forward(ctx, pre, x);
-  }
+  ops::check_fp8_quantize_activation(act, pre, grad, scale, q, q_t, amax, scale_inv, dbias);
+  const Tensor x = ops::fp8_activation_values(ctx, act, pre, grad);
   if (dbias.defined()) {
     fp8_quantize_dbias(ctx, x, scale, q, q_t, amax, scale_inv, dbias);
   } else {

@@ -156,6 +156,23 @@ inline uint32_t alignment_of(const void* p) {
   return align;
 }
 
+/// A cuBLASLt heuristic preference: at most max_workspace bytes of workspace, operands aligned to at
+/// least align_a / align_b bytes and C = D to align_d (a plan is only valid for pointers as aligned).
+inline cublasLtMatmulPreference_t matmul_preference(uint64_t max_workspace, uint32_t align_a, uint32_t align_b,
+                                                    uint32_t align_d) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  auto set = [&](cublasLtMatmulPreferenceAttributes_t attr, const auto& value) {
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)));
+  };
+  set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, max_workspace);
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a);
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d);
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
+  return pref;
+}
+
 inline unsigned grid_for(int64_t n, int block = kBlockSize, int64_t max_blocks = 65535LL * 16) {
   int64_t b = (n + block - 1) / block;
   if (b < 1) b = 1;

@@ -758,20 +758,7 @@ void fp8_quantize_activation(Context& ctx, Fp8Activation act, const Tensor& pre,
     }
     return;
   }
-  Shape shape = pre.shape();
-  shape.back() = k;
-  Tensor x = Tensor::empty(shape, pre.dtype(), pre.device());
-  if (swiglu) {
-    if (grad.defined()) {
-      swiglu_backward(ctx, grad, pre, x);
-    } else {
-      swiglu_forward(ctx, pre, x);
-    }
-  } else if (grad.defined()) {
-    gelu_backward(ctx, grad, pre, x);
-  } else {
-    gelu_forward(ctx, pre, x);
-  }
+  const Tensor x = ops::fp8_activation_values(ctx, act, pre, grad);
   if (dbias.defined()) {
     fp8_quantize_dbias(ctx, x, scale, q, q_t, amax, scale_inv, dbias);
   } else {

@@ -115,21 +115,9 @@ std::shared_ptr<Fp8GemmPlan> make_fp8_plan(cublasLtHandle_t handle, const Fp8Ope
   const cudaDataType_t dt = out.dtype() == DType::Float32 ? CUDA_R_32F : CUDA_R_16BF;
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->ld, dt, uint64_t(n), uint64_t(m), n));
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t max_ws = kFp8WorkspaceBytes;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws,
-                                                    sizeof(max_ws)));
-  const uint32_t align_a = alignment_of(b.data.raw_data()), align_b = alignment_of(a.data.raw_data()),
-                 align_d = alignment_of(out.raw_data());
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
-                                                    sizeof(align_a)));
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
-                                                    sizeof(align_b)));
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
-                                                    sizeof(align_d)));
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
-                                                    sizeof(align_d)));
+  // cuBLASLt's A is our b (Note [FP8 GEMM layouts])
+  cublasLtMatmulPreference_t pref = matmul_preference(kFp8WorkspaceBytes, alignment_of(b.data.raw_data()),
+                                                      alignment_of(a.data.raw_data()), alignment_of(out.raw_data()));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->la, plan->lb, plan->ld, plan->ld,
