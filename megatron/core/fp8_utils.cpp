@@ -97,17 +97,18 @@ void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const ProducedTensor& x
                                 Tensor dbias) {
   MG_ASSERT(i >= 0 && i < size(), "FP8 tensor {} of {}", i, size());
   Tensor s = scale(i), si = scale_inv(i), a = amax(i), none;
-  auto pass = [&](Tensor& out_q, Tensor& out_q_t, Tensor& amax_out, Tensor& scale_inv_out, Tensor& sums) {
-    if (!x.is_tensor()) {  // Note [Quantising inside the activation]
-      ops::fp8_quantize_activation(ctx, x.act(), x.pre(), x.grad(), s, out_q, out_q_t, amax_out, scale_inv_out, sums);
-    } else if (sums.defined()) {
-      ops::fp8_quantize_dbias(ctx, x.tensor(), s, out_q, out_q_t, amax_out, scale_inv_out, sums);
+  // one pass over v writing q, q_t, dbias and what is given of the amax and scale_inv
+  auto pass = [&](const ProducedTensor& v, Tensor& amax_out, Tensor& scale_inv_out) {
+    if (!v.is_tensor()) {  // Note [Quantising inside the activation]
+      ops::fp8_quantize_activation(ctx, v.act(), v.pre(), v.grad(), s, q, q_t, amax_out, scale_inv_out, dbias);
+    } else if (dbias.defined()) {
+      ops::fp8_quantize_dbias(ctx, v.tensor(), s, q, q_t, amax_out, scale_inv_out, dbias);
     } else {
-      ops::fp8_quantize(ctx, x.tensor(), s, out_q, out_q_t, amax_out, scale_inv_out);
+      ops::fp8_quantize(ctx, v.tensor(), s, q, q_t, amax_out, scale_inv_out);
     }
   };
   if (again) {
-    pass(q, q_t, none, none, dbias);
+    pass(x, none, none);
     return;
   }
   if (recipe_ == Fp8Recipe::Tensorwise) {
@@ -117,14 +118,10 @@ void Fp8TensorScaling::quantize(Context& ctx, int64_t i, const ProducedTensor& x
     const Tensor values = x.materialize(ctx);
     ops::fp8_amax(ctx, values, a);
     ops::fp8_scale_from_amax(ctx, a, params_.fp8_max, /*power_of_two_scales=*/false, s, si);
-    if (dbias.defined()) {
-      ops::fp8_quantize_dbias(ctx, values, s, q, q_t, none, none, dbias);
-    } else {
-      ops::fp8_quantize(ctx, values, s, q, q_t, none, none);
-    }
+    pass(values, none, none);
     return;
   }
-  pass(q, q_t, a, si, dbias);
+  pass(x, a, si);
 }
 
 void Fp8TensorScaling::update(Context& ctx) {

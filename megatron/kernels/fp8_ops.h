@@ -1,7 +1,7 @@
 // The FP8 op family: quantisation with scales and amax, the scaling recipes' device-side
 // bookkeeping, block scaling and the FP8 GEMM. Declared in fp8_op_list.inc into megatron::ops
 // (dispatching, fp8_ops.cpp), megatron::cpu (kernels/cpu/fp8.cpp, the reference) and
-// megatron::cuda (kernels/cuda/fp8.cu; the GEMM in fp8_gemm.cu), as op_list.inc is for the other ops.
+// megatron::cuda (kernels/cuda/fp8.cu; block scaling fp8_block.cu, the GEMM fp8_gemm.cu), as op_list.inc is for the other ops.
 //
 // Note [FP8 formats and scaling]: the two OCP 8-bit formats (runtime/dtype.h) are
 //   e4m3  bias 7,  3 mantissa bits, no infinities, one NaN (S.1111.111), max ±448, min subnormal 2^-9
