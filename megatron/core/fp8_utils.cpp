@@ -129,6 +129,29 @@ void Fp8TensorScaling::update(Context& ctx) {
   ops::fp8_delayed_scale_update(ctx, amax_history_, scale_, params_);
 }
 
+void update_fp8_scaling(Context& ctx, const std::vector<Fp8TensorScaling*>& states) {
+  std::vector<const Fp8TensorScaling*> firsts;  // one per distinct Fp8DelayedParams
+  std::vector<std::vector<Tensor>> histories, scales;
+  for (Fp8TensorScaling* s : states) {
+    if (s->recipe() != Fp8Recipe::Delayed || s->size() == 0) continue;
+    const Fp8DelayedParams& p = s->delayed_params();
+    size_t g = 0;
+    while (g < firsts.size() && !(firsts[g]->delayed_params().fp8_max == p.fp8_max &&
+                                  firsts[g]->delayed_params().margin == p.margin &&
+                                  firsts[g]->delayed_params().use_max == p.use_max))
+      ++g;
+    if (g == firsts.size()) {
+      firsts.push_back(s);
+      histories.emplace_back();
+      scales.emplace_back();
+    }
+    histories[g].push_back(s->mutable_amax_history());
+    scales[g].push_back(s->mutable_scales());
+  }
+  for (size_t g = 0; g < firsts.size(); ++g)
+    ops::fp8_delayed_scale_update_grouped(ctx, histories[g], scales[g], firsts[g]->delayed_params());
+}
+
 namespace {
 // Fp8Param::block_scale_inv's shape for a weight of `shape`: the forward GEMM's 128x128 scale
 // layout with as many rows as the transposed copy's layout has columns, so that both fit in it

@@ -136,6 +136,7 @@ class Fp8TensorScaling {
 
   Tensor scale(int64_t i) const { return scale_.flat_slice(i, 1); }
   Tensor scale_inv(int64_t i) const { return scale_inv_.flat_slice(i * kScaleInvStride, 1); }
+  const Fp8DelayedParams& delayed_params() const { return params_; }
   /// The amax that quantize records into: the history's row 0 (delayed) or the current amax.
   Tensor amax(int64_t i) const;
   const Tensor& scales() const { return scale_; }
@@ -152,6 +153,10 @@ class Fp8TensorScaling {
   Fp8DelayedParams params_;
   Tensor scale_, scale_inv_, amax_history_, amax_;
 };
+
+/// update() of every state in `states`, in one launch per kind of state (per fp8 format: the
+/// grouped update, fp8_delayed_scale_update_grouped) rather than one per state.
+void update_fp8_scaling(Context& ctx, const std::vector<Fp8TensorScaling*>& states);
 
 /// A weight held in FP8 under --fp8-param-gather (Note [FP8 parameters]): Parameter::fp8 points at
 /// this, owned by the weight's layer (Fp8LinearState).

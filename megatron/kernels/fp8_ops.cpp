@@ -202,6 +202,40 @@ void check_fp8_block_partial(const char* op, const Tensor& x, int64_t start, int
            "{}: q must be fp8 of x's {} elements on {}, got {}", op, x.numel(), x.device().str(), str_of(q));
 }
 
+size_t check_fp8_quantize_grouped(const std::vector<Tensor>& x, const std::vector<Tensor>& scale,
+                                  const std::vector<Tensor>& q, const std::vector<Tensor>& q_t,
+                                  const std::vector<Tensor>& amax, const std::vector<Tensor>& scale_inv,
+                                  bool current_scaling) {
+  const size_t n = x.size();
+  auto one_each = [n](const std::vector<Tensor>& v, const char* name, bool needed) {
+    MG_CHECK(v.size() == n || (v.empty() && !needed), "fp8_quantize_grouped: {} {} for {} members{}", v.size(), name,
+             n, needed ? " (current scaling needs one each)" : " (give none or one each)");
+  };
+  one_each(scale, "scales", true);
+  one_each(q, "q", false);
+  one_each(q_t, "q_t", false);
+  one_each(amax, "amaxes", current_scaling);
+  one_each(scale_inv, "scale_invs", current_scaling);
+  Tensor none;
+  for (size_t i = 0; i < n; ++i) {
+    MG_CHECK(is_float(x[i]) && x[i].dim() == 2 && x[i].size(0) > 0 && x[i].dtype() == x[0].dtype(),
+             "fp8_quantize_grouped: member {}'s x must be {} [M > 0, K] like member 0's, got {}", i,
+             to_string(x[0].dtype()), str_of(x[i]));
+    const int64_t m = x[i].size(0), k = x[i].size(1);
+    const Tensor& qt = q_t.empty() ? none : q_t[i];
+    MG_CHECK(!qt.defined() || (is_fp8(qt.dtype()) && qt.dim() == 2 && qt.size(0) == k && qt.size(1) >= m &&
+                               qt.device() == x[i].device()),
+             "fp8_quantize_grouped: member {}'s q_t must be fp8 [{}, P >= {}] on {}, got {}", i, k, m,
+             x[i].device().str(), str_of(qt));
+    const Tensor& qi = q.empty() ? none : q[i];
+    MG_CHECK(!qi.defined() || !qt.defined() || qi.dtype() == qt.dtype(), "fp8_quantize_grouped: q is {} but q_t {}",
+             to_string(qi.dtype()), to_string(qt.dtype()));
+    check_quantize_outputs("fp8_quantize_grouped", x[i].shape(), x[i].device(), scale[i], qi, none,
+                           amax.empty() ? none : amax[i], scale_inv.empty() ? none : scale_inv[i]);
+  }
+  return n;
+}
+
 std::pair<int64_t, int64_t> check_fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale) {
   MG_CHECK(amax_history.defined() && amax_history.dtype() == DType::Float32 && amax_history.dim() == 2 &&
                amax_history.size(0) >= 1,

@@ -57,6 +57,18 @@
 // The delayed recipe uses it (one pass: the scale is known); current scaling needs x's amax before
 // its codes, and computing the activation twice measured slower than writing it once and reading
 // it twice, so the tensorwise recipe materialises (Fp8TensorScaling::quantize).
+//
+// Note [Grouped quantisation] (TE's multi_tensor / grouped casts behind GroupedLinear): the MoE
+// experts quantise one row block of a tensor per expert, each with its expert's scale, and each
+// expert's weight; a pass per block and weight is a launch of a few microseconds' work each —
+// for 64 fine-grained experts ~13 launches per expert and linear layer, more time than their FP8
+// GEMMs. fp8_quantize_grouped takes the members as lists and does each step of all of them in one
+// launch: on the GPU a table of up to 32 members per launch (their pointers, shapes and first tile),
+// each block one 64x64 tile of one member (Note [Vectorised transposed quantise], cuda/fp8.cu);
+// current scaling is a grouped amax pass and then the codes, each block computing its member's
+// scale from the amax as fp8_scale_from_amax does (the member's first block stores it). The
+// transposed copies can be padded with zero columns (the weight-gradient GEMM's K in multiples of
+// 16) in the same pass, so the experts need no padded copies of their rows.
 #pragma once
 
 #include <cstdint>
@@ -136,6 +148,13 @@ std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_
 /// tiles of [K, M]. Returns M and K.
 std::pair<int64_t, int64_t> check_fp8_block_quantize_transposed(const Tensor& x, const Tensor& q_t,
                                                                 const Tensor& scale_inv);
+/// fp8_quantize_grouped's: as check_fp8_quantize's per member, q_t [K_i, P_i >= M_i], M_i > 0, one x
+/// dtype, each list empty or one per member (amax and scale_inv given under current scaling). Returns
+/// the member count.
+size_t check_fp8_quantize_grouped(const std::vector<Tensor>& x, const std::vector<Tensor>& scale,
+                                  const std::vector<Tensor>& q, const std::vector<Tensor>& q_t,
+                                  const std::vector<Tensor>& amax, const std::vector<Tensor>& scale_inv,
+                                  bool current_scaling);
 /// The checks of fp8_delayed_scale_update's tensors; returns L and n.
 std::pair<int64_t, int64_t> check_fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale);
 /// fp8_block_partial_amax / fp8_block_partial_quantize: x a shard of a [rows, cols] weight (rows from

@@ -120,6 +120,49 @@ TEST(Fp8DelayedScaling, HistoryAndScalesFollowTheRecipeStepByStep) {
   run_delayed(3, false, 1, DType::Float8E4M3);
 }
 
+// update_fp8_scaling (the step's update of every FP8 layer, grouped per format) equals each
+// state's own update(): forward states (e4m3) and gradient states (e5m2) with their own maxima,
+// over steps where some tensors are not seen; current-scaling states are left alone.
+TEST(Fp8DelayedScaling, UpdatingManyStatesAtOnceIsEachStatesUpdate) {
+  Context ctx;
+  Fp8Config c;
+  c.format = "hybrid";
+  c.amax_history_len = 3;
+  c.margin = 1;
+  Fp8Config cw = c;
+  cw.recipe = Fp8Recipe::Tensorwise;
+  std::vector<Fp8TensorScaling> grouped, single;
+  for (int i = 0; i < 5; ++i) {
+    const DType t = i < 3 ? DType::Float8E4M3 : DType::Float8E5M2;
+    grouped.emplace_back(c, i < 3 ? 2 : 1, t, Device::cpu());
+    single.emplace_back(c, i < 3 ? 2 : 1, t, Device::cpu());
+  }
+  Fp8TensorScaling current(cw, 1, DType::Float8E4M3, Device::cpu());
+  for (int step = 0; step < 4; ++step) {
+    for (size_t i = 0; i < grouped.size(); ++i) {
+      for (int64_t j = 0; j < grouped[i].size(); ++j) {
+        if ((step + int(i) + int(j)) % 3 == 2) continue;  // not seen this step
+        Tensor x = with_amax(float(1 + i) * std::ldexp(1.0f, step - int(j))), none;
+        Tensor q = Tensor::empty(x.shape(), grouped[i].dtype()), q2 = Tensor::empty(x.shape(), grouped[i].dtype());
+        grouped[i].quantize(ctx, j, x, q, none);
+        single[i].quantize(ctx, j, x, q2, none);
+      }
+    }
+    Tensor x = with_amax(3.0f), q = Tensor::empty(x.shape(), DType::Float8E4M3), none;
+    current.quantize(ctx, 0, x, q, none);
+    std::vector<Fp8TensorScaling*> all{&current};
+    for (auto& s : grouped) all.push_back(&s);
+    update_fp8_scaling(ctx, all);
+    for (auto& s : single) s.update(ctx);
+    for (size_t i = 0; i < grouped.size(); ++i) {
+      EXPECT_EQ(grouped[i].scales().to_floats(), single[i].scales().to_floats()) << "step " << step << " state " << i;
+      EXPECT_EQ(grouped[i].amax_history().to_floats(), single[i].amax_history().to_floats())
+          << "step " << step << " state " << i;
+    }
+    EXPECT_EQ(current.scale(0).item(), 448.0f / 3.0f);
+  }
+}
+
 TEST(Fp8CurrentScaling, ScalesFromTheTensorItself) {
   Context ctx;
   Fp8Config c;

@@ -218,6 +218,87 @@ TEST_F(CudaFp8, QuantizeActivationBitEqualToTheUnfusedOps) {
   }
 }
 
+// Note [Grouped quantisation]: the grouped pass against the CPU reference (the loop of the single
+// ops) bit for bit — codes, padded transposed copies, amaxes, scales and scale inverses — with given
+// scales (recording the amax, or "again": recording nothing) and current scaling; 41 members (two
+// launches of the table), one of a width the tile pass does not take (the single ops' fallback).
+TEST_F(CudaFp8, QuantizeGroupedBitEqualToCpu) {
+  Context cpu, gpu(kGpu);
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{37, 128}, {64, 256}, {5, 64}, {130, 40}, {3, 45}, {300, 2048}};
+  for (int i = 0; i < 35; ++i) shapes.push_back({1 + 7 * i % 50, 16 * (1 + i % 5)});
+  for (DType xt : {DType::Float32, DType::BFloat16}) {
+    for (int mode = 0; mode < 3; ++mode) {  // 0 given scales with amax, 1 again, 2 current scaling
+      for (int outputs = 0; outputs < 3; ++outputs) {  // q and q_t, q alone, q_t alone
+        const DType qt = mode == 1 ? DType::Float8E5M2 : DType::Float8E4M3;
+        SCOPED_TRACE(std::string(to_string(xt)) + " mode " + std::to_string(mode) + " outputs " + std::to_string(outputs));
+        std::vector<Tensor> x, s, q, q_t, amax, si, dx, ds, dq, dq_t, damax, dsi;
+        for (size_t i = 0; i < shapes.size(); ++i) {
+          const auto [m, k] = shapes[i];
+          const int64_t p = (m + 15) / 16 * 16 + (i % 3 == 0 ? 16 : 0);
+          x.push_back(hard_values({m, k}, 500 + i, xt));
+          dx.push_back(x.back().to(kGpu));
+          s.push_back(scalar(0.25f * float(1 + i % 7)));
+          ds.push_back(s.back().to(kGpu));
+          if (outputs != 2) {
+            q.push_back(Tensor::empty({m, k}, qt));
+            dq.push_back(Tensor::empty({m, k}, qt, kGpu));
+          }
+          if (outputs != 1) {
+            q_t.push_back(Tensor::empty({k, p}, qt));
+            dq_t.push_back(Tensor::empty({k, p}, qt, kGpu));
+          }
+          if (mode != 1) {
+            amax.push_back(scalar(0.5f));
+            damax.push_back(scalar(0.5f, kGpu));
+            si.push_back(scalar(0.0f));
+            dsi.push_back(scalar(0.0f, kGpu));
+          }
+        }
+        cpu::fp8_quantize_grouped(cpu, x, s, q, q_t, amax, si, mode == 2, fp8_max_of(qt));
+        cuda::fp8_quantize_grouped(gpu, dx, ds, dq, dq_t, damax, dsi, mode == 2, fp8_max_of(qt));
+        gpu.synchronize();
+        for (size_t i = 0; i < shapes.size(); ++i) {
+          const std::string at = "member " + std::to_string(i);
+          if (!q.empty()) expect_same_codes(dq[i], q[i], at + " q");
+          if (!q_t.empty()) expect_same_codes(dq_t[i], q_t[i], at + " q_t");
+          if (!amax.empty()) expect_same_floats(damax[i], amax[i], at + " amax");
+          if (!si.empty()) expect_same_floats(dsi[i], si[i], at + " scale_inv");
+          expect_same_floats(ds[i], s[i], at + " scale");
+        }
+      }
+    }
+  }
+}
+
+// fp8_delayed_scale_update_grouped on CUDA: 130 states (two launches) of 1 to 3 tensors each, some
+// tensors unseen, equal to the CPU's update of each.
+TEST_F(CudaFp8, GroupedDelayedUpdateEqualToCpu) {
+  Context cpu, gpu(kGpu);
+  for (bool use_max : {false, true}) {
+    std::vector<Tensor> h, s, dh, ds;
+    for (int i = 0; i < 130; ++i) {
+      const int64_t n = 1 + i % 3, len = 1 + i % 4;
+      std::vector<float> hv = random_tensor({len, n}, 700 + i, 100.0f).to_floats();
+      for (size_t j = 0; j < hv.size(); ++j) hv[j] = (i + int(j)) % 5 == 0 ? 0.0f : std::fabs(hv[j]);
+      h.push_back(Tensor::from_floats(hv, {len, n}));
+      s.push_back(random_tensor({n}, 900 + i, 3.0f));
+      dh.push_back(h.back().to(kGpu));
+      ds.push_back(s.back().to(kGpu));
+    }
+    Fp8DelayedParams p;
+    p.fp8_max = 57344.0f;
+    p.margin = 1;
+    p.use_max = use_max;
+    cpu::fp8_delayed_scale_update_grouped(cpu, h, s, p);
+    cuda::fp8_delayed_scale_update_grouped(gpu, dh, ds, p);
+    gpu.synchronize();
+    for (size_t i = 0; i < h.size(); ++i) {
+      expect_same_floats(dh[i], h[i], "history " + std::to_string(i));
+      expect_same_floats(ds[i], s[i], "scale " + std::to_string(i));
+    }
+  }
+}
+
 TEST_F(CudaFp8, ScaleFromAmaxBitEqualToCpu) {
   Context cpu, gpu(kGpu);
   const float inf = std::numeric_limits<float>::infinity();

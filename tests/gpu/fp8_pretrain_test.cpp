@@ -81,7 +81,8 @@ TEST(Fp8PretrainGpu, ResumesWithItsScalingState) {
 // Note [FP8 experts] on the GPU: an MoE model (layer 0 dense, then 4 SwiGLU experts of 128, top-2,
 // and a shared expert of 128) in fp32 on CUDA against the CPU reference for each recipe — the
 // experts' row counts are not multiples of 16, so the padding path runs, and the grouped form
-// (the same per-expert FP8 GEMMs); with --moe-router-padding-for-fp8 (alltoall) too — and in bf16
+// (Note [Grouped FP8 linear layers]: grouped quantisation passes with padded transposed blocks;
+// blockwise: the per-expert loop); with --moe-router-padding-for-fp8 (alltoall) too — and in bf16
 // it trains with falling losses.
 TEST(Fp8PretrainGpu, MoeExpertsMatchTheCpuReference) {
   if (cuda_device_count() == 0 || cuda_compute_capability(0) < 90) GTEST_SKIP() << "no Hopper GPU";
@@ -99,6 +100,8 @@ TEST(Fp8PretrainGpu, MoeExpertsMatchTheCpuReference) {
       {"tensorwise", {"--fp8-recipe", "tensorwise"}},
       {"blockwise", {"--fp8-recipe", "blockwise"}},
       {"delayed_grouped", {"--fp8-recipe", "delayed", "--moe-grouped-gemm"}},
+      {"tensorwise_grouped", {"--fp8-recipe", "tensorwise", "--moe-grouped-gemm"}},
+      {"blockwise_grouped", {"--fp8-recipe", "blockwise", "--moe-grouped-gemm"}},
       {"delayed_router_padding", {"--fp8-recipe", "delayed", "--moe-router-padding-for-fp8"}},
       // the experts' (and every FP8 layer's) weights as FP8 parameters (Note [FP8 parameters])
       {"tensorwise_param_gather", {"--fp8-recipe", "tensorwise", "--use-distributed-optimizer", "--fp8-param-gather"}},

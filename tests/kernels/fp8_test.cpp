@@ -318,6 +318,62 @@ TEST(Fp8Ops, BlockQuantizeTransposedIsTheTransposeThenTheBlocks) {
   }
 }
 
+// Note [Grouped quantisation]: each member's codes are its own scale's (the nearest code), its
+// transposed copy is padded with zero codes up to its width, the amaxes and scale inverses are
+// each member's; under current scaling each member's scale is fp8_max / its own amax (the amax
+// overwritten, not accumulated) and the codes use it.
+TEST(Fp8Ops, QuantizeGroupedQuantisesEachMemberWithItsOwnScale) {
+  Context ctx;
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{37, 24}, {5, 16}, {64, 8}};
+  const std::vector<int64_t> widths = {48, 16, 64};
+  for (bool current : {false, true}) {
+    for (const Format& f : {kE4M3, kE5M2}) {
+      SCOPED_TRACE(std::string(current ? "current" : "given") + " scales, " + std::string(to_string(f.dtype)));
+      std::vector<Tensor> x, scale, q, q_t, amax, scale_inv;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        const auto [m, k] = shapes[i];
+        x.push_back(random_tensor({m, k}, 40 + i, float(1 << (3 * i)), DType::BFloat16));
+        scale.push_back(scalar(0.5f + float(i)));
+        q.push_back(Tensor::empty({m, k}, f.dtype));
+        q_t.push_back(Tensor::empty({k, widths[i]}, f.dtype));
+        amax.push_back(scalar(current ? 1e9f : 0.0f));
+        scale_inv.push_back(scalar(0.0f));
+      }
+      ops::fp8_quantize_grouped(ctx, x, scale, q, q_t, amax, scale_inv, current, float(f.max));
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        SCOPED_TRACE("member " + std::to_string(i));
+        const auto [m, k] = shapes[i];
+        const std::vector<float> xv = x[i].to_floats();
+        float want_amax = 0.0f;
+        for (float v : xv) want_amax = std::max(want_amax, std::fabs(v));
+        EXPECT_EQ(amax[i].item(), want_amax);
+        const float s = current ? float(f.max) / want_amax : 0.5f + float(i);
+        EXPECT_EQ(scale[i].item(), s);
+        EXPECT_EQ(scale_inv[i].item(), 1.0f / s);
+        for (int64_t r = 0; r < widths[i]; ++r) {
+          for (int64_t c = 0; c < k; ++c) {
+            const uint8_t want = r < m ? nearest_code(f, xv[size_t(r * k + c)] * s) : 0;
+            if (r < m) ASSERT_EQ(int(byte_at(q[i], r * k + c)), int(want));
+            ASSERT_EQ(int(byte_at(q_t[i], c * widths[i] + r)), int(want)) << "q_t[" << c << ", " << r << "]";
+          }
+        }
+      }
+    }
+  }
+  // refused: a transposed copy narrower than the rows, and lists that do not match
+  std::vector<Tensor> x{random_tensor({8, 16}, 1)}, s{scalar(1.0f)}, none, narrow{Tensor::empty({16, 4}, DType::Float8E4M3)};
+  std::vector<Tensor> two{scalar(1.0f), scalar(1.0f)};
+  EXPECT_NE(error_of([&] { ops::fp8_quantize_grouped(ctx, x, s, none, narrow, none, none, false, 448.0f); })
+                .find("q_t must be fp8 [16, P >= 8]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ops::fp8_quantize_grouped(ctx, x, two, none, none, none, none, false, 448.0f); })
+                .find("2 scales for 1 members"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ops::fp8_quantize_grouped(ctx, x, s, none, none, none, none, true, 448.0f); })
+                .find("current scaling needs one each"),
+            std::string::npos);
+}
+
 TEST(Fp8Ops, AmaxIgnoresNaNAndDequantizeScales) {
   Context ctx;
   const float nan = std::numeric_limits<float>::quiet_NaN();

@@ -100,6 +100,15 @@ Fp8Operand Fp8LinearState::weight_operand(Context& ctx, const Tensor& weight, bo
   return o;
 }
 
+Fp8Operand Fp8LinearState::ready_weight_operand(Context& ctx, const Tensor& weight, bool transposed) {
+  if (is_fp8(weight.dtype())) return fp8_weight(ctx, weight, transposed);
+  return transposed ? cached_w_t_ : cached_w_;
+}
+
+void Fp8LinearState::offer_weight_operand(const Fp8Operand& o, bool transposed) {
+  if (cache_weights_) (transposed ? cached_w_t_ : cached_w_) = o;
+}
+
 void Fp8LinearState::set_weight_cache(bool on) {
   cache_weights_ = on;
   if (!on) cached_w_ = cached_w_t_ = Fp8Operand();

@@ -68,6 +68,12 @@ class Fp8LinearState {
   void set_weight_cache(bool on);
   bool has_cached_weight() const { return cached_w_.data.defined() || cached_w_t_.data.defined(); }
 
+  /// For a grouped pass over several layers' weights (fp8_grouped_linear.h): the weight's operand
+  /// when it takes no quantisation pass — an FP8 weight, or the cache's copy — else undefined data;
+  /// and the operand a grouped pass made, kept when the cache is on.
+  Fp8Operand ready_weight_operand(Context& ctx, const Tensor& weight, bool transposed);
+  void offer_weight_operand(const Fp8Operand& o, bool transposed);
+
   const Fp8Config& config() const { return config_; }
   /// Per-tensor recipes: the forward (input, weight) and backward (output gradient) state.
   Fp8TensorScaling& forward_scaling() { return fwd_; }

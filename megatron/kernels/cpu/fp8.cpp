@@ -181,6 +181,43 @@ void fp8_delayed_scale_update(Context& ctx, Tensor& amax_history, Tensor& scale,
   }
 }
 
+// The reference is the definition: per member the single ops, then the transposed copy's padding.
+void fp8_quantize_grouped(Context& ctx, const std::vector<Tensor>& x, std::vector<Tensor>& scale,
+                          std::vector<Tensor>& q, std::vector<Tensor>& q_t, std::vector<Tensor>& amax,
+                          std::vector<Tensor>& scale_inv, bool current_scaling, float fp8_max) {
+  const size_t n = ops::check_fp8_quantize_grouped(x, scale, q, q_t, amax, scale_inv, current_scaling);
+  for (size_t i = 0; i < n; ++i) {
+    Tensor none, qi = q.empty() ? none : q[i], ai = amax.empty() ? none : amax[i];
+    Tensor si = scale_inv.empty() ? none : scale_inv[i];
+    const int64_t m = x[i].size(0), k = x[i].size(1);
+    const Tensor padded = q_t.empty() ? none : q_t[i];
+    Tensor qt = padded.defined() ? Tensor::empty({k, m}, padded.dtype(), padded.device()) : none;
+    if (current_scaling) {
+      fp8_amax(ctx, x[i], ai);
+      fp8_scale_from_amax(ctx, ai, fp8_max, /*power_of_two_scales=*/false, scale[i], si);
+      fp8_quantize(ctx, x[i], scale[i], qi, qt, none, none);
+    } else {
+      fp8_quantize(ctx, x[i], scale[i], qi, qt, ai, si);
+    }
+    if (!padded.defined()) continue;
+    assert_host(padded, "q_t");
+    const int64_t p = padded.size(1);
+    uint8_t* dst = bytes(padded);
+    const uint8_t* src = bytes(qt);
+    for (int64_t c = 0; c < k; ++c) {
+      std::memcpy(dst + c * p, src + c * m, size_t(m));
+      std::memset(dst + c * p + m, 0, size_t(p - m));
+    }
+  }
+}
+
+void fp8_delayed_scale_update_grouped(Context& ctx, std::vector<Tensor>& amax_histories, std::vector<Tensor>& scales,
+                                      const Fp8DelayedParams& p) {
+  MG_CHECK(amax_histories.size() == scales.size(), "fp8_delayed_scale_update_grouped: {} histories for {} scales",
+           amax_histories.size(), scales.size());
+  for (size_t i = 0; i < scales.size(); ++i) fp8_delayed_scale_update(ctx, amax_histories[i], scales[i], p);
+}
+
 void fp8_block_quantize(Context& ctx, const Tensor& x, bool tile_2d, bool power_of_two_scales, Tensor& q,
                         Tensor& scale_inv) {
   const auto [m, k] = ops::check_fp8_block_quantize(x, tile_2d, q, scale_inv);

@@ -196,8 +196,10 @@ void GPTModel::finish_fp8_step(Context& ctx) {
   // in the same order, so the concatenated rows line up.
   reduce_amax(ctx, scaling_states(dense), {multi_rank(pg_.tp_cp), multi_rank(pg_.dp)});
   reduce_amax(ctx, scaling_states(experts), {multi_rank(pg_.expt_tp), multi_rank(pg_.expt_dp)});
-  for (Linear* l : dense) l->fp8()->update(ctx);
-  for (Linear* l : experts) l->fp8()->update(ctx);
+  std::vector<Fp8TensorScaling*> states = scaling_states(dense);
+  const std::vector<Fp8TensorScaling*> expert_states = scaling_states(experts);
+  states.insert(states.end(), expert_states.begin(), expert_states.end());
+  update_fp8_scaling(ctx, states);
 }
 
 // Note [FP8 state in checkpoints]: the delayed recipe's scales and amax histories of each FP8

@@ -2,7 +2,7 @@
 
 #include <fmt/format.h>
 
-#include "megatron/core/tensor_parallel/fp8_linear.h"
+#include "megatron/core/tensor_parallel/fp8_grouped_linear.h"
 #include "megatron/kernels/ops.h"
 #include "megatron/runtime/allocator.h"
 
@@ -32,6 +32,13 @@ Tensor padded_rows(Context& ctx, const Tensor& x, int64_t row, int64_t n, int64_
   ops::copy_rows(ctx, x, row, out, 0, n);
   Tensor tail = out.slice(n, padded);
   fill_bytes(tail.raw_data(), ctx.device(), 0, tail.nbytes(), ctx.stream());
+  return out;
+}
+
+// The parameters' data (undefined where a parameter is null: experts without biases).
+std::vector<Tensor> data_of(const std::vector<Parameter*>& ps) {
+  std::vector<Tensor> out;
+  for (const Parameter* p : ps) out.push_back(p ? p->data : Tensor());
   return out;
 }
 
@@ -91,11 +98,18 @@ void SequentialMLP::enable_fp8(const Fp8Config& config, Device device, std::vect
     fp8_linears.push_back(l.get());
   }
   fp8_ = true;
+  fp8_recipe_ = config.recipe;
 }
 
 Fp8LinearState* SequentialMLP::fp8_state(int e, int fc) const {
   MG_ASSERT(e >= 0 && e < num_local_experts() && (fc == 1 || fc == 2), "expert {} fc{}", e, fc);
   return layers_[size_t(2 * e + fc - 1)]->fp8();
+}
+
+std::vector<Fp8LinearState*> SequentialMLP::fp8_states(int fc) const {
+  std::vector<Fp8LinearState*> out;
+  for (int e = 0; e < num_local_experts(); ++e) out.push_back(fp8_state(e, fc));
+  return out;
 }
 
 // Note [FP8 experts]
@@ -136,6 +150,10 @@ void SequentialMLP::fp8_backward(Context& ctx, int fc, const std::vector<Paramet
 void SequentialMLP::linear_forward(Context& ctx, int fc, const std::vector<Parameter*>& w,
                                    const std::vector<Parameter*>& b, const Tensor& x, const std::vector<int64_t>& rows,
                                    Tensor& y) const {
+  if (fp8_ && fp8_grouped()) {
+    fp8_grouped_forward(ctx, fp8_states(fc), x, rows, data_of(w), data_of(b), y);
+    return;
+  }
   if (fp8_) {
     fp8_forward(ctx, fc, w, b, x, rows, y);
     return;
@@ -160,7 +178,14 @@ void SequentialMLP::linear_forward(Context& ctx, int fc, const std::vector<Param
 void SequentialMLP::linear_backward(Context& ctx, int fc, const std::vector<Parameter*>& w,
                                     const std::vector<Parameter*>& b, const Tensor& grad_out, const Tensor& x,
                                     const std::vector<int64_t>& rows, Tensor& grad_in) const {
-  if (fp8_) {
+  if (fp8_ && fp8_grouped()) {
+    std::vector<Tensor> wg, bg;
+    for (size_t e = 0; e < w.size(); ++e) {
+      wg.push_back(w[e]->main_grad);
+      bg.push_back(b[e] ? b[e]->main_grad : Tensor());
+    }
+    fp8_grouped_backward(ctx, fp8_states(fc), grad_out, x, rows, data_of(w), grad_in, wg, bg);
+  } else if (fp8_) {
     fp8_backward(ctx, fc, w, b, grad_out, x, rows, grad_in);
   } else if (grouped_) {
     std::vector<Tensor> weights, grads;
