@@ -70,7 +70,7 @@ const std::map<std::string, Preset> kPresets = {
 int main(int argc, char** argv) {
   try {
     std::string preset = "tiny", device = "auto", dtype = "bf16";
-    int steps = 10, warmup = 3, vocab = 50257, mbs = 0, seq = 0, doc_mean = 0, layers = 0;
+    int steps = 10, warmup = 3, vocab = 50257, mbs = 0, seq = 0, doc_mean = 0, layers = 0, micro_batches = 1;
     std::string recompute, fp8_format, fp8_recipe = "delayed";
     bool profile = false, cuda_graph = false, deterministic = false, grouped_gemm = false, shared_overlap = false;
     int shared_ffn = 0;
@@ -85,6 +85,10 @@ int main(int argc, char** argv) {
             ->capture_default_str();
     app.add_option("--micro-batch-size", mbs, "Micro-batch size (default: the preset's)");
     app.add_option("--seq", seq, "Sequence length (default: the preset's)");
+    app.add_option("--micro-batches", micro_batches,
+                   "Microbatches a step (gradient accumulation; with FP8 the weights are quantised once a step: "
+                   "Note [FP8 weight cache])")
+        ->capture_default_str();
     app.add_option("--layers", layers, "Number of layers (default: the preset's)");
     app.add_option("--doc-mean", doc_mean, "Pack documents of about this mean length into each sequence");
     app.add_option("--recompute", recompute, "Activation recomputation: full (uniform, every layer) or selective")
@@ -101,6 +105,10 @@ int main(int argc, char** argv) {
                  "MoE presets: the shared experts on the side stream (with the alltoall dispatcher)");
     CLI11_PARSE(app, argc, argv);
     MG_CHECK(!(cuda_graph && profile), "--profile times ops one by one: drop --cuda-graph");
+    MG_CHECK(micro_batches >= 1 && ((!cuda_graph && !profile) || micro_batches == 1),
+             "--micro-batches must be at least 1, and 1 with --cuda-graph (one graph is one microbatch) or --profile "
+             "(its phases are one microbatch's), got {}",
+             micro_batches);
     MG_CHECK(!cuda_graph || warmup >= 1, "--cuda-graph needs --warmup >= 1 (the eager steps build the plans)");
     auto it = kPresets.find(preset);
     MG_CHECK(it != kPresets.end(), "unknown preset '{}'", preset);
@@ -213,7 +221,8 @@ int main(int argc, char** argv) {
         if (!graph.captured()) graph.capture(ctx, forward_backward);
         graph.replay(ctx);
       } else {
-        forward_backward();
+        model.begin_fp8_step(micro_batches > 1);  // Note [FP8 weight cache], as pretrain_gpt
+        for (int m = 0; m < micro_batches; ++m) forward_backward();
       }
       mark();
       model.finish_fp8_step(ctx);
@@ -280,8 +289,8 @@ int main(int argc, char** argv) {
     }
     std::sort(times.begin(), times.end());
     const double median = times[times.size() / 2];
-    const double tokens_per_step = double(p.mbs) * p.seq;
-    const double flops = num_floating_point_operations(a, config.padded_vocab_size, p.mbs);
+    const double tokens_per_step = double(p.mbs) * p.seq * micro_batches;
+    const double flops = num_floating_point_operations(a, config.padded_vocab_size, p.mbs) * micro_batches;
     // The FLOPs of the linear layers of attention and MLP (the GEMMs that run in FP8 with
     // --fp8-format; dense layers): 6 per weight per token (forward, input and weight gradients).
     double linear_flops = 0;
@@ -296,7 +305,8 @@ int main(int argc, char** argv) {
     std::printf(
         "%s\n",
         fmt::format("{{\"bench\": \"gpt_throughput\", \"impl\": \"megatron.cpp\", \"preset\": \"{}\", "
-                    "\"device\": \"{}\", \"dtype\": \"{}\", \"layers\": {}, \"seq\": {}, \"mbs\": {}, \"vocab\": {}, \"params\": {}, "
+                    "\"device\": \"{}\", \"dtype\": \"{}\", \"layers\": {}, \"seq\": {}, \"mbs\": {}, \"micro_batches\": {}, "
+                    "\"vocab\": {}, \"params\": {}, "
                     "\"tokens_per_s\": {:.1f}, "
                     "\"tflops\": {:.2f}, \"mfu\": {:.4f}, \"step_ms\": {:.2f}, \"peak_mem_gb\": {:.3f}, "
                     "\"cuda_graph\": {}, \"deterministic\": {}, \"graph_mem_gb\": {:.3f}, \"loss\": {:.6f}, "
@@ -304,7 +314,7 @@ int main(int argc, char** argv) {
                     "\"shared_ffn\": {}, \"shared_overlap\": {}, "
                     "\"recompute\": \"{}\", \"fp8_format\": \"{}\", \"fp8_recipe\": \"{}\", "
                     "\"linear_flop_share\": {:.4f}, \"fp8_tflops\": {:.2f}}}",
-                    preset, ctx.device().str(), dtype, p.layers, p.seq, p.mbs, config.padded_vocab_size, model.params().numel(),
+                    preset, ctx.device().str(), dtype, p.layers, p.seq, p.mbs, micro_batches, config.padded_vocab_size, model.params().numel(),
                     tokens_per_step / median, flops / median / 1e12, flops / median / 989e12, median * 1e3,
                     double(m.peak_allocated) / 1e9, cuda_graph, deterministic, double(CudaGraph::memory_bytes(ctx.device())) / 1e9,
                     loss, p.experts, p.topk, grouped_gemm, doc_mean, documents, shared_ffn, shared_overlap, recompute,
