@@ -202,6 +202,13 @@ void check_fp8_block_partial(const char* op, const Tensor& x, int64_t start, int
            "{}: q must be fp8 of x's {} elements on {}, got {}", op, x.numel(), x.device().str(), str_of(q));
 }
 
+void check_fp8_gemm_grouped(const std::vector<Fp8Operand>& a, const std::vector<Fp8Operand>& b,
+                            const std::vector<Tensor>& bias, const std::vector<Tensor>& out) {
+  MG_CHECK(b.size() == a.size() && out.size() == a.size() && (bias.empty() || bias.size() == a.size()),
+           "fp8_gemm_grouped: {} A, {} B, {} out and {} biases: one each per member (biases: none or one each)",
+           a.size(), b.size(), out.size(), bias.size());
+}
+
 size_t check_fp8_quantize_grouped(const std::vector<Tensor>& x, const std::vector<Tensor>& scale,
                                   const std::vector<Tensor>& q, const std::vector<Tensor>& q_t,
                                   const std::vector<Tensor>& amax, const std::vector<Tensor>& scale_inv,

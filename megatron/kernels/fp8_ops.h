@@ -121,6 +121,9 @@ namespace megatron::ops {
 /// or fp32 (fp32 to accumulate), bias [N] bf16/fp32 or undefined (not with accumulate). `cuda` adds cuBLASLt's alignment rules (K % 16, N % 8).
 void check_fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, const Tensor& out, bool accumulate,
                     bool cuda);
+/// fp8_gemm_grouped's lists: one a, b and out per member, bias empty or one per member.
+void check_fp8_gemm_grouped(const std::vector<Fp8Operand>& a, const std::vector<Fp8Operand>& b,
+                            const std::vector<Tensor>& bias, const std::vector<Tensor>& out);
 /// The checks of fp8_quantize's tensors: x float [M, K], scale [1] fp32, q x's shape, q_t [K, M],
 /// both fp8 of one dtype, amax / scale_inv [1] fp32 (each output may be undefined). Returns M and K.
 std::pair<int64_t, int64_t> check_fp8_quantize(const Tensor& x, const Tensor& scale, const Tensor& q,

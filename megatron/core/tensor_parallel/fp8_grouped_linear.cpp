@@ -125,12 +125,12 @@ void fp8_grouped_forward(Context& ctx, const std::vector<Fp8LinearState*>& layer
   std::vector<Tensor> none, qs = row_blocks(b, Tensor::empty(x.shape(), b.layers[0]->config().forward_dtype(), ctx.device()));
   quantize_members(ctx, b.layers, false, 0, xs, qs, none, /*again=*/false);
   const std::vector<Fp8Operand> qw = weight_operands(ctx, b.layers, pick(weights, b), false);
-  for (size_t j = 0; j < b.layers.size(); ++j) {
-    Tensor yj = y.slice(b.start[j], b.start[j] + b.count[j]);
-    const Tensor bias = biases.empty() ? Tensor() : biases[b.index[j]];
-    const Fp8Operand qx{qs[j], b.layers[j]->forward_scaling().scale_inv(0)};
-    ops::fp8_gemm(ctx, qx, qw[j], bias, yj, false, /*fast_accumulation=*/true);  // Note [FP8 GEMM accumulation]
-  }
+  std::vector<Fp8Operand> qx;
+  for (size_t j = 0; j < b.layers.size(); ++j) qx.push_back({qs[j], b.layers[j]->forward_scaling().scale_inv(0)});
+  std::vector<Tensor> ys = row_blocks(b, y);
+  const std::vector<Tensor> bs = biases.empty() ? std::vector<Tensor>() : pick(biases, b);
+  // Note [FP8 GEMM accumulation]: fast accumulation in the forward GEMM
+  ops::fp8_gemm_grouped(ctx, qx, qw, bs, ys, false, /*fast_accumulation=*/true, /*rows_in_k=*/false);
 }
 
 void fp8_grouped_backward(Context& ctx, const std::vector<Fp8LinearState*>& layers, const Tensor& grad_out,
@@ -158,11 +158,10 @@ void fp8_grouped_backward(Context& ctx, const std::vector<Fp8LinearState*>& laye
   }
   if (grad_in.defined()) {
     const std::vector<Fp8Operand> qw_t = weight_operands(ctx, b.layers, ws, true);
-    for (size_t j = 0; j < b.layers.size(); ++j) {
-      Tensor gi = grad_in.slice(b.start[j], b.start[j] + b.count[j]);
-      const Fp8Operand g{qg[j], b.layers[j]->backward_scaling().scale_inv(0)};
-      ops::fp8_gemm(ctx, g, qw_t[j], none, gi, false, false);
-    }
+    std::vector<Fp8Operand> g;
+    for (size_t j = 0; j < b.layers.size(); ++j) g.push_back({qg[j], b.layers[j]->backward_scaling().scale_inv(0)});
+    std::vector<Tensor> gis = row_blocks(b, grad_in);
+    ops::fp8_gemm_grouped(ctx, g, qw_t, no_list, gis, false, false, /*rows_in_k=*/false);
   }
   if (weight_grads.empty()) return;
   if (!c.wgrad) {  // --no-fp8-wgrad: dyᵀ·x as the bf16 layer's
@@ -174,11 +173,13 @@ void fp8_grouped_backward(Context& ctx, const std::vector<Fp8LinearState*>& laye
   // scaling from x's amax again (another microbatch may have rescaled it since)
   std::vector<Tensor> qx_t = padded_transposed_blocks(ctx, b, in, c.forward_dtype());
   quantize_members(ctx, b.layers, false, 0, xs, no_list, qx_t, /*again=*/c.recipe == Fp8Recipe::Delayed);
+  std::vector<Fp8Operand> g_t, x_t;
   for (size_t j = 0; j < b.layers.size(); ++j) {
-    const Fp8Operand g_t{qg_t[j], b.layers[j]->backward_scaling().scale_inv(0)};
-    const Fp8Operand x_t{qx_t[j], b.layers[j]->forward_scaling().scale_inv(0)};
-    ops::fp8_gemm(ctx, g_t, x_t, none, weight_grads[b.index[j]], true, false);
+    g_t.push_back({qg_t[j], b.layers[j]->backward_scaling().scale_inv(0)});
+    x_t.push_back({qx_t[j], b.layers[j]->forward_scaling().scale_inv(0)});
   }
+  std::vector<Tensor> wgs = pick(weight_grads, b);
+  ops::fp8_gemm_grouped(ctx, g_t, x_t, no_list, wgs, true, false, /*rows_in_k=*/true);
 }
 
 }  // namespace megatron

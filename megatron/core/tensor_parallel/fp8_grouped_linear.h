@@ -8,8 +8,8 @@
 //             pass every weight (those the weight cache or --fp8-param-gather do not already hold);
 //   backward  one pass over dy for both copies (its transposed blocks padded: below), one pass for
 //             the transposed weights, one for the transposed input blocks;
-// and the GEMMs then run layer after layer on slices of those buffers (cuBLASLt, as the bf16 experts:
-// Note in kernels/cuda/linear.cu). The weight gradient's K is the layer's row count, which
+// and the GEMMs then run layer after layer on slices of those buffers (fp8_gemm_grouped: cuBLASLt as
+// the bf16 experts', plans shared across row counts — Note [Plans for varying row counts]). The weight gradient's K is the layer's row count, which
 // cuBLASLt's FP8 GEMM needs in multiples of 16 (kFp8GroupRowAlign): each transposed block is
 // [cols, rows rounded up] with zero codes in the padding, written by the same pass — Megatron's
 // Fp8Padding without copies of the rows (the forward and input-gradient GEMMs take any row count).

@@ -290,6 +290,14 @@ void fp8_block_partial_quantize(Context& ctx, const Tensor& x, int64_t start, in
   }
 }
 
+void fp8_gemm_grouped(Context& ctx, const std::vector<Fp8Operand>& a, const std::vector<Fp8Operand>& b,
+                      const std::vector<Tensor>& bias, std::vector<Tensor>& out, bool accumulate,
+                      bool fast_accumulation, bool /*rows_in_k: plans are a GPU matter*/) {
+  ops::check_fp8_gemm_grouped(a, b, bias, out);
+  for (size_t i = 0; i < a.size(); ++i)
+    fp8_gemm(ctx, a[i], b[i], bias.empty() ? Tensor() : bias[i], out[i], accumulate, fast_accumulation);
+}
+
 void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
               bool accumulate, bool /*fast_accumulation: a GPU rounding mode*/) {
   ops::check_fp8_gemm(a, b, bias, out, accumulate, /*cuda=*/false);

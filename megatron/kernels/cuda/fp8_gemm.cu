@@ -75,10 +75,11 @@ Fp8PlanCache& fp8_plan_cache() {
 // In cuBLASLt's column-major terms (Note [FP8 GEMM layouts]): its A is our B [N, K] (K×N, ld K,
 // transposed: op(A) is N×K), its B our A [M, K] (K×M, ld K, not transposed), its D our out [M, N]
 // (N×M, ld N). So its A scale is our B's and its B scale our A's.
+// m and k: the plan's problem (Note [Plans for varying row counts]: a bucket's, for grouped GEMMs).
 std::shared_ptr<Fp8GemmPlan> make_fp8_plan(cublasLtHandle_t handle, const Fp8Operand& a, const Fp8Operand& b,
                                            const Tensor& bias, const Tensor& out, bool accumulate,
-                                           bool fast_accumulation) {
-  const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
+                                           bool fast_accumulation, int64_t m, int64_t k) {
+  const int64_t n = b.data.size(0);
   auto plan = std::make_shared<Fp8GemmPlan>();
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -134,10 +135,18 @@ std::shared_ptr<Fp8GemmPlan> make_fp8_plan(cublasLtHandle_t handle, const Fp8Ope
   return plan;
 }
 
-}  // namespace
+// Note [Plans for varying row counts] (cuda/linear.cu) for the FP8 GEMM: the dimension holding the
+// rows of a grouped layer's block.
+enum class Varying { None, M, K };
 
-void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
-              bool accumulate, bool fast_accumulation) {
+int64_t row_bucket(int64_t v) {
+  int64_t b = 16;
+  while (b < v) b *= 2;
+  return b;
+}
+
+void run_fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
+                  bool accumulate, bool fast_accumulation, Varying varying) {
   ops::check_fp8_gemm(a, b, bias, out, accumulate, /*cuda=*/true);
   check_on_gpu({&a.data, &a.scale_inv, &b.data, &b.scale_inv, &bias, &out}, "fp8_gemm");
   const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
@@ -152,7 +161,7 @@ void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tens
   if (bias.defined() && !bias_epilogue) {
     Tensor acc = out.dtype() == DType::Float32 ? out : Tensor::empty(out.shape(), DType::Float32, out.device());
     Tensor none;
-    fp8_gemm(ctx, a, b, none, acc, false, fast_accumulation);
+    run_fp8_gemm(ctx, a, b, none, acc, false, fast_accumulation, varying);
     dispatch_float(out.dtype(), [&]<typename T>() {
       dispatch_float(bias.dtype(), [&]<typename B>() {
         add_bias_kernel<T, B><<<grid_for(m * n), kBlockSize, 0, stream_of(ctx)>>>(f32_ptr(acc), dev_ptr<const B>(bias),
@@ -164,7 +173,9 @@ void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tens
   }
   auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt_handle());
   MG_ASSERT(handle != nullptr, "fp8_gemm on CUDA needs a CUDA Context (no cuBLASLt handle)");
-  const Fp8GemmKey key{ctx.device().index, ctx.cublaslt_handle(), m, n, k, int(a.data.dtype()), int(b.data.dtype()),
+  const int64_t plan_m = varying == Varying::M ? row_bucket(m) : m, plan_k = varying == Varying::K ? row_bucket(k) : k;
+  const bool exact = plan_m == m && plan_k == k;
+  const Fp8GemmKey key{ctx.device().index, ctx.cublaslt_handle(), plan_m, n, plan_k, int(a.data.dtype()), int(b.data.dtype()),
                        int(out.dtype()), int(a.mode), int(b.mode), accumulate, fast_accumulation,
                        bias_epilogue ? int(bias.dtype()) : -1, alignment_of(a.data.raw_data()),
                        alignment_of(b.data.raw_data()), alignment_of(out.raw_data()),
@@ -179,14 +190,14 @@ void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tens
       if (cache.plans.size() >= 4096) cache.plans.clear();
       it = cache.plans
                .emplace(key, make_fp8_plan(handle, a, b, bias_epilogue ? bias : Tensor(), out, accumulate,
-                                           fast_accumulation))
+                                           fast_accumulation, plan_m, plan_k))
                .first;
     }
     plan = it->second;
   }
   Tensor ws = ctx.workspace(kFp8WorkspaceBytes);
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  std::lock_guard<std::mutex> lock(plan->mu);
+  std::unique_lock<std::mutex> lock(plan->mu);
   const void* sa = b.scale_inv.raw_data();
   const void* sb = a.scale_inv.raw_data();
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
@@ -195,9 +206,47 @@ void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tens
     const void* bp = bias.raw_data();
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
   }
-  CUBLAS_CHECK(cublasLtMatmul(handle, plan->desc, &alpha, b.data.raw_data(), plan->la, a.data.raw_data(), plan->lb,
-                              &beta, out.raw_data(), plan->ld, out.raw_data(), plan->ld, &plan->algo, ws.raw_data(),
-                              plan->workspace, stream_of(ctx)));
+  if (exact) {
+    CUBLAS_CHECK(cublasLtMatmul(handle, plan->desc, &alpha, b.data.raw_data(), plan->la, a.data.raw_data(), plan->lb,
+                                &beta, out.raw_data(), plan->ld, out.raw_data(), plan->ld, &plan->algo, ws.raw_data(),
+                                plan->workspace, stream_of(ctx)));
+    return;
+  }
+  // the bucket's algorithm on layouts of the true sizes (Note [FP8 GEMM layouts]: ours are cuBLASLt's B and A)
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, fp8_cuda_type(b.data.dtype()), uint64_t(k), uint64_t(n), k));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, fp8_cuda_type(a.data.dtype()), uint64_t(k), uint64_t(m), k));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, out.dtype() == DType::Float32 ? CUDA_R_32F : CUDA_R_16BF, uint64_t(n),
+                                          uint64_t(m), n));
+  const cublasStatus_t st = cublasLtMatmul(handle, plan->desc, &alpha, b.data.raw_data(), la, a.data.raw_data(), lb,
+                                           &beta, out.raw_data(), ld, out.raw_data(), ld, &plan->algo, ws.raw_data(),
+                                           plan->workspace, stream_of(ctx));
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(ld);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {  // the exact plan instead
+    lock.unlock();
+    run_fp8_gemm(ctx, a, b, bias, out, accumulate, fast_accumulation, Varying::None);
+    return;
+  }
+  CUBLAS_CHECK(st);
+}
+
+}  // namespace
+
+void fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
+              bool accumulate, bool fast_accumulation) {
+  run_fp8_gemm(ctx, a, b, bias, out, accumulate, fast_accumulation, Varying::None);
+}
+
+void fp8_gemm_grouped(Context& ctx, const std::vector<Fp8Operand>& a, const std::vector<Fp8Operand>& b,
+                      const std::vector<Tensor>& bias, std::vector<Tensor>& out, bool accumulate,
+                      bool fast_accumulation, bool rows_in_k) {
+  ops::check_fp8_gemm_grouped(a, b, bias, out);
+  for (size_t i = 0; i < a.size(); ++i) {
+    run_fp8_gemm(ctx, a[i], b[i], bias.empty() ? Tensor() : bias[i], out[i], accumulate, fast_accumulation,
+                 rows_in_k ? Varying::K : Varying::M);
+  }
 }
 
 }  // namespace megatron::cuda
