@@ -124,6 +124,18 @@ std::pair<int64_t, int64_t> check_fp8_quantize_activation(Fp8Activation act, con
   return mk;
 }
 
+void fp8_quantize_member(Context& ctx, const Tensor& x, Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax,
+                         Tensor& scale_inv, bool current_scaling, float fp8_max) {
+  Tensor none;
+  if (!current_scaling) {
+    fp8_quantize(ctx, x, scale, q, q_t, amax, scale_inv);
+    return;
+  }
+  fp8_amax(ctx, x, amax);  // Note [Current scaling]: the amax, its scale, then the codes
+  fp8_scale_from_amax(ctx, amax, fp8_max, /*power_of_two_scales=*/false, scale, scale_inv);
+  fp8_quantize(ctx, x, scale, q, q_t, none, none);
+}
+
 Tensor fp8_activation_values(Context& ctx, Fp8Activation act, const Tensor& pre, const Tensor& grad) {
   const bool swiglu = act == Fp8Activation::Swiglu;
   Shape shape = pre.shape();

@@ -144,6 +144,10 @@ std::pair<int64_t, int64_t> check_fp8_quantize_activation(Fp8Activation act, con
 /// ops (the CPU reference, the GPU's fallback for shapes its passes do not take, and
 /// ProducedTensor::materialize).
 Tensor fp8_activation_values(Context& ctx, Fp8Activation act, const Tensor& pre, const Tensor& grad);
+/// One member of fp8_quantize_grouped through the single dispatching ops (q_t unpadded, [K, M]): the
+/// CPU reference's definition and the GPU's fallback for members its tile pass does not take.
+void fp8_quantize_member(Context& ctx, const Tensor& x, Tensor& scale, Tensor& q, Tensor& q_t, Tensor& amax,
+                         Tensor& scale_inv, bool current_scaling, float fp8_max);
 /// The checks of fp8_block_quantize's tensors; returns M and K.
 std::pair<int64_t, int64_t> check_fp8_block_quantize(const Tensor& x, bool tile_2d, const Tensor& q,
                                                      const Tensor& scale_inv);

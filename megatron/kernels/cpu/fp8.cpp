@@ -192,13 +192,7 @@ void fp8_quantize_grouped(Context& ctx, const std::vector<Tensor>& x, std::vecto
     const int64_t m = x[i].size(0), k = x[i].size(1);
     const Tensor padded = q_t.empty() ? none : q_t[i];
     Tensor qt = padded.defined() ? Tensor::empty({k, m}, padded.dtype(), padded.device()) : none;
-    if (current_scaling) {
-      fp8_amax(ctx, x[i], ai);
-      fp8_scale_from_amax(ctx, ai, fp8_max, /*power_of_two_scales=*/false, scale[i], si);
-      fp8_quantize(ctx, x[i], scale[i], qi, qt, none, none);
-    } else {
-      fp8_quantize(ctx, x[i], scale[i], qi, qt, ai, si);
-    }
+    ops::fp8_quantize_member(ctx, x[i], scale[i], qi, qt, ai, si, current_scaling, fp8_max);
     if (!padded.defined()) continue;
     assert_host(padded, "q_t");
     const int64_t p = padded.size(1);

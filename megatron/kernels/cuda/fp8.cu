@@ -736,13 +736,7 @@ void fp8_quantize_grouped(Context& ctx, const std::vector<Tensor>& x, std::vecto
     const Tensor padded = at(q_t, i);
     const int64_t m = x[i].size(0), k = x[i].size(1);
     Tensor qt = padded.defined() ? Tensor::empty({k, m}, padded.dtype(), padded.device()) : none;
-    if (current_scaling) {
-      fp8_amax(ctx, x[i], ai);
-      fp8_scale_from_amax(ctx, ai, fp8_max, /*power_of_two_scales=*/false, scale[i], si);
-      fp8_quantize(ctx, x[i], scale[i], qi, qt, none, none);
-    } else {
-      fp8_quantize(ctx, x[i], scale[i], qi, qt, ai, si);
-    }
+    ops::fp8_quantize_member(ctx, x[i], scale[i], qi, qt, ai, si, current_scaling, fp8_max);
     if (!padded.defined()) continue;
     const size_t p = size_t(padded.size(1));
     CUDA_CHECK(cudaMemcpy2DAsync(padded.raw_data(), p, qt.raw_data(), size_t(m), size_t(m), size_t(k),
