@@ -5,7 +5,8 @@
 //                 amax (a block reduction, then one atomic max per block) and scale_inv;
 //   recipes       the delayed update (one thread per tensor over its history) and current
 //                 scaling's scale from amax, both reading and writing device memory only;
-// Block scaling is fp8_block.cu, the GEMM fp8_gemm.cu; the shared device functions fp8_common.cuh.
+// Block scaling is fp8_block.cu, the grouped ops fp8_grouped.cu, the GEMM fp8_gemm.cu; the shared
+// device functions fp8_common.cuh and fp8_tile.cuh (the vector and tile quantisation).
 #include <cuda_fp8.h>
 
 #include <cfloat>
@@ -15,6 +16,7 @@
 #include "megatron/kernels/cuda/cuda_common.cuh"
 #include "megatron/kernels/cuda/cuda_ops.h"
 #include "megatron/kernels/cuda/fp8_common.cuh"
+#include "megatron/kernels/cuda/fp8_tile.cuh"
 #include "megatron/kernels/fp8_ops.h"
 
 namespace megatron::cuda {
@@ -22,47 +24,6 @@ namespace megatron::cuda {
 namespace {
 
 // ---- per-tensor quantise -------------------------------------------------------------------------
-
-// Note [Quantisation kernels]: memory-bound passes, so (1) each thread moves 16 bytes of x at a
-// time where the tensor allows (alignment and a multiple of the vector), (2) the amax is reduced
-// within the block first and then one atomic max per block (a same-address atomic per warp
-// serialises: it made the transposed pass ~7x slower than the memory allows), and (3) the
-// transposed copy is written 4 bytes per thread (a warp writes 128 consecutive bytes of q_t).
-
-// One 16-byte vector of x (V = 16 / sizeof(T) elements) quantised: the V codes packed into Codes,
-// amax = fmax(amax, |x|) over them, and colsum[e] += x_e where colsum is given.
-template <typename T, typename Codes>
-__device__ __forceinline__ Codes quantize_vector(const uint4& raw, float s, bool e4m3, float& amax,
-                                                 float* colsum = nullptr) {
-  constexpr int V = int(16 / sizeof(T));
-  static_assert(sizeof(Codes) == V, "one code byte per element");
-  const T* v = reinterpret_cast<const T*>(&raw);
-  union {
-    Codes packed;
-    uint8_t b[V];
-  } codes;
-#pragma unroll
-  for (int e = 0; e < V; ++e) {
-    const float f = load_float(v[e]);
-    amax = fmaxf(amax, fabsf(f));
-    if (colsum != nullptr) colsum[e] += f;
-    codes.b[e] = encode_fp8(f * s, e4m3);
-  }
-  return codes.packed;
-}
-
-// Note [Quantisation sources]: where the vector passes get x [m, k], one 16-byte vector (V =
-// 16 / sizeof(T) elements, c a multiple of V) at a time — load(r, c), or (a tensor) load_vec(i) for
-// the i-th vector in row-major order: a tensor, or values computed in the pass from the activation's
-// operands (Note [Quantising inside the activation], fp8_ops.h), rounded to T as the activation
-// kernels store them.
-template <typename T>
-struct TensorRows {  // x itself
-  const T* x;
-  int64_t k;
-  __device__ uint4 load(int64_t r, int64_t c) const { return *reinterpret_cast<const uint4*>(x + r * k + c); }
-  __device__ uint4 load_vec(int64_t i) const { return reinterpret_cast<const uint4*>(x)[i]; }
-};
 
 template <typename T>
 __device__ __forceinline__ uint4 pack_vector(const float (&v)[16 / sizeof(T)]) {
@@ -242,90 +203,6 @@ __global__ void quantize_transpose_kernel(const T* __restrict__ x, int64_t m, in
   }
 }
 
-// Note [Vectorised transposed quantise]: the pass that writes q_t (every output gradient; x's and
-// the weight's transposed copies) moves 16 bytes of x per thread, as the flat pass does. Block
-// (bx, by) takes the 64x64 tile x[by·64 .. +64, bx·64 .. +64] with 256 threads: each loads its
-// rows' 16-byte vectors (all loads issued before any conversion), stores the codes to q and into a
-// shared tile, and then writes 16 consecutive bytes of one q_t row (a column of the tile; a warp
-// reads 32 neighbouring tile columns: no bank conflicts). With col_partial it also sums the tile's
-// columns in a fixed order — each thread its rows, then the threads in row order — into
-// col_partial [gridDim.y, k], which column_partials_finish_kernel adds up tile by tile: the bias
-// gradient of the output gradient at no extra pass over it (TE's cast_transpose_dbias), and
-// deterministic. Needs k % (16 / sizeof(T)) == 0 and 16-byte aligned x (Note [Quantisation
-// sources]: or the tensors it is computed from); the codes' stores need q aligned to the vector;
-// q_t's 16-byte stores need m % 16 == 0 (else bytes).
-constexpr int kVecTile = 64, kVecThreads = 256;
-
-// One tile of Note [Vectorised transposed quantise]: x[r0 .. +64, c0 .. +64] of x [m, k], with q_t's
-// rows p >= m long (Note [Grouped quantisation]: the tile's rows m .. p are zero codes, the GEMM's
-// padding). q, q_t and col_partial may be null (none of them: an amax pass). Returns the thread's
-// amax; every thread of the block must call it (it synchronises the block).
-template <typename T, typename Src>
-__device__ __forceinline__ float quantize_tile(const Src& x, int64_t m, int64_t k, int64_t p, int64_t r0, int64_t c0,
-                                               float s, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t, bool e4m3,
-                                               bool wide_store, float* __restrict__ col_partial, int64_t tile_row) {
-  constexpr int V = int(16 / sizeof(T));                     // elements per 16-byte load
-  constexpr int kLanesPerRow = kVecTile / V;                 // 8 (16-bit x) or 16 (fp32)
-  constexpr int kRowsPerPass = kVecThreads / kLanesPerRow;   // 32 or 16
-  constexpr int kPasses = kVecTile / kRowsPerPass;           // 2 or 4
-  static_assert(V == 4 || V == 8, "16-byte vectors of 2- or 4-byte elements");
-  using Codes = std::conditional_t<V == 8, uint2, uint32_t>;
-  __shared__ __align__(16) uint8_t tile[kVecTile][kVecTile + 8];
-  __shared__ float sums[kRowsPerPass][kVecTile + 1];
-  const int lane_c = int(threadIdx.x) % kLanesPerRow * V, lane_r = int(threadIdx.x) / kLanesPerRow;
-  const int64_t c = c0 + lane_c;
-  const bool col_in = c < k;  // k % V == 0: a vector is wholly inside or outside
-  const int64_t rows_t = q_t != nullptr ? p : m;  // rows the tile's codes cover
-  uint4 raw[kPasses];
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int64_t r = r0 + pass * kRowsPerPass + lane_r;
-    raw[pass] = col_in && r < m ? x.load(r, c) : make_uint4(0u, 0u, 0u, 0u);
-  }
-  float local = 0.0f;
-  float colsum[V];
-#pragma unroll
-  for (int e = 0; e < V; ++e) colsum[e] = 0.0f;
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int i = pass * kRowsPerPass + lane_r;
-    const int64_t r = r0 + i;
-    const Codes codes = quantize_vector<T, Codes>(raw[pass], s, e4m3, local, colsum);
-    if (col_in && r < m && q != nullptr) *reinterpret_cast<Codes*>(q + r * k + c) = codes;
-    if (col_in && r < rows_t && q_t != nullptr) *reinterpret_cast<Codes*>(&tile[i][lane_c]) = codes;
-  }
-  if (col_partial != nullptr) {
-#pragma unroll
-    for (int e = 0; e < V; ++e) sums[lane_r][lane_c + e] = colsum[e];
-  }
-  __syncthreads();
-  if (q_t != nullptr) {  // q_t[col, r .. r + 16) for the tile's column cc, rows seg .. seg + 16
-    const int cc = int(threadIdx.x) % kVecTile, seg = int(threadIdx.x) / kVecTile * 16;
-    const int64_t col = c0 + cc, r = r0 + seg;
-    if (col < k && r < p) {
-      uint8_t* dst = q_t + col * p + r;
-      if (wide_store) {
-        union {
-          uint4 v;
-          uint8_t b[16];
-        } out;
-#pragma unroll
-        for (int e = 0; e < 16; ++e) out.b[e] = tile[seg + e][cc];
-        *reinterpret_cast<uint4*>(dst) = out.v;
-      } else {
-        for (int e = 0; e < 16 && r + e < p; ++e) dst[e] = tile[seg + e][cc];
-      }
-    }
-  }
-  if (col_partial != nullptr && threadIdx.x < kVecTile) {
-    const int64_t col = c0 + threadIdx.x;
-    float total = 0.0f;
-    for (int j = 0; j < kRowsPerPass; ++j) total += sums[j][threadIdx.x];
-    if (col < k) col_partial[tile_row * k + col] = total;
-  }
-  return local;
-}
-
 template <typename T, typename Src>
 __global__ void __launch_bounds__(kVecThreads)
     quantize_transpose_vec_kernel(Src x, int64_t m, int64_t k, const float* __restrict__ scale,
@@ -339,62 +216,6 @@ __global__ void __launch_bounds__(kVecThreads)
   }
 }
 
-// ---- grouped quantise (Note [Grouped quantisation]) -------------------------------------------------
-
-// One member of a grouped launch: its tensors (null: not wanted), x [m, k], q_t's row length p and
-// its first tile in the launch's grid (tiles_x column tiles a row of tiles).
-struct GroupMember {
-  const void* x;
-  uint8_t* q;
-  uint8_t* q_t;
-  float* scale;
-  float* amax;
-  float* scale_inv;
-  int64_t m, k, p, first_tile;
-  int tiles_x;
-  bool wide_store;
-};
-constexpr int kGroupChunk = 32;  // members per launch: the table stays under 4 KB of parameters
-struct GroupTable {
-  GroupMember mem[kGroupChunk];
-  int count;
-};
-
-// amax_pass: each member's max |x| into its amax (zeroed before). Else the codes: scale from the
-// member's amax (current scaling: fp8_scale_from_amax's arithmetic, stored by the member's first
-// block with scale_inv) or its scale, recording the amax where the member has one (delayed).
-template <typename T>
-__global__ void __launch_bounds__(kVecThreads)
-    quantize_grouped_kernel(const __grid_constant__ GroupTable g, bool amax_pass, bool current, float fp8_max,
-                            bool e4m3) {
-  const int64_t b = blockIdx.x;
-  int i = 0;
-  while (i + 1 < g.count && g.mem[i + 1].first_tile <= b) ++i;
-  const GroupMember& mb = g.mem[i];
-  const int64_t t = b - mb.first_tile;
-  float s = 1.0f;
-  if (!amax_pass) {
-    s = current ? scale_from_amax(*mb.amax, fp8_max, /*pow2=*/false, FLT_MAX) : *mb.scale;
-    if (t == 0 && threadIdx.x == 0) {
-      if (current) *mb.scale = s;
-      if (mb.scale_inv != nullptr) *mb.scale_inv = __frcp_rn(s);
-    }
-  }
-  float local = quantize_tile<T>(TensorRows<T>{static_cast<const T*>(mb.x), mb.k}, mb.m, mb.k, mb.p,
-                                 t / mb.tiles_x * kVecTile, t % mb.tiles_x * kVecTile, s,
-                                 amax_pass ? nullptr : mb.q, amax_pass ? nullptr : mb.q_t, e4m3, mb.wide_store,
-                                 nullptr, 0);
-  if (amax_pass || (!current && mb.amax != nullptr)) {
-    local = block_max(local);
-    if (threadIdx.x == 0) atomic_max_nonneg(mb.amax, local);
-  }
-}
-
-__global__ void zero_group_amax_kernel(const __grid_constant__ GroupTable g) {
-  if (int(threadIdx.x) < g.count) *g.mem[threadIdx.x].amax = 0.0f;
-}
-
-// dbias[c] += Σ_t partial[t·k + c], the row tiles in order.
 __global__ void column_partials_finish_kernel(const float* __restrict__ partial, int64_t tiles, int64_t k,
                                               float* __restrict__ dbias) {
   const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -440,47 +261,11 @@ __global__ void scale_from_amax_kernel(const float* __restrict__ amax, int64_t n
   if (scale_inv != nullptr) scale_inv[i] = __frcp_rn(s);
 }
 
-// Column j of the [L, n] history h (tensor j) and its scale (Note [Delayed scaling]).
-__device__ __forceinline__ void delayed_update_column(float* __restrict__ h, int64_t len, int64_t n, int64_t j,
-                                                      float* __restrict__ scale, float scaled_max, bool use_max) {
-  const float last = h[j];
-  if (last == 0.0f) return;  // not seen this step: nothing moves (TE's bulk update)
-  float amax = last;
-  if (use_max) {
-    amax = 0.0f;
-    for (int64_t i = 0; i < len; ++i) amax = fmaxf(amax, h[i * n + j]);
-  }
-  for (int64_t i = 1; i < len; ++i) h[(i - 1) * n + j] = h[i * n + j];
-  h[(len - 1) * n + j] = last;
-  h[j] = 0.0f;
-  float s = (isfinite(amax) && amax > 0.0f) ? __fdiv_rn(scaled_max, amax) : scale[j];
-  if (isinf(s)) s = FLT_MAX;
-  scale[j] = s;
-}
-
 // One thread per tensor: threads of a warp read neighbouring columns.
 __global__ void delayed_scale_update_kernel(float* __restrict__ h, int64_t len, int64_t n, float* __restrict__ scale,
                                             float scaled_max, bool use_max) {
   const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (j < n) delayed_update_column(h, len, n, j, scale, scaled_max, use_max);
-}
-
-// fp8_delayed_scale_update_grouped: a block per state, a thread per tensor of it.
-struct UpdateMember {
-  float* h;
-  float* scale;
-  int64_t len, n;
-};
-constexpr int kUpdateChunk = 96;  // states per launch: the table stays under 4 KB
-struct UpdateTable {
-  UpdateMember mem[kUpdateChunk];
-  int count;
-};
-__global__ void delayed_scale_update_grouped_kernel(const __grid_constant__ UpdateTable g, float scaled_max,
-                                                    bool use_max) {
-  const UpdateMember& mb = g.mem[blockIdx.x];
-  for (int64_t j = threadIdx.x; j < mb.n; j += blockDim.x)
-    delayed_update_column(mb.h, mb.len, mb.n, j, mb.scale, scaled_max, use_max);
 }
 
 // The flat pass: the vector kernel over the 16-byte-aligned whole vectors, the scalar one over the
@@ -669,101 +454,6 @@ void fp8_quantize_activation(Context& ctx, Fp8Activation act, const Tensor& pre,
     fp8_quantize_dbias(ctx, x, scale, q, q_t, amax, scale_inv, dbias);
   } else {
     fp8_quantize(ctx, x, scale, q, q_t, amax, scale_inv);
-  }
-}
-
-// Note [Grouped quantisation]: the members the tile pass takes go in tables of kGroupChunk; the
-// others (a width not a multiple of the vector, unaligned tensors) take the single ops, their padding
-// a strided copy.
-void fp8_quantize_grouped(Context& ctx, const std::vector<Tensor>& x, std::vector<Tensor>& scale,
-                          std::vector<Tensor>& q, std::vector<Tensor>& q_t, std::vector<Tensor>& amax,
-                          std::vector<Tensor>& scale_inv, bool current_scaling, float fp8_max) {
-  const size_t n = ops::check_fp8_quantize_grouped(x, scale, q, q_t, amax, scale_inv, current_scaling);
-  if (n == 0) return;
-  Tensor none;
-  auto at = [&none](std::vector<Tensor>& v, size_t i) -> Tensor& { return v.empty() ? none : v[i]; };
-  for (size_t i = 0; i < n; ++i) {
-    check_on_gpu({&x[i], &scale[i], &at(q, i), &at(q_t, i), &at(amax, i), &at(scale_inv, i)}, "fp8_quantize_grouped");
-  }
-  const DType code_type = !q.empty() ? q[0].dtype() : (!q_t.empty() ? q_t[0].dtype() : DType::Float8E4M3);
-  const bool e4m3 = code_type == DType::Float8E4M3;
-  cudaStream_t st = stream_of(ctx);
-  const auto addr = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.raw_data()); };
-  std::vector<size_t> single;
-  dispatch_float(x[0].dtype(), [&]<typename T>() {
-    constexpr int64_t V = int64_t(16 / sizeof(T));
-    std::vector<GroupMember> members;
-    for (size_t i = 0; i < n; ++i) {
-      const Tensor &qi = at(q, i), &qt = at(q_t, i);
-      const int64_t m = x[i].size(0), k = x[i].size(1);
-      if (k % V != 0 || addr(x[i]) % 16 != 0 || (qi.defined() && addr(qi) % uintptr_t(V) != 0)) {
-        single.push_back(i);
-        continue;
-      }
-      const int64_t p = qt.defined() ? qt.size(1) : m;
-      members.push_back({x[i].raw_data(), fp8_ptr(qi), fp8_ptr(qt), f32_ptr(scale[i]), f32_ptr(at(amax, i)),
-                         f32_ptr(at(scale_inv, i)), m, k, p, 0, int((k + kVecTile - 1) / kVecTile),
-                         p % 16 == 0 && (!qt.defined() || addr(qt) % 16 == 0)});
-    }
-    for (size_t c0 = 0; c0 < members.size(); c0 += kGroupChunk) {
-      GroupTable table{};
-      table.count = int(std::min<size_t>(kGroupChunk, members.size() - c0));
-      // tiles of each member for one pass: rows up to `rows` (m for the amax, p with a transposed copy)
-      auto lay_out = [&](bool amax_pass) {
-        int64_t tiles = 0;
-        for (int j = 0; j < table.count; ++j) {
-          GroupMember& mb = table.mem[j];
-          const int64_t rows = amax_pass || mb.q_t == nullptr ? mb.m : mb.p;
-          mb.first_tile = tiles;
-          tiles += (rows + kVecTile - 1) / kVecTile * mb.tiles_x;
-        }
-        return tiles;
-      };
-      for (int j = 0; j < table.count; ++j) table.mem[j] = members[c0 + size_t(j)];
-      if (current_scaling) {
-        zero_group_amax_kernel<<<1, kGroupChunk, 0, st>>>(table);
-        const int64_t tiles = lay_out(true);
-        quantize_grouped_kernel<T><<<unsigned(tiles), kVecThreads, 0, st>>>(table, true, true, fp8_max, e4m3);
-        CUDA_CHECK(cudaGetLastError());
-      }
-      const int64_t tiles = lay_out(false);
-      quantize_grouped_kernel<T><<<unsigned(tiles), kVecThreads, 0, st>>>(table, false, current_scaling, fp8_max, e4m3);
-      CUDA_CHECK(cudaGetLastError());
-    }
-  });
-  for (size_t i : single) {
-    Tensor &qi = at(q, i), &ai = at(amax, i), &si = at(scale_inv, i);
-    const Tensor padded = at(q_t, i);
-    const int64_t m = x[i].size(0), k = x[i].size(1);
-    Tensor qt = padded.defined() ? Tensor::empty({k, m}, padded.dtype(), padded.device()) : none;
-    ops::fp8_quantize_member(ctx, x[i], scale[i], qi, qt, ai, si, current_scaling, fp8_max);
-    if (!padded.defined()) continue;
-    const size_t p = size_t(padded.size(1));
-    CUDA_CHECK(cudaMemcpy2DAsync(padded.raw_data(), p, qt.raw_data(), size_t(m), size_t(m), size_t(k),
-                                 cudaMemcpyDeviceToDevice, st));
-    if (p > size_t(m)) {
-      CUDA_CHECK(cudaMemset2DAsync(fp8_ptr(padded) + m, p, 0, p - size_t(m), size_t(k), st));
-    }
-  }
-}
-
-void fp8_delayed_scale_update_grouped(Context& ctx, std::vector<Tensor>& amax_histories, std::vector<Tensor>& scales,
-                                      const Fp8DelayedParams& p) {
-  MG_CHECK(amax_histories.size() == scales.size(), "fp8_delayed_scale_update_grouped: {} histories for {} scales",
-           amax_histories.size(), scales.size());
-  std::vector<UpdateMember> members;
-  for (size_t i = 0; i < scales.size(); ++i) {
-    const auto [len, n] = ops::check_fp8_delayed_scale_update(amax_histories[i], scales[i]);
-    check_on_gpu({&amax_histories[i], &scales[i]}, "fp8_delayed_scale_update_grouped");
-    if (n > 0) members.push_back({f32_ptr(amax_histories[i]), f32_ptr(scales[i]), len, n});
-  }
-  for (size_t c0 = 0; c0 < members.size(); c0 += kUpdateChunk) {
-    UpdateTable table{};
-    table.count = int(std::min<size_t>(kUpdateChunk, members.size() - c0));
-    for (int j = 0; j < table.count; ++j) table.mem[j] = members[c0 + size_t(j)];
-    delayed_scale_update_grouped_kernel<<<unsigned(table.count), 32, 0, stream_of(ctx)>>>(table, p.scaled_max(),
-                                                                                         p.use_max);
-    CUDA_CHECK(cudaGetLastError());
   }
 }
 

@@ -81,4 +81,22 @@ inline float max_finite() {
   }
 }
 
+// Column j of the [L, n] history h (tensor j) and its scale (Note [Delayed scaling]).
+__device__ __forceinline__ void delayed_update_column(float* __restrict__ h, int64_t len, int64_t n, int64_t j,
+                                                      float* __restrict__ scale, float scaled_max, bool use_max) {
+  const float last = h[j];
+  if (last == 0.0f) return;  // not seen this step: nothing moves (TE's bulk update)
+  float amax = last;
+  if (use_max) {
+    amax = 0.0f;
+    for (int64_t i = 0; i < len; ++i) amax = fmaxf(amax, h[i * n + j]);
+  }
+  for (int64_t i = 1; i < len; ++i) h[(i - 1) * n + j] = h[i * n + j];
+  h[(len - 1) * n + j] = last;
+  h[j] = 0.0f;
+  float s = (isfinite(amax) && amax > 0.0f) ? __fdiv_rn(scaled_max, amax) : scale[j];
+  if (isinf(s)) s = FLT_MAX;
+  scale[j] = s;
+}
+
 }  // namespace megatron::cuda
