@@ -42,18 +42,16 @@ std::vector<Tensor> row_blocks(const Blocks& b, const Tensor& x) {
   return out;
 }
 
-int64_t padded(int64_t n) { return (n + kFp8GroupRowAlign - 1) / kFp8GroupRowAlign * kFp8GroupRowAlign; }
-
 // Each block's transposed operand [cols, rows padded], side by side in one buffer.
 std::vector<Tensor> padded_transposed_blocks(Context& ctx, const Blocks& b, int64_t cols, DType dtype) {
   int64_t total = 0;
-  for (int64_t n : b.count) total += cols * padded(n);
+  for (int64_t n : b.count) total += cols * fp8_group_padded_rows(n);
   const Tensor all = Tensor::empty({total}, dtype, ctx.device());
   std::vector<Tensor> out;
   int64_t offset = 0;
   for (int64_t n : b.count) {
-    out.push_back(all.flat_slice(offset, cols * padded(n)).view({cols, padded(n)}));
-    offset += cols * padded(n);
+    out.push_back(all.flat_slice(offset, cols * fp8_group_padded_rows(n)).view({cols, fp8_group_padded_rows(n)}));
+    offset += cols * fp8_group_padded_rows(n);
   }
   return out;
 }
@@ -83,7 +81,7 @@ void quantize_members(Context& ctx, const std::vector<Fp8LinearState*>& ls, bool
 std::vector<Fp8Operand> weight_operands(Context& ctx, const std::vector<Fp8LinearState*>& ls,
                                         const std::vector<Tensor>& weights, bool transposed) {
   std::vector<Fp8Operand> out(ls.size());
-  std::vector<Fp8LinearState*> todo;
+  std::vector<Fp8LinearState*> to_quantize;
   std::vector<Tensor> xs, qs, qts;
   std::vector<size_t> at;
   for (size_t j = 0; j < ls.size(); ++j) {
@@ -92,16 +90,16 @@ std::vector<Fp8Operand> weight_operands(Context& ctx, const std::vector<Fp8Linea
     const Tensor& w = weights[j];
     const DType t = ls[j]->config().forward_dtype();
     (transposed ? qts : qs).push_back(Tensor::empty(transposed ? Shape{w.size(1), w.size(0)} : w.shape(), t, ctx.device()));
-    todo.push_back(ls[j]);
+    to_quantize.push_back(ls[j]);
     xs.push_back(w);
     at.push_back(j);
   }
-  if (todo.empty()) return out;
-  quantize_members(ctx, todo, false, 1, xs, qs, qts, /*again=*/transposed);
-  for (size_t i = 0; i < todo.size(); ++i) {
+  if (to_quantize.empty()) return out;
+  quantize_members(ctx, to_quantize, false, 1, xs, qs, qts, /*again=*/transposed);
+  for (size_t i = 0; i < to_quantize.size(); ++i) {
     Fp8Operand& o = out[at[i]];
-    o = {transposed ? qts[i] : qs[i], todo[i]->forward_scaling().scale_inv(1)};
-    todo[i]->offer_weight_operand(o, transposed);
+    o = {transposed ? qts[i] : qs[i], to_quantize[i]->forward_scaling().scale_inv(1)};
+    to_quantize[i]->offer_weight_operand(o, transposed);
   }
   return out;
 }

@@ -28,6 +28,8 @@ namespace megatron {
 
 /// Rows of each layer's transposed operands are padded to this multiple (Note [Grouped FP8 linear layers]).
 inline constexpr int64_t kFp8GroupRowAlign = 16;
+/// n rows rounded up to kFp8GroupRowAlign.
+inline int64_t fp8_group_padded_rows(int64_t n) { return (n + kFp8GroupRowAlign - 1) / kFp8GroupRowAlign * kFp8GroupRowAlign; }
 
 /// y [N, out] = for each layer e its rows of x [N, in] · W_eᵀ (+ b_e): rows[e] rows each, in order.
 /// biases: empty or one per layer (undefined: none).

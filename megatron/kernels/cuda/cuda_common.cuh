@@ -200,4 +200,12 @@ __global__ void sorted_segment_sum(const int32_t* __restrict__ keys, const int32
   }
 }
 
+/// The plan size for a GEMM dimension holding a varying row count: the power of two (at least 16)
+/// at or above it (Note [Plans for varying row counts], linear.cu; the bf16 and FP8 GEMMs).
+inline int64_t row_bucket(int64_t v) {
+  int64_t b = 16;
+  while (b < v) b *= 2;
+  return b;
+}
+
 }  // namespace megatron::cuda

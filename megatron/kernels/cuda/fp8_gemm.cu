@@ -139,12 +139,6 @@ std::shared_ptr<Fp8GemmPlan> make_fp8_plan(cublasLtHandle_t handle, const Fp8Ope
 // rows of a grouped layer's block.
 enum class Varying { None, M, K };
 
-int64_t row_bucket(int64_t v) {
-  int64_t b = 16;
-  while (b < v) b *= 2;
-  return b;
-}
-
 void run_fp8_gemm(Context& ctx, const Fp8Operand& a, const Fp8Operand& b, const Tensor& bias, Tensor& out,
                   bool accumulate, bool fast_accumulation, Varying varying) {
   ops::check_fp8_gemm(a, b, bias, out, accumulate, /*cuda=*/true);

@@ -178,12 +178,6 @@ std::shared_ptr<GemmPlan> make_plan(cublasLtHandle_t handle, const Gemm& g) {
 // call. If cuBLASLt refuses the bucket's algorithm for the true size, the exact plan is made.
 thread_local int64_t t_varying_rows = 0;
 
-int64_t row_bucket(int64_t v) {
-  int64_t b = 16;
-  while (b < v) b *= 2;
-  return b;
-}
-
 void run_gemm(Context& ctx, const Gemm& g_in) {
   auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt_handle());
   MG_ASSERT(handle != nullptr, "linear on CUDA needs a CUDA Context (no cuBLASLt handle)");

@@ -42,10 +42,6 @@ std::vector<Tensor> data_of(const std::vector<Parameter*>& ps) {
   return out;
 }
 
-int64_t fp8_padded(int64_t n) {
-  const int64_t a = SequentialMLP::kFp8ExpertAlign;
-  return (n + a - 1) / a * a;
-}
 }  // namespace
 
 SequentialMLP::SequentialMLP(const TransformerConfig& config, int num_local_experts, int first_expert,
@@ -118,7 +114,7 @@ void SequentialMLP::fp8_forward(Context& ctx, int fc, const std::vector<Paramete
                                 Tensor& y) const {
   int64_t row = 0;
   for (size_t e = 0; e < w.size(); ++e) {
-    const int64_t n = rows[e], padded = fp8_padded(n);
+    const int64_t n = rows[e], padded = fp8_group_padded_rows(n);
     if (n == 0) continue;
     const Tensor xe = padded_rows(ctx, x, row, n, padded);
     Tensor ye = padded == n ? y.slice(row, row + n) : Tensor::empty({padded, y.size(1)}, y.dtype(), ctx.device());
@@ -133,7 +129,7 @@ void SequentialMLP::fp8_backward(Context& ctx, int fc, const std::vector<Paramet
                                  const std::vector<int64_t>& rows, Tensor& grad_in) const {
   int64_t row = 0;
   for (size_t e = 0; e < w.size(); ++e) {
-    const int64_t n = rows[e], padded = fp8_padded(n);
+    const int64_t n = rows[e], padded = fp8_group_padded_rows(n);
     if (n == 0) continue;
     const Tensor ge = padded_rows(ctx, grad_out, row, n, padded), xe = padded_rows(ctx, x, row, n, padded);
     Tensor gi, none;
