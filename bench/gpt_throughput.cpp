@@ -221,7 +221,7 @@ int main(int argc, char** argv) {
         if (!graph.captured()) graph.capture(ctx, forward_backward);
         graph.replay(ctx);
       } else {
-        model.begin_fp8_step(micro_batches > 1);  // Note [FP8 weight cache], as pretrain_gpt
+        model.begin_fp8_step(micro_batches > 1, true);  // Note [FP8 weight cache], as pretrain_gpt
         for (int m = 0; m < micro_batches; ++m) forward_backward();
       }
       mark();

@@ -8,8 +8,13 @@
 // time of --reps runs (CUDA events) and TFLOP/s. cublasGemmGroupedBatchedEx takes one C type for
 // every operand pair: its weight-gradient form (bf16 A/B into an fp32 C) is tried and its status
 // reported.
+// With --fp8: the experts' FP8 work at the same shape (hybrid: e4m3 forward, e5m2 gradients) — each
+// grouped quantisation pass the grouped FP8 layers make (Note [Grouped FP8 linear layers]), as ms and
+// GB/s of the bytes it must move, and the three fp8_gemm_grouped GEMMs; for these and the bf16 loop
+// also the host's enqueue time per GEMM (host_us: the loop's wall time on the host, the GPU idle
+// before it), which bounds the loop when the GEMMs are small.
 //
-//   build/bench/moe_grouped_gemm [--preset mixtral|fine|all --tokens 32768 --reps 20]
+//   build/bench/moe_grouped_gemm [--preset mixtral|fine|all --tokens 32768 --ffn 0 --reps 20 --fp8]
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
@@ -19,6 +24,9 @@
 #include <string>
 #include <vector>
 
+#include <chrono>
+
+#include "megatron/core/tensor_parallel/fp8_grouped_linear.h"
 #include "megatron/kernels/ops.h"
 #include "megatron/runtime/philox.h"
 #include "megatron/runtime/tensor.h"
@@ -57,6 +65,20 @@ double median_ms(const std::function<void()>& f, int reps, cudaStream_t stream) 
   return ms[ms.size() / 2];
 }
 
+// The host's time to enqueue f (µs), median of reps, the GPU drained before each.
+double host_us(const std::function<void()>& f, int reps, cudaStream_t stream) {
+  std::vector<double> us;
+  for (int r = 0; r < reps; ++r) {
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
 Tensor random_bf16(const Shape& shape, uint64_t seed, float std) {
   std::vector<float> v(static_cast<size_t>(shape_numel(shape)));
   for (size_t i = 0; i < v.size(); ++i) v[i] = std * philox_normal(seed, 0, i);
@@ -85,6 +107,99 @@ void report(const char* preset, const char* gemm, const char* impl, int e, int64
   std::fflush(stdout);
 }
 
+void report_host(const char* preset, const char* what, const char* impl, int calls, double us) {
+  std::printf("{\"bench\": \"moe_grouped_gemm\", \"preset\": \"%s\", \"gemm\": \"%s\", \"impl\": \"%s\", "
+              "\"calls\": %d, \"host_us\": %.1f, \"host_us_per_call\": %.2f}\n",
+              preset, what, impl, calls, us, us / calls);
+  std::fflush(stdout);
+}
+
+void report_pass(const char* preset, const char* pass, int members, double bytes, double ms) {
+  std::printf("{\"bench\": \"moe_fp8_quantize\", \"preset\": \"%s\", \"pass\": \"%s\", \"members\": %d, "
+              "\"gbytes\": %.3f, \"ms\": %.4f, \"gb_per_s\": %.0f}\n",
+              preset, pass, members, bytes / 1e9, ms, bytes / 1e9 / (ms * 1e-3));
+  std::fflush(stdout);
+}
+
+// The experts' FP8 work at the shape (--fp8): the grouped quantisation passes and GEMMs, hybrid.
+void run_fp8(Context& ctx, const char* preset, const std::vector<int64_t>& rows, const std::vector<Tensor>& w,
+             std::vector<Tensor>& wg, const Tensor& x, const Tensor& dy, int reps) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream());
+  const int e = int(w.size());
+  const int64_t in = x.size(1), out = dy.size(1), n = x.size(0);
+  const Device dev = Device::cuda(0);
+  const DType f = DType::Float8E4M3, g = DType::Float8E5M2;
+  auto scalars = [&](float v) {
+    std::vector<Tensor> t;
+    for (int i = 0; i < e; ++i) t.push_back(Tensor::from_floats({v}, {1}, DType::Float32).to(dev));
+    return t;
+  };
+  std::vector<Tensor> s_w = scalars(64.f), s_x = scalars(64.f), s_g = scalars(1024.f);
+  std::vector<Tensor> a_w = scalars(0.f), a_x = scalars(0.f), a_g = scalars(0.f);
+  std::vector<Tensor> i_w = scalars(1.f), i_x = scalars(1.f), i_g = scalars(1.f), none;
+  std::vector<Tensor> xs, dys, q_x, q_g, qt_x, qt_g, q_w, qt_w;
+  int64_t r0 = 0, padded_total = 0;
+  for (int i = 0; i < e; ++i) {
+    const int64_t r = rows[size_t(i)];
+    xs.push_back(x.slice(r0, r0 + r));
+    dys.push_back(dy.slice(r0, r0 + r));
+    q_x.push_back(Tensor::empty({r, in}, f, dev));
+    q_g.push_back(Tensor::empty({r, out}, g, dev));
+    qt_x.push_back(Tensor::empty({in, fp8_group_padded_rows(r)}, f, dev));
+    qt_g.push_back(Tensor::empty({out, fp8_group_padded_rows(r)}, g, dev));
+    q_w.push_back(Tensor::empty({out, in}, f, dev));
+    qt_w.push_back(Tensor::empty({in, out}, f, dev));
+    r0 += r;
+    padded_total += fp8_group_padded_rows(r);
+  }
+  const double wn = double(e) * double(in) * double(out), xn = double(n) * double(in), gn = double(n) * double(out);
+  const double xpad = double(padded_total) * double(in), gpad = double(padded_total) * double(out);
+  auto pass = [&](const char* name, double bytes, const std::function<void()>& fn) {
+    report_pass(preset, name, e, bytes, median_ms(fn, reps, stream));
+  };
+  // the weights: forward copy (delayed: the step's scale, recording the amax), the transposed copy
+  // ("again": no amax), both at once, and current scaling's two passes for the forward copy
+  pass("weights q (delayed)", wn * 3, [&] { ops::fp8_quantize_grouped(ctx, w, s_w, q_w, none, a_w, none, false, 448.f); });
+  pass("weights q_t (again)", wn * 3, [&] { ops::fp8_quantize_grouped(ctx, w, s_w, none, qt_w, none, none, false, 448.f); });
+  pass("weights q + q_t (delayed)", wn * 4,
+       [&] { ops::fp8_quantize_grouped(ctx, w, s_w, q_w, qt_w, a_w, none, false, 448.f); });
+  pass("weights q (current)", wn * 5, [&] { ops::fp8_quantize_grouped(ctx, w, s_w, q_w, none, a_w, i_w, true, 448.f); });
+  // the activations: x's forward copy, dy's two copies, x's transposed copy for the weight gradient
+  pass("x q (delayed)", xn * 3, [&] { ops::fp8_quantize_grouped(ctx, xs, s_x, q_x, none, a_x, none, false, 448.f); });
+  pass("dy q + q_t (delayed)", gn * 2 + gn + gpad,
+       [&] { ops::fp8_quantize_grouped(ctx, dys, s_g, q_g, qt_g, a_g, none, false, 57344.f); });
+  pass("x q_t (again)", xn * 2 + xpad, [&] { ops::fp8_quantize_grouped(ctx, xs, s_x, none, qt_x, none, none, false, 448.f); });
+
+  // the GEMMs on those operands: per expert y = x·Wᵀ, dx = dy·W (W_t), dW += dy_tᵀ·x_t
+  std::vector<Fp8Operand> ox, ow, og, owt, ogt, oxt;
+  std::vector<Tensor> ys, dxs, no_bias;
+  Tensor y = Tensor::empty({n, out}, DType::BFloat16, dev), dx = Tensor::empty({n, in}, DType::BFloat16, dev);
+  r0 = 0;
+  for (int i = 0; i < e; ++i) {
+    const int64_t r = rows[size_t(i)];
+    ox.push_back({q_x[size_t(i)], i_x[size_t(i)]});
+    ow.push_back({q_w[size_t(i)], i_w[size_t(i)]});
+    og.push_back({q_g[size_t(i)], i_g[size_t(i)]});
+    owt.push_back({qt_w[size_t(i)], i_w[size_t(i)]});
+    ogt.push_back({qt_g[size_t(i)], i_g[size_t(i)]});
+    oxt.push_back({qt_x[size_t(i)], i_x[size_t(i)]});
+    ys.push_back(y.slice(r0, r0 + r));
+    dxs.push_back(dx.slice(r0, r0 + r));
+    r0 += r;
+  }
+  const int min_rows = int(*std::min_element(rows.begin(), rows.end()));
+  const int max_rows = int(*std::max_element(rows.begin(), rows.end()));
+  const std::function<void()> gemms[3] = {
+      [&] { ops::fp8_gemm_grouped(ctx, ox, ow, no_bias, ys, false, true, false); },
+      [&] { ops::fp8_gemm_grouped(ctx, og, owt, no_bias, dxs, false, false, false); },
+      [&] { ops::fp8_gemm_grouped(ctx, ogt, oxt, no_bias, wg, true, false, true); }};
+  const char* names[3] = {"forward", "grad_in", "weight_grad"};
+  for (int k = 0; k < 3; ++k) {
+    report(preset, names[k], "fp8_grouped", e, n, in, out, median_ms(gemms[k], reps, stream), min_rows, max_rows);
+    report_host(preset, names[k], "fp8_grouped", e, host_us(gemms[k], reps, stream));
+  }
+}
+
 // cublasGemmGroupedBatchedEx over the experts (group e = one problem): returns the status of one call.
 struct GroupedBatched {
   cublasHandle_t handle = nullptr;
@@ -102,7 +217,7 @@ struct GroupedBatched {
   }
 };
 
-void run_preset(const char* preset, int e, int64_t hidden, int64_t ffn, int64_t rows_total, int reps) {
+void run_preset(const char* preset, int e, int64_t hidden, int64_t ffn, int64_t rows_total, int reps, bool fp8) {
   Context ctx(Device::cuda(0));
   const cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream());
   const std::vector<int64_t> rows = uneven_rows(rows_total, e, 17);
@@ -129,6 +244,11 @@ void run_preset(const char* preset, int e, int64_t hidden, int64_t ffn, int64_t 
   report(preset, "weight_grad", "cublaslt_loop", e, n, in, out,
          median_ms([&] { ops::moe_grouped_linear_backward(ctx, dy, x, w, rows, none, wg); }, reps, stream), min_rows,
          max_rows);
+  report_host(preset, "forward", "cublaslt_loop", e,
+              host_us([&] { ops::moe_grouped_linear_forward(ctx, x, w, rows, y); }, reps, stream));
+  report_host(preset, "weight_grad", "cublaslt_loop", e,
+              host_us([&] { ops::moe_grouped_linear_backward(ctx, dy, x, w, rows, none, wg); }, reps, stream));
+  if (fp8) run_fp8(ctx, preset, rows, w, wg, x, dy, reps);
 
   // one dense GEMM of the same total size
   const Tensor w_dense = random_bf16({out, in}, 99, 0.02f);
@@ -215,14 +335,18 @@ int main(int argc, char** argv) {
 #else
   std::string preset = "all";
   int64_t tokens = 32768;
+  int64_t ffn = 0;
   int reps = 20;
+  bool fp8 = false;
   CLI::App app{"The experts' grouped GEMM against cuBLAS's grouped GEMM and one dense GEMM"};
   app.add_option("--preset", preset, "mixtral, fine or all");
   app.add_option("--tokens", tokens, "Tokens routed (rows = tokens x top-k)");
+  app.add_option("--ffn", ffn, "The experts' ffn size (0: the preset's)");
   app.add_option("--reps", reps, "Timed runs per GEMM");
+  app.add_flag("--fp8", fp8, "Also the experts' FP8 passes and GEMMs (hybrid)");
   CLI11_PARSE(app, argc, argv);
-  if (preset == "mixtral" || preset == "all") run_preset("mixtral", 8, 2048, 4096, tokens * 2, reps);
-  if (preset == "fine" || preset == "all") run_preset("fine", 64, 2048, 1408, tokens * 6, reps);
+  if (preset == "mixtral" || preset == "all") run_preset("mixtral", 8, 2048, ffn > 0 ? ffn : 4096, tokens * 2, reps, fp8);
+  if (preset == "fine" || preset == "all") run_preset("fine", 64, 2048, ffn > 0 ? ffn : 1408, tokens * 6, reps, fp8);
   return 0;
 #endif
 }

@@ -242,10 +242,11 @@ struct Trainer {
                                          : float(loss_scale() * double(ps.cp_size()) /
                                                  double(microbatches.num_microbatches())));
     }
-    // Note [FP8 weight cache]: each FP8 weight quantised once for the step's microbatches.
-    const bool cache_fp8_weights =
-        microbatches.num_microbatches() > 1 && !cuda_graph && !args.disable_parameter_transpose_cache;
-    for (auto& c : chunks) c->begin_fp8_step(cache_fp8_weights);
+    // Note [FP8 weight cache]: each FP8 weight quantised once for the step's microbatches; with one,
+    // the experts keep their transposed weights from the forward to the backward.
+    const bool keep_fp8_copies = !cuda_graph && !args.disable_parameter_transpose_cache;
+    const bool cache_fp8_weights = microbatches.num_microbatches() > 1 && keep_fp8_copies;
+    for (auto& c : chunks) c->begin_fp8_step(cache_fp8_weights, keep_fp8_copies);
     timers.start("forward-backward", 1);
     LossSums sums = cuda_graph ? cuda_graph->forward_backward(ctx, &ps, chunk_ptrs(), callbacks.forward_step,
                                                               data.train, fb_args(loss_scale(), false), &ddp)

@@ -77,29 +77,51 @@ void quantize_members(Context& ctx, const std::vector<Fp8LinearState*>& ls, bool
 
 // The layers' weight operands (transposed: for the input gradient): ready ones as they are (Note
 // [FP8 weight cache], Note [FP8 parameters]), the others from one grouped pass — tensor 1 of the
-// forward state; the transposed copy with the scale its forward set, as the single layer's.
+// forward state; the transposed copy with the scale its forward set, as the single layer's. A
+// forward pass also makes the transposed copy of the layers that keep it (cache, kept transposes):
+// one pass over those weights a step.
 std::vector<Fp8Operand> weight_operands(Context& ctx, const std::vector<Fp8LinearState*>& ls,
                                         const std::vector<Tensor>& weights, bool transposed) {
   std::vector<Fp8Operand> out(ls.size());
   std::vector<Fp8LinearState*> to_quantize;
   std::vector<Tensor> xs, qs, qts;
   std::vector<size_t> at;
+  std::vector<bool> with_t;
+  int64_t numel = 0, numel_t = 0;
   for (size_t j = 0; j < ls.size(); ++j) {
     out[j] = ls[j]->ready_weight_operand(ctx, weights[j], transposed);
     if (out[j].data.defined()) continue;
-    const Tensor& w = weights[j];
-    const DType t = ls[j]->config().forward_dtype();
-    (transposed ? qts : qs).push_back(Tensor::empty(transposed ? Shape{w.size(1), w.size(0)} : w.shape(), t, ctx.device()));
+    const bool t = transposed || ls[j]->wants_transposed_in_forward();
+    if (!transposed) numel += weights[j].numel();
+    if (t) numel_t += weights[j].numel();
+    with_t.push_back(t);
     to_quantize.push_back(ls[j]);
-    xs.push_back(w);
+    xs.push_back(weights[j]);
     at.push_back(j);
   }
   if (to_quantize.empty()) return out;
+  // the copies as slices of one buffer each (an allocation per weight costs the host more than its pass)
+  const DType t = to_quantize[0]->config().forward_dtype();
+  const Tensor all = numel > 0 ? Tensor::empty({numel}, t, ctx.device()) : Tensor();
+  const Tensor all_t = numel_t > 0 ? Tensor::empty({numel_t}, t, ctx.device()) : Tensor();
+  int64_t offset = 0, offset_t = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const Tensor& w = xs[i];
+    if (!transposed) {
+      qs.push_back(all.flat_slice(offset, w.numel()).view(w.shape()));
+      offset += w.numel();
+    }
+    qts.push_back(with_t[i] ? all_t.flat_slice(offset_t, w.numel()).view({w.size(1), w.size(0)}) : Tensor());
+    if (with_t[i]) offset_t += w.numel();
+  }
+  if (numel_t == 0) qts.clear();
   quantize_members(ctx, to_quantize, false, 1, xs, qs, qts, /*again=*/transposed);
   for (size_t i = 0; i < to_quantize.size(); ++i) {
+    const Tensor& scale_inv = to_quantize[i]->forward_scaling().scale_inv(1);
     Fp8Operand& o = out[at[i]];
-    o = {transposed ? qts[i] : qs[i], to_quantize[i]->forward_scaling().scale_inv(1)};
+    o = {transposed ? qts[i] : qs[i], scale_inv};
     to_quantize[i]->offer_weight_operand(o, transposed);
+    if (!transposed && with_t[i]) to_quantize[i]->offer_weight_operand({qts[i], scale_inv}, true);
   }
   return out;
 }

@@ -5,9 +5,11 @@
 // Note [Grouped FP8 linear layers]: the three GEMMs of each layer are the single layer's (Note [FP8
 // linear layer]); what is grouped is the quantisation (Note [Grouped quantisation], fp8_ops.h):
 //   forward   one pass quantises every layer's row block of x with its layer's input scale, one
-//             pass every weight (those the weight cache or --fp8-param-gather do not already hold);
+//             pass every weight (those the weight cache or --fp8-param-gather do not already hold),
+//             making the transposed copy too where the layer keeps it (Note [FP8 weight cache]:
+//             the cache, or kept transposes — the experts at one microbatch);
 //   backward  one pass over dy for both copies (its transposed blocks padded: below), one pass for
-//             the transposed weights, one for the transposed input blocks;
+//             the transposed weights not kept, one for the transposed input blocks;
 // and the GEMMs then run layer after layer on slices of those buffers (fp8_gemm_grouped: cuBLASLt as
 // the bf16 experts', plans shared across row counts — Note [Plans for varying row counts]). The weight gradient's K is the layer's row count, which
 // cuBLASLt's FP8 GEMM needs in multiples of 16 (kFp8GroupRowAlign): each transposed block is

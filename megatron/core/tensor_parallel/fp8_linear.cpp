@@ -90,11 +90,19 @@ Fp8Operand Fp8LinearState::fp8_weight(Context& ctx, const Tensor& weight, bool t
 }
 
 // The weight's transposed copy is quantised again with the scale its forward set (`again`: the
-// weight has not changed since).
+// weight has not changed since); with the cache on, the forward makes both copies in one pass.
 Fp8Operand Fp8LinearState::weight_operand(Context& ctx, const Tensor& weight, bool transposed) {
   if (is_fp8(weight.dtype())) return fp8_weight(ctx, weight, transposed);
   Fp8Operand& cached = transposed ? cached_w_t_ : cached_w_;  // Note [FP8 weight cache]
   if (cached.data.defined()) return cached;
+  if (cache_weights_ && !transposed && config_.recipe != Fp8Recipe::Blockwise) {
+    const int64_t out = weight.size(0), in = weight.size(1);
+    cached_w_ = {Tensor::empty({out, in}, config_.forward_dtype(), ctx.device()), fwd_.scale_inv(1)};
+    Fp8Operand t{Tensor::empty({in, out}, config_.forward_dtype(), ctx.device()), fwd_.scale_inv(1)};
+    fwd_.quantize(ctx, 1, weight, cached_w_.data, t.data);
+    if (!cached_w_t_.data.defined()) cached_w_t_ = t;
+    return cached_w_;
+  }
   Fp8Operand o = quantize(ctx, false, 1, weight, transposed, true, /*again=*/transposed);
   if (cache_weights_) cached = o;
   return o;
@@ -102,16 +110,24 @@ Fp8Operand Fp8LinearState::weight_operand(Context& ctx, const Tensor& weight, bo
 
 Fp8Operand Fp8LinearState::ready_weight_operand(Context& ctx, const Tensor& weight, bool transposed) {
   if (is_fp8(weight.dtype())) return fp8_weight(ctx, weight, transposed);
-  return transposed ? cached_w_t_ : cached_w_;
+  if (!transposed) return cached_w_;
+  Fp8Operand o = cached_w_t_;
+  if (!cache_weights_) cached_w_t_ = Fp8Operand();  // a kept transpose: this backward takes it
+  return o;
 }
 
 void Fp8LinearState::offer_weight_operand(const Fp8Operand& o, bool transposed) {
-  if (cache_weights_) (transposed ? cached_w_t_ : cached_w_) = o;
+  if (cache_weights_ || (transposed && keep_t_)) (transposed ? cached_w_t_ : cached_w_) = o;
 }
 
 void Fp8LinearState::set_weight_cache(bool on) {
   cache_weights_ = on;
   if (!on) cached_w_ = cached_w_t_ = Fp8Operand();
+}
+
+void Fp8LinearState::set_keep_transposed_weight(bool on) {
+  keep_t_ = on;
+  if (!on && !cache_weights_) cached_w_t_ = Fp8Operand();
 }
 
 void Fp8LinearState::forward(Context& ctx, const ProducedTensor& x, const Tensor& weight, const Tensor& bias,

@@ -30,15 +30,22 @@
 //
 // Note [FP8 weight cache] (TE's is_first_microbatch, which Megatron's TE layers pass unless
 // disable_parameter_transpose_cache): a training step with several microbatches quantises each
-// weight once — its first forward makes the FP8 copy, its first backward the transposed one — and
-// every later microbatch of the step reuses them; the model turns the cache on before the step's
-// first microbatch (ModelChunk::begin_fp8_step) and off, dropping the copies, once the step's
+// weight once — its first forward makes the FP8 copy and the transposed one in one pass over the
+// weight, and every later use in the step reuses them; the model turns the cache on before the
+// step's first microbatch (ModelChunk::begin_fp8_step) and off, dropping the copies, once the step's
 // gradients are final (finish_fp8_step), before the optimizer changes the weights. The copies are
 // the bytes every microbatch would make (the weight and its scale do not change within a step; the
 // delayed recipe's amax of the weight is its max over the step's uses either way), so a step gives
 // the same result with or without the cache. It costs the copies' memory (1 byte per weight element
-// each) for the length of the step, so a step of one microbatch does not use it; nor does a step
-// captured whole in a CUDA graph (its replays would write into copies the step had dropped).
+// each) for the length of the step — no more at the step's peak than making the transposed copy at
+// the first backward did, since every later microbatch's forward holds both — so a step of one
+// microbatch does not use it; nor does a step captured whole in a CUDA graph (its replays would
+// write into copies the step had dropped).
+// Kept transposes (set_keep_transposed_weight; the MoE experts' grouped layers at one microbatch,
+// Note [Grouped FP8 linear layers]): the forward's pass over the weight also makes the transposed
+// copy, kept until the backward that uses it takes it — one pass over the weight per step instead
+// of two, for 1 byte per weight element held from the forward to the backward (TE keeps both copies
+// for the whole run). The single layer's forward does not (the dense layers keep bf16's peak memory).
 #pragma once
 
 #include "megatron/core/fp8_utils.h"
@@ -67,10 +74,17 @@ class Fp8LinearState {
   /// at their first use and reused until the cache is turned off; off drops them.
   void set_weight_cache(bool on);
   bool has_cached_weight() const { return cached_w_.data.defined() || cached_w_t_.data.defined(); }
+  /// Note [FP8 weight cache], kept transposes: on, a grouped forward's weight pass also makes the
+  /// transposed copy, which the next backward takes; off drops a kept one.
+  void set_keep_transposed_weight(bool on);
+  /// Whether a forward's pass over the weight also makes the transposed copy (cache or kept
+  /// transposes on, and none made yet).
+  bool wants_transposed_in_forward() const { return (cache_weights_ || keep_t_) && !cached_w_t_.data.defined(); }
 
   /// For a grouped pass over several layers' weights (fp8_grouped_linear.h): the weight's operand
   /// when it takes no quantisation pass — an FP8 weight, or the cache's copy — else undefined data;
-  /// and the operand a grouped pass made, kept when the cache is on.
+  /// and the operand a grouped pass made, kept when the cache is on (the transposed one also with
+  /// kept transposes, until a backward takes it).
   Fp8Operand ready_weight_operand(Context& ctx, const Tensor& weight, bool transposed);
   void offer_weight_operand(const Fp8Operand& o, bool transposed);
 
@@ -95,6 +109,7 @@ class Fp8LinearState {
   Fp8TensorScaling fwd_, bwd_;
   Fp8Param param_;
   bool cache_weights_ = false;      // Note [FP8 weight cache]
+  bool keep_t_ = false;             // kept transposes
   Fp8Operand cached_w_, cached_w_t_;
 };
 

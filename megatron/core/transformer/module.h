@@ -78,8 +78,10 @@ class ModelChunk {
   /// the scales updated, on the device (Note [FP8 scaling under parallelism] in gpt_model.cpp).
   virtual void finish_fp8_step(Context&) {}
   /// Before a training step's first microbatch: whether the FP8 layers keep their weights' FP8
-  /// copies for the step's later microbatches (Note [FP8 weight cache]; finish_fp8_step drops them).
-  virtual void begin_fp8_step(bool /*cache_weights*/) {}
+  /// copies for the step's later microbatches, and whether the MoE experts keep their weights'
+  /// transposed copies from a forward to its backward (Note [FP8 weight cache]; finish_fp8_step
+  /// drops them).
+  virtual void begin_fp8_step(bool /*cache_weights*/, bool /*keep_expert_transposes*/) {}
   /// State that is not a parameter but belongs in checkpoints (the routers' expert biases, the FP8
   /// scaling state), by name.
   virtual std::vector<ModelBuffer> buffers() { return {}; }

@@ -2,7 +2,8 @@
 // input gradient, probability gradient and weight gradients equal a reference built from the dense
 // FP8 linear layer (Fp8LinearState) applied to that expert's rows alone, with a scaling state of its
 // own, for every recipe and format, in the sequential and the grouped form (so the two forms equal
-// each other), with an expert without rows. Over three steps the delayed recipe's amax histories
+// each other), with an expert without rows; the grouped form also with the step's weight copies kept
+// (Note [FP8 weight cache]: the transposes from the forward to the backward, or both for the step). Over three steps the delayed recipe's amax histories
 // and scales of every expert equal the reference's, and the expert without rows keeps its fresh
 // state. With row counts that are multiples of 16 everything is bit for bit; with counts that the
 // experts pad (37, 21 rows) the CPU sgemm of the padded block sums in another order than the
@@ -71,10 +72,15 @@ void expect_same(const Tensor& got, const Tensor& want, const std::string& what,
   }
 }
 
+// What the experts keep of their weights' FP8 copies within a step (Note [FP8 weight cache]):
+// nothing, the transposed copy from the forward to the backward, or both for the step.
+enum class Copies { PerUse, KeepTransposes, Cache };
+
 struct Param {
   Fp8Recipe recipe;
   std::string format;
   bool grouped;
+  Copies copies = Copies::PerUse;
 };
 
 class Fp8Experts : public ::testing::TestWithParam<Param> {};
@@ -123,10 +129,31 @@ void check_experts(const Param& P, const std::vector<int64_t>& kRows, double tol
     for (float& p : pv) p = 0.5f + p;
     const Tensor probs = Tensor::from_floats(pv, {total});
 
+    // the step's copies (as GPTModel::begin_fp8_step for the experts)
+    for (int e = 0; e < E; ++e) {
+      for (int fc : {1, 2}) {
+        experts.fp8_state(e, fc)->set_weight_cache(P.copies == Copies::Cache);
+        experts.fp8_state(e, fc)->set_keep_transposed_weight(P.copies == Copies::KeepTransposes);
+      }
+    }
     moe::SequentialMLP::Saved saved;
     const Tensor y = experts.forward(ctx, x, probs, kRows, saved);
+    if (P.copies != Copies::PerUse) {  // the forward's pass made the transposed copies of the experts with rows
+      for (int e = 0; e < E; ++e) {
+        EXPECT_EQ(experts.fp8_state(e, 1)->has_cached_weight(), kRows[size_t(e)] > 0) << "expert " << e;
+        EXPECT_EQ(experts.fp8_state(e, 1)->wants_transposed_in_forward(), kRows[size_t(e)] == 0) << "expert " << e;
+      }
+    }
     Tensor grad_probs;
     const Tensor gx = experts.backward(ctx, dy, saved, grad_probs);
+    for (int e = 0; e < E; ++e) {  // the backward took the kept transposes; the cache holds both until dropped
+      EXPECT_EQ(experts.fp8_state(e, 2)->has_cached_weight(), P.copies == Copies::Cache && kRows[size_t(e)] > 0);
+      for (int fc : {1, 2}) {
+        experts.fp8_state(e, fc)->set_weight_cache(false);
+        experts.fp8_state(e, fc)->set_keep_transposed_weight(false);
+        EXPECT_FALSE(experts.fp8_state(e, fc)->has_cached_weight());
+      }
+    }
 
     int64_t row = 0;
     for (int e = 0; e < E; ++e) {
@@ -207,7 +234,9 @@ void check_experts(const Param& P, const std::vector<int64_t>& kRows, double tol
     EXPECT_LT(diff, 0.25 * scale);
   }
   std::printf("%s rows %s: largest difference from the reference %.3g of the largest value\n",
-              (to_string(P.recipe) + " " + P.format + (P.grouped ? " grouped" : " sequential")).c_str(),
+              (to_string(P.recipe) + " " + P.format + (P.grouped ? " grouped" : " sequential") +
+               (P.copies == Copies::KeepTransposes ? " (kept transposes)" : P.copies == Copies::Cache ? " (cached)" : ""))
+                  .c_str(),
               kRows == kAligned ? "aligned" : "padded", g_worst);
 }
 
@@ -222,16 +251,25 @@ TEST_P(Fp8Experts, EachExpertIsTheDenseFp8LinearOnItsRows) {
   }
 }
 
+std::string param_name(const ::testing::TestParamInfo<Param>& i) {
+  const std::string copies = i.param.copies == Copies::KeepTransposes ? "_kept_transposes"
+                             : i.param.copies == Copies::Cache        ? "_cached"
+                                                                      : "";
+  return to_string(i.param.recipe) + "_" + i.param.format + (i.param.grouped ? "_grouped" : "_sequential") + copies;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Recipes, Fp8Experts,
     ::testing::Values(Param{Fp8Recipe::Delayed, "hybrid", false}, Param{Fp8Recipe::Delayed, "hybrid", true},
                       Param{Fp8Recipe::Delayed, "e4m3", false}, Param{Fp8Recipe::Delayed, "e4m3", true},
                       Param{Fp8Recipe::Tensorwise, "hybrid", false}, Param{Fp8Recipe::Tensorwise, "hybrid", true},
                       Param{Fp8Recipe::Tensorwise, "e4m3", true}, Param{Fp8Recipe::Blockwise, "hybrid", false},
-                      Param{Fp8Recipe::Blockwise, "hybrid", true}, Param{Fp8Recipe::Blockwise, "e4m3", true}),
-    [](const ::testing::TestParamInfo<Param>& i) {
-      return to_string(i.param.recipe) + "_" + i.param.format + (i.param.grouped ? "_grouped" : "_sequential");
-    });
+                      Param{Fp8Recipe::Blockwise, "hybrid", true}, Param{Fp8Recipe::Blockwise, "e4m3", true},
+                      Param{Fp8Recipe::Delayed, "hybrid", true, Copies::KeepTransposes},
+                      Param{Fp8Recipe::Tensorwise, "hybrid", true, Copies::KeepTransposes},
+                      Param{Fp8Recipe::Delayed, "hybrid", true, Copies::Cache},
+                      Param{Fp8Recipe::Tensorwise, "hybrid", true, Copies::Cache}),
+    param_name);
 
 TEST(Fp8ExpertsRefused, BlockwiseNeedsWidthsOfTheBlock) {
   const TransformerConfig tc = expert_config();

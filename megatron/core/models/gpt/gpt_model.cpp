@@ -176,16 +176,19 @@ std::vector<Fp8TensorScaling*> scaling_states(const std::vector<Linear*>& linear
 }
 }  // namespace
 
-void GPTModel::begin_fp8_step(bool cache_weights) {
+void GPTModel::begin_fp8_step(bool cache_weights, bool keep_expert_transposes) {
   for (const auto& layer : decoder_->layers()) {
-    for (const auto* linears : {&layer->fp8_linears(), &layer->fp8_expert_linears()})
-      for (Linear* l : *linears) l->fp8()->set_weight_cache(cache_weights);
+    for (Linear* l : layer->fp8_linears()) l->fp8()->set_weight_cache(cache_weights);
+    for (Linear* l : layer->fp8_expert_linears()) {
+      l->fp8()->set_weight_cache(cache_weights);
+      l->fp8()->set_keep_transposed_weight(keep_expert_transposes);
+    }
   }
 }
 
 void GPTModel::finish_fp8_step(Context& ctx) {
   if (!config_.fp8.enabled()) return;
-  begin_fp8_step(false);  // Note [FP8 weight cache]: the optimizer changes the weights next
+  begin_fp8_step(false, false);  // Note [FP8 weight cache]: the optimizer changes the weights next
   if (config_.fp8.recipe != Fp8Recipe::Delayed) return;
   std::vector<Linear*> dense, experts;
   for (const auto& layer : decoder_->layers()) {

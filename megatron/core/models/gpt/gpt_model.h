@@ -153,7 +153,7 @@ class GPTModel : public ModelChunk {
   void set_aux_loss_tracker(AuxLossTracker* tracker) override;
   void finish_router_step(Context& ctx) override;
   void finish_fp8_step(Context& ctx) override;
-  void begin_fp8_step(bool cache_weights) override;
+  void begin_fp8_step(bool cache_weights, bool keep_expert_transposes) override;
   /// "decoder.layers.L.mlp.router.expert_bias" of each MoE layer with --moe-router-enable-expert-bias;
   /// with the delayed FP8 recipe each FP8 linear layer's scaling state (optional: Note [FP8 state in
   /// checkpoints]).
