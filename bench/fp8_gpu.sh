@@ -112,6 +112,7 @@ if [[ " $parts " == *" steps "* ]]; then
              "blockwise_distopt:--fp8-format e4m3 --fp8-recipe blockwise --use-distributed-optimizer" \
              "blockwise_param_gather:--fp8-format e4m3 --fp8-recipe blockwise --use-distributed-optimizer --fp8-param-gather"; do
     name=${run%%:*}
+    [[ -n ${FP8_STEPS_RUNS:-} && " $FP8_STEPS_RUNS " != *" $name "* ]] && continue  # a subset: FP8_STEPS_RUNS="bf16 delayed"
     (cd /tmp && timeout ${STEPS_TIMEOUT:-150} $B/pretrain_gpt $FLAGS ${run#*:} > "$OUT/steps_$name.txt" 2>&1; echo "$name rc=$?")
     python3 - "$OUT/steps_$name.txt" "$name" "${run#*:}" <<'PY'
 import json, re, statistics, sys

@@ -12,9 +12,12 @@
 // grouped quantisation pass the grouped FP8 layers make (Note [Grouped FP8 linear layers]), as ms and
 // GB/s of the bytes it must move, and the three fp8_gemm_grouped GEMMs; for these and the bf16 loop
 // also the host's enqueue time per GEMM (host_us: the loop's wall time on the host, the GPU idle
-// before it), which bounds the loop when the GEMMs are small.
+// before it), which bounds the loop when the GEMMs are small. With --bare-cublaslt: the host time of
+// a bare loop of cublasLtMatmul calls at the shape's mean row count (bf16, one plan made beforehand;
+// cuBLASLt's own cost per call, below ours), from one host thread and from 2, 4 and 8 threads each
+// with its own stream and descriptors (whether spreading the loop over threads would lift the bound).
 //
-//   build/bench/moe_grouped_gemm [--preset mixtral|fine|all --tokens 32768 --ffn 0 --reps 20 --fp8]
+//   build/bench/moe_grouped_gemm [--preset mixtral|fine|all --tokens 32768 --ffn 0 --reps 20 --fp8 --bare-cublaslt]
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
@@ -32,8 +35,11 @@
 #include "megatron/runtime/tensor.h"
 
 #ifdef MEGATRON_WITH_CUDA
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+
+#include <thread>
 
 #include "megatron/runtime/cuda/cuda_check.h"
 #endif
@@ -200,6 +206,89 @@ void run_fp8(Context& ctx, const char* preset, const std::vector<int64_t>& rows,
   }
 }
 
+// --bare-cublaslt: e GEMMs [rows, in] x [out, in]^T -> [rows, out] in bf16 through cublasLtMatmul alone.
+void run_bare_cublaslt(const char* preset, int e, int64_t rows, int64_t in, int64_t out, int reps) {
+  struct Plan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+    size_t ws = 0;
+  };
+  cublasLtHandle_t handle = nullptr;
+  if (cublasLtCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "moe_grouped_gemm: cublasLtCreate failed\n");
+    return;
+  }
+  constexpr size_t kWs = size_t(32) << 20;
+  auto make = [&] {  // column-major: C [out x rows] = W^T(T) [out x in] . x^T [in x rows]
+    Plan p;
+    cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
+    cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+    cublasLtMatrixLayoutCreate(&p.la, CUDA_R_16BF, uint64_t(in), uint64_t(out), in);
+    cublasLtMatrixLayoutCreate(&p.lb, CUDA_R_16BF, uint64_t(in), uint64_t(rows), in);
+    cublasLtMatrixLayoutCreate(&p.lc, CUDA_R_16BF, uint64_t(out), uint64_t(rows), out);
+    cublasLtMatmulPreference_t pref = nullptr;
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &kWs, sizeof(kWs));
+    cublasLtMatmulHeuristicResult_t r{};
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.la, p.lb, p.lc, p.lc, pref, 1, &r, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    p.algo = r.algo;
+    p.ws = r.workspaceSize;
+    return p;
+  };
+  const Device dev = Device::cuda(0);
+  const Tensor w = Tensor::zeros({int64_t(e), out, in}, DType::BFloat16, dev), x = Tensor::zeros({rows, in}, DType::BFloat16, dev);
+  const Tensor y = Tensor::empty({int64_t(e), rows, out}, DType::BFloat16, dev);
+  const Tensor ws = Tensor::empty({int64_t(8 * kWs)}, DType::UInt8, dev);
+  std::vector<cudaStream_t> streams(8);
+  for (auto& st : streams) CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const float alpha = 1.0f, beta = 0.0f;
+  auto call = [&](const Plan& p, int i, int lane) {
+    const char* wp = static_cast<const char*>(w.raw_data()) + size_t(i) * size_t(out * in) * 2;
+    char* yp = static_cast<char*>(y.raw_data()) + size_t(i) * size_t(rows * out) * 2;
+    cublasLtMatmul(handle, p.desc, &alpha, wp, p.la, x.raw_data(), p.lb, &beta, yp, p.lc, yp, p.lc, &p.algo,
+                   static_cast<char*>(ws.raw_data()) + size_t(lane) * kWs, p.ws, streams[size_t(lane)]);
+  };
+  for (int threads : {1, 2, 4, 8}) {
+    std::vector<Plan> plans;
+    for (int t = 0; t < threads; ++t) plans.push_back(make());
+    for (int i = 0; i < e; ++i) call(plans[size_t(i % threads)], i, i % threads);  // warm-up
+    std::vector<double> us;
+    for (int r = 0; r < reps; ++r) {
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const auto t0 = std::chrono::steady_clock::now();
+      if (threads == 1) {
+        for (int i = 0; i < e; ++i) call(plans[0], i, 0);
+      } else {
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; ++t)
+          pool.emplace_back([&, t] { for (int i = t; i < e; i += threads) call(plans[size_t(t)], i, t); });
+        for (auto& th : pool) th.join();
+      }
+      us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::sort(us.begin(), us.end());
+    std::printf("{\"bench\": \"cublaslt_host\", \"preset\": \"%s\", \"gemms\": %d, \"m\": %lld, \"n\": %lld, "
+                "\"k\": %lld, \"threads\": %d, \"host_us\": %.1f, \"host_us_per_call\": %.2f}\n",
+                preset, e, (long long)rows, (long long)out, (long long)in, threads, us[us.size() / 2],
+                us[us.size() / 2] / e);
+    std::fflush(stdout);
+    for (Plan& p : plans) {
+      cublasLtMatrixLayoutDestroy(p.la);
+      cublasLtMatrixLayoutDestroy(p.lb);
+      cublasLtMatrixLayoutDestroy(p.lc);
+      cublasLtMatmulDescDestroy(p.desc);
+    }
+  }
+  for (auto& st : streams) cudaStreamDestroy(st);
+  cublasLtDestroy(handle);
+}
+
 // cublasGemmGroupedBatchedEx over the experts (group e = one problem): returns the status of one call.
 struct GroupedBatched {
   cublasHandle_t handle = nullptr;
@@ -217,7 +306,8 @@ struct GroupedBatched {
   }
 };
 
-void run_preset(const char* preset, int e, int64_t hidden, int64_t ffn, int64_t rows_total, int reps, bool fp8) {
+void run_preset(const char* preset, int e, int64_t hidden, int64_t ffn, int64_t rows_total, int reps, bool fp8,
+                bool bare) {
   Context ctx(Device::cuda(0));
   const cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream());
   const std::vector<int64_t> rows = uneven_rows(rows_total, e, 17);
@@ -249,6 +339,7 @@ void run_preset(const char* preset, int e, int64_t hidden, int64_t ffn, int64_t 
   report_host(preset, "weight_grad", "cublaslt_loop", e,
               host_us([&] { ops::moe_grouped_linear_backward(ctx, dy, x, w, rows, none, wg); }, reps, stream));
   if (fp8) run_fp8(ctx, preset, rows, w, wg, x, dy, reps);
+  if (bare) run_bare_cublaslt(preset, e, rows_total / e, in, out, reps);
 
   // one dense GEMM of the same total size
   const Tensor w_dense = random_bf16({out, in}, 99, 0.02f);
@@ -337,16 +428,17 @@ int main(int argc, char** argv) {
   int64_t tokens = 32768;
   int64_t ffn = 0;
   int reps = 20;
-  bool fp8 = false;
+  bool fp8 = false, bare = false;
   CLI::App app{"The experts' grouped GEMM against cuBLAS's grouped GEMM and one dense GEMM"};
   app.add_option("--preset", preset, "mixtral, fine or all");
   app.add_option("--tokens", tokens, "Tokens routed (rows = tokens x top-k)");
   app.add_option("--ffn", ffn, "The experts' ffn size (0: the preset's)");
   app.add_option("--reps", reps, "Timed runs per GEMM");
   app.add_flag("--fp8", fp8, "Also the experts' FP8 passes and GEMMs (hybrid)");
+  app.add_flag("--bare-cublaslt", bare, "Also the host time of a bare cublasLtMatmul loop, from 1 to 8 threads");
   CLI11_PARSE(app, argc, argv);
-  if (preset == "mixtral" || preset == "all") run_preset("mixtral", 8, 2048, ffn > 0 ? ffn : 4096, tokens * 2, reps, fp8);
-  if (preset == "fine" || preset == "all") run_preset("fine", 64, 2048, ffn > 0 ? ffn : 1408, tokens * 6, reps, fp8);
+  if (preset == "mixtral" || preset == "all") run_preset("mixtral", 8, 2048, ffn > 0 ? ffn : 4096, tokens * 2, reps, fp8, bare);
+  if (preset == "fine" || preset == "all") run_preset("fine", 64, 2048, ffn > 0 ? ffn : 1408, tokens * 6, reps, fp8, bare);
   return 0;
 #endif
 }
