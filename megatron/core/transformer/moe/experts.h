@@ -50,8 +50,9 @@
 // linear layers run as TE's GroupedLinear (fp8_grouped_forward / backward, Note [Grouped FP8
 // linear layers]): each quantisation is one pass over every expert's rows or weights with each
 // expert's own scale and amax (Note [Grouped quantisation]), the weight gradient's padding is
-// written by that pass (no row copies), and the GEMMs run expert after expert as the bf16 experts'
-// do; the step's delayed update is one launch for all states (update_fp8_scaling). The per-expert
+// written by that pass (no row copies), each weight is quantised in one pass a step (both copies in
+// the forward: Note [FP8 weight cache], kept transposes), and the GEMMs run expert after expert as
+// the bf16 experts' do; the step's delayed update is one launch for all states (update_fp8_scaling). The per-expert
 // states and their checkpoint names are the same in both forms.
 #pragma once
 
