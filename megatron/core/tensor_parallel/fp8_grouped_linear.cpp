@@ -100,7 +100,7 @@ std::vector<Fp8Operand> weight_operands(Context& ctx, const std::vector<Fp8Linea
     at.push_back(j);
   }
   if (to_quantize.empty()) return out;
-  // the copies as slices of one buffer each (an allocation per weight costs the host more than its pass)
+  // the copies as slices of one buffer each: one allocation for the pass, not one per weight
   const DType t = to_quantize[0]->config().forward_dtype();
   const Tensor all = numel > 0 ? Tensor::empty({numel}, t, ctx.device()) : Tensor();
   const Tensor all_t = numel_t > 0 ? Tensor::empty({numel_t}, t, ctx.device()) : Tensor();
