@@ -165,16 +165,20 @@ void run_fp8(Context& ctx, const char* preset, const std::vector<int64_t>& rows,
   };
   // the weights: forward copy (delayed: the step's scale, recording the amax), the transposed copy
   // ("again": no amax), both at once, and current scaling's two passes for the forward copy
-  pass("weights q (delayed)", wn * 3, [&] { ops::fp8_quantize_grouped(ctx, w, s_w, q_w, none, a_w, none, false, 448.f); });
-  pass("weights q_t (again)", wn * 3, [&] { ops::fp8_quantize_grouped(ctx, w, s_w, none, qt_w, none, none, false, 448.f); });
+  pass("weights q (delayed)", wn * 3,
+       [&] { ops::fp8_quantize_grouped(ctx, w, s_w, q_w, none, a_w, none, false, 448.f); });
+  pass("weights q_t (again)", wn * 3,
+       [&] { ops::fp8_quantize_grouped(ctx, w, s_w, none, qt_w, none, none, false, 448.f); });
   pass("weights q + q_t (delayed)", wn * 4,
        [&] { ops::fp8_quantize_grouped(ctx, w, s_w, q_w, qt_w, a_w, none, false, 448.f); });
-  pass("weights q (current)", wn * 5, [&] { ops::fp8_quantize_grouped(ctx, w, s_w, q_w, none, a_w, i_w, true, 448.f); });
+  pass("weights q (current)", wn * 5,
+       [&] { ops::fp8_quantize_grouped(ctx, w, s_w, q_w, none, a_w, i_w, true, 448.f); });
   // the activations: x's forward copy, dy's two copies, x's transposed copy for the weight gradient
   pass("x q (delayed)", xn * 3, [&] { ops::fp8_quantize_grouped(ctx, xs, s_x, q_x, none, a_x, none, false, 448.f); });
   pass("dy q + q_t (delayed)", gn * 2 + gn + gpad,
        [&] { ops::fp8_quantize_grouped(ctx, dys, s_g, q_g, qt_g, a_g, none, false, 57344.f); });
-  pass("x q_t (again)", xn * 2 + xpad, [&] { ops::fp8_quantize_grouped(ctx, xs, s_x, none, qt_x, none, none, false, 448.f); });
+  pass("x q_t (again)", xn * 2 + xpad,
+       [&] { ops::fp8_quantize_grouped(ctx, xs, s_x, none, qt_x, none, none, false, 448.f); });
 
   // the GEMMs on those operands: per expert y = x·Wᵀ, dx = dy·W (W_t), dW += dy_tᵀ·x_t
   std::vector<Fp8Operand> ox, ow, og, owt, ogt, oxt;
@@ -241,7 +245,8 @@ void run_bare_cublaslt(const char* preset, int e, int64_t rows, int64_t in, int6
     return p;
   };
   const Device dev = Device::cuda(0);
-  const Tensor w = Tensor::zeros({int64_t(e), out, in}, DType::BFloat16, dev), x = Tensor::zeros({rows, in}, DType::BFloat16, dev);
+  const Tensor w = Tensor::zeros({int64_t(e), out, in}, DType::BFloat16, dev);
+  const Tensor x = Tensor::zeros({rows, in}, DType::BFloat16, dev);
   const Tensor y = Tensor::empty({int64_t(e), rows, out}, DType::BFloat16, dev);
   const Tensor ws = Tensor::empty({int64_t(8 * kWs)}, DType::UInt8, dev);
   std::vector<cudaStream_t> streams(8);
@@ -437,8 +442,12 @@ int main(int argc, char** argv) {
   app.add_flag("--fp8", fp8, "Also the experts' FP8 passes and GEMMs (hybrid)");
   app.add_flag("--bare-cublaslt", bare, "Also the host time of a bare cublasLtMatmul loop, from 1 to 8 threads");
   CLI11_PARSE(app, argc, argv);
-  if (preset == "mixtral" || preset == "all") run_preset("mixtral", 8, 2048, ffn > 0 ? ffn : 4096, tokens * 2, reps, fp8, bare);
-  if (preset == "fine" || preset == "all") run_preset("fine", 64, 2048, ffn > 0 ? ffn : 1408, tokens * 6, reps, fp8, bare);
+  if (preset == "mixtral" || preset == "all") {
+    run_preset("mixtral", 8, 2048, ffn > 0 ? ffn : 4096, tokens * 2, reps, fp8, bare);
+  }
+  if (preset == "fine" || preset == "all") {
+    run_preset("fine", 64, 2048, ffn > 0 ? ffn : 1408, tokens * 6, reps, fp8, bare);
+  }
   return 0;
 #endif
 }

@@ -64,7 +64,7 @@
 // for 64 fine-grained experts ~13 launches per expert and linear layer, more time than their FP8
 // GEMMs. fp8_quantize_grouped takes the members as lists and does each step of all of them in one
 // launch: on the GPU a table of up to 32 members per launch (their pointers, shapes and first block),
-// each block one 64x64 tile of one member (Note [Vectorised transposed quantise], cuda/fp8_tile.cuh)
+// each block two 64x64 tiles of one member (Note [Vectorised transposed quantise], cuda/fp8_tile.cuh)
 // where the member has a transposed copy, else a flat chunk of its rows (cuda/fp8_grouped.cu);
 // current scaling is a grouped amax pass and then the codes, each block computing its member's
 // scale from the amax as fp8_scale_from_amax does (the member's first block stores it). The

@@ -41,12 +41,15 @@ struct GroupTable {
 // blocks take flat chunks of kFlatChunk 16-byte vectors of x in row-major order (the rows are
 // contiguous), each thread kFlatVecs of them a warp-width apart, all loaded before any is
 // converted. A 64x64 tile moves 8 KB of bf16 a block; a chunk moves 16 KB in one coalesced
-// sweep, without the shared tile (measured, bench/moe_grouped_gemm --fp8: the weights' forward
-// copies at ~1.1 TB/s as tiles).
+// sweep, without the shared tile. Measured (H200, bench/moe_grouped_gemm --fp8, 64 weights of
+// 2048 x 2048): the weights' forward copies at 1.1 TB/s as tiles whose member a linear scan of the
+// table found, 3.9 TB/s as chunks with the binary search below; the transposed copies 1.1 -> 2.8.
 constexpr int kFlatVecs = 4;
 constexpr int64_t kFlatChunk = int64_t(kVecThreads) * kFlatVecs;
 
-__host__ __device__ inline bool flat_member(const GroupMember& mb, bool amax_pass) { return amax_pass || mb.q_t == nullptr; }
+__host__ __device__ inline bool flat_member(const GroupMember& mb, bool amax_pass) {
+  return amax_pass || mb.q_t == nullptr;
+}
 
 // A member with a transposed copy: each block takes kTileRowsPerBlock 64x64 tiles down one column
 // of tiles, one after the other (the block's setup — finding its member, reading the scale — paid

@@ -52,8 +52,8 @@
 // expert's own scale and amax (Note [Grouped quantisation]), the weight gradient's padding is
 // written by that pass (no row copies), each weight is quantised in one pass a step (both copies in
 // the forward: Note [FP8 weight cache], kept transposes), and the GEMMs run expert after expert as
-// the bf16 experts' do; the step's delayed update is one launch for all states (update_fp8_scaling). The per-expert
-// states and their checkpoint names are the same in both forms.
+// the bf16 experts' do; the step's delayed update is one launch for all states (update_fp8_scaling).
+// The per-expert states and their checkpoint names are the same in both forms.
 #pragma once
 
 #include <memory>
