@@ -114,7 +114,6 @@ std::vector<Fp8Operand> weight_operands(Context& ctx, const std::vector<Fp8Linea
     qts.push_back(with_t[i] ? all_t.flat_slice(offset_t, w.numel()).view({w.size(1), w.size(0)}) : Tensor());
     if (with_t[i]) offset_t += w.numel();
   }
-  if (numel_t == 0) qts.clear();
   quantize_members(ctx, to_quantize, false, 1, xs, qs, qts, /*again=*/transposed);
   for (size_t i = 0; i < to_quantize.size(); ++i) {
     const Tensor& scale_inv = to_quantize[i]->forward_scaling().scale_inv(1);

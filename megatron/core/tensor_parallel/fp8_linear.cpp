@@ -95,12 +95,11 @@ Fp8Operand Fp8LinearState::weight_operand(Context& ctx, const Tensor& weight, bo
   if (is_fp8(weight.dtype())) return fp8_weight(ctx, weight, transposed);
   Fp8Operand& cached = transposed ? cached_w_t_ : cached_w_;  // Note [FP8 weight cache]
   if (cached.data.defined()) return cached;
-  if (cache_weights_ && !transposed && config_.recipe != Fp8Recipe::Blockwise) {
+  if (cache_weights_ && !transposed && !cached_w_t_.data.defined() && config_.recipe != Fp8Recipe::Blockwise) {
     const int64_t out = weight.size(0), in = weight.size(1);
     cached_w_ = {Tensor::empty({out, in}, config_.forward_dtype(), ctx.device()), fwd_.scale_inv(1)};
-    Fp8Operand t{Tensor::empty({in, out}, config_.forward_dtype(), ctx.device()), fwd_.scale_inv(1)};
-    fwd_.quantize(ctx, 1, weight, cached_w_.data, t.data);
-    if (!cached_w_t_.data.defined()) cached_w_t_ = t;
+    cached_w_t_ = {Tensor::empty({in, out}, config_.forward_dtype(), ctx.device()), fwd_.scale_inv(1)};
+    fwd_.quantize(ctx, 1, weight, cached_w_.data, cached_w_t_.data);
     return cached_w_;
   }
   Fp8Operand o = quantize(ctx, false, 1, weight, transposed, true, /*again=*/transposed);
